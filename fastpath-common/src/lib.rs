@@ -1,0 +1,25 @@
+//! The map ABI shared by the datapath (`fastpath-ebpf`) and the daemon (`fastpath`).
+//!
+//! Everything here is `#[repr(C)]` with fixed-width fields and explicit padding, and is
+//! append-only: pinned maps survive a daemon upgrade, so a field or code never moves.
+#![no_std]
+
+pub mod reason;
+pub mod stats;
+
+pub use stats::{Counter, DatapathConfig, Hook, Verdict};
+
+/// Names of the pinned maps, as declared in the eBPF object and pinned under `<pin_dir>/maps/`.
+pub mod map_names {
+    /// Per-CPU packet/byte counters indexed by [`crate::stats::stats_index`].
+    pub const STATS: &str = "FP_STATS";
+    /// One [`crate::DatapathConfig`] at index 0.
+    pub const CONFIG: &str = "FP_CONFIG";
+}
+
+/// Names of the programs in the eBPF object.
+pub mod program_names {
+    pub const XDP: &str = "fastpath_xdp";
+    pub const TC_INGRESS: &str = "fastpath_tc_ingress";
+    pub const TC_EGRESS: &str = "fastpath_tc_egress";
+}

@@ -1,0 +1,122 @@
+//! Stable reason codes: why the datapath gave a packet the verdict it did.
+//!
+//! Every packet is counted exactly once, under (hook, verdict, reason). Codes are an ABI: they
+//! index a pinned per-CPU array, so a code is never renumbered or reused; new ones are appended
+//! below `COUNT`.
+
+/// Never counted; index 0 is reserved so an uninitialised code shows up as a bug.
+pub const NONE: u32 = 0;
+
+// --- Well-formed packets that no stage handles (go to the kernel, the slow path). ---
+/// IPv4/TCP that no pipeline stage claimed.
+pub const NO_STAGE_IPV4_TCP: u32 = 1;
+/// IPv4/UDP that no pipeline stage claimed.
+pub const NO_STAGE_IPV4_UDP: u32 = 2;
+/// IPv4/ICMP that no pipeline stage claimed.
+pub const NO_STAGE_IPV4_ICMP: u32 = 3;
+/// IPv4 with another L4 protocol (GRE, ESP, SCTP, ...).
+pub const NO_STAGE_IPV4_OTHER: u32 = 4;
+/// IPv6/TCP that no pipeline stage claimed.
+pub const NO_STAGE_IPV6_TCP: u32 = 5;
+/// IPv6/UDP that no pipeline stage claimed.
+pub const NO_STAGE_IPV6_UDP: u32 = 6;
+/// IPv6/ICMPv6 (other than neighbour discovery) that no pipeline stage claimed.
+pub const NO_STAGE_IPV6_ICMP: u32 = 7;
+/// IPv6 with another L4 protocol, or an extension header the parser does not walk (AH, ESP).
+pub const NO_STAGE_IPV6_OTHER: u32 = 8;
+
+// --- Always the kernel's business. ---
+/// ARP: the kernel resolves neighbours.
+pub const ARP: u32 = 9;
+/// ICMPv6 neighbour discovery (RS, RA, NS, NA, redirect).
+pub const IPV6_ND: u32 = 10;
+/// Any other ethertype (LLDP, MPLS, PPPoE, ...).
+pub const NON_IP: u32 = 11;
+/// An IPv4 fragment: reassembly is the kernel's job.
+pub const IPV4_FRAGMENT: u32 = 12;
+/// An IPv6 packet with a fragment header.
+pub const IPV6_FRAGMENT: u32 = 13;
+/// More than two VLAN tags.
+pub const VLAN_TOO_DEEP: u32 = 14;
+/// More IPv6 extension headers than the parser walks (bounded for the verifier).
+pub const IPV6_EXT_CHAIN_TOO_LONG: u32 = 15;
+
+// --- Malformed packets: to the kernel by default, dropped when `drop_malformed` is set. ---
+/// Frame shorter than an Ethernet header.
+pub const TRUNC_ETH: u32 = 16;
+/// Frame ends inside a VLAN tag.
+pub const TRUNC_VLAN: u32 = 17;
+/// Frame ends inside the IPv4 header (including its options).
+pub const TRUNC_IPV4: u32 = 18;
+/// Frame ends inside the fixed IPv6 header.
+pub const TRUNC_IPV6: u32 = 19;
+/// Frame or payload ends inside an IPv6 extension header.
+pub const TRUNC_IPV6_EXT: u32 = 20;
+/// Frame or IP payload ends inside the TCP/UDP/ICMP header.
+pub const TRUNC_L4: u32 = 21;
+/// IPv4 IHL below 5 (a header shorter than 20 bytes).
+pub const BAD_IPV4_IHL: u32 = 22;
+/// IPv4 total length shorter than its header, or longer than the frame.
+pub const BAD_IPV4_TOTAL_LEN: u32 = 23;
+/// The IP version nibble disagrees with the ethertype.
+pub const BAD_IP_VERSION: u32 = 24;
+/// IPv6 payload length longer than the frame (or zero: jumbograms are not forwarded).
+pub const BAD_IPV6_PAYLOAD_LEN: u32 = 25;
+/// TCP data offset below 5, or a TCP header longer than the IP payload.
+pub const BAD_TCP_DATA_OFFSET: u32 = 26;
+
+/// A TC packet whose headers lie beyond the skb's linear area even after pulling
+/// `PULL_LEN` bytes: well-formed as far as we know, so the kernel gets it.
+pub const HEADERS_NOT_LINEAR: u32 = 27;
+
+/// One past the highest code in use. Append new codes above this line and bump it.
+pub const COUNT: u32 = 28;
+/// Slots reserved per (hook, verdict) in the stats map; codes must stay below this.
+pub const SLOTS: u32 = 64;
+
+const _: () = assert!(COUNT <= SLOTS);
+
+/// Stable snake_case names, indexed by code, for the CLI, logs and metrics labels.
+pub const NAMES: [&str; COUNT as usize] = [
+    "none",
+    "no_stage_ipv4_tcp",
+    "no_stage_ipv4_udp",
+    "no_stage_ipv4_icmp",
+    "no_stage_ipv4_other",
+    "no_stage_ipv6_tcp",
+    "no_stage_ipv6_udp",
+    "no_stage_ipv6_icmp",
+    "no_stage_ipv6_other",
+    "arp",
+    "ipv6_nd",
+    "non_ip",
+    "ipv4_fragment",
+    "ipv6_fragment",
+    "vlan_too_deep",
+    "ipv6_ext_chain_too_long",
+    "trunc_eth",
+    "trunc_vlan",
+    "trunc_ipv4",
+    "trunc_ipv6",
+    "trunc_ipv6_ext",
+    "trunc_l4",
+    "bad_ipv4_ihl",
+    "bad_ipv4_total_len",
+    "bad_ip_version",
+    "bad_ipv6_payload_len",
+    "bad_tcp_data_offset",
+    "headers_not_linear",
+];
+
+/// Name of a code, or `"unknown"` for a code this build does not know (a newer datapath).
+pub fn name(code: u32) -> &'static str {
+    match NAMES.get(code as usize) {
+        Some(n) => n,
+        None => "unknown",
+    }
+}
+
+/// Whether a code means the packet was malformed (subject to `drop_malformed`).
+pub const fn is_malformed(code: u32) -> bool {
+    code >= TRUNC_ETH && code <= BAD_TCP_DATA_OFFSET
+}

@@ -1,0 +1,121 @@
+//! Counter and config layouts, and the stats map indexing scheme.
+
+use crate::reason;
+
+/// Which entry point saw the packet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Hook {
+    Xdp = 0,
+    TcIngress = 1,
+    TcEgress = 2,
+}
+
+impl Hook {
+    pub const COUNT: u32 = 3;
+    pub const ALL: [Hook; 3] = [Hook::Xdp, Hook::TcIngress, Hook::TcEgress];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Hook::Xdp => "xdp",
+            Hook::TcIngress => "tc_ingress",
+            Hook::TcEgress => "tc_egress",
+        }
+    }
+}
+
+/// What the datapath did with the packet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Verdict {
+    /// Handed to the Linux stack (XDP_PASS / TC_ACT_OK): the slow path.
+    Kernel = 0,
+    /// Dropped (XDP_DROP / TC_ACT_SHOT).
+    Drop = 1,
+    /// Forwarded by the fast path (TX / redirect with rewritten headers).
+    Forward = 2,
+}
+
+impl Verdict {
+    pub const COUNT: u32 = 3;
+    pub const ALL: [Verdict; 3] = [Verdict::Kernel, Verdict::Drop, Verdict::Forward];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Verdict::Kernel => "kernel",
+            Verdict::Drop => "drop",
+            Verdict::Forward => "forward",
+        }
+    }
+}
+
+/// Entries in the stats map: one slot per (hook, verdict, reason).
+pub const STATS_ENTRIES: u32 = Hook::COUNT * Verdict::COUNT * reason::SLOTS;
+
+/// Index of (hook, verdict, reason) in the stats map. One lookup per packet.
+#[inline(always)]
+pub const fn stats_index(hook: Hook, verdict: Verdict, reason: u32) -> u32 {
+    ((hook as u32) * Verdict::COUNT + (verdict as u32)) * reason::SLOTS + (reason % reason::SLOTS)
+}
+
+/// Inverse of [`stats_index`]: (hook, verdict, reason) of an index, if in range.
+pub const fn stats_slot(index: u32) -> Option<(Hook, Verdict, u32)> {
+    if index >= STATS_ENTRIES {
+        return None;
+    }
+    let reason = index % reason::SLOTS;
+    let hv = index / reason::SLOTS;
+    let hook = Hook::ALL[(hv / Verdict::COUNT) as usize];
+    let verdict = Verdict::ALL[(hv % Verdict::COUNT) as usize];
+    Some((hook, verdict, reason))
+}
+
+/// A packet and byte counter. Per-CPU in the map; userspace sums the CPUs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct Counter {
+    pub packets: u64,
+    pub bytes: u64,
+}
+const _: () = assert!(core::mem::size_of::<Counter>() == 16);
+
+/// Runtime knobs read by the datapath (index 0 of the config array). Append-only.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct DatapathConfig {
+    /// Bit set of `CONFIG_F_*`.
+    pub flags: u32,
+    /// Reserved for later knobs; zero.
+    pub _reserved: [u32; 15],
+}
+const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 64);
+
+/// Drop malformed packets (with their reason) instead of handing them to the kernel.
+pub const CONFIG_F_DROP_MALFORMED: u32 = 1 << 0;
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: both are #[repr(C)] of fixed-width integers with no padding (sizes asserted above).
+    unsafe impl aya::Pod for super::Counter {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::DatapathConfig {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn index_round_trips() {
+        for hook in Hook::ALL {
+            for verdict in Verdict::ALL {
+                for r in 0..reason::COUNT {
+                    let i = stats_index(hook, verdict, r);
+                    assert!(i < STATS_ENTRIES);
+                    assert_eq!(stats_slot(i), Some((hook, verdict, r)));
+                }
+            }
+        }
+        assert_eq!(stats_slot(STATS_ENTRIES), None);
+    }
+}

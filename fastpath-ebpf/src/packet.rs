@@ -1,0 +1,49 @@
+//! Checked access to packet bytes, the same for XDP and TC.
+//!
+//! All header reads go through [`Packet::load`]: it bounds the offset (so the verifier can
+//! track it) and checks the read against `data_end` before touching memory.
+
+use core::mem::size_of;
+
+/// Largest header offset the parser ever reads at. Bounds variable offsets for the verifier.
+pub const MAX_HDR_OFF: usize = 1024;
+
+/// The bytes of one packet as the hook presents them.
+pub struct Packet {
+    /// First byte of the frame (Ethernet header).
+    pub data: usize,
+    /// One past the last directly readable byte (the skb's linear area in TC).
+    pub data_end: usize,
+    /// Full frame length (`skb->len` in TC; `data_end - data` in XDP).
+    pub len: usize,
+}
+
+impl Packet {
+    /// A copy of the `T` at `off`, or `None` if it is not inside the readable bytes.
+    /// `T` must be a plain byte array type (alignment 1).
+    #[inline(always)]
+    pub fn load<T: Copy>(&self, off: usize) -> Option<T> {
+        // verifier: an explicit upper bound keeps the offset's range finite.
+        if off > MAX_HDR_OFF {
+            return None;
+        }
+        if self.data + off + size_of::<T>() > self.data_end {
+            return None;
+        }
+        // SAFETY: the read lies within [data, data_end), checked just above; T is a byte
+        // array, so any alignment is fine.
+        Some(unsafe { core::ptr::read_unaligned((self.data + off) as *const T) })
+    }
+
+    /// Whether `need` bytes at `off` are inside the frame at all (possibly beyond the linear
+    /// area): tells truncation (malformed) apart from a non-linear skb (kernel).
+    #[inline(always)]
+    pub fn within_frame(&self, off: usize, need: usize) -> bool {
+        off + need <= self.len
+    }
+}
+
+#[inline(always)]
+pub fn be16(b: [u8; 2]) -> u16 {
+    u16::from_be_bytes(b)
+}

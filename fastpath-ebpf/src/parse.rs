@@ -1,0 +1,307 @@
+//! Parse stage: Ethernet, up to two VLAN tags, IPv4 (IHL, options, fragments), IPv6 (bounded
+//! walk over hop-by-hop, routing, destination-options and fragment headers), TCP, UDP, ICMP,
+//! ICMPv6.
+//!
+//! Contract: on `Ok` every offset in [`Parsed`] points at a header that is fully inside the
+//! frame and consistent with the IP length fields; on `Err` the code says why the packet is not
+//! for the fast path (see `fastpath_common::reason`). Nothing here writes to the packet.
+
+use fastpath_common::reason;
+
+use crate::packet::{Packet, be16};
+
+pub const ETH_HLEN: usize = 14;
+pub const ETH_P_IPV4: u16 = 0x0800;
+pub const ETH_P_IPV6: u16 = 0x86dd;
+pub const ETH_P_ARP: u16 = 0x0806;
+pub const ETH_P_8021Q: u16 = 0x8100;
+pub const ETH_P_8021AD: u16 = 0x88a8;
+/// Pre-standard QinQ outer tag, still seen on switches.
+pub const ETH_P_QINQ_9100: u16 = 0x9100;
+
+pub const IPPROTO_HOPOPTS: u8 = 0;
+pub const IPPROTO_ICMP: u8 = 1;
+pub const IPPROTO_TCP: u8 = 6;
+pub const IPPROTO_UDP: u8 = 17;
+pub const IPPROTO_ROUTING: u8 = 43;
+pub const IPPROTO_FRAGMENT: u8 = 44;
+pub const IPPROTO_ICMPV6: u8 = 58;
+pub const IPPROTO_DSTOPTS: u8 = 60;
+
+/// IPv6 extension headers walked before giving up (each costs a bounded loop iteration).
+pub const MAX_IPV6_EXT: usize = 6;
+/// VLAN tags honoured (802.1Q, 802.1ad/QinQ).
+pub const MAX_VLAN: usize = 2;
+
+pub const FAMILY_IPV4: u8 = 4;
+pub const FAMILY_IPV6: u8 = 6;
+
+/// What the parser learned. Offsets are from the start of the frame.
+#[derive(Clone, Copy)]
+pub struct Parsed {
+    pub vlan_count: u8,
+    /// `FAMILY_IPV4` or `FAMILY_IPV6`.
+    pub family: u8,
+    /// Final next-header / protocol after extension headers.
+    pub l4_proto: u8,
+    /// Non-zero when the packet is (part of) a fragment; L4 fields are then not parsed.
+    pub fragment: u8,
+    pub l3_off: u16,
+    pub l4_off: u16,
+    /// End of the IP packet per its length field (the frame may carry padding beyond it).
+    pub l3_end: u16,
+    /// TCP flags byte (FIN 0x01, SYN 0x02, RST 0x04, PSH 0x08, ACK 0x10, ...).
+    pub tcp_flags: u8,
+    pub icmp_type: u8,
+    pub icmp_code: u8,
+    pub _pad: u8,
+    /// Source/destination ports (TCP/UDP) or ICMP echo identifier in `src_port`, host order.
+    pub src_port: u16,
+    pub dst_port: u16,
+    /// VLAN TCIs, outermost first, host order.
+    pub vlan_tci: [u16; MAX_VLAN],
+    /// Addresses as on the wire; IPv4 uses the first 4 bytes.
+    pub src_addr: [u8; 16],
+    pub dst_addr: [u8; 16],
+}
+
+impl Parsed {
+    #[inline(always)]
+    const fn new() -> Self {
+        Parsed {
+            vlan_count: 0,
+            family: 0,
+            l4_proto: 0,
+            fragment: 0,
+            l3_off: 0,
+            l4_off: 0,
+            l3_end: 0,
+            tcp_flags: 0,
+            icmp_type: 0,
+            icmp_code: 0,
+            _pad: 0,
+            src_port: 0,
+            dst_port: 0,
+            vlan_tci: [0; MAX_VLAN],
+            src_addr: [0; 16],
+            dst_addr: [0; 16],
+        }
+    }
+}
+
+/// Why a header could not be read at `off`: truncated frame (malformed) or, in TC, bytes
+/// that exist but are outside the linear area (the kernel can still handle it).
+#[inline(always)]
+fn missing(pkt: &Packet, off: usize, need: usize, trunc_reason: u32) -> u32 {
+    if pkt.within_frame(off, need) {
+        reason::HEADERS_NOT_LINEAR
+    } else {
+        trunc_reason
+    }
+}
+
+#[inline(always)]
+fn is_vlan_tpid(ethertype: u16) -> bool {
+    ethertype == ETH_P_8021Q || ethertype == ETH_P_8021AD || ethertype == ETH_P_QINQ_9100
+}
+
+/// Parses the headers of `pkt`. `Err(code)` carries a `reason` code.
+#[inline(always)]
+pub fn parse(pkt: &Packet) -> Result<Parsed, u32> {
+    let mut p = Parsed::new();
+
+    let eth: [u8; ETH_HLEN] = match pkt.load(0) {
+        Some(h) => h,
+        None => return Err(missing(pkt, 0, ETH_HLEN, reason::TRUNC_ETH)),
+    };
+    let mut ethertype = be16([eth[12], eth[13]]);
+    let mut off = ETH_HLEN;
+
+    // verifier: two explicit iterations instead of a loop; deeper stacks go to the kernel.
+    if is_vlan_tpid(ethertype) {
+        let tag: [u8; 4] = pkt
+            .load(off)
+            .ok_or_else(|| missing(pkt, off, 4, reason::TRUNC_VLAN))?;
+        p.vlan_tci[0] = be16([tag[0], tag[1]]);
+        ethertype = be16([tag[2], tag[3]]);
+        p.vlan_count = 1;
+        off += 4;
+        if is_vlan_tpid(ethertype) {
+            let tag: [u8; 4] = pkt
+                .load(off)
+                .ok_or_else(|| missing(pkt, off, 4, reason::TRUNC_VLAN))?;
+            p.vlan_tci[1] = be16([tag[0], tag[1]]);
+            ethertype = be16([tag[2], tag[3]]);
+            p.vlan_count = 2;
+            off += 4;
+            if is_vlan_tpid(ethertype) {
+                return Err(reason::VLAN_TOO_DEEP);
+            }
+        }
+    }
+
+    p.l3_off = off as u16;
+    match ethertype {
+        ETH_P_IPV4 => parse_ipv4(pkt, off, &mut p)?,
+        ETH_P_IPV6 => parse_ipv6(pkt, off, &mut p)?,
+        ETH_P_ARP => return Err(reason::ARP),
+        _ => return Err(reason::NON_IP),
+    }
+    if p.fragment != 0 {
+        return Ok(p);
+    }
+    parse_l4(pkt, &mut p)?;
+    Ok(p)
+}
+
+#[inline(always)]
+fn parse_ipv4(pkt: &Packet, off: usize, p: &mut Parsed) -> Result<(), u32> {
+    let h: [u8; 20] = pkt
+        .load(off)
+        .ok_or_else(|| missing(pkt, off, 20, reason::TRUNC_IPV4))?;
+    if h[0] >> 4 != 4 {
+        return Err(reason::BAD_IP_VERSION);
+    }
+    let ihl = (h[0] & 0x0f) as usize;
+    if ihl < 5 {
+        return Err(reason::BAD_IPV4_IHL);
+    }
+    let hdr_len = ihl * 4;
+    if hdr_len > 20 {
+        // Options present: the whole header must be in the frame.
+        if !pkt.within_frame(off, hdr_len) {
+            return Err(reason::TRUNC_IPV4);
+        }
+    }
+    let total_len = be16([h[2], h[3]]) as usize;
+    if total_len < hdr_len || !pkt.within_frame(off, total_len) {
+        return Err(reason::BAD_IPV4_TOTAL_LEN);
+    }
+    let frag = be16([h[6], h[7]]);
+    // MF set or a non-zero fragment offset: reassembly belongs to the kernel.
+    if frag & 0x3fff != 0 {
+        p.fragment = 1;
+    }
+    p.family = FAMILY_IPV4;
+    p.l4_proto = h[9];
+    p.l4_off = (off + hdr_len) as u16;
+    p.l3_end = (off + total_len) as u16;
+    p.src_addr[..4].copy_from_slice(&h[12..16]);
+    p.dst_addr[..4].copy_from_slice(&h[16..20]);
+    Ok(())
+}
+
+#[inline(always)]
+fn parse_ipv6(pkt: &Packet, off: usize, p: &mut Parsed) -> Result<(), u32> {
+    let h: [u8; 40] = pkt
+        .load(off)
+        .ok_or_else(|| missing(pkt, off, 40, reason::TRUNC_IPV6))?;
+    if h[0] >> 4 != 6 {
+        return Err(reason::BAD_IP_VERSION);
+    }
+    let payload_len = be16([h[4], h[5]]) as usize;
+    if payload_len == 0 || !pkt.within_frame(off + 40, payload_len) {
+        return Err(reason::BAD_IPV6_PAYLOAD_LEN);
+    }
+    let l3_end = off + 40 + payload_len;
+    p.family = FAMILY_IPV6;
+    p.l3_end = l3_end as u16;
+    p.src_addr.copy_from_slice(&h[8..24]);
+    p.dst_addr.copy_from_slice(&h[24..40]);
+
+    let mut next = h[6];
+    let mut cur = off + 40;
+    // verifier: bounded walk; each header advances `cur` by at most 2 KiB.
+    for _ in 0..MAX_IPV6_EXT {
+        match next {
+            IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {
+                if cur + 8 > l3_end {
+                    return Err(reason::TRUNC_IPV6_EXT);
+                }
+                let e: [u8; 2] = pkt
+                    .load(cur)
+                    .ok_or_else(|| missing(pkt, cur, 8, reason::TRUNC_IPV6_EXT))?;
+                let len = (e[1] as usize + 1) * 8;
+                if cur + len > l3_end {
+                    return Err(reason::TRUNC_IPV6_EXT);
+                }
+                next = e[0];
+                cur += len;
+            }
+            IPPROTO_FRAGMENT => {
+                if cur + 8 > l3_end {
+                    return Err(reason::TRUNC_IPV6_EXT);
+                }
+                let e: [u8; 8] = pkt
+                    .load(cur)
+                    .ok_or_else(|| missing(pkt, cur, 8, reason::TRUNC_IPV6_EXT))?;
+                p.fragment = 1;
+                p.l4_proto = e[0];
+                p.l4_off = (cur + 8) as u16;
+                return Ok(());
+            }
+            _ => {
+                p.l4_proto = next;
+                p.l4_off = cur as u16;
+                return Ok(());
+            }
+        }
+    }
+    match next {
+        IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS | IPPROTO_FRAGMENT => {
+            Err(reason::IPV6_EXT_CHAIN_TOO_LONG)
+        }
+        _ => {
+            p.l4_proto = next;
+            p.l4_off = cur as u16;
+            Ok(())
+        }
+    }
+}
+
+#[inline(always)]
+fn parse_l4(pkt: &Packet, p: &mut Parsed) -> Result<(), u32> {
+    let off = p.l4_off as usize;
+    let room = (p.l3_end as usize).saturating_sub(off);
+    match p.l4_proto {
+        IPPROTO_TCP => {
+            if room < 20 {
+                return Err(reason::TRUNC_L4);
+            }
+            let t: [u8; 20] = pkt
+                .load(off)
+                .ok_or_else(|| missing(pkt, off, 20, reason::TRUNC_L4))?;
+            let doff = (t[12] >> 4) as usize * 4;
+            if doff < 20 || doff > room {
+                return Err(reason::BAD_TCP_DATA_OFFSET);
+            }
+            p.src_port = be16([t[0], t[1]]);
+            p.dst_port = be16([t[2], t[3]]);
+            p.tcp_flags = t[13];
+        }
+        IPPROTO_UDP => {
+            if room < 8 {
+                return Err(reason::TRUNC_L4);
+            }
+            let u: [u8; 8] = pkt
+                .load(off)
+                .ok_or_else(|| missing(pkt, off, 8, reason::TRUNC_L4))?;
+            p.src_port = be16([u[0], u[1]]);
+            p.dst_port = be16([u[2], u[3]]);
+        }
+        IPPROTO_ICMP | IPPROTO_ICMPV6 => {
+            if room < 8 {
+                return Err(reason::TRUNC_L4);
+            }
+            let i: [u8; 8] = pkt
+                .load(off)
+                .ok_or_else(|| missing(pkt, off, 8, reason::TRUNC_L4))?;
+            p.icmp_type = i[0];
+            p.icmp_code = i[1];
+            // Echo identifier: what conntrack keys ICMP echo flows by.
+            p.src_port = be16([i[4], i[5]]);
+        }
+        _ => {}
+    }
+    Ok(())
+}

@@ -1,0 +1,71 @@
+//! The pipeline every entry point runs: parse, then (as they land) firewall, conntrack, lb,
+//! nat, l3/l2, vxlan. Each stage either claims the packet (forward/drop) or lets it continue;
+//! whatever no stage claims goes to the kernel, the slow path, with a reason.
+
+use fastpath_common::{
+    DatapathConfig, Verdict, reason,
+    stats::CONFIG_F_DROP_MALFORMED,
+};
+
+use crate::{
+    maps::FP_CONFIG,
+    packet::Packet,
+    parse::{self, FAMILY_IPV4, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, Parsed},
+};
+
+/// ICMPv6 router solicitation .. redirect (133..=137): neighbour discovery.
+const ICMPV6_ND_FIRST: u8 = 133;
+const ICMPV6_ND_LAST: u8 = 137;
+
+/// Runs the pipeline over one packet and returns the verdict and its reason code.
+#[inline(always)]
+pub fn run(pkt: &Packet) -> (Verdict, u32) {
+    let parsed = match parse::parse(pkt) {
+        Ok(p) => p,
+        Err(code) => return (unparsed_verdict(code), code),
+    };
+    (Verdict::Kernel, unhandled_reason(&parsed))
+}
+
+/// Verdict for a packet the parser refused: malformed ones are dropped only when configured.
+#[inline(always)]
+fn unparsed_verdict(code: u32) -> Verdict {
+    if reason::is_malformed(code) && drop_malformed() {
+        Verdict::Drop
+    } else {
+        Verdict::Kernel
+    }
+}
+
+#[inline(always)]
+fn drop_malformed() -> bool {
+    match FP_CONFIG.get(0) {
+        Some(DatapathConfig { flags, .. }) => flags & CONFIG_F_DROP_MALFORMED != 0,
+        None => false,
+    }
+}
+
+/// Reason for a well-formed packet that no stage claimed.
+#[inline(always)]
+fn unhandled_reason(p: &Parsed) -> u32 {
+    let v4 = p.family == FAMILY_IPV4;
+    if p.fragment != 0 {
+        return if v4 { reason::IPV4_FRAGMENT } else { reason::IPV6_FRAGMENT };
+    }
+    match (v4, p.l4_proto) {
+        (true, IPPROTO_TCP) => reason::NO_STAGE_IPV4_TCP,
+        (true, IPPROTO_UDP) => reason::NO_STAGE_IPV4_UDP,
+        (true, IPPROTO_ICMP) => reason::NO_STAGE_IPV4_ICMP,
+        (true, _) => reason::NO_STAGE_IPV4_OTHER,
+        (false, IPPROTO_TCP) => reason::NO_STAGE_IPV6_TCP,
+        (false, IPPROTO_UDP) => reason::NO_STAGE_IPV6_UDP,
+        (false, IPPROTO_ICMPV6) => {
+            if p.icmp_type >= ICMPV6_ND_FIRST && p.icmp_type <= ICMPV6_ND_LAST {
+                reason::IPV6_ND
+            } else {
+                reason::NO_STAGE_IPV6_ICMP
+            }
+        }
+        (false, _) => reason::NO_STAGE_IPV6_OTHER,
+    }
+}

@@ -1,0 +1,10 @@
+//! fastpath userspace: daemon, CLI and test support.
+
+pub mod config;
+pub mod daemon;
+pub mod datapath;
+pub mod stats;
+pub mod testkit;
+
+/// The compiled datapath object, built by build.rs from fastpath-ebpf.
+pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/fastpath"));

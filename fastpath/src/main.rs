@@ -1,0 +1,222 @@
+//! `fastpath`: the daemon and its command-line tools, one binary.
+
+use std::{fs::File, os::fd::AsRawFd as _, path::PathBuf, process::ExitCode};
+
+use clap::{Parser, Subcommand, ValueEnum};
+use fastpath::{
+    config::{Config, DEFAULT_PIN_DIR},
+    daemon::{self, DaemonOptions},
+    datapath,
+};
+use tracing_subscriber::EnvFilter;
+
+/// Exit code for usage and configuration errors (as clap uses for usage errors).
+const EXIT_USAGE: u8 = 2;
+/// Exit code for runtime failures (kernel refused, I/O).
+const EXIT_FAILURE: u8 = 1;
+
+/// fastpath — an eBPF fast path for Linux: XDP/TC programs run a forwarding pipeline and hand
+/// whatever they do not handle to the kernel (the slow path).
+///
+/// The daemon loads the datapath, attaches it to the interfaces its config names and pins
+/// maps and links under bpffs, so a restart or a crash of the daemon leaves traffic flowing.
+///
+/// EXIT STATUS: 0 success; 1 runtime failure (kernel refused, I/O); 2 usage or configuration
+/// error (nothing was changed).
+#[derive(Parser)]
+#[command(name = "fastpath", version, about, long_about, propagate_version = true)]
+struct Cli {
+    /// Run in the named network namespace (/run/netns/NAME, as made by `ip netns add`).
+    /// Unlike `ip netns exec`, only the network namespace changes, so pins go to the host's
+    /// bpffs and survive the process.
+    #[arg(long, global = true, value_name = "NAME")]
+    netns: Option<String>,
+
+    /// Log format for the daemon.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum Output {
+    Table,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Load the datapath, attach it as configured and run until SIGINT/SIGTERM.
+    ///
+    /// Maps and links are pinned under `datapath.pin_dir`. Starting again on the same config
+    /// reuses the pinned maps and swaps the programs in place. On SIGINT/SIGTERM the programs
+    /// are detached and the pins removed, unless `datapath.detach_on_exit = false` or
+    /// --leave-attached. Log verbosity: RUST_LOG (default `info`).
+    Daemon {
+        /// TOML config file (see config/README.md).
+        #[arg(long, short = 'c', value_name = "FILE")]
+        config: PathBuf,
+        /// Keep programs attached and pins in place on exit.
+        #[arg(long)]
+        leave_attached: bool,
+    },
+    /// Print the datapath's per-reason packet and byte counters (read from the pinned map).
+    Stats {
+        /// Pin directory of the datapath to read.
+        #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_DIR)]
+        pin_dir: PathBuf,
+        /// Output format.
+        #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
+    /// Configuration tools.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+    /// Detach a datapath left running (after `kill -9`, or --leave-attached) and remove its pins.
+    Detach {
+        /// Pin directory of the datapath to remove.
+        #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_DIR)]
+        pin_dir: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Validate a config file (syntax, keys, values, interfaces) without touching the kernel.
+    Check {
+        /// TOML config file.
+        file: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing(cli.log_format);
+    if let Some(ns) = &cli.netns {
+        if let Err(e) = enter_netns(ns) {
+            eprintln!("error: entering network namespace {ns:?}: {e}; list namespaces with `ip netns list`");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    }
+    match cli.command {
+        Command::Daemon { config, leave_attached } => {
+            let config = match Config::load(&config) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("error: invalid config: {e}");
+                    eprintln!("nothing was attached");
+                    return ExitCode::from(EXIT_USAGE);
+                }
+            };
+            let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("error: starting the async runtime: {e}");
+                    return ExitCode::from(EXIT_FAILURE);
+                }
+            };
+            match rt.block_on(daemon::run(config, DaemonOptions { leave_attached })) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {}", error_chain(&e));
+                    ExitCode::from(EXIT_FAILURE)
+                }
+            }
+        }
+        Command::Stats { pin_dir, output } => match datapath::pinned_stats(&pin_dir) {
+            Ok(s) => {
+                if output == Output::Json {
+                    match serde_json::to_string_pretty(&s.rows()) {
+                        Ok(j) => println!("{j}"),
+                        Err(e) => {
+                            eprintln!("error: encoding JSON: {e}");
+                            return ExitCode::from(EXIT_FAILURE);
+                        }
+                    }
+                } else {
+                    print!("{}", s.render_table());
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {}", error_chain(&e));
+                ExitCode::from(EXIT_FAILURE)
+            }
+        },
+        Command::Config { command: ConfigCommand::Check { file } } => match Config::load(&file) {
+            Ok(c) => {
+                println!(
+                    "{}: ok ({} interface(s), pin_dir {})",
+                    file.display(),
+                    c.interfaces.len(),
+                    c.datapath.pin_dir.get_ref().display()
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: invalid config: {e}");
+                ExitCode::from(EXIT_USAGE)
+            }
+        },
+        Command::Detach { pin_dir } => {
+            if !pin_dir.exists() {
+                eprintln!("error: {} does not exist: nothing to detach", pin_dir.display());
+                return ExitCode::from(EXIT_FAILURE);
+            }
+            match datapath::remove_pins(&pin_dir) {
+                Ok(()) => {
+                    println!("detached and removed {}", pin_dir.display());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {}", error_chain(&e));
+                    ExitCode::from(EXIT_FAILURE)
+                }
+            }
+        }
+    }
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// Moves this thread (before any other is spawned) into /run/netns/NAME.
+fn enter_netns(name: &str) -> std::io::Result<()> {
+    let f = File::open(PathBuf::from("/run/netns").join(name))?;
+    // SAFETY: setns on a valid namespace fd; called before the runtime spawns threads, so the
+    // whole process ends up in the namespace.
+    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(src) = cur {
+        let t = src.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        cur = src.source();
+    }
+    s
+}
