@@ -22,4 +22,7 @@ pub mod program_names {
     pub const XDP: &str = "fastpath_xdp";
     pub const TC_INGRESS: &str = "fastpath_tc_ingress";
     pub const TC_EGRESS: &str = "fastpath_tc_egress";
+    /// Empty programs measured as the benchmark floor; never attached.
+    pub const BENCH_FLOOR_XDP: &str = "bench_floor_xdp";
+    pub const BENCH_FLOOR_TC: &str = "bench_floor_tc";
 }

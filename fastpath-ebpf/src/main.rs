@@ -70,6 +70,18 @@ fn tc(ctx: TcContext, hook: Hook) -> i32 {
     }
 }
 
+/// Empty XDP program: the floor `cargo xtask bench` measures in the same run. Never attached.
+#[xdp]
+pub fn bench_floor_xdp(_ctx: XdpContext) -> u32 {
+    xdp_action::XDP_PASS
+}
+
+/// Empty TC program: the floor for the TC entry points. Never attached.
+#[classifier]
+pub fn bench_floor_tc(_ctx: TcContext) -> i32 {
+    TC_ACT_OK
+}
+
 #[cfg(not(test))]
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo) -> ! {

@@ -1,1 +1,278 @@
-fn main() {}
+//! `cargo xtask`: the project's one entry point for setting up a machine and running things.
+//!
+//! It builds with the machine's default stable Rust (it has no dependencies beyond anyhow), then
+//! installs — idempotently, quickly the second time — what everything else needs: the pinned
+//! userspace and eBPF toolchains, bpf-linker built against the eBPF nightly's LLVM (into
+//! `.tools/`), and the Debian packages the tests and demo use. Every other command bootstraps
+//! first, then drives `cargo +<pinned>`.
+
+use std::{
+    env,
+    ffi::OsString,
+    fs,
+    path::{Path, PathBuf},
+    process::{Command, ExitStatus},
+    time::Instant,
+};
+
+use anyhow::{Context as _, Result, bail};
+
+/// Userspace toolchain (aya 0.16 needs rustc >= 1.98).
+const USER_TOOLCHAIN: &str = "1.99.1";
+/// eBPF toolchain; must match `EBPF_TOOLCHAIN` in fastpath/build.rs.
+const EBPF_TOOLCHAIN: &str = "nightly-2026-10-30";
+const BPF_LINKER_VERSION: &str = "0.13.0";
+/// Debian packages used by the tests, the demo and the benchmarks.
+const DEBIAN_PACKAGES: &[&str] = &[
+    "iproute2",
+    "iputils-ping",
+    "socat",
+    "netcat-openbsd",
+    "curl",
+    "iperf3",
+    "nginx-light",
+    "ethtool",
+    "bpftool",
+    "tcpdump",
+    "conntrack",
+];
+
+const USAGE: &str = "\
+cargo xtask <command>
+
+commands:
+  demo        bootstrap, build, and run the namespace demo (client, fast-path node, 3 backends)
+  test        bootstrap, check formatting, run every test (unit, datapath fixtures, namespaces)
+  bench       bootstrap, build, run the BPF_PROG_TEST_RUN benchmark; writes docs/bench/ and
+              docs/BENCHMARKS.md
+  build       bootstrap and build the release binary target/release/fastpath
+  bootstrap   only install toolchains, bpf-linker and Debian packages (idempotent)
+  lint        cargo fmt --check and clippy with warnings denied
+
+Everything that needs the kernel (demo, test, bench) must run as root.";
+
+fn main() {
+    let args: Vec<String> = env::args().skip(1).collect();
+    let started = Instant::now();
+    let result = match args.first().map(String::as_str) {
+        Some("bootstrap") => bootstrap(),
+        Some("build") => bootstrap().and_then(|()| build()),
+        Some("test") => bootstrap().and_then(|()| test(&args[1..])),
+        Some("demo") => bootstrap().and_then(|()| demo(&args[1..])),
+        Some("bench") => bootstrap().and_then(|()| bench(&args[1..])),
+        Some("lint") => bootstrap().and_then(|()| lint()),
+        Some("-h" | "--help" | "help") | None => {
+            println!("{USAGE}");
+            return;
+        }
+        Some(other) => {
+            eprintln!("xtask: unknown command {other:?}\n\n{USAGE}");
+            std::process::exit(2);
+        }
+    };
+    match result {
+        Ok(()) => eprintln!("xtask: done in {:.1} s", started.elapsed().as_secs_f64()),
+        Err(e) => {
+            eprintln!("xtask: error: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}
+
+fn root_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
+}
+
+fn tools_dir() -> PathBuf {
+    root_dir().join(".tools")
+}
+
+/// PATH with `.tools/bin` first, so aya-build finds bpf-linker.
+fn tool_path() -> OsString {
+    let mut paths = vec![tools_dir().join("bin")];
+    if let Some(p) = env::var_os("PATH") {
+        paths.extend(env::split_paths(&p));
+    }
+    env::join_paths(paths).unwrap_or_default()
+}
+
+/// A command with the environment cleaned of what the outer (default-toolchain) cargo set.
+fn cmd(program: &str) -> Command {
+    let mut c = Command::new(program);
+    for var in ["RUSTUP_TOOLCHAIN", "RUSTC", "RUSTDOC", "CARGO", "RUSTC_WRAPPER", "CARGO_TARGET_DIR"] {
+        c.env_remove(var);
+    }
+    c.env("PATH", tool_path()).current_dir(root_dir());
+    c
+}
+
+/// `cargo +<pinned userspace toolchain> args...`
+fn cargo(args: &[&str]) -> Command {
+    let mut c = cmd("cargo");
+    c.arg(format!("+{USER_TOOLCHAIN}")).args(args);
+    c
+}
+
+fn run(c: &mut Command) -> Result<()> {
+    let status: ExitStatus = c.status().with_context(|| format!("starting {c:?}"))?;
+    if !status.success() {
+        bail!("{c:?} failed with {status}");
+    }
+    Ok(())
+}
+
+fn output(c: &mut Command) -> Result<String> {
+    let out = c.output().with_context(|| format!("starting {c:?}"))?;
+    if !out.status.success() {
+        bail!("{c:?} failed with {}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn is_root() -> bool {
+    output(Command::new("id").arg("-u")).map(|s| s.trim() == "0").unwrap_or(false)
+}
+
+fn require_root(what: &str) -> Result<()> {
+    if !is_root() {
+        bail!("{what} loads eBPF programs and creates network namespaces: run it as root (e.g. `sudo -E cargo xtask {what}`)");
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// bootstrap
+
+fn bootstrap() -> Result<()> {
+    let t = Instant::now();
+    debian_packages()?;
+    toolchains()?;
+    bpf_linker()?;
+    eprintln!("xtask: bootstrap ok in {:.1} s", t.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn debian_packages() -> Result<()> {
+    let missing: Vec<&str> = DEBIAN_PACKAGES
+        .iter()
+        .copied()
+        .filter(|p| {
+            Command::new("dpkg-query")
+                .args(["-W", "-f=${Status}", p])
+                .output()
+                .map(|o| !String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+                .unwrap_or(true)
+        })
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !is_root() {
+        bail!("Debian packages missing: {}; install them with `sudo apt-get install {}` or run as root", missing.join(" "), missing.join(" "));
+    }
+    eprintln!("xtask: installing Debian packages: {}", missing.join(" "));
+    run(Command::new("apt-get").args(["update", "-qq"]))?;
+    run(Command::new("apt-get")
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .args(["install", "-y", "-qq", "--no-install-recommends"])
+        .args(&missing))
+}
+
+fn installed_toolchains() -> Result<String> {
+    output(cmd("rustup").args(["toolchain", "list"]))
+}
+
+fn toolchains() -> Result<()> {
+    let list = installed_toolchains()?;
+    if !list.lines().any(|l| l.starts_with(&format!("{USER_TOOLCHAIN}-"))) {
+        eprintln!("xtask: installing Rust {USER_TOOLCHAIN}");
+        run(cmd("rustup").args(["toolchain", "install", USER_TOOLCHAIN, "--profile", "minimal", "-c", "rustfmt,clippy"]))?;
+    }
+    let has_nightly = list.lines().any(|l| l.starts_with(&format!("{EBPF_TOOLCHAIN}-")));
+    let has_src = has_nightly
+        && output(cmd("rustup").args(["component", "list", "--installed", "--toolchain", EBPF_TOOLCHAIN]))
+            .map(|s| s.lines().any(|l| l.starts_with("rust-src")))
+            .unwrap_or(false);
+    if !has_src {
+        eprintln!("xtask: installing Rust {EBPF_TOOLCHAIN} with rust-src");
+        run(cmd("rustup").args(["toolchain", "install", EBPF_TOOLCHAIN, "--profile", "minimal", "-c", "rust-src"]))?;
+    }
+    Ok(())
+}
+
+/// bpf-linker built against the eBPF nightly's own libLLVM, so no system LLVM is needed. The
+/// stamp records which nightly it was built for; a changed nightly rebuilds it.
+fn bpf_linker() -> Result<()> {
+    let stamp = tools_dir().join("bpf-linker.stamp");
+    let want = format!("bpf-linker {BPF_LINKER_VERSION} for {EBPF_TOOLCHAIN}\n");
+    let bin = tools_dir().join("bin").join("bpf-linker");
+    if bin.exists() && fs::read_to_string(&stamp).ok().as_deref() == Some(want.as_str()) {
+        return Ok(());
+    }
+    let sysroot = output(cmd("rustc").arg(format!("+{EBPF_TOOLCHAIN}")).args(["--print", "sysroot"]))?;
+    let libdir = PathBuf::from(sysroot.trim()).join("lib");
+    let llvm = fs::read_dir(&libdir)
+        .with_context(|| format!("reading {}", libdir.display()))?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .find(|n| n.starts_with("libLLVM-") && n.ends_with(".so"))
+        .with_context(|| format!("no libLLVM-*.so in {}", libdir.display()))?;
+    let llvm = llvm.trim_start_matches("lib").trim_end_matches(".so").to_string();
+    let major = llvm
+        .trim_start_matches("LLVM-")
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .filter(|m| !m.is_empty())
+        .with_context(|| format!("cannot read the LLVM major version from {llvm}"))?
+        .to_string();
+    eprintln!("xtask: building bpf-linker {BPF_LINKER_VERSION} against {llvm} (about a minute)");
+    let rustflags = format!("-L {0} -l dylib={llvm} -C link-arg=-Wl,-rpath,{0}", libdir.display());
+    run(cargo(&[
+        "install",
+        "bpf-linker",
+        "--version",
+        BPF_LINKER_VERSION,
+        "--locked",
+        "--force",
+        "--no-default-features",
+        "--features",
+        &format!("llvm-{major},no-llvm-linking"),
+        "--root",
+    ])
+    .arg(tools_dir())
+    .env("RUSTFLAGS", rustflags))?;
+    fs::write(&stamp, want).context("writing the bpf-linker stamp")?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// commands
+
+fn build() -> Result<()> {
+    run(&mut cargo(&["build", "--release", "-p", "fastpath", "--bins"]))
+}
+
+fn test(extra: &[String]) -> Result<()> {
+    require_root("test")?;
+    run(&mut cargo(&["fmt", "--all", "--check"]))
+        .context("code is not formatted: run `cargo +1.99.1 fmt --all`")?;
+    // One thread: the datapath and namespace tests share kernel state (bpffs, interfaces).
+    run(cargo(&["test", "--release", "--no-fail-fast"]).arg("--").arg("--test-threads=1").args(extra))
+}
+
+fn demo(extra: &[String]) -> Result<()> {
+    require_root("demo")?;
+    run(&mut cargo(&["build", "--release", "-p", "fastpath", "--bins", "--examples"]))?;
+    run(cmd("target/release/examples/demo").args(extra))
+}
+
+fn bench(extra: &[String]) -> Result<()> {
+    require_root("bench")?;
+    run(&mut cargo(&["build", "--release", "-p", "fastpath", "--examples"]))?;
+    run(cmd("target/release/examples/bench").args(extra))
+}
+
+fn lint() -> Result<()> {
+    run(&mut cargo(&["fmt", "--all", "--check"]))?;
+    run(&mut cargo(&["clippy", "--workspace", "--all-targets", "--release", "--", "-D", "warnings"]))
+}
