@@ -69,8 +69,12 @@ pub const BAD_TCP_DATA_OFFSET: u32 = 26;
 /// `PULL_LEN` bytes: well-formed as far as we know, so the kernel gets it.
 pub const HEADERS_NOT_LINEAR: u32 = 27;
 
+/// Well-formed headers that start beyond the parser's window (`MAX_HDR_OFF`, 1 KiB into the
+/// frame, e.g. a huge hop-by-hop header): the kernel handles them.
+pub const HEADERS_TOO_DEEP: u32 = 28;
+
 /// One past the highest code in use. Append new codes above this line and bump it.
-pub const COUNT: u32 = 28;
+pub const COUNT: u32 = 29;
 /// Slots reserved per (hook, verdict) in the stats map; codes must stay below this.
 pub const SLOTS: u32 = 64;
 
@@ -106,6 +110,7 @@ pub const NAMES: [&str; COUNT as usize] = [
     "bad_ipv6_payload_len",
     "bad_tcp_data_offset",
     "headers_not_linear",
+    "headers_too_deep",
 ];
 
 /// Name of a code, or `"unknown"` for a code this build does not know (a newer datapath).

@@ -8,7 +8,7 @@
 
 use fastpath_common::reason;
 
-use crate::packet::{Packet, be16};
+use crate::packet::{MAX_HDR_OFF, Packet, be16};
 
 pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IPV4: u16 = 0x0800;
@@ -89,14 +89,17 @@ impl Parsed {
     }
 }
 
-/// Why a header could not be read at `off`: truncated frame (malformed) or, in TC, bytes
-/// that exist but are outside the linear area (the kernel can still handle it).
+/// Why a header could not be read at `off`: truncated frame (malformed), beyond the parser's
+/// window, or, in TC, bytes that exist but are outside the linear area (the kernel can still
+/// handle the last two).
 #[inline(always)]
 fn missing(pkt: &Packet, off: usize, need: usize, trunc_reason: u32) -> u32 {
-    if pkt.within_frame(off, need) {
-        reason::HEADERS_NOT_LINEAR
-    } else {
+    if !pkt.within_frame(off, need) {
         trunc_reason
+    } else if off > MAX_HDR_OFF {
+        reason::HEADERS_TOO_DEEP
+    } else {
+        reason::HEADERS_NOT_LINEAR
     }
 }
 

@@ -1,0 +1,52 @@
+//! Runs the parser fixture table through the real entry points with BPF_PROG_TEST_RUN and
+//! reports every failing case at once. Needs root; without it the test fails (never skips).
+
+use fastpath::testkit::{cases::parser_cases, fixture::Fixture};
+
+/// Loading programs and mounting a bpffs need root; say so instead of failing obscurely, and
+/// never pass without checking anything.
+fn require_root() {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if euid == 0 {
+        return;
+    }
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!(
+            "datapath fixtures need root (euid is {euid}) and CI=true: CI must run this test as \
+             root, it cannot be skipped"
+        );
+    }
+    panic!(
+        "datapath fixtures need root (euid is {euid}): run `sudo -E cargo test -p fastpath --test \
+         datapath_fixtures` or run the tests as root"
+    );
+}
+
+#[test]
+fn parser_cases_through_bpf_prog_test_run() {
+    require_root();
+    let cases = parser_cases();
+    assert!(
+        cases.len() >= 30,
+        "the parser table shrank to {} cases; expected at least 30",
+        cases.len()
+    );
+
+    let mut fixture =
+        Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));
+    let failures: Vec<String> = cases
+        .iter()
+        .filter_map(|case| fixture.evaluate(case).err())
+        .map(|f| f.to_string())
+        .collect();
+    if !failures.is_empty() {
+        panic!(
+            "{} of {} parser cases failed:\n\n{}",
+            failures.len(),
+            cases.len(),
+            failures.join("\n")
+        );
+    }
+    eprintln!("{} parser cases passed", cases.len());
+}
