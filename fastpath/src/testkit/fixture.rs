@@ -240,12 +240,16 @@ impl Fixture {
             .default_map_pin_directory(&pins.path)
             .load(crate::EBPF_OBJECT)
             .map_err(|source| FixtureError::Load { source })?;
-        let xdp: &mut Xdp = program_mut(&mut ebpf, program_names::XDP)?;
-        xdp.load().map_err(|source| FixtureError::Program {
-            name: program_names::XDP,
-            source,
-        })?;
-        for name in [program_names::TC_INGRESS, program_names::TC_EGRESS] {
+        for name in [program_names::XDP, program_names::BENCH_FLOOR_XDP] {
+            let xdp: &mut Xdp = program_mut(&mut ebpf, name)?;
+            xdp.load()
+                .map_err(|source| FixtureError::Program { name, source })?;
+        }
+        for name in [
+            program_names::TC_INGRESS,
+            program_names::TC_EGRESS,
+            program_names::BENCH_FLOOR_TC,
+        ] {
             let tc: &mut SchedClassifier = program_mut(&mut ebpf, name)?;
             tc.load()
                 .map_err(|source| FixtureError::Program { name, source })?;
@@ -282,6 +286,26 @@ impl Fixture {
         case.seed.apply(&mut self.ebpf)?;
         let mut out = vec![0u8; case.input.len() + OUTPUT_SLACK];
         let res = self.test_run(case.hook, &case.input, &mut out, repeat.max(1))?;
+        Ok(RepeatRun {
+            verdict: res.return_value,
+            per_run: res.duration,
+        })
+    }
+
+    /// Runs `input` `repeat` times through the empty program of `hook`'s kind: the benchmark
+    /// floor (program dispatch and BPF_PROG_TEST_RUN overhead, no datapath work).
+    pub fn run_floor_repeat(
+        &mut self,
+        hook: Hook,
+        input: &[u8],
+        repeat: u32,
+    ) -> Result<RepeatRun, FixtureError> {
+        let name = match hook {
+            Hook::Xdp => program_names::BENCH_FLOOR_XDP,
+            Hook::TcIngress | Hook::TcEgress => program_names::BENCH_FLOOR_TC,
+        };
+        let mut out = vec![0u8; input.len() + OUTPUT_SLACK];
+        let res = self.test_run_program(name, hook, input, &mut out, repeat.max(1))?;
         Ok(RepeatRun {
             verdict: res.return_value,
             per_run: res.duration,
@@ -336,13 +360,24 @@ impl Fixture {
         out: &mut [u8],
         repeat: u32,
     ) -> Result<TestRunResult, FixtureError> {
+        self.test_run_program(program_name(hook), hook, input, out, repeat)
+    }
+
+    /// Runs program `name`, of `hook`'s kind, on `input`.
+    fn test_run_program(
+        &self,
+        name: &'static str,
+        hook: Hook,
+        input: &[u8],
+        out: &mut [u8],
+        repeat: u32,
+    ) -> Result<TestRunResult, FixtureError> {
         let opts = TestRunOptions {
             data_in: Some(input),
             data_out: Some(out),
             repeat,
             ..Default::default()
         };
-        let name = program_name(hook);
         let prog = self
             .ebpf
             .program(name)
