@@ -29,7 +29,11 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
     // SAFETY: `ctx.ctx` points at the kernel's xdp_md for the duration of the program.
     let end = unsafe { core::ptr::read_volatile(&(*ctx.ctx).data_end) } as usize;
     let len = end.saturating_sub(ctx.data());
-    let pkt = Packet { data: ctx.data(), data_end: ctx.data_end(), len };
+    let pkt = Packet {
+        data: ctx.data(),
+        data_end: ctx.data_end(),
+        len,
+    };
     let (verdict, reason) = pipeline::run(&pkt);
     stats::count(Hook::Xdp, verdict, reason, len);
     match verdict {
@@ -61,7 +65,11 @@ fn tc(ctx: TcContext, hook: Hook) -> i32 {
             aya_log_ebpf::warn!(&ctx, "bpf_skb_pull_data({}) failed: {}", want, err);
         }
     }
-    let pkt = Packet { data: ctx.data(), data_end: ctx.data_end(), len: len as usize };
+    let pkt = Packet {
+        data: ctx.data(),
+        data_end: ctx.data_end(),
+        len: len as usize,
+    };
     let (verdict, reason) = pipeline::run(&pkt);
     stats::count(hook, verdict, reason, len as usize);
     match verdict {

@@ -2,10 +2,7 @@
 //! nat, l3/l2, vxlan. Each stage either claims the packet (forward/drop) or lets it continue;
 //! whatever no stage claims goes to the kernel, the slow path, with a reason.
 
-use fastpath_common::{
-    DatapathConfig, Verdict, reason,
-    stats::CONFIG_F_DROP_MALFORMED,
-};
+use fastpath_common::{DatapathConfig, Verdict, reason, stats::CONFIG_F_DROP_MALFORMED};
 
 use crate::{
     maps::FP_CONFIG,
@@ -50,7 +47,11 @@ fn drop_malformed() -> bool {
 fn unhandled_reason(p: &Parsed) -> u32 {
     let v4 = p.family == FAMILY_IPV4;
     if p.fragment != 0 {
-        return if v4 { reason::IPV4_FRAGMENT } else { reason::IPV6_FRAGMENT };
+        return if v4 {
+            reason::IPV4_FRAGMENT
+        } else {
+            reason::IPV6_FRAGMENT
+        };
     }
     match (v4, p.l4_proto) {
         (true, IPPROTO_TCP) => reason::NO_STAGE_IPV4_TCP,

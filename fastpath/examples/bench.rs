@@ -31,9 +31,15 @@ const BENCH_CASES: &[(&str, &str)] = &[
     ("xdp_plain_ipv4_tcp", "parse: Ethernet + IPv4 + TCP"),
     ("xdp_plain_ipv6_tcp", "parse: Ethernet + IPv6 + TCP"),
     ("xdp_qinq_ipv4_udp", "parse: QinQ (2 tags) + IPv4 + UDP"),
-    ("xdp_ipv6_ext_chain_4_tcp", "parse: IPv6 + 4 extension headers + TCP"),
+    (
+        "xdp_ipv6_ext_chain_4_tcp",
+        "parse: IPv6 + 4 extension headers + TCP",
+    ),
     ("xdp_arp_request", "parse: ARP → kernel"),
-    ("tc_ingress_vlan_ipv4_tcp", "parse (TC ingress): VLAN + IPv4 + TCP"),
+    (
+        "tc_ingress_vlan_ipv4_tcp",
+        "parse (TC ingress): VLAN + IPv4 + TCP",
+    ),
 ];
 
 #[derive(Serialize)]
@@ -91,34 +97,64 @@ fn main() -> Result<()> {
     for (name, what) in BENCH_CASES {
         let Some(case) = all.iter().find(|c| c.name == *name) else {
             let names: Vec<&str> = all.iter().map(|c| c.name.as_str()).collect();
-            bail!("benchmark case {name} is not in the fixture table; known: {}", names.join(", "));
+            bail!(
+                "benchmark case {name} is not in the fixture table; known: {}",
+                names.join(", ")
+            );
         };
         picked.push((case, *what));
     }
     // Floors use the first XDP case's and the first TC case's frames.
-    let xdp_floor_case = picked.iter().find(|(c, _)| c.hook == Hook::Xdp).map(|(c, _)| *c).context("no XDP case")?;
-    let tc_floor_case = picked.iter().find(|(c, _)| c.hook != Hook::Xdp).map(|(c, _)| *c).context("no TC case")?;
+    let xdp_floor_case = picked
+        .iter()
+        .find(|(c, _)| c.hook == Hook::Xdp)
+        .map(|(c, _)| *c)
+        .context("no XDP case")?;
+    let tc_floor_case = picked
+        .iter()
+        .find(|(c, _)| c.hook != Hook::Xdp)
+        .map(|(c, _)| *c)
+        .context("no TC case")?;
 
     let mut fx = Fixture::new().context("loading the datapath (run as root)")?;
     // Sanity: every picked case passes its fixture check before it is timed.
     for (case, _) in &picked {
-        fx.evaluate(case).map_err(|e| anyhow::anyhow!("benchmark case fails its fixture check: {e}"))?;
+        fx.evaluate(case)
+            .map_err(|e| anyhow::anyhow!("benchmark case fails its fixture check: {e}"))?;
     }
 
     let mut configs: Vec<Config> = vec![
-        Config { case: xdp_floor_case, floor: true, samples: vec![] },
-        Config { case: tc_floor_case, floor: true, samples: vec![] },
+        Config {
+            case: xdp_floor_case,
+            floor: true,
+            samples: vec![],
+        },
+        Config {
+            case: tc_floor_case,
+            floor: true,
+            samples: vec![],
+        },
     ];
-    configs.extend(picked.iter().map(|(c, _)| Config { case: c, floor: false, samples: vec![] }));
+    configs.extend(picked.iter().map(|(c, _)| Config {
+        case: c,
+        floor: false,
+        samples: vec![],
+    }));
 
     for round in 0..=ROUNDS {
         for cfg in configs.iter_mut() {
             let per_run: Duration = if cfg.floor {
-                fx.run_floor_repeat(cfg.case.hook, &cfg.case.input, REPEAT)?.per_run
+                fx.run_floor_repeat(cfg.case.hook, &cfg.case.input, REPEAT)?
+                    .per_run
             } else {
                 let r = fx.run_repeat(cfg.case, REPEAT)?;
                 if r.verdict != cfg.case.expect_verdict {
-                    bail!("{}: verdict {} during the benchmark, expected {}", cfg.case.name, r.verdict, cfg.case.expect_verdict);
+                    bail!(
+                        "{}: verdict {} during the benchmark, expected {}",
+                        cfg.case.name,
+                        r.verdict,
+                        cfg.case.expect_verdict
+                    );
                 }
                 r.per_run
             };
@@ -172,7 +208,10 @@ fn main() -> Result<()> {
     };
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     fs::create_dir_all(root.join("docs/bench"))?;
-    fs::write(root.join("docs/bench/datapath.json"), serde_json::to_string_pretty(&report)? + "\n")?;
+    fs::write(
+        root.join("docs/bench/datapath.json"),
+        serde_json::to_string_pretty(&report)? + "\n",
+    )?;
     let md = markdown(&report);
     fs::write(root.join("docs/BENCHMARKS.md"), &md)?;
     print!("{md}");
@@ -182,7 +221,12 @@ fn main() -> Result<()> {
 
 fn floor_row(hook: &'static str, samples: &[f64]) -> FloorRow {
     let (median_ns, min_ns, max_ns) = stats(samples);
-    FloorRow { hook, median_ns, min_ns, max_ns }
+    FloorRow {
+        hook,
+        median_ns,
+        min_ns,
+        max_ns,
+    }
 }
 
 /// (median, min, max).
@@ -193,7 +237,11 @@ fn stats(samples: &[f64]) -> (f64, f64, f64) {
         return (f64::NAN, f64::NAN, f64::NAN);
     }
     let n = s.len();
-    let median = if n % 2 == 1 { s[n / 2] } else { (s[n / 2 - 1] + s[n / 2]) / 2.0 };
+    let median = if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    };
     (median, s[0], s[n - 1])
 }
 
@@ -205,7 +253,11 @@ fn markdown(r: &Report) -> String {
         "Regenerated by `cargo xtask bench` (as root); raw numbers in [`bench/datapath.json`](bench/datapath.json).\n"
     );
     let m = &r.machine;
-    let _ = writeln!(md, "Machine: {} ({} CPUs), kernel {}, commit {}, {}.\n", m.cpu, m.cpus, m.kernel, m.commit, m.date);
+    let _ = writeln!(
+        md,
+        "Machine: {} ({} CPUs), kernel {}, commit {}, {}.\n",
+        m.cpu, m.cpus, m.kernel, m.commit, m.date
+    );
     let _ = writeln!(md, "## Datapath ns/packet (BPF_PROG_TEST_RUN)\n");
     let _ = writeln!(
         md,
@@ -214,7 +266,11 @@ fn markdown(r: &Report) -> String {
     );
     let _ = writeln!(md, "| floor | median ns | min–max ns |\n|---|---:|---:|");
     for f in &r.floors {
-        let _ = writeln!(md, "| empty {} program | {:.1} | {:.1}–{:.1} |", f.hook, f.median_ns, f.min_ns, f.max_ns);
+        let _ = writeln!(
+            md,
+            "| empty {} program | {:.1} | {:.1}–{:.1} |",
+            f.hook, f.median_ns, f.min_ns, f.max_ns
+        );
     }
     let _ = writeln!(md);
     let _ = writeln!(
@@ -260,12 +316,18 @@ fn machine() -> Machine {
     };
     let cpu = fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
         .unwrap_or_else(|| "unknown CPU".into());
     Machine {
         kernel: sh("uname", &["-r"]),
         cpu,
-        cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        cpus: std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(0),
         commit: sh("git", &["rev-parse", "--short", "HEAD"]),
         date: sh("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
     }

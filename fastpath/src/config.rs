@@ -176,11 +176,16 @@ impl Config {
         for (i, iface) in self.interfaces.iter().enumerate() {
             let name = iface.name.get_ref();
             let key = format!("interface[{i}].name");
-            if let Some(j) = self.interfaces[..i].iter().position(|o| o.name.get_ref() == name) {
+            if let Some(j) = self.interfaces[..i]
+                .iter()
+                .position(|o| o.name.get_ref() == name)
+            {
                 return Err(err(
                     iface.name.span(),
                     key,
-                    format!("interface {name:?} is listed twice (also interface[{j}]); merge the two tables"),
+                    format!(
+                        "interface {name:?} is listed twice (also interface[{j}]); merge the two tables"
+                    ),
                 ));
             }
             if ifindex(name).is_none() {
@@ -216,7 +221,11 @@ pub fn ifindex(name: &str) -> Option<u32> {
 
 /// 1-based line number of byte offset `at` in `text`.
 fn line_of(text: &str, at: usize) -> usize {
-    text.as_bytes()[..at.min(text.len())].iter().filter(|&&b| b == b'\n').count() + 1
+    text.as_bytes()[..at.min(text.len())]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1
 }
 
 #[cfg(test)]
@@ -239,8 +248,10 @@ mod tests {
 
     #[test]
     fn unknown_key_names_key_and_line() {
-        let e = parse("[datapath]\ndrop_malformed = true\n\n[[interface]]\nname = \"lo\"\nxdpp = \"auto\"\n")
-            .expect_err("typo must fail");
+        let e = parse(
+            "[datapath]\ndrop_malformed = true\n\n[[interface]]\nname = \"lo\"\nxdpp = \"auto\"\n",
+        )
+        .expect_err("typo must fail");
         assert_eq!(e.line, Some(6), "{e}");
         assert!(e.to_string().contains("xdpp"), "{e}");
     }
@@ -261,9 +272,11 @@ mod tests {
         let e = parse("[datapath]\npin_dir = \"relative\"\n[[interface]]\nname = \"lo\"\n")
             .expect_err("relative pin dir");
         assert_eq!(e.line, Some(2), "{e}");
-        let e = parse("[[interface]]\nname = \"lo\"\n[[interface]]\nname = \"lo\"\n").expect_err("dup");
+        let e =
+            parse("[[interface]]\nname = \"lo\"\n[[interface]]\nname = \"lo\"\n").expect_err("dup");
         assert!(e.to_string().contains("twice"), "{e}");
-        let e = parse("[[interface]]\nname = \"lo\"\nxdp = \"off\"\n").expect_err("nothing to attach");
+        let e =
+            parse("[[interface]]\nname = \"lo\"\nxdp = \"off\"\n").expect_err("nothing to attach");
         assert!(e.to_string().contains("nothing to attach"), "{e}");
         let e = parse("").expect_err("no interfaces");
         assert!(e.to_string().contains("[[interface]]"), "{e}");

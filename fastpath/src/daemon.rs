@@ -12,7 +12,10 @@ use std::{
 };
 
 use fastpath_common::{DatapathConfig, stats::CONFIG_F_DROP_MALFORMED};
-use tokio::{io::unix::AsyncFd, signal::unix::{SignalKind, signal}};
+use tokio::{
+    io::unix::AsyncFd,
+    signal::unix::{SignalKind, signal},
+};
 use tracing::{info, warn};
 
 use crate::{
@@ -25,7 +28,9 @@ use crate::{
 pub enum DaemonError {
     #[error(transparent)]
     Datapath(#[from] DatapathError),
-    #[error("another fastpath daemon already manages {pin_dir} (lock {lock}); stop it first, or give this one another datapath.pin_dir")]
+    #[error(
+        "another fastpath daemon already manages {pin_dir} (lock {lock}); stop it first, or give this one another datapath.pin_dir"
+    )]
     AlreadyRunning { pin_dir: String, lock: String },
     #[error("creating lock file {path}: {source}")]
     Lock {
@@ -45,6 +50,11 @@ pub struct DaemonOptions {
 
 /// Runs until SIGINT/SIGTERM.
 pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError> {
+    // Handlers first: a SIGINT/SIGTERM that arrives while attaching is held until the loop
+    // below and then detaches cleanly, instead of killing the process half-attached.
+    let mut sigint = signal(SignalKind::interrupt()).map_err(DaemonError::Signal)?;
+    let mut sigterm = signal(SignalKind::terminate()).map_err(DaemonError::Signal)?;
+
     let pin_dir = config.datapath.pin_dir.get_ref().clone();
     let _lock = lock_pin_dir(&pin_dir)?;
 
@@ -54,8 +64,15 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
     } else {
         info!(pin_dir = %pin_dir.display(), "Created and pinned maps");
     }
-    let flags = if config.datapath.drop_malformed { CONFIG_F_DROP_MALFORMED } else { 0 };
-    dp.set_config(DatapathConfig { flags, ..Default::default() })?;
+    let flags = if config.datapath.drop_malformed {
+        CONFIG_F_DROP_MALFORMED
+    } else {
+        0
+    };
+    dp.set_config(DatapathConfig {
+        flags,
+        ..Default::default()
+    })?;
 
     for iface in &config.interfaces {
         if let Err(e) = dp.attach_interface(iface) {
@@ -99,8 +116,6 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         "Datapath running; SIGINT/SIGTERM stops the daemon"
     );
 
-    let mut sigint = signal(SignalKind::interrupt()).map_err(DaemonError::Signal)?;
-    let mut sigterm = signal(SignalKind::terminate()).map_err(DaemonError::Signal)?;
     loop {
         tokio::select! {
             _ = sigint.recv() => { info!("SIGINT received"); break; }
@@ -134,14 +149,20 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
 /// Held for the daemon's life (released by the kernel even after a crash).
 fn lock_pin_dir(pin_dir: &Path) -> Result<File, DaemonError> {
     let dir = Path::new("/run/fastpath");
-    std::fs::create_dir_all(dir).map_err(|source| DaemonError::Lock { path: dir.into(), source })?;
+    std::fs::create_dir_all(dir).map_err(|source| DaemonError::Lock {
+        path: dir.into(),
+        source,
+    })?;
     let name: String = pin_dir
         .to_string_lossy()
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
         .collect();
     let path = dir.join(format!("{name}.lock"));
-    let file = File::create(&path).map_err(|source| DaemonError::Lock { path: path.clone(), source })?;
+    let file = File::create(&path).map_err(|source| DaemonError::Lock {
+        path: path.clone(),
+        source,
+    })?;
     // SAFETY: flock on a valid open fd.
     let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     if rc != 0 {

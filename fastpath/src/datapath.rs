@@ -10,8 +10,7 @@
 use std::{
     collections::BTreeSet,
     ffi::CString,
-    fs,
-    io,
+    fs, io,
     path::{Path, PathBuf},
 };
 
@@ -38,9 +37,13 @@ const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
-    #[error("{path} is not on a bpffs; mount one with `mount -t bpf bpf {mount_hint}` or set datapath.pin_dir to a directory on a bpffs")]
+    #[error(
+        "{path} is not on a bpffs; mount one with `mount -t bpf bpf {mount_hint}` or set datapath.pin_dir to a directory on a bpffs"
+    )]
     NotBpffs { path: PathBuf, mount_hint: String },
-    #[error("mounting bpffs on /sys/fs/bpf failed: {source}; mount it yourself with `mount -t bpf bpf /sys/fs/bpf`")]
+    #[error(
+        "mounting bpffs on /sys/fs/bpf failed: {source}; mount it yourself with `mount -t bpf bpf /sys/fs/bpf`"
+    )]
     Mount {
         #[source]
         source: io::Error,
@@ -51,15 +54,21 @@ pub enum DatapathError {
         #[source]
         source: io::Error,
     },
-    #[error("loading the eBPF object: {source}; run as root (CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON). If pinned maps under {pin_dir} come from an incompatible version, remove them with `fastpath detach --pin-dir {pin_dir}`")]
+    #[error(
+        "loading the eBPF object: {source}; run as root (CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON). If pinned maps under {pin_dir} come from an incompatible version, remove them with `fastpath detach --pin-dir {pin_dir}`"
+    )]
     Load {
         pin_dir: String,
         #[source]
         source: Box<aya::EbpfError>,
     },
-    #[error("program {name} missing from the eBPF object (build mismatch; rebuild with `cargo xtask build`)")]
+    #[error(
+        "program {name} missing from the eBPF object (build mismatch; rebuild with `cargo xtask build`)"
+    )]
     MissingProgram { name: &'static str },
-    #[error("map {name} missing from the eBPF object (build mismatch; rebuild with `cargo xtask build`)")]
+    #[error(
+        "map {name} missing from the eBPF object (build mismatch; rebuild with `cargo xtask build`)"
+    )]
     MissingMap { name: &'static str },
     #[error("{what}: {source}")]
     Program {
@@ -142,7 +151,8 @@ impl Datapath {
         ensure_bpffs(pin_dir)?;
         let maps_dir = pin_dir.join("maps");
         for dir in [maps_dir.clone(), pin_dir.join("links")] {
-            fs::create_dir_all(&dir).map_err(|source| DatapathError::PinDir { path: dir, source })?;
+            fs::create_dir_all(&dir)
+                .map_err(|source| DatapathError::PinDir { path: dir, source })?;
         }
         let maps_reused = maps_dir.join(map_names::STATS).exists();
         let mut ebpf = EbpfLoader::new()
@@ -154,18 +164,28 @@ impl Datapath {
             })?;
         for name in [program_names::TC_INGRESS, program_names::TC_EGRESS] {
             let prog: &mut SchedClassifier = program(&mut ebpf, name)?;
-            prog.load().map_err(|source| DatapathError::Program { what: format!("loading {name}"), source })?;
+            prog.load().map_err(|source| DatapathError::Program {
+                what: format!("loading {name}"),
+                source,
+            })?;
         }
         let xdp: &mut Xdp = program(&mut ebpf, program_names::XDP)?;
         xdp.load().map_err(|source| DatapathError::Program {
             what: format!("loading {}", program_names::XDP),
             source,
         })?;
-        Ok(Datapath { ebpf, pin_dir: pin_dir.to_owned(), maps_reused, attachments: Vec::new() })
+        Ok(Datapath {
+            ebpf,
+            pin_dir: pin_dir.to_owned(),
+            maps_reused,
+            attachments: Vec::new(),
+        })
     }
 
     /// Takes the aya-log ring so its records can be forwarded to tracing.
-    pub fn take_logger(&mut self) -> Result<aya_log::EbpfLogger<&'static dyn log::Log>, aya_log::Error> {
+    pub fn take_logger(
+        &mut self,
+    ) -> Result<aya_log::EbpfLogger<&'static dyn log::Log>, aya_log::Error> {
         aya_log::EbpfLogger::init(&mut self.ebpf)
     }
 
@@ -174,12 +194,20 @@ impl Datapath {
         let map = self
             .ebpf
             .map_mut(map_names::CONFIG)
-            .ok_or(DatapathError::MissingMap { name: map_names::CONFIG })?;
-        let mut array: Array<&mut MapData, DatapathConfig> = Array::try_from(map)
-            .map_err(|source| DatapathError::Map { what: "opening FP_CONFIG".into(), source })?;
+            .ok_or(DatapathError::MissingMap {
+                name: map_names::CONFIG,
+            })?;
+        let mut array: Array<&mut MapData, DatapathConfig> =
+            Array::try_from(map).map_err(|source| DatapathError::Map {
+                what: "opening FP_CONFIG".into(),
+                source,
+            })?;
         array
             .set(0, &config, 0)
-            .map_err(|source| DatapathError::Map { what: "writing FP_CONFIG".into(), source })
+            .map_err(|source| DatapathError::Map {
+                what: "writing FP_CONFIG".into(),
+                source,
+            })
     }
 
     /// Attaches every hook `iface` asks for.
@@ -201,7 +229,9 @@ impl Datapath {
     /// have (`eth0.100`), so '%' and '.' are percent-encoded.
     fn link_pin(&self, iface: &str, hook: HookKind) -> PathBuf {
         let iface = iface.replace('%', "%25").replace('.', "%2e");
-        self.pin_dir.join("links").join(format!("{iface}@{}", hook.suffix()))
+        self.pin_dir
+            .join("links")
+            .join(format!("{iface}@{}", hook.suffix()))
     }
 
     fn attach_xdp(&mut self, iface: &str, mode: XdpMode) -> Result<(), DatapathError> {
@@ -209,21 +239,29 @@ impl Datapath {
         let prog: &mut Xdp = program(&mut self.ebpf, program_names::XDP)?;
         if let Some(old) = open_pinned(&pin)? {
             let replaced = XdpLink::try_from(old)
-                .map_err(|source| DatapathError::Link { what: format!("reading {}", pin.display()), source })
+                .map_err(|source| DatapathError::Link {
+                    what: format!("reading {}", pin.display()),
+                    source,
+                })
                 .and_then(|link| {
-                    prog.attach_to_link(link).map_err(|source| DatapathError::Program {
-                        what: format!("replacing the program of {}", pin.display()),
-                        source,
-                    })
+                    prog.attach_to_link(link)
+                        .map_err(|source| DatapathError::Program {
+                            what: format!("replacing the program of {}", pin.display()),
+                            source,
+                        })
                 });
             match replaced {
                 Ok(id) => {
-                    let link = prog.take_link(id).map_err(|source| DatapathError::Program {
-                        what: "taking the XDP link".into(),
+                    let link = prog
+                        .take_link(id)
+                        .map_err(|source| DatapathError::Program {
+                            what: "taking the XDP link".into(),
+                            source,
+                        })?;
+                    let fd = FdLink::try_from(link).map_err(|source| DatapathError::Link {
+                        what: "XDP link".into(),
                         source,
                     })?;
-                    let fd = FdLink::try_from(link)
-                        .map_err(|source| DatapathError::Link { what: "XDP link".into(), source })?;
                     info!(iface, pin = %pin.display(), "Reused pinned XDP link; program replaced in place");
                     self.attachments.push(Attachment {
                         iface: iface.into(),
@@ -243,24 +281,47 @@ impl Datapath {
         }
         let c_iface = iface_cstr(iface)?;
         let (id, mode_name) = match mode {
-            XdpMode::Native => (attach_xdp_mode(prog, &c_iface, iface, AyaXdpMode::Driver)?, "native"),
-            XdpMode::Generic => (attach_xdp_mode(prog, &c_iface, iface, AyaXdpMode::Skb)?, "generic"),
-            XdpMode::Auto | XdpMode::Off => match attach_xdp_mode(prog, &c_iface, iface, AyaXdpMode::Driver) {
-                Ok(id) => (id, "native"),
-                Err(e) => {
-                    warn!(iface, error = %e, "Native XDP unavailable; falling back to generic (skb) mode");
-                    (attach_xdp_mode(prog, &c_iface, iface, AyaXdpMode::Skb)?, "generic")
+            XdpMode::Native => (
+                attach_xdp_mode(prog, &c_iface, iface, AyaXdpMode::Driver)?,
+                "native",
+            ),
+            XdpMode::Generic => (
+                attach_xdp_mode(prog, &c_iface, iface, AyaXdpMode::Skb)?,
+                "generic",
+            ),
+            XdpMode::Auto | XdpMode::Off => {
+                match attach_xdp_mode(prog, &c_iface, iface, AyaXdpMode::Driver) {
+                    Ok(id) => (id, "native"),
+                    Err(e) => {
+                        warn!(iface, error = %e, "Native XDP unavailable; falling back to generic (skb) mode");
+                        (
+                            attach_xdp_mode(prog, &c_iface, iface, AyaXdpMode::Skb)?,
+                            "generic",
+                        )
+                    }
                 }
-            },
+            }
         };
         let link = prog
             .take_link(id)
-            .map_err(|source| DatapathError::Program { what: "taking the XDP link".into(), source })?;
-        let fd = FdLink::try_from(link)
-            .map_err(|source| DatapathError::Link { what: format!("XDP link on {iface} is not a bpf_link"), source })?;
+            .map_err(|source| DatapathError::Program {
+                what: "taking the XDP link".into(),
+                source,
+            })?;
+        let fd = FdLink::try_from(link).map_err(|source| DatapathError::Link {
+            what: format!("XDP link on {iface} is not a bpf_link"),
+            source,
+        })?;
         let fd = pin_link(fd, &pin)?;
         info!(iface, mode = mode_name, pin = %pin.display(), "Attached XDP program");
-        self.attachments.push(Attachment { iface: iface.into(), hook: HookKind::Xdp, mode: mode_name, reused: false, pin, _link: fd });
+        self.attachments.push(Attachment {
+            iface: iface.into(),
+            hook: HookKind::Xdp,
+            mode: mode_name,
+            reused: false,
+            pin,
+            _link: fd,
+        });
         Ok(())
     }
 
@@ -273,22 +334,38 @@ impl Datapath {
         let prog: &mut SchedClassifier = program(&mut self.ebpf, name)?;
         if let Some(old) = open_pinned(&pin)? {
             let replaced = SchedClassifierLink::try_from(old)
-                .map_err(|source| DatapathError::Link { what: format!("reading {}", pin.display()), source })
+                .map_err(|source| DatapathError::Link {
+                    what: format!("reading {}", pin.display()),
+                    source,
+                })
                 .and_then(|link| {
-                    prog.attach_to_link(link).map_err(|source| DatapathError::Program {
-                        what: format!("replacing the program of {}", pin.display()),
-                        source,
-                    })
+                    prog.attach_to_link(link)
+                        .map_err(|source| DatapathError::Program {
+                            what: format!("replacing the program of {}", pin.display()),
+                            source,
+                        })
                 });
             match replaced {
                 Ok(id) => {
                     let link = prog
                         .take_link(id)
-                        .map_err(|source| DatapathError::Program { what: "taking the TC link".into(), source })?;
-                    let fd = FdLink::try_from(link)
-                        .map_err(|source| DatapathError::Link { what: "TC link".into(), source })?;
+                        .map_err(|source| DatapathError::Program {
+                            what: "taking the TC link".into(),
+                            source,
+                        })?;
+                    let fd = FdLink::try_from(link).map_err(|source| DatapathError::Link {
+                        what: "TC link".into(),
+                        source,
+                    })?;
                     info!(iface, hook = hook.suffix(), pin = %pin.display(), "Reused pinned TCX link; program replaced in place");
-                    self.attachments.push(Attachment { iface: iface.into(), hook, mode: "pinned", reused: true, pin, _link: fd });
+                    self.attachments.push(Attachment {
+                        iface: iface.into(),
+                        hook,
+                        mode: "pinned",
+                        reused: true,
+                        pin,
+                        _link: fd,
+                    });
                     return Ok(());
                 }
                 Err(e) => {
@@ -299,19 +376,37 @@ impl Datapath {
         }
         let c_iface = iface_cstr(iface)?;
         let id = prog
-            .attach(c_iface.as_c_str(), TcAttach::Tcx { attach_type, order: LinkOrder::default() })
+            .attach(
+                c_iface.as_c_str(),
+                TcAttach::Tcx {
+                    attach_type,
+                    order: LinkOrder::default(),
+                },
+            )
             .map_err(|source| DatapathError::Program {
                 what: format!("attaching {name} to {iface} (TCX {})", hook.suffix()),
                 source,
             })?;
         let link = prog
             .take_link(id)
-            .map_err(|source| DatapathError::Program { what: "taking the TC link".into(), source })?;
-        let fd = FdLink::try_from(link)
-            .map_err(|source| DatapathError::Link { what: format!("TC link on {iface} is not a bpf_link"), source })?;
+            .map_err(|source| DatapathError::Program {
+                what: "taking the TC link".into(),
+                source,
+            })?;
+        let fd = FdLink::try_from(link).map_err(|source| DatapathError::Link {
+            what: format!("TC link on {iface} is not a bpf_link"),
+            source,
+        })?;
         let fd = pin_link(fd, &pin)?;
         info!(iface, hook = hook.suffix(), mode = "tcx", pin = %pin.display(), "Attached TC program");
-        self.attachments.push(Attachment { iface: iface.into(), hook, mode: "tcx", reused: false, pin, _link: fd });
+        self.attachments.push(Attachment {
+            iface: iface.into(),
+            hook,
+            mode: "tcx",
+            reused: false,
+            pin,
+            _link: fd,
+        });
         Ok(())
     }
 
@@ -321,7 +416,10 @@ impl Datapath {
         let wanted: BTreeSet<&Path> = self.attachments.iter().map(|a| a.pin.as_path()).collect();
         let mut removed = Vec::new();
         let dir = self.pin_dir.join("links");
-        let entries = fs::read_dir(&dir).map_err(|source| DatapathError::PinDir { path: dir.clone(), source })?;
+        let entries = fs::read_dir(&dir).map_err(|source| DatapathError::PinDir {
+            path: dir.clone(),
+            source,
+        })?;
         for entry in entries.flatten() {
             let path = entry.path();
             if !wanted.contains(path.as_path()) {
@@ -334,9 +432,17 @@ impl Datapath {
 
     /// Sums the per-CPU counters.
     pub fn stats(&self) -> Result<StatsSnapshot, DatapathError> {
-        let map = self.ebpf.map(map_names::STATS).ok_or(DatapathError::MissingMap { name: map_names::STATS })?;
-        let array: PerCpuArray<&MapData, Counter> = PerCpuArray::try_from(map)
-            .map_err(|source| DatapathError::Map { what: "opening FP_STATS".into(), source })?;
+        let map = self
+            .ebpf
+            .map(map_names::STATS)
+            .ok_or(DatapathError::MissingMap {
+                name: map_names::STATS,
+            })?;
+        let array: PerCpuArray<&MapData, Counter> =
+            PerCpuArray::try_from(map).map_err(|source| DatapathError::Map {
+                what: "opening FP_STATS".into(),
+                source,
+            })?;
         Ok(StatsSnapshot::read(&array)?)
     }
 
@@ -376,11 +482,19 @@ pub fn remove_pins(pin_dir: &Path) -> Result<(), DatapathError> {
 pub fn pinned_stats(pin_dir: &Path) -> Result<StatsSnapshot, DatapathError> {
     let path = pin_dir.join("maps").join(map_names::STATS);
     let data = MapData::from_pin(&path).map_err(|source| DatapathError::Map {
-        what: format!("opening {} (is a fastpath datapath running with this pin dir?)", path.display()),
+        what: format!(
+            "opening {} (is a fastpath datapath running with this pin dir?)",
+            path.display()
+        ),
         source,
     })?;
-    let array: PerCpuArray<MapData, Counter> = PerCpuArray::try_from(aya::maps::Map::PerCpuArray(data))
-        .map_err(|source| DatapathError::Map { what: "opening FP_STATS".into(), source })?;
+    let array: PerCpuArray<MapData, Counter> =
+        PerCpuArray::try_from(aya::maps::Map::PerCpuArray(data)).map_err(|source| {
+            DatapathError::Map {
+                what: "opening FP_STATS".into(),
+                source,
+            }
+        })?;
     Ok(StatsSnapshot::read(&array)?)
 }
 
@@ -388,8 +502,13 @@ fn program<'a, T>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut T, D
 where
     &'a mut T: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
 {
-    let p = ebpf.program_mut(name).ok_or(DatapathError::MissingProgram { name })?;
-    p.try_into().map_err(|source| DatapathError::Program { what: format!("program {name} has the wrong type"), source })
+    let p = ebpf
+        .program_mut(name)
+        .ok_or(DatapathError::MissingProgram { name })?;
+    p.try_into().map_err(|source| DatapathError::Program {
+        what: format!("program {name} has the wrong type"),
+        source,
+    })
 }
 
 fn attach_xdp_mode(
@@ -398,10 +517,11 @@ fn attach_xdp_mode(
     iface: &str,
     mode: AyaXdpMode,
 ) -> Result<aya::programs::xdp::XdpLinkId, DatapathError> {
-    prog.attach(c_iface.as_c_str(), mode).map_err(|source| DatapathError::Program {
-        what: format!("attaching XDP ({mode:?}) to {iface}"),
-        source,
-    })
+    prog.attach(c_iface.as_c_str(), mode)
+        .map_err(|source| DatapathError::Program {
+            what: format!("attaching XDP ({mode:?}) to {iface}"),
+            source,
+        })
 }
 
 fn iface_cstr(iface: &str) -> Result<CString, DatapathError> {
@@ -427,7 +547,10 @@ fn open_pinned(pin: &Path) -> Result<Option<FdLink>, DatapathError> {
 }
 
 fn pin_link(fd: FdLink, pin: &Path) -> Result<FdLink, DatapathError> {
-    let pinned = fd.pin(pin).map_err(|source| DatapathError::Pin { path: pin.to_owned(), source })?;
+    let pinned = fd.pin(pin).map_err(|source| DatapathError::Pin {
+        path: pin.to_owned(),
+        source,
+    })?;
     Ok(FdLink::from(pinned))
 }
 
@@ -435,7 +558,10 @@ fn remove_pin(path: &Path) -> Result<(), DatapathError> {
     match fs::remove_file(path) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(DatapathError::Unpin { path: path.to_owned(), source }),
+        Err(source) => Err(DatapathError::Unpin {
+            path: path.to_owned(),
+            source,
+        }),
     }
 }
 
@@ -456,14 +582,27 @@ fn ensure_bpffs(pin_dir: &Path) -> Result<(), DatapathError> {
         let src = CString::new("bpf").unwrap_or_default();
         let target = CString::new("/sys/fs/bpf").unwrap_or_default();
         // SAFETY: all pointers are valid NUL-terminated strings for the duration of the call.
-        let rc = unsafe { libc::mount(src.as_ptr(), target.as_ptr(), src.as_ptr(), 0, std::ptr::null()) };
+        let rc = unsafe {
+            libc::mount(
+                src.as_ptr(),
+                target.as_ptr(),
+                src.as_ptr(),
+                0,
+                std::ptr::null(),
+            )
+        };
         if rc != 0 {
-            return Err(DatapathError::Mount { source: io::Error::last_os_error() });
+            return Err(DatapathError::Mount {
+                source: io::Error::last_os_error(),
+            });
         }
         info!("Mounted bpffs on /sys/fs/bpf");
         return Ok(());
     }
-    Err(DatapathError::NotBpffs { path: pin_dir.to_owned(), mount_hint: probe.display().to_string() })
+    Err(DatapathError::NotBpffs {
+        path: pin_dir.to_owned(),
+        mount_hint: probe.display().to_string(),
+    })
 }
 
 fn fs_type(path: &Path) -> Option<i64> {

@@ -24,7 +24,13 @@ const EXIT_FAILURE: u8 = 1;
 /// EXIT STATUS: 0 success; 1 runtime failure (kernel refused, I/O); 2 usage or configuration
 /// error (nothing was changed).
 #[derive(Parser)]
-#[command(name = "fastpath", version, about, long_about, propagate_version = true)]
+#[command(
+    name = "fastpath",
+    version,
+    about,
+    long_about,
+    propagate_version = true
+)]
 struct Cli {
     /// Run in the named network namespace (/run/netns/NAME, as made by `ip netns add`).
     /// Unlike `ip netns exec`, only the network namespace changes, so pins go to the host's
@@ -104,12 +110,17 @@ fn main() -> ExitCode {
     init_tracing(cli.log_format);
     if let Some(ns) = &cli.netns {
         if let Err(e) = enter_netns(ns) {
-            eprintln!("error: entering network namespace {ns:?}: {e}; list namespaces with `ip netns list`");
+            eprintln!(
+                "error: entering network namespace {ns:?}: {e}; list namespaces with `ip netns list`"
+            );
             return ExitCode::from(EXIT_USAGE);
         }
     }
     match cli.command {
-        Command::Daemon { config, leave_attached } => {
+        Command::Daemon {
+            config,
+            leave_attached,
+        } => {
             let config = match Config::load(&config) {
                 Ok(c) => c,
                 Err(e) => {
@@ -118,7 +129,11 @@ fn main() -> ExitCode {
                     return ExitCode::from(EXIT_USAGE);
                 }
             };
-            let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+            {
                 Ok(rt) => rt,
                 Err(e) => {
                     eprintln!("error: starting the async runtime: {e}");
@@ -153,7 +168,9 @@ fn main() -> ExitCode {
                 ExitCode::from(EXIT_FAILURE)
             }
         },
-        Command::Config { command: ConfigCommand::Check { file } } => match Config::load(&file) {
+        Command::Config {
+            command: ConfigCommand::Check { file },
+        } => match Config::load(&file) {
             Ok(c) => {
                 println!(
                     "{}: ok ({} interface(s), pin_dir {})",
@@ -170,7 +187,10 @@ fn main() -> ExitCode {
         },
         Command::Detach { pin_dir } => {
             if !pin_dir.exists() {
-                eprintln!("error: {} does not exist: nothing to detach", pin_dir.display());
+                eprintln!(
+                    "error: {} does not exist: nothing to detach",
+                    pin_dir.display()
+                );
                 return ExitCode::from(EXIT_FAILURE);
             }
             match datapath::remove_pins(&pin_dir) {
@@ -189,7 +209,9 @@ fn main() -> ExitCode {
 
 fn init_tracing(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),

@@ -42,7 +42,9 @@ impl StatsSnapshot {
     ) -> Result<Self, StatsError> {
         let mut slots = BTreeMap::new();
         for index in 0..STATS_ENTRIES {
-            let per_cpu = map.get(&index, 0).map_err(|source| StatsError::Read { index, source })?;
+            let per_cpu = map
+                .get(&index, 0)
+                .map_err(|source| StatsError::Read { index, source })?;
             let mut sum = Counter::default();
             for c in per_cpu.iter() {
                 sum.packets += c.packets;
@@ -59,17 +61,28 @@ impl StatsSnapshot {
 
     /// Counter of one (hook, verdict, reason), zero if never hit.
     pub fn get(&self, hook: Hook, verdict: Verdict, reason: u32) -> Counter {
-        self.slots.get(&(hook as u32, verdict as u32, reason)).copied().unwrap_or_default()
+        self.slots
+            .get(&(hook as u32, verdict as u32, reason))
+            .copied()
+            .unwrap_or_default()
     }
 
     /// Packets counted under `reason` on any hook and verdict.
     pub fn packets_for_reason(&self, reason: u32) -> u64 {
-        self.slots.iter().filter(|((_, _, r), _)| *r == reason).map(|(_, c)| c.packets).sum()
+        self.slots
+            .iter()
+            .filter(|((_, _, r), _)| *r == reason)
+            .map(|(_, c)| c.packets)
+            .sum()
     }
 
     /// Packets counted on `hook` (any verdict, any reason).
     pub fn packets_on_hook(&self, hook: Hook) -> u64 {
-        self.slots.iter().filter(|((h, _, _), _)| *h == hook as u32).map(|(_, c)| c.packets).sum()
+        self.slots
+            .iter()
+            .filter(|((h, _, _), _)| *h == hook as u32)
+            .map(|(_, c)| c.packets)
+            .sum()
     }
 
     /// `self - before`, slot by slot (counters only grow; a restart-reset shows as zero).
@@ -104,7 +117,11 @@ impl StatsSnapshot {
     /// A fixed-width table, one row per non-zero (hook, verdict, reason).
     pub fn render_table(&self) -> String {
         let mut out = String::new();
-        let _ = writeln!(out, "{:<11} {:<8} {:<26} {:>12} {:>14}", "HOOK", "VERDICT", "REASON", "PACKETS", "BYTES");
+        let _ = writeln!(
+            out,
+            "{:<11} {:<8} {:<26} {:>12} {:>14}",
+            "HOOK", "VERDICT", "REASON", "PACKETS", "BYTES"
+        );
         for r in self.rows() {
             let _ = writeln!(
                 out,

@@ -80,7 +80,10 @@ fn main() {
 }
 
 fn root_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
 }
 
 fn tools_dir() -> PathBuf {
@@ -99,7 +102,14 @@ fn tool_path() -> OsString {
 /// A command with the environment cleaned of what the outer (default-toolchain) cargo set.
 fn cmd(program: &str) -> Command {
     let mut c = Command::new(program);
-    for var in ["RUSTUP_TOOLCHAIN", "RUSTC", "RUSTDOC", "CARGO", "RUSTC_WRAPPER", "CARGO_TARGET_DIR"] {
+    for var in [
+        "RUSTUP_TOOLCHAIN",
+        "RUSTC",
+        "RUSTDOC",
+        "CARGO",
+        "RUSTC_WRAPPER",
+        "CARGO_TARGET_DIR",
+    ] {
         c.env_remove(var);
     }
     c.env("PATH", tool_path()).current_dir(root_dir());
@@ -124,18 +134,26 @@ fn run(c: &mut Command) -> Result<()> {
 fn output(c: &mut Command) -> Result<String> {
     let out = c.output().with_context(|| format!("starting {c:?}"))?;
     if !out.status.success() {
-        bail!("{c:?} failed with {}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+        bail!(
+            "{c:?} failed with {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 fn is_root() -> bool {
-    output(Command::new("id").arg("-u")).map(|s| s.trim() == "0").unwrap_or(false)
+    output(Command::new("id").arg("-u"))
+        .map(|s| s.trim() == "0")
+        .unwrap_or(false)
 }
 
 fn require_root(what: &str) -> Result<()> {
     if !is_root() {
-        bail!("{what} loads eBPF programs and creates network namespaces: run it as root (e.g. `sudo -E cargo xtask {what}`)");
+        bail!(
+            "{what} loads eBPF programs and creates network namespaces: run it as root (e.g. `sudo -E cargo xtask {what}`)"
+        );
     }
     Ok(())
 }
@@ -168,7 +186,11 @@ fn debian_packages() -> Result<()> {
         return Ok(());
     }
     if !is_root() {
-        bail!("Debian packages missing: {}; install them with `sudo apt-get install {}` or run as root", missing.join(" "), missing.join(" "));
+        bail!(
+            "Debian packages missing: {}; install them with `sudo apt-get install {}` or run as root",
+            missing.join(" "),
+            missing.join(" ")
+        );
     }
     eprintln!("xtask: installing Debian packages: {}", missing.join(" "));
     run(Command::new("apt-get").args(["update", "-qq"]))?;
@@ -184,18 +206,45 @@ fn installed_toolchains() -> Result<String> {
 
 fn toolchains() -> Result<()> {
     let list = installed_toolchains()?;
-    if !list.lines().any(|l| l.starts_with(&format!("{USER_TOOLCHAIN}-"))) {
+    if !list
+        .lines()
+        .any(|l| l.starts_with(&format!("{USER_TOOLCHAIN}-")))
+    {
         eprintln!("xtask: installing Rust {USER_TOOLCHAIN}");
-        run(cmd("rustup").args(["toolchain", "install", USER_TOOLCHAIN, "--profile", "minimal", "-c", "rustfmt,clippy"]))?;
+        run(cmd("rustup").args([
+            "toolchain",
+            "install",
+            USER_TOOLCHAIN,
+            "--profile",
+            "minimal",
+            "-c",
+            "rustfmt,clippy",
+        ]))?;
     }
-    let has_nightly = list.lines().any(|l| l.starts_with(&format!("{EBPF_TOOLCHAIN}-")));
+    let has_nightly = list
+        .lines()
+        .any(|l| l.starts_with(&format!("{EBPF_TOOLCHAIN}-")));
     let has_src = has_nightly
-        && output(cmd("rustup").args(["component", "list", "--installed", "--toolchain", EBPF_TOOLCHAIN]))
-            .map(|s| s.lines().any(|l| l.starts_with("rust-src")))
-            .unwrap_or(false);
+        && output(cmd("rustup").args([
+            "component",
+            "list",
+            "--installed",
+            "--toolchain",
+            EBPF_TOOLCHAIN,
+        ]))
+        .map(|s| s.lines().any(|l| l.starts_with("rust-src")))
+        .unwrap_or(false);
     if !has_src {
         eprintln!("xtask: installing Rust {EBPF_TOOLCHAIN} with rust-src");
-        run(cmd("rustup").args(["toolchain", "install", EBPF_TOOLCHAIN, "--profile", "minimal", "-c", "rust-src"]))?;
+        run(cmd("rustup").args([
+            "toolchain",
+            "install",
+            EBPF_TOOLCHAIN,
+            "--profile",
+            "minimal",
+            "-c",
+            "rust-src",
+        ]))?;
     }
     Ok(())
 }
@@ -209,7 +258,11 @@ fn bpf_linker() -> Result<()> {
     if bin.exists() && fs::read_to_string(&stamp).ok().as_deref() == Some(want.as_str()) {
         return Ok(());
     }
-    let sysroot = output(cmd("rustc").arg(format!("+{EBPF_TOOLCHAIN}")).args(["--print", "sysroot"]))?;
+    let sysroot = output(
+        cmd("rustc")
+            .arg(format!("+{EBPF_TOOLCHAIN}"))
+            .args(["--print", "sysroot"]),
+    )?;
     let libdir = PathBuf::from(sysroot.trim()).join("lib");
     let llvm = fs::read_dir(&libdir)
         .with_context(|| format!("reading {}", libdir.display()))?
@@ -217,7 +270,10 @@ fn bpf_linker() -> Result<()> {
         .filter_map(|e| e.file_name().into_string().ok())
         .find(|n| n.starts_with("libLLVM-") && n.ends_with(".so"))
         .with_context(|| format!("no libLLVM-*.so in {}", libdir.display()))?;
-    let llvm = llvm.trim_start_matches("lib").trim_end_matches(".so").to_string();
+    let llvm = llvm
+        .trim_start_matches("lib")
+        .trim_end_matches(".so")
+        .to_string();
     let major = llvm
         .trim_start_matches("LLVM-")
         .split(|c: char| !c.is_ascii_digit())
@@ -226,7 +282,10 @@ fn bpf_linker() -> Result<()> {
         .with_context(|| format!("cannot read the LLVM major version from {llvm}"))?
         .to_string();
     eprintln!("xtask: building bpf-linker {BPF_LINKER_VERSION} against {llvm} (about a minute)");
-    let rustflags = format!("-L {0} -l dylib={llvm} -C link-arg=-Wl,-rpath,{0}", libdir.display());
+    let rustflags = format!(
+        "-L {0} -l dylib={llvm} -C link-arg=-Wl,-rpath,{0}",
+        libdir.display()
+    );
     run(cargo(&[
         "install",
         "bpf-linker",
@@ -249,7 +308,13 @@ fn bpf_linker() -> Result<()> {
 // commands
 
 fn build() -> Result<()> {
-    run(&mut cargo(&["build", "--release", "-p", "fastpath", "--bins"]))
+    run(&mut cargo(&[
+        "build",
+        "--release",
+        "-p",
+        "fastpath",
+        "--bins",
+    ]))
 }
 
 fn test(extra: &[String]) -> Result<()> {
@@ -257,22 +322,46 @@ fn test(extra: &[String]) -> Result<()> {
     run(&mut cargo(&["fmt", "--all", "--check"]))
         .context("code is not formatted: run `cargo +1.99.1 fmt --all`")?;
     // One thread: the datapath and namespace tests share kernel state (bpffs, interfaces).
-    run(cargo(&["test", "--release", "--no-fail-fast"]).arg("--").arg("--test-threads=1").args(extra))
+    run(cargo(&["test", "--release", "--no-fail-fast"])
+        .arg("--")
+        .arg("--test-threads=1")
+        .args(extra))
 }
 
 fn demo(extra: &[String]) -> Result<()> {
     require_root("demo")?;
-    run(&mut cargo(&["build", "--release", "-p", "fastpath", "--bins", "--examples"]))?;
+    run(&mut cargo(&[
+        "build",
+        "--release",
+        "-p",
+        "fastpath",
+        "--bins",
+        "--examples",
+    ]))?;
     run(cmd("target/release/examples/demo").args(extra))
 }
 
 fn bench(extra: &[String]) -> Result<()> {
     require_root("bench")?;
-    run(&mut cargo(&["build", "--release", "-p", "fastpath", "--examples"]))?;
+    run(&mut cargo(&[
+        "build",
+        "--release",
+        "-p",
+        "fastpath",
+        "--examples",
+    ]))?;
     run(cmd("target/release/examples/bench").args(extra))
 }
 
 fn lint() -> Result<()> {
     run(&mut cargo(&["fmt", "--all", "--check"]))?;
-    run(&mut cargo(&["clippy", "--workspace", "--all-targets", "--release", "--", "-D", "warnings"]))
+    run(&mut cargo(&[
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--release",
+        "--",
+        "-D",
+        "warnings",
+    ]))
 }

@@ -237,7 +237,8 @@ fn well_formed() -> Vec<Case> {
         kernel(
             Xdp,
             "ipv6_hop_by_hop_beyond_parser_window",
-            v6().ipv6_ext(Ipv6Ext::HopByHop { len_units: 130 }).tcp(1, 2, tcp_flags::SYN),
+            v6().ipv6_ext(Ipv6Ext::HopByHop { len_units: 130 })
+                .tcp(1, 2, tcp_flags::SYN),
             reason::HEADERS_TOO_DEEP,
         ),
         kernel(
