@@ -21,7 +21,7 @@ use tracing::{info, warn};
 use crate::{
     EBPF_OBJECT,
     config::Config,
-    datapath::{Datapath, DatapathError},
+    datapath::{self, Datapath, DatapathError},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -85,6 +85,12 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
                 .collect();
             for p in created {
                 let _ = std::fs::remove_file(p);
+            }
+            // A first start that failed leaves nothing behind: its fresh maps go too.
+            let fresh = !dp.maps_reused;
+            drop(dp);
+            if fresh {
+                let _ = datapath::remove_pins(&pin_dir);
             }
             return Err(e.into());
         }

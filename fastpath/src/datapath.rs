@@ -517,9 +517,15 @@ fn attach_xdp_mode(
     iface: &str,
     mode: AyaXdpMode,
 ) -> Result<aya::programs::xdp::XdpLinkId, DatapathError> {
+    let hint = match mode {
+        AyaXdpMode::Driver => {
+            " (native mode needs driver support; xdp = \"auto\" falls back to generic, xdp = \"generic\" forces it)"
+        }
+        _ => "",
+    };
     prog.attach(c_iface.as_c_str(), mode)
         .map_err(|source| DatapathError::Program {
-            what: format!("attaching XDP ({mode:?}) to {iface}"),
+            what: format!("attaching XDP ({mode:?}) to {iface}{hint}"),
             source,
         })
 }

@@ -1,6 +1,6 @@
 //! `fastpath`: the daemon and its command-line tools, one binary.
 
-use std::{fs::File, os::fd::AsRawFd as _, path::PathBuf, process::ExitCode};
+use std::{fs::File, io::IsTerminal as _, os::fd::AsRawFd as _, path::PathBuf, process::ExitCode};
 
 use clap::{Parser, Subcommand, ValueEnum};
 use fastpath::{
@@ -108,13 +108,13 @@ enum ConfigCommand {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.log_format);
-    if let Some(ns) = &cli.netns {
-        if let Err(e) = enter_netns(ns) {
-            eprintln!(
-                "error: entering network namespace {ns:?}: {e}; list namespaces with `ip netns list`"
-            );
-            return ExitCode::from(EXIT_USAGE);
-        }
+    if let Some(ns) = &cli.netns
+        && let Err(e) = enter_netns(ns)
+    {
+        eprintln!(
+            "error: entering network namespace {ns:?}: {e}; list namespaces with `ip netns list`"
+        );
+        return ExitCode::from(EXIT_USAGE);
     }
     match cli.command {
         Command::Daemon {
@@ -211,6 +211,7 @@ fn init_tracing(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),

@@ -50,10 +50,10 @@ impl StatsSnapshot {
                 sum.packets += c.packets;
                 sum.bytes += c.bytes;
             }
-            if sum.packets != 0 || sum.bytes != 0 {
-                if let Some((h, v, r)) = stats_slot(index) {
-                    slots.insert((h as u32, v as u32, r), sum);
-                }
+            if (sum.packets != 0 || sum.bytes != 0)
+                && let Some((h, v, r)) = stats_slot(index)
+            {
+                slots.insert((h as u32, v as u32, r), sum);
             }
         }
         Ok(StatsSnapshot { slots })
