@@ -93,6 +93,13 @@ pub struct InterfaceConfig {
     pub tc_egress: bool,
 }
 
+/// Whether validation requires the named interfaces to exist in this network namespace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InterfaceCheck {
+    MustExist,
+    Skip,
+}
+
 /// A configuration problem, located in the file.
 #[derive(Debug, thiserror::Error)]
 pub struct ConfigError {
@@ -131,6 +138,16 @@ impl Config {
 
     /// Parses and validates `text` (read from `path`, used in messages).
     pub fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
+        Config::parse_with(path, text, InterfaceCheck::MustExist)
+    }
+
+    /// As [`Config::parse`], optionally without checking that interfaces exist here (for
+    /// files meant for another machine, such as the examples in `config/`).
+    pub fn parse_with(
+        path: &Path,
+        text: &str,
+        interfaces: InterfaceCheck,
+    ) -> Result<Config, ConfigError> {
         let config: Config = toml::from_str(text).map_err(|e| {
             let line = e.span().map(|s| line_of(text, s.start));
             ConfigError {
@@ -143,11 +160,16 @@ impl Config {
                 ),
             }
         })?;
-        config.validate(path, text)?;
+        config.validate(path, text, interfaces)?;
         Ok(config)
     }
 
-    fn validate(&self, path: &Path, text: &str) -> Result<(), ConfigError> {
+    fn validate(
+        &self,
+        path: &Path,
+        text: &str,
+        interfaces: InterfaceCheck,
+    ) -> Result<(), ConfigError> {
         let err = |span: Range<usize>, key: String, message: String| ConfigError {
             path: path.to_owned(),
             line: (span.end > 0).then(|| line_of(text, span.start)),
@@ -188,7 +210,7 @@ impl Config {
                     ),
                 ));
             }
-            if ifindex(name).is_none() {
+            if interfaces == InterfaceCheck::MustExist && ifindex(name).is_none() {
                 return Err(err(
                     iface.name.span(),
                     key,
@@ -234,6 +256,27 @@ mod tests {
 
     fn parse(text: &str) -> Result<Config, ConfigError> {
         Config::parse(Path::new("test.toml"), text)
+    }
+
+    #[test]
+    fn example_configs_are_valid() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).expect("config/ exists") {
+            let path = entry.expect("readable entry").path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                let text = std::fs::read_to_string(&path).expect("readable example");
+                if let Err(e) = Config::parse_with(&path, &text, InterfaceCheck::Skip) {
+                    panic!("example {} is invalid: {e}", path.display());
+                }
+                seen += 1;
+            }
+        }
+        assert!(
+            seen >= 2,
+            "expected the example configs in {}",
+            dir.display()
+        );
     }
 
     #[test]

@@ -4,7 +4,7 @@ use std::{fs::File, io::IsTerminal as _, os::fd::AsRawFd as _, path::PathBuf, pr
 
 use clap::{Parser, Subcommand, ValueEnum};
 use fastpath::{
-    config::{Config, DEFAULT_PIN_DIR},
+    config::{Config, ConfigError, DEFAULT_PIN_DIR, InterfaceCheck},
     daemon::{self, DaemonOptions},
     datapath,
 };
@@ -102,6 +102,9 @@ enum ConfigCommand {
     Check {
         /// TOML config file.
         file: PathBuf,
+        /// Do not require the interfaces to exist here (checking a file for another machine).
+        #[arg(long)]
+        skip_interfaces: bool,
     },
 }
 
@@ -169,8 +172,12 @@ fn main() -> ExitCode {
             }
         },
         Command::Config {
-            command: ConfigCommand::Check { file },
-        } => match Config::load(&file) {
+            command:
+                ConfigCommand::Check {
+                    file,
+                    skip_interfaces,
+                },
+        } => match load_config(&file, skip_interfaces) {
             Ok(c) => {
                 println!(
                     "{}: ok ({} interface(s), pin_dir {})",
@@ -205,6 +212,19 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+fn load_config(file: &std::path::Path, skip_interfaces: bool) -> Result<Config, ConfigError> {
+    if !skip_interfaces {
+        return Config::load(file);
+    }
+    let text = std::fs::read_to_string(file).map_err(|e| ConfigError {
+        path: file.to_owned(),
+        line: None,
+        key: None,
+        message: format!("cannot read the config file: {e}"),
+    })?;
+    Config::parse_with(file, &text, InterfaceCheck::Skip)
 }
 
 fn init_tracing(format: LogFormat) {
