@@ -127,13 +127,18 @@ impl fmt::Display for ConfigError {
 impl Config {
     /// Reads, parses and validates `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        Config::load_with(path, InterfaceCheck::MustExist)
+    }
+
+    /// As [`Config::load`], optionally without requiring the interfaces to exist here.
+    pub fn load_with(path: &Path, interfaces: InterfaceCheck) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
             path: path.to_owned(),
             line: None,
             key: None,
             message: format!("cannot read the config file: {e}; check the path given to --config"),
         })?;
-        Config::parse(path, &text)
+        Config::parse_with(path, &text, interfaces)
     }
 
     /// Parses and validates `text` (read from `path`, used in messages).

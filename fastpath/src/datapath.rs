@@ -18,10 +18,11 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, MapData, PerCpuArray},
     programs::{
-        LinkOrder, SchedClassifier, TcAttach, TcAttachType, Xdp, XdpMode as AyaXdpMode,
-        links::{FdLink, PinnedLink},
-        tc::SchedClassifierLink,
-        xdp::XdpLink,
+        LinkOrder, ProgramError, SchedClassifier, TcAttach, TcAttachType, Xdp,
+        XdpMode as AyaXdpMode,
+        links::{FdLink, LinkError, PinnedLink},
+        tc::{SchedClassifierLink, SchedClassifierLinkId},
+        xdp::{XdpLink, XdpLinkId},
     },
 };
 use fastpath_common::{Counter, DatapathConfig, map_names, program_names};
@@ -237,47 +238,9 @@ impl Datapath {
     fn attach_xdp(&mut self, iface: &str, mode: XdpMode) -> Result<(), DatapathError> {
         let pin = self.link_pin(iface, HookKind::Xdp);
         let prog: &mut Xdp = program(&mut self.ebpf, program_names::XDP)?;
-        if let Some(old) = open_pinned(&pin)? {
-            let replaced = XdpLink::try_from(old)
-                .map_err(|source| DatapathError::Link {
-                    what: format!("reading {}", pin.display()),
-                    source,
-                })
-                .and_then(|link| {
-                    prog.attach_to_link(link)
-                        .map_err(|source| DatapathError::Program {
-                            what: format!("replacing the program of {}", pin.display()),
-                            source,
-                        })
-                });
-            match replaced {
-                Ok(id) => {
-                    let link = prog
-                        .take_link(id)
-                        .map_err(|source| DatapathError::Program {
-                            what: "taking the XDP link".into(),
-                            source,
-                        })?;
-                    let fd = FdLink::try_from(link).map_err(|source| DatapathError::Link {
-                        what: "XDP link".into(),
-                        source,
-                    })?;
-                    info!(iface, pin = %pin.display(), "Reused pinned XDP link; program replaced in place");
-                    self.attachments.push(Attachment {
-                        iface: iface.into(),
-                        hook: HookKind::Xdp,
-                        mode: "pinned",
-                        reused: true,
-                        pin,
-                        _link: fd,
-                    });
-                    return Ok(());
-                }
-                Err(e) => {
-                    warn!(iface, pin = %pin.display(), error = %e, "Pinned XDP link is stale; attaching afresh");
-                    remove_pin(&pin)?;
-                }
-            }
+        if let Some(fd) = reuse_pinned(prog, &pin)? {
+            self.record(iface, HookKind::Xdp, "pinned", true, pin, fd);
+            return Ok(());
         }
         let c_iface = iface_cstr(iface)?;
         let (id, mode_name) = match mode {
@@ -302,26 +265,8 @@ impl Datapath {
                 }
             }
         };
-        let link = prog
-            .take_link(id)
-            .map_err(|source| DatapathError::Program {
-                what: "taking the XDP link".into(),
-                source,
-            })?;
-        let fd = FdLink::try_from(link).map_err(|source| DatapathError::Link {
-            what: format!("XDP link on {iface} is not a bpf_link"),
-            source,
-        })?;
-        let fd = pin_link(fd, &pin)?;
-        info!(iface, mode = mode_name, pin = %pin.display(), "Attached XDP program");
-        self.attachments.push(Attachment {
-            iface: iface.into(),
-            hook: HookKind::Xdp,
-            mode: mode_name,
-            reused: false,
-            pin,
-            _link: fd,
-        });
+        let fd = pin_link(prog.take_fd_link(id)?, &pin)?;
+        self.record(iface, HookKind::Xdp, mode_name, false, pin, fd);
         Ok(())
     }
 
@@ -332,47 +277,9 @@ impl Datapath {
         };
         let pin = self.link_pin(iface, hook);
         let prog: &mut SchedClassifier = program(&mut self.ebpf, name)?;
-        if let Some(old) = open_pinned(&pin)? {
-            let replaced = SchedClassifierLink::try_from(old)
-                .map_err(|source| DatapathError::Link {
-                    what: format!("reading {}", pin.display()),
-                    source,
-                })
-                .and_then(|link| {
-                    prog.attach_to_link(link)
-                        .map_err(|source| DatapathError::Program {
-                            what: format!("replacing the program of {}", pin.display()),
-                            source,
-                        })
-                });
-            match replaced {
-                Ok(id) => {
-                    let link = prog
-                        .take_link(id)
-                        .map_err(|source| DatapathError::Program {
-                            what: "taking the TC link".into(),
-                            source,
-                        })?;
-                    let fd = FdLink::try_from(link).map_err(|source| DatapathError::Link {
-                        what: "TC link".into(),
-                        source,
-                    })?;
-                    info!(iface, hook = hook.suffix(), pin = %pin.display(), "Reused pinned TCX link; program replaced in place");
-                    self.attachments.push(Attachment {
-                        iface: iface.into(),
-                        hook,
-                        mode: "pinned",
-                        reused: true,
-                        pin,
-                        _link: fd,
-                    });
-                    return Ok(());
-                }
-                Err(e) => {
-                    warn!(iface, pin = %pin.display(), error = %e, "Pinned TCX link is stale; attaching afresh");
-                    remove_pin(&pin)?;
-                }
-            }
+        if let Some(fd) = reuse_pinned(prog, &pin)? {
+            self.record(iface, hook, "pinned", true, pin, fd);
+            return Ok(());
         }
         let c_iface = iface_cstr(iface)?;
         let id = prog
@@ -387,27 +294,42 @@ impl Datapath {
                 what: format!("attaching {name} to {iface} (TCX {})", hook.suffix()),
                 source,
             })?;
-        let link = prog
-            .take_link(id)
-            .map_err(|source| DatapathError::Program {
-                what: "taking the TC link".into(),
-                source,
-            })?;
-        let fd = FdLink::try_from(link).map_err(|source| DatapathError::Link {
-            what: format!("TC link on {iface} is not a bpf_link"),
-            source,
-        })?;
-        let fd = pin_link(fd, &pin)?;
-        info!(iface, hook = hook.suffix(), mode = "tcx", pin = %pin.display(), "Attached TC program");
+        let fd = pin_link(prog.take_fd_link(id)?, &pin)?;
+        self.record(iface, hook, "tcx", false, pin, fd);
+        Ok(())
+    }
+
+    /// Logs and keeps one attachment.
+    fn record(
+        &mut self,
+        iface: &str,
+        hook: HookKind,
+        mode: &'static str,
+        reused: bool,
+        pin: PathBuf,
+        link: FdLink,
+    ) {
+        let pin_s = pin.display();
+        match (reused, hook) {
+            (true, HookKind::Xdp) => {
+                info!(iface, pin = %pin_s, "Reused pinned XDP link; program replaced in place")
+            }
+            (true, _) => {
+                info!(iface, hook = hook.suffix(), pin = %pin_s, "Reused pinned TCX link; program replaced in place")
+            }
+            (false, HookKind::Xdp) => info!(iface, mode, pin = %pin_s, "Attached XDP program"),
+            (false, _) => {
+                info!(iface, hook = hook.suffix(), mode, pin = %pin_s, "Attached TC program")
+            }
+        }
         self.attachments.push(Attachment {
             iface: iface.into(),
             hook,
-            mode: "tcx",
-            reused: false,
+            mode,
+            reused,
             pin,
-            _link: fd,
+            _link: link,
         });
-        Ok(())
     }
 
     /// Detaches pinned links that the current configuration no longer names (left by an
@@ -498,6 +420,90 @@ pub fn pinned_stats(pin_dir: &Path) -> Result<StatsSnapshot, DatapathError> {
     Ok(StatsSnapshot::read(&array)?)
 }
 
+/// The program kinds attached through bpf_links (XDP, TCX), seen alike for pinning.
+trait LinkedProgram {
+    type Link: TryFrom<FdLink, Error = LinkError>;
+    type LinkId;
+    /// Atomically swaps this program into `link` (bpf_link_update).
+    fn replace_in(&mut self, link: Self::Link) -> Result<Self::LinkId, ProgramError>;
+    /// Takes ownership of an attached link as a plain fd link.
+    fn take_fd_link(&mut self, id: Self::LinkId) -> Result<FdLink, DatapathError>;
+}
+
+impl LinkedProgram for Xdp {
+    type Link = XdpLink;
+    type LinkId = XdpLinkId;
+    fn replace_in(&mut self, link: XdpLink) -> Result<XdpLinkId, ProgramError> {
+        self.attach_to_link(link)
+    }
+    fn take_fd_link(&mut self, id: XdpLinkId) -> Result<FdLink, DatapathError> {
+        let link = self
+            .take_link(id)
+            .map_err(|source| DatapathError::Program {
+                what: "taking the XDP link".into(),
+                source,
+            })?;
+        FdLink::try_from(link).map_err(|source| DatapathError::Link {
+            what: "the XDP link is not a bpf_link (kernel too old?)".into(),
+            source,
+        })
+    }
+}
+
+impl LinkedProgram for SchedClassifier {
+    type Link = SchedClassifierLink;
+    type LinkId = SchedClassifierLinkId;
+    fn replace_in(
+        &mut self,
+        link: SchedClassifierLink,
+    ) -> Result<SchedClassifierLinkId, ProgramError> {
+        self.attach_to_link(link)
+    }
+    fn take_fd_link(&mut self, id: SchedClassifierLinkId) -> Result<FdLink, DatapathError> {
+        let link = self
+            .take_link(id)
+            .map_err(|source| DatapathError::Program {
+                what: "taking the TC link".into(),
+                source,
+            })?;
+        FdLink::try_from(link).map_err(|source| DatapathError::Link {
+            what: "the TC link is not a bpf_link (kernel without TCX?)".into(),
+            source,
+        })
+    }
+}
+
+/// Swaps `prog` into the link pinned at `pin`, if there is one still attached. A stale pin
+/// (its interface gone, or of another kind) is removed so the caller attaches afresh.
+fn reuse_pinned<P: LinkedProgram>(
+    prog: &mut P,
+    pin: &Path,
+) -> Result<Option<FdLink>, DatapathError> {
+    let Some(old) = open_pinned(pin)? else {
+        return Ok(None);
+    };
+    let replaced = P::Link::try_from(old)
+        .map_err(|source| DatapathError::Link {
+            what: format!("reading {}", pin.display()),
+            source,
+        })
+        .and_then(|link| {
+            prog.replace_in(link)
+                .map_err(|source| DatapathError::Program {
+                    what: format!("replacing the program of {}", pin.display()),
+                    source,
+                })
+        });
+    match replaced {
+        Ok(id) => Ok(Some(prog.take_fd_link(id)?)),
+        Err(e) => {
+            warn!(pin = %pin.display(), error = %e, "Pinned link is stale; attaching afresh");
+            remove_pin(pin)?;
+            Ok(None)
+        }
+    }
+}
+
 fn program<'a, T>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut T, DatapathError>
 where
     &'a mut T: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
@@ -516,7 +522,7 @@ fn attach_xdp_mode(
     c_iface: &CString,
     iface: &str,
     mode: AyaXdpMode,
-) -> Result<aya::programs::xdp::XdpLinkId, DatapathError> {
+) -> Result<XdpLinkId, DatapathError> {
     let hint = match mode {
         AyaXdpMode::Driver => {
             " (native mode needs driver support; xdp = \"auto\" falls back to generic, xdp = \"generic\" forces it)"

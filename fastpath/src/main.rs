@@ -4,7 +4,7 @@ use std::{fs::File, io::IsTerminal as _, os::fd::AsRawFd as _, path::PathBuf, pr
 
 use clap::{Parser, Subcommand, ValueEnum};
 use fastpath::{
-    config::{Config, ConfigError, DEFAULT_PIN_DIR, InterfaceCheck},
+    config::{Config, DEFAULT_PIN_DIR, InterfaceCheck},
     daemon::{self, DaemonOptions},
     datapath,
 };
@@ -177,7 +177,14 @@ fn main() -> ExitCode {
                     file,
                     skip_interfaces,
                 },
-        } => match load_config(&file, skip_interfaces) {
+        } => match Config::load_with(
+            &file,
+            if skip_interfaces {
+                InterfaceCheck::Skip
+            } else {
+                InterfaceCheck::MustExist
+            },
+        ) {
             Ok(c) => {
                 println!(
                     "{}: ok ({} interface(s), pin_dir {})",
@@ -212,19 +219,6 @@ fn main() -> ExitCode {
             }
         }
     }
-}
-
-fn load_config(file: &std::path::Path, skip_interfaces: bool) -> Result<Config, ConfigError> {
-    if !skip_interfaces {
-        return Config::load(file);
-    }
-    let text = std::fs::read_to_string(file).map_err(|e| ConfigError {
-        path: file.to_owned(),
-        line: None,
-        key: None,
-        message: format!("cannot read the config file: {e}"),
-    })?;
-    Config::parse_with(file, &text, InterfaceCheck::Skip)
 }
 
 fn init_tracing(format: LogFormat) {
