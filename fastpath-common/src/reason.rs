@@ -56,11 +56,12 @@ pub const TRUNC_IPV6_EXT: u32 = 20;
 pub const TRUNC_L4: u32 = 21;
 /// IPv4 IHL below 5 (a header shorter than 20 bytes).
 pub const BAD_IPV4_IHL: u32 = 22;
-/// IPv4 total length shorter than its header, or longer than the frame.
+/// IPv4 total length shorter than its header (0 only on packets up to 64 KiB), or longer than
+/// the frame.
 pub const BAD_IPV4_TOTAL_LEN: u32 = 23;
 /// The IP version nibble disagrees with the ethertype.
 pub const BAD_IP_VERSION: u32 = 24;
-/// IPv6 payload length longer than the frame (or zero: jumbograms are not forwarded).
+/// IPv6 payload length longer than the frame, or zero on a packet up to 64 KiB.
 pub const BAD_IPV6_PAYLOAD_LEN: u32 = 25;
 /// TCP data offset below 5, or a TCP header longer than the IP payload.
 pub const BAD_TCP_DATA_OFFSET: u32 = 26;
@@ -73,8 +74,12 @@ pub const HEADERS_NOT_LINEAR: u32 = 27;
 /// frame, e.g. a huge hop-by-hop header): the kernel handles them.
 pub const HEADERS_TOO_DEEP: u32 = 28;
 
+/// An IP length field of 0 on a packet over 64 KiB: a BIG TCP / GSO super-packet or an IPv6
+/// jumbogram. Well-formed; the kernel handles it.
+pub const GSO_JUMBO: u32 = 29;
+
 /// One past the highest code in use. Append new codes above this line and bump it.
-pub const COUNT: u32 = 29;
+pub const COUNT: u32 = 30;
 /// Slots reserved per (hook, verdict) in the stats map; codes must stay below this.
 pub const SLOTS: u32 = 64;
 
@@ -111,6 +116,7 @@ pub const NAMES: [&str; COUNT as usize] = [
     "bad_tcp_data_offset",
     "headers_not_linear",
     "headers_too_deep",
+    "gso_jumbo",
 ];
 
 /// Name of a code, or `"unknown"` for a code this build does not know (a newer datapath).

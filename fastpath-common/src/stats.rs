@@ -13,6 +13,8 @@ pub enum Hook {
 
 impl Hook {
     pub const COUNT: u32 = 3;
+    /// Slots reserved for hooks in the stats map (room for one more without a layout change).
+    pub const SLOTS: u32 = 4;
     pub const ALL: [Hook; 3] = [Hook::Xdp, Hook::TcIngress, Hook::TcEgress];
 
     pub const fn name(self) -> &'static str {
@@ -38,6 +40,8 @@ pub enum Verdict {
 
 impl Verdict {
     pub const COUNT: u32 = 3;
+    /// Slots reserved for verdicts in the stats map (room for one more without a layout change).
+    pub const SLOTS: u32 = 4;
     pub const ALL: [Verdict; 3] = [Verdict::Kernel, Verdict::Drop, Verdict::Forward];
 
     pub const fn name(self) -> &'static str {
@@ -49,13 +53,20 @@ impl Verdict {
     }
 }
 
-/// Entries in the stats map: one slot per (hook, verdict, reason).
-pub const STATS_ENTRIES: u32 = Hook::COUNT * Verdict::COUNT * reason::SLOTS;
+/// Entries in the stats map: one slot per (hook, verdict, reason), with reserved room so that
+/// a new hook, verdict or reason never changes the pinned map's size or moves a slot.
+pub const STATS_ENTRIES: u32 = Hook::SLOTS * Verdict::SLOTS * reason::SLOTS;
 
-/// Index of (hook, verdict, reason) in the stats map. One lookup per packet.
+/// Index of (hook, verdict, reason) in the stats map. One lookup per packet. A reason code
+/// out of range is counted under `reason::NONE`, never merged into another code.
 #[inline(always)]
 pub const fn stats_index(hook: Hook, verdict: Verdict, reason: u32) -> u32 {
-    ((hook as u32) * Verdict::COUNT + (verdict as u32)) * reason::SLOTS + (reason % reason::SLOTS)
+    let reason = if reason < reason::SLOTS {
+        reason
+    } else {
+        reason::NONE
+    };
+    ((hook as u32) * Verdict::SLOTS + (verdict as u32)) * reason::SLOTS + reason
 }
 
 /// Inverse of [`stats_index`]: (hook, verdict, reason) of an index, if in range.
@@ -65,9 +76,11 @@ pub const fn stats_slot(index: u32) -> Option<(Hook, Verdict, u32)> {
     }
     let reason = index % reason::SLOTS;
     let hv = index / reason::SLOTS;
-    let hook = Hook::ALL[(hv / Verdict::COUNT) as usize];
-    let verdict = Verdict::ALL[(hv % Verdict::COUNT) as usize];
-    Some((hook, verdict, reason))
+    let (h, v) = (hv / Verdict::SLOTS, hv % Verdict::SLOTS);
+    if h >= Hook::COUNT || v >= Verdict::COUNT {
+        return None; // reserved slot
+    }
+    Some((Hook::ALL[h as usize], Verdict::ALL[v as usize], reason))
 }
 
 /// A packet and byte counter. Per-CPU in the map; userspace sums the CPUs.
@@ -78,6 +91,8 @@ pub struct Counter {
     pub bytes: u64,
 }
 const _: () = assert!(core::mem::size_of::<Counter>() == 16);
+const _: () = assert!(core::mem::offset_of!(Counter, packets) == 0);
+const _: () = assert!(core::mem::offset_of!(Counter, bytes) == 8);
 
 /// Runtime knobs read by the datapath (index 0 of the config array). Append-only.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -89,6 +104,7 @@ pub struct DatapathConfig {
     pub _reserved: [u32; 15],
 }
 const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 64);
+const _: () = assert!(core::mem::offset_of!(DatapathConfig, flags) == 0);
 
 /// Drop malformed packets (with their reason) instead of handing them to the kernel.
 pub const CONFIG_F_DROP_MALFORMED: u32 = 1 << 0;
@@ -117,5 +133,10 @@ mod tests {
             }
         }
         assert_eq!(stats_slot(STATS_ENTRIES), None);
+        // Out-of-range codes land in the NONE slot, not in another code's.
+        assert_eq!(
+            stats_index(Hook::Xdp, Verdict::Kernel, reason::SLOTS + 1),
+            stats_index(Hook::Xdp, Verdict::Kernel, reason::NONE)
+        );
     }
 }

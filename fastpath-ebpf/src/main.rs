@@ -7,10 +7,11 @@ mod maps;
 mod packet;
 mod parse;
 mod pipeline;
+mod ratelimit;
 mod stats;
 
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action},
+    bindings::{TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, xdp_action},
     macros::{classifier, xdp},
     programs::{TcContext, XdpContext},
 };
@@ -18,8 +19,8 @@ use fastpath_common::{Hook, Verdict};
 
 use crate::packet::Packet;
 
-/// Bytes made linear in TC before parsing: every header the parser reads fits in it for
-/// ordinary packets (Ethernet + 2 VLAN + IPv6 + a few extension headers + TCP).
+/// Bytes made linear in TC when the headers are not: every header the parser reads fits in it
+/// for ordinary packets (Ethernet + 2 VLAN + IPv6 + a few extension headers + TCP).
 const PULL_LEN: u32 = 256;
 
 #[xdp]
@@ -57,24 +58,38 @@ pub fn fastpath_tc_egress(ctx: TcContext) -> i32 {
 #[inline(always)]
 fn tc(ctx: TcContext, hook: Hook) -> i32 {
     let len = ctx.len();
-    let want = if len < PULL_LEN { len } else { PULL_LEN };
-    if ((ctx.data_end() - ctx.data()) as u32) < want {
-        // On failure (skb allocation) the parser reports headers_not_linear and the kernel
-        // gets the packet; that is rare enough to log rather than count.
-        if let Err(err) = ctx.pull_data(want) {
-            aya_log_ebpf::warn!(&ctx, "bpf_skb_pull_data({}) failed: {}", want, err);
+    let (mut verdict, mut reason) = pipeline::run(&tc_packet(&ctx));
+    if reason == fastpath_common::reason::HEADERS_NOT_LINEAR {
+        // Headers beyond the linear area: make the first bytes linear and look again. Only
+        // here, never per packet: a pull may copy (and reallocate cloned skbs).
+        let want = if len < PULL_LEN { len } else { PULL_LEN };
+        match ctx.pull_data(want) {
+            Ok(()) => (verdict, reason) = pipeline::run(&tc_packet(&ctx)),
+            Err(err) => {
+                if ratelimit::allow() {
+                    aya_log_ebpf::warn!(&ctx, "bpf_skb_pull_data({}) failed: {}", want, err);
+                }
+            }
         }
     }
-    let pkt = Packet {
-        data: ctx.data(),
-        data_end: ctx.data_end(),
-        len: len as usize,
-    };
-    let (verdict, reason) = pipeline::run(&pkt);
     stats::count(hook, verdict, reason, len as usize);
     match verdict {
         Verdict::Drop => TC_ACT_SHOT,
-        Verdict::Kernel | Verdict::Forward => TC_ACT_OK,
+        // TC_ACT_UNSPEC is TCX_NEXT: later TCX programs and tc filters still run, then the
+        // stack. TC_ACT_OK would end the chain here and hide the packet from them.
+        Verdict::Kernel => TC_ACT_UNSPEC,
+        // No stage forwards yet; see fastpath_xdp.
+        Verdict::Forward => TC_ACT_UNSPEC,
+    }
+}
+
+/// The packet bounds of an skb; re-read after anything that can move packet data.
+#[inline(always)]
+fn tc_packet(ctx: &TcContext) -> Packet {
+    Packet {
+        data: ctx.data(),
+        data_end: ctx.data_end(),
+        len: ctx.len() as usize,
     }
 }
 

@@ -17,3 +17,8 @@ pub static FP_STATS: PerCpuArray<Counter> = PerCpuArray::pinned(STATS_ENTRIES, 0
 /// Read only on rare paths (malformed packets), never on the per-packet fast path.
 #[map(name = "FP_CONFIG")]
 pub static FP_CONFIG: Array<DatapathConfig> = Array::pinned(1, 0);
+
+/// Time of the last rare-event log record on each CPU (ns, monotonic): see `ratelimit`.
+/// Not pinned: losing it on restart only allows one early record.
+#[map(name = "FP_LOG_RATELIMIT")]
+pub static FP_LOG_RATELIMIT: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);

@@ -28,6 +28,10 @@ pub const IPPROTO_FRAGMENT: u8 = 44;
 pub const IPPROTO_ICMPV6: u8 = 58;
 pub const IPPROTO_DSTOPTS: u8 = 60;
 
+/// Frames longer than this cannot carry a 16-bit IP length: a zero length then means BIG TCP
+/// or a jumbogram, not a malformed header.
+const JUMBO_LEN: usize = 65_535 + ETH_HLEN + 8;
+
 /// IPv6 extension headers walked before giving up (each costs a bounded loop iteration).
 pub const MAX_IPV6_EXT: usize = 6;
 /// VLAN tags honoured (802.1Q, 802.1ad/QinQ).
@@ -46,10 +50,11 @@ pub struct Parsed {
     pub l4_proto: u8,
     /// Non-zero when the packet is (part of) a fragment; L4 fields are then not parsed.
     pub fragment: u8,
-    pub l3_off: u16,
-    pub l4_off: u16,
+    /// Offsets are u32: at TC a GSO packet's IP length is up to 64 KiB, plus L2 headers.
+    pub l3_off: u32,
+    pub l4_off: u32,
     /// End of the IP packet per its length field (the frame may carry padding beyond it).
-    pub l3_end: u16,
+    pub l3_end: u32,
     /// TCP flags byte (FIN 0x01, SYN 0x02, RST 0x04, PSH 0x08, ACK 0x10, ...).
     pub tcp_flags: u8,
     pub icmp_type: u8,
@@ -143,7 +148,7 @@ pub fn parse(pkt: &Packet) -> Result<Parsed, u32> {
         }
     }
 
-    p.l3_off = off as u16;
+    p.l3_off = off as u32;
     match ethertype {
         ETH_P_IPV4 => parse_ipv4(pkt, off, &mut p)?,
         ETH_P_IPV6 => parse_ipv6(pkt, off, &mut p)?,
@@ -177,6 +182,10 @@ fn parse_ipv4(pkt: &Packet, off: usize, p: &mut Parsed) -> Result<(), u32> {
         }
     }
     let total_len = be16([h[2], h[3]]) as usize;
+    if total_len == 0 && pkt.len > JUMBO_LEN {
+        // BIG TCP: the kernel's GSO super-packets over 64 KiB carry a zero length.
+        return Err(reason::GSO_JUMBO);
+    }
     if total_len < hdr_len || !pkt.within_frame(off, total_len) {
         return Err(reason::BAD_IPV4_TOTAL_LEN);
     }
@@ -187,8 +196,8 @@ fn parse_ipv4(pkt: &Packet, off: usize, p: &mut Parsed) -> Result<(), u32> {
     }
     p.family = FAMILY_IPV4;
     p.l4_proto = h[9];
-    p.l4_off = (off + hdr_len) as u16;
-    p.l3_end = (off + total_len) as u16;
+    p.l4_off = (off + hdr_len) as u32;
+    p.l3_end = (off + total_len) as u32;
     p.src_addr[..4].copy_from_slice(&h[12..16]);
     p.dst_addr[..4].copy_from_slice(&h[16..20]);
     Ok(())
@@ -203,12 +212,16 @@ fn parse_ipv6(pkt: &Packet, off: usize, p: &mut Parsed) -> Result<(), u32> {
         return Err(reason::BAD_IP_VERSION);
     }
     let payload_len = be16([h[4], h[5]]) as usize;
+    if payload_len == 0 && (pkt.len > JUMBO_LEN || h[6] == IPPROTO_HOPOPTS) {
+        // BIG TCP super-packet, or a jumbogram (its length is in a hop-by-hop option).
+        return Err(reason::GSO_JUMBO);
+    }
     if payload_len == 0 || !pkt.within_frame(off + 40, payload_len) {
         return Err(reason::BAD_IPV6_PAYLOAD_LEN);
     }
     let l3_end = off + 40 + payload_len;
     p.family = FAMILY_IPV6;
-    p.l3_end = l3_end as u16;
+    p.l3_end = l3_end as u32;
     p.src_addr.copy_from_slice(&h[8..24]);
     p.dst_addr.copy_from_slice(&h[24..40]);
 
@@ -240,12 +253,12 @@ fn parse_ipv6(pkt: &Packet, off: usize, p: &mut Parsed) -> Result<(), u32> {
                     .ok_or_else(|| missing(pkt, cur, 8, reason::TRUNC_IPV6_EXT))?;
                 p.fragment = 1;
                 p.l4_proto = e[0];
-                p.l4_off = (cur + 8) as u16;
+                p.l4_off = (cur + 8) as u32;
                 return Ok(());
             }
             _ => {
                 p.l4_proto = next;
-                p.l4_off = cur as u16;
+                p.l4_off = cur as u32;
                 return Ok(());
             }
         }
@@ -256,9 +269,26 @@ fn parse_ipv6(pkt: &Packet, off: usize, p: &mut Parsed) -> Result<(), u32> {
         }
         _ => {
             p.l4_proto = next;
-            p.l4_off = cur as u16;
+            p.l4_off = cur as u32;
             Ok(())
         }
+    }
+}
+
+/// ICMP in IPv4, ICMPv6 in IPv6; the other pairing is just another protocol number.
+#[inline(always)]
+fn is_icmp_of_family(p: &Parsed) -> bool {
+    (p.family == FAMILY_IPV4 && p.l4_proto == IPPROTO_ICMP)
+        || (p.family == FAMILY_IPV6 && p.l4_proto == IPPROTO_ICMPV6)
+}
+
+/// Echo request/reply of either family (ICMP 8/0, ICMPv6 128/129).
+#[inline(always)]
+fn is_echo(p: &Parsed) -> bool {
+    if p.family == FAMILY_IPV4 {
+        p.icmp_type == 8 || p.icmp_type == 0
+    } else {
+        p.icmp_type == 128 || p.icmp_type == 129
     }
 }
 
@@ -292,7 +322,7 @@ fn parse_l4(pkt: &Packet, p: &mut Parsed) -> Result<(), u32> {
             p.src_port = be16([u[0], u[1]]);
             p.dst_port = be16([u[2], u[3]]);
         }
-        IPPROTO_ICMP | IPPROTO_ICMPV6 => {
+        IPPROTO_ICMP | IPPROTO_ICMPV6 if is_icmp_of_family(p) => {
             if room < 8 {
                 return Err(reason::TRUNC_L4);
             }
@@ -301,8 +331,10 @@ fn parse_l4(pkt: &Packet, p: &mut Parsed) -> Result<(), u32> {
                 .ok_or_else(|| missing(pkt, off, 8, reason::TRUNC_L4))?;
             p.icmp_type = i[0];
             p.icmp_code = i[1];
-            // Echo identifier: what conntrack keys ICMP echo flows by.
-            p.src_port = be16([i[4], i[5]]);
+            if is_echo(p) {
+                // Echo identifier: what conntrack keys ICMP echo flows by.
+                p.src_port = be16([i[4], i[5]]);
+            }
         }
         _ => {}
     }

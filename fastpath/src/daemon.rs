@@ -4,12 +4,7 @@
 //! undoes what this run attached (links it created are removed; links it found pinned are left
 //! as they were), so a bad start never leaves the datapath half-updated.
 
-use std::{
-    fs::File,
-    io,
-    os::fd::AsRawFd as _,
-    path::{Path, PathBuf},
-};
+use std::io;
 
 use fastpath_common::{DatapathConfig, stats::CONFIG_F_DROP_MALFORMED};
 use tokio::{
@@ -28,18 +23,10 @@ use crate::{
 pub enum DaemonError {
     #[error(transparent)]
     Datapath(#[from] DatapathError),
-    #[error(
-        "another fastpath daemon already manages {pin_dir} (lock {lock}); stop it first, or give this one another datapath.pin_dir"
-    )]
-    AlreadyRunning { pin_dir: String, lock: String },
-    #[error("creating lock file {path}: {source}")]
-    Lock {
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
     #[error("installing signal handlers: {0}")]
     Signal(#[source] io::Error),
+    #[error("watching the datapath log ring: {0}")]
+    LogRing(#[source] io::Error),
 }
 
 /// Options from the command line (runtime behaviour; the config file describes the datapath).
@@ -56,7 +43,7 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
     let mut sigterm = signal(SignalKind::terminate()).map_err(DaemonError::Signal)?;
 
     let pin_dir = config.datapath.pin_dir.get_ref().clone();
-    let _lock = lock_pin_dir(&pin_dir)?;
+    let _lock = datapath::lock_pin_dir(&pin_dir)?;
 
     let mut dp = Datapath::open(&pin_dir, EBPF_OBJECT)?;
     if dp.maps_reused {
@@ -69,23 +56,20 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
     } else {
         0
     };
-    dp.set_config(DatapathConfig {
-        flags,
-        ..Default::default()
-    })?;
-
-    for iface in &config.interfaces {
-        if let Err(e) = dp.attach_interface(iface) {
-            // Undo only what this run created; reused pinned links keep the old datapath.
-            let created: Vec<PathBuf> = dp
-                .attachments
-                .iter()
-                .filter(|a| !a.reused)
-                .map(|a| a.pin.clone())
-                .collect();
-            for p in created {
-                let _ = std::fs::remove_file(p);
-            }
+    // Attach (all or nothing), then the runtime knobs, then drop links the config no longer
+    // names: on a restart the old datapath runs untouched until every new hook is in place.
+    let started = dp
+        .attach_all(&config.interfaces)
+        .and_then(|()| {
+            dp.set_config(DatapathConfig {
+                flags,
+                ..Default::default()
+            })
+        })
+        .and_then(|()| dp.remove_stale_links());
+    let stale = match started {
+        Ok(stale) => stale,
+        Err(e) => {
             // A first start that failed leaves nothing behind: its fresh maps go too.
             let fresh = !dp.maps_reused;
             drop(dp);
@@ -94,9 +78,9 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
             }
             return Err(e.into());
         }
-    }
-    for stale in dp.remove_stale_links()? {
-        info!(pin = %stale.display(), "Detached a pinned link the config no longer names");
+    };
+    for pin in stale {
+        info!(pin = %pin.display(), "Detached a pinned link the config no longer names");
     }
 
     let logger = match dp.take_logger() {
@@ -106,15 +90,17 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
             None
         }
     };
-    let mut logger = match logger {
-        // SAFETY: the logger owns its ring buffer fd and keeps it open until the AsyncFd (which
-        // owns the logger) is dropped.
-        Some(l) => Some(
-            unsafe { AsyncFd::register_with_interest(l, tokio::io::Interest::READABLE) }
-                .map_err(|e| DaemonError::Signal(e.into()))?,
-        ),
-        None => None,
-    };
+    // SAFETY: the logger owns its ring buffer fd and keeps it open until the AsyncFd (which
+    // owns the logger) is dropped.
+    let mut logger = logger.and_then(|l| {
+        match unsafe { AsyncFd::register_with_interest(l, tokio::io::Interest::READABLE) } {
+            Ok(fd) => Some(fd),
+            Err(e) => {
+                warn!(error = %DaemonError::LogRing(e.into()), "eBPF log records will not be shown");
+                None
+            }
+        }
+    });
 
     info!(
         attachments = dp.attachments.len(),
@@ -149,33 +135,4 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         dp.leave_attached();
     }
     Ok(())
-}
-
-/// An exclusive lock per pin directory, so two daemons never fight over one datapath.
-/// Held for the daemon's life (released by the kernel even after a crash).
-fn lock_pin_dir(pin_dir: &Path) -> Result<File, DaemonError> {
-    let dir = Path::new("/run/fastpath");
-    std::fs::create_dir_all(dir).map_err(|source| DaemonError::Lock {
-        path: dir.into(),
-        source,
-    })?;
-    let name: String = pin_dir
-        .to_string_lossy()
-        .chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-        .collect();
-    let path = dir.join(format!("{name}.lock"));
-    let file = File::create(&path).map_err(|source| DaemonError::Lock {
-        path: path.clone(),
-        source,
-    })?;
-    // SAFETY: flock on a valid open fd.
-    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if rc != 0 {
-        return Err(DaemonError::AlreadyRunning {
-            pin_dir: pin_dir.display().to_string(),
-            lock: path.display().to_string(),
-        });
-    }
-    Ok(file)
 }

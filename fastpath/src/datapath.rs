@@ -10,7 +10,9 @@
 use std::{
     collections::BTreeSet,
     ffi::CString,
-    fs, io,
+    fs::{self, File},
+    io,
+    os::fd::AsRawFd as _,
     path::{Path, PathBuf},
 };
 
@@ -71,6 +73,12 @@ pub enum DatapathError {
         "map {name} missing from the eBPF object (build mismatch; rebuild with `cargo xtask build`)"
     )]
     MissingMap { name: &'static str },
+    #[error(
+        "another fastpath daemon (or `fastpath detach`) is using {pin_dir}; stop it first, or give this daemon another datapath.pin_dir"
+    )]
+    Locked { pin_dir: PathBuf },
+    #[error("interface name {name:?} contains a NUL byte")]
+    BadInterfaceName { name: String },
     #[error("{what}: {source}")]
     Program {
         what: String,
@@ -147,17 +155,30 @@ pub struct Datapath {
 }
 
 impl Datapath {
-    /// Loads `object`, creating or reusing the maps pinned under `pin_dir/maps`.
+    /// Loads `object`, creating or reusing the maps pinned under `pin_dir/maps`. Call with
+    /// the [`lock_pin_dir`] lock held. A failed first load removes the maps it pinned.
     pub fn open(pin_dir: &Path, object: &[u8]) -> Result<Datapath, DatapathError> {
-        ensure_bpffs(pin_dir)?;
         let maps_dir = pin_dir.join("maps");
         for dir in [maps_dir.clone(), pin_dir.join("links")] {
             fs::create_dir_all(&dir)
                 .map_err(|source| DatapathError::PinDir { path: dir, source })?;
         }
         let maps_reused = maps_dir.join(map_names::STATS).exists();
+        let loaded = Datapath::load(pin_dir, &maps_dir, object, maps_reused);
+        if loaded.is_err() && !maps_reused {
+            let _ = remove_pins(pin_dir);
+        }
+        loaded
+    }
+
+    fn load(
+        pin_dir: &Path,
+        maps_dir: &Path,
+        object: &[u8],
+        maps_reused: bool,
+    ) -> Result<Datapath, DatapathError> {
         let mut ebpf = EbpfLoader::new()
-            .default_map_pin_directory(&maps_dir)
+            .default_map_pin_directory(maps_dir)
             .load(object)
             .map_err(|source| DatapathError::Load {
                 pin_dir: pin_dir.display().to_string(),
@@ -211,18 +232,128 @@ impl Datapath {
             })
     }
 
-    /// Attaches every hook `iface` asks for.
-    pub fn attach_interface(&mut self, iface: &InterfaceConfig) -> Result<(), DatapathError> {
-        let name = iface.name.get_ref();
-        if iface.xdp != XdpMode::Off {
-            self.attach_xdp(name, iface.xdp)?;
+    /// Attaches every hook the interfaces ask for, as one change. Hooks without a pinned link
+    /// are attached first; only when all of them succeeded are the new programs swapped into
+    /// the links an earlier run pinned. On failure, what this call attached is detached again
+    /// and pinned links keep their old programs: the running datapath is left as it was.
+    pub fn attach_all(&mut self, ifaces: &[InterfaceConfig]) -> Result<(), DatapathError> {
+        let mut pending = Vec::new();
+        let result = self
+            .attach_fresh_or_defer(ifaces, &mut pending)
+            .and_then(|()| self.swap_pinned(pending));
+        if result.is_err() {
+            self.detach_fresh();
         }
-        if iface.tc_ingress {
-            self.attach_tc(name, HookKind::TcIngress)?;
+        result
+    }
+
+    fn attach_fresh_or_defer(
+        &mut self,
+        ifaces: &[InterfaceConfig],
+        pending: &mut Vec<PendingSwap>,
+    ) -> Result<(), DatapathError> {
+        for iface in ifaces {
+            let name = iface.name.get_ref();
+            let hooks = [
+                (HookKind::Xdp, iface.xdp != XdpMode::Off),
+                (HookKind::TcIngress, iface.tc_ingress),
+                (HookKind::TcEgress, iface.tc_egress),
+            ];
+            for (hook, wanted) in hooks {
+                if !wanted {
+                    continue;
+                }
+                let pin = self.link_pin(name, hook);
+                match open_pinned(&pin)? {
+                    Some(link) => pending.push(PendingSwap {
+                        iface: name.clone(),
+                        hook,
+                        xdp: iface.xdp,
+                        pin,
+                        link,
+                    }),
+                    None => self.attach_fresh(name, hook, iface.xdp, pin)?,
+                }
+            }
         }
-        if iface.tc_egress {
-            self.attach_tc(name, HookKind::TcEgress)?;
+        Ok(())
+    }
+
+    /// Swaps the new programs into pinned links (bpf_link_update: no packet sees a gap).
+    fn swap_pinned(&mut self, pending: Vec<PendingSwap>) -> Result<(), DatapathError> {
+        for p in pending {
+            let swapped = match p.hook {
+                HookKind::Xdp => {
+                    let prog: &mut Xdp = program(&mut self.ebpf, program_names::XDP)?;
+                    swap_into(prog, p.link, &p.pin)
+                }
+                HookKind::TcIngress | HookKind::TcEgress => {
+                    let prog: &mut SchedClassifier =
+                        program(&mut self.ebpf, tc_program_name(p.hook))?;
+                    swap_into(prog, p.link, &p.pin)
+                }
+            };
+            match swapped {
+                Ok(link) => self.record(&p.iface, p.hook, "pinned", true, p.pin, link),
+                Err(SwapError::Stale(e)) => {
+                    warn!(pin = %p.pin.display(), error = %e, "Pinned link is stale (interface gone or recreated); attaching afresh");
+                    remove_pin(&p.pin)?;
+                    self.attach_fresh(&p.iface, p.hook, p.xdp, p.pin)?;
+                }
+                Err(SwapError::Failed(e)) => return Err(e),
+            }
         }
+        Ok(())
+    }
+
+    /// Detaches and unpins what this run attached afresh; reused links stay.
+    fn detach_fresh(&mut self) {
+        for a in self.attachments.iter().filter(|a| !a.reused) {
+            let _ = remove_pin(&a.pin);
+        }
+        self.attachments.retain(|a| a.reused);
+    }
+
+    fn attach_fresh(
+        &mut self,
+        iface: &str,
+        hook: HookKind,
+        xdp: XdpMode,
+        pin: PathBuf,
+    ) -> Result<(), DatapathError> {
+        let c_iface = CString::new(iface).map_err(|_| DatapathError::BadInterfaceName {
+            name: iface.to_owned(),
+        })?;
+        let (link, mode) = match hook {
+            HookKind::Xdp => {
+                let prog: &mut Xdp = program(&mut self.ebpf, program_names::XDP)?;
+                let (id, mode) = attach_xdp(prog, &c_iface, iface, xdp)?;
+                (prog.take_fd_link(id)?, mode)
+            }
+            HookKind::TcIngress | HookKind::TcEgress => {
+                let name = tc_program_name(hook);
+                let attach_type = match hook {
+                    HookKind::TcEgress => TcAttachType::Egress,
+                    _ => TcAttachType::Ingress,
+                };
+                let prog: &mut SchedClassifier = program(&mut self.ebpf, name)?;
+                let id = prog
+                    .attach(
+                        c_iface.as_c_str(),
+                        TcAttach::Tcx {
+                            attach_type,
+                            order: LinkOrder::default(),
+                        },
+                    )
+                    .map_err(|source| DatapathError::Program {
+                        what: format!("attaching {name} to {iface} (TCX {})", hook.suffix()),
+                        source,
+                    })?;
+                (prog.take_fd_link(id)?, "tcx")
+            }
+        };
+        let link = pin_link(link, &pin)?;
+        self.record(iface, hook, mode, false, pin, link);
         Ok(())
     }
 
@@ -233,70 +364,6 @@ impl Datapath {
         self.pin_dir
             .join("links")
             .join(format!("{iface}@{}", hook.suffix()))
-    }
-
-    fn attach_xdp(&mut self, iface: &str, mode: XdpMode) -> Result<(), DatapathError> {
-        let pin = self.link_pin(iface, HookKind::Xdp);
-        let prog: &mut Xdp = program(&mut self.ebpf, program_names::XDP)?;
-        if let Some(fd) = reuse_pinned(prog, &pin)? {
-            self.record(iface, HookKind::Xdp, "pinned", true, pin, fd);
-            return Ok(());
-        }
-        let c_iface = iface_cstr(iface)?;
-        let (id, mode_name) = match mode {
-            XdpMode::Native => (
-                attach_xdp_mode(prog, &c_iface, iface, AyaXdpMode::Driver)?,
-                "native",
-            ),
-            XdpMode::Generic => (
-                attach_xdp_mode(prog, &c_iface, iface, AyaXdpMode::Skb)?,
-                "generic",
-            ),
-            XdpMode::Auto | XdpMode::Off => {
-                match attach_xdp_mode(prog, &c_iface, iface, AyaXdpMode::Driver) {
-                    Ok(id) => (id, "native"),
-                    Err(e) => {
-                        warn!(iface, error = %e, "Native XDP unavailable; falling back to generic (skb) mode");
-                        (
-                            attach_xdp_mode(prog, &c_iface, iface, AyaXdpMode::Skb)?,
-                            "generic",
-                        )
-                    }
-                }
-            }
-        };
-        let fd = pin_link(prog.take_fd_link(id)?, &pin)?;
-        self.record(iface, HookKind::Xdp, mode_name, false, pin, fd);
-        Ok(())
-    }
-
-    fn attach_tc(&mut self, iface: &str, hook: HookKind) -> Result<(), DatapathError> {
-        let (name, attach_type) = match hook {
-            HookKind::TcEgress => (program_names::TC_EGRESS, TcAttachType::Egress),
-            _ => (program_names::TC_INGRESS, TcAttachType::Ingress),
-        };
-        let pin = self.link_pin(iface, hook);
-        let prog: &mut SchedClassifier = program(&mut self.ebpf, name)?;
-        if let Some(fd) = reuse_pinned(prog, &pin)? {
-            self.record(iface, hook, "pinned", true, pin, fd);
-            return Ok(());
-        }
-        let c_iface = iface_cstr(iface)?;
-        let id = prog
-            .attach(
-                c_iface.as_c_str(),
-                TcAttach::Tcx {
-                    attach_type,
-                    order: LinkOrder::default(),
-                },
-            )
-            .map_err(|source| DatapathError::Program {
-                what: format!("attaching {name} to {iface} (TCX {})", hook.suffix()),
-                source,
-            })?;
-        let fd = pin_link(prog.take_fd_link(id)?, &pin)?;
-        self.record(iface, hook, "tcx", false, pin, fd);
-        Ok(())
     }
 
     /// Logs and keeps one attachment.
@@ -382,6 +449,45 @@ impl Datapath {
     pub fn leave_attached(self) {
         drop(self);
     }
+}
+
+/// An exclusive lock on a pin directory (flock on the directory itself, so every spelling of
+/// the path is the same lock), held by a daemon for its life and by `fastpath detach`; the
+/// kernel releases it when the process dies. Creates the directory (on a bpffs) if needed.
+pub struct PinDirLock {
+    _dir: File,
+}
+
+pub fn lock_pin_dir(pin_dir: &Path) -> Result<PinDirLock, DatapathError> {
+    ensure_bpffs(pin_dir)?;
+    fs::create_dir_all(pin_dir).map_err(|source| DatapathError::PinDir {
+        path: pin_dir.to_owned(),
+        source,
+    })?;
+    let dir = File::open(pin_dir).map_err(|source| DatapathError::PinDir {
+        path: pin_dir.to_owned(),
+        source,
+    })?;
+    // SAFETY: flock on a valid open fd.
+    if unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(DatapathError::Locked {
+            pin_dir: pin_dir.to_owned(),
+        });
+    }
+    Ok(PinDirLock { _dir: dir })
+}
+
+/// Whether `pin_dir` holds nothing but what a fastpath daemon pins (`maps/`, `links/`), so
+/// `fastpath detach` never removes anybody else's pins.
+pub fn looks_like_pin_dir(pin_dir: &Path) -> bool {
+    let Ok(entries) = fs::read_dir(pin_dir) else {
+        return false;
+    };
+    let names: Vec<String> = entries
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    !names.is_empty() && names.iter().all(|n| n == "maps" || n == "links")
 }
 
 /// Removes every link and map pin under `pin_dir` (links first, so programs detach before
@@ -473,34 +579,103 @@ impl LinkedProgram for SchedClassifier {
     }
 }
 
-/// Swaps `prog` into the link pinned at `pin`, if there is one still attached. A stale pin
-/// (its interface gone, or of another kind) is removed so the caller attaches afresh.
-fn reuse_pinned<P: LinkedProgram>(
+/// A pinned link found at start, to receive the new program once every fresh attach worked.
+struct PendingSwap {
+    iface: String,
+    hook: HookKind,
+    xdp: XdpMode,
+    pin: PathBuf,
+    link: FdLink,
+}
+
+enum SwapError {
+    /// The link no longer works (its interface is gone) or is of another kind: attach afresh.
+    Stale(DatapathError),
+    /// The kernel refused the swap for another reason: stop, keep the old program.
+    Failed(DatapathError),
+}
+
+fn errno(e: &ProgramError) -> Option<i32> {
+    match e {
+        ProgramError::SyscallError(aya::sys::SyscallError { io_error, .. }) => {
+            io_error.raw_os_error()
+        }
+        _ => None,
+    }
+}
+
+/// Swaps `prog` into `link` (pinned at `pin`) atomically.
+fn swap_into<P: LinkedProgram>(
     prog: &mut P,
+    link: FdLink,
     pin: &Path,
-) -> Result<Option<FdLink>, DatapathError> {
-    let Some(old) = open_pinned(pin)? else {
-        return Ok(None);
-    };
-    let replaced = P::Link::try_from(old)
-        .map_err(|source| DatapathError::Link {
-            what: format!("reading {}", pin.display()),
+) -> Result<FdLink, SwapError> {
+    let typed = P::Link::try_from(link).map_err(|source| {
+        SwapError::Stale(DatapathError::Link {
+            what: format!("{} holds another kind of link", pin.display()),
             source,
         })
-        .and_then(|link| {
-            prog.replace_in(link)
-                .map_err(|source| DatapathError::Program {
-                    what: format!("replacing the program of {}", pin.display()),
-                    source,
-                })
-        });
-    match replaced {
-        Ok(id) => Ok(Some(prog.take_fd_link(id)?)),
-        Err(e) => {
-            warn!(pin = %pin.display(), error = %e, "Pinned link is stale; attaching afresh");
-            remove_pin(pin)?;
-            Ok(None)
+    })?;
+    let id = prog.replace_in(typed).map_err(|source| {
+        let stale = errno(&source) == Some(libc::ENOLINK);
+        let e = DatapathError::Program {
+            what: format!("replacing the program of {}", pin.display()),
+            source,
+        };
+        if stale {
+            SwapError::Stale(e)
+        } else {
+            SwapError::Failed(e)
         }
+    })?;
+    prog.take_fd_link(id).map_err(SwapError::Failed)
+}
+
+/// Attaches XDP in the configured mode. `auto` falls back to generic only when the driver
+/// cannot do native XDP (EOPNOTSUPP/EINVAL); other errors (EBUSY, ...) are reported as such.
+fn attach_xdp(
+    prog: &mut Xdp,
+    c_iface: &CString,
+    iface: &str,
+    mode: XdpMode,
+) -> Result<(XdpLinkId, &'static str), DatapathError> {
+    let attach = |prog: &mut Xdp, m: AyaXdpMode| prog.attach(c_iface.as_c_str(), m);
+    let err = |m: AyaXdpMode, source: ProgramError| {
+        let hint = match m {
+            AyaXdpMode::Driver => {
+                " (native mode needs driver support; xdp = \"auto\" falls back to generic, xdp = \"generic\" forces it)"
+            }
+            _ => "",
+        };
+        DatapathError::Program {
+            what: format!("attaching XDP ({m:?}) to {iface}{hint}"),
+            source,
+        }
+    };
+    match mode {
+        XdpMode::Native => attach(prog, AyaXdpMode::Driver)
+            .map(|id| (id, "native"))
+            .map_err(|e| err(AyaXdpMode::Driver, e)),
+        XdpMode::Generic => attach(prog, AyaXdpMode::Skb)
+            .map(|id| (id, "generic"))
+            .map_err(|e| err(AyaXdpMode::Skb, e)),
+        XdpMode::Auto | XdpMode::Off => match attach(prog, AyaXdpMode::Driver) {
+            Ok(id) => Ok((id, "native")),
+            Err(e) if matches!(errno(&e), Some(libc::EOPNOTSUPP | libc::EINVAL)) => {
+                warn!(iface, error = %e, "Native XDP unavailable; falling back to generic (skb) mode");
+                attach(prog, AyaXdpMode::Skb)
+                    .map(|id| (id, "generic"))
+                    .map_err(|e| err(AyaXdpMode::Skb, e))
+            }
+            Err(e) => Err(err(AyaXdpMode::Driver, e)),
+        },
+    }
+}
+
+fn tc_program_name(hook: HookKind) -> &'static str {
+    match hook {
+        HookKind::TcEgress => program_names::TC_EGRESS,
+        _ => program_names::TC_INGRESS,
     }
 }
 
@@ -514,32 +689,6 @@ where
     p.try_into().map_err(|source| DatapathError::Program {
         what: format!("program {name} has the wrong type"),
         source,
-    })
-}
-
-fn attach_xdp_mode(
-    prog: &mut Xdp,
-    c_iface: &CString,
-    iface: &str,
-    mode: AyaXdpMode,
-) -> Result<XdpLinkId, DatapathError> {
-    let hint = match mode {
-        AyaXdpMode::Driver => {
-            " (native mode needs driver support; xdp = \"auto\" falls back to generic, xdp = \"generic\" forces it)"
-        }
-        _ => "",
-    };
-    prog.attach(c_iface.as_c_str(), mode)
-        .map_err(|source| DatapathError::Program {
-            what: format!("attaching XDP ({mode:?}) to {iface}{hint}"),
-            source,
-        })
-}
-
-fn iface_cstr(iface: &str) -> Result<CString, DatapathError> {
-    CString::new(iface).map_err(|_| DatapathError::PinDir {
-        path: PathBuf::from(iface),
-        source: io::Error::new(io::ErrorKind::InvalidInput, "interface name contains NUL"),
     })
 }
 
@@ -620,8 +769,9 @@ fn ensure_bpffs(pin_dir: &Path) -> Result<(), DatapathError> {
 fn fs_type(path: &Path) -> Option<i64> {
     use std::os::unix::ffi::OsStrExt as _;
     let c = CString::new(path.as_os_str().as_bytes()).ok()?;
-    // SAFETY: statfs writes into `buf`, which is large enough; `c` is NUL-terminated.
+    // SAFETY: an all-zero statfs is a valid value of this plain C struct.
     let mut buf: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: statfs writes into `buf`, which is large enough; `c` is NUL-terminated.
     let rc = unsafe { libc::statfs(c.as_ptr(), &mut buf) };
     (rc == 0).then_some(buf.f_type as i64)
 }

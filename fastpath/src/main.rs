@@ -200,14 +200,16 @@ fn main() -> ExitCode {
             }
         },
         Command::Detach { pin_dir } => {
-            if !pin_dir.exists() {
+            if !datapath::looks_like_pin_dir(&pin_dir) {
                 eprintln!(
-                    "error: {} does not exist: nothing to detach",
+                    "error: {} does not look like a fastpath pin directory (expected only maps/ and links/): nothing removed",
                     pin_dir.display()
                 );
                 return ExitCode::from(EXIT_FAILURE);
             }
-            match datapath::remove_pins(&pin_dir) {
+            let removed =
+                datapath::lock_pin_dir(&pin_dir).and_then(|_lock| datapath::remove_pins(&pin_dir));
+            match removed {
                 Ok(()) => {
                     println!("detached and removed {}", pin_dir.display());
                     ExitCode::SUCCESS

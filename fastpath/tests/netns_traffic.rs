@@ -17,9 +17,8 @@ use std::{
 use fastpath::{
     stats::StatsSnapshot,
     testkit::netns::{
-        Daemon, DaemonConfig, HookedInterface, LbTopology, Netns, PREFIX, TempDir,
-        daemon_lock_file, host_run, lb_topology, require_root, require_tools, run_daemon_to_exit,
-        sweep_stale, unique_pin_dir,
+        Daemon, DaemonConfig, HookedInterface, LbTopology, Netns, PREFIX, TempDir, host_run,
+        lb_topology, require_root, require_tools, run_daemon_to_exit, sweep_stale, unique_pin_dir,
     },
 };
 use fastpath_common::{Counter, Hook, Verdict, reason};
@@ -655,13 +654,11 @@ fn bad_config_exits_2_and_attaches_nothing() {
     assert_xdp_on_every_fp_interface(&lb, false, "after a config naming a missing interface");
 }
 
-/// Removes a datapath a daemon should never have created (so a failing check leaves no pins),
-/// and the daemon's lock file for it.
+/// Removes a datapath a daemon should never have created (so a failing check leaves no pins).
 struct DetachOnDrop(PathBuf);
 
 impl Drop for DetachOnDrop {
     fn drop(&mut self) {
-        let _ = fs::remove_file(daemon_lock_file(&self.0));
         if self.0.exists() {
             let _ = host_run(&[
                 bin().as_os_str(),

@@ -221,6 +221,20 @@ fn well_formed() -> Vec<Case> {
             v4().ip_proto(proto::GRE).payload(&[0, 0, 0x08, 0]),
             reason::NO_STAGE_IPV4_OTHER,
         ),
+        // ICMPv6's protocol number inside IPv4 is just another protocol: no ICMP length check,
+        // so a 4-byte payload is not "truncated".
+        kernel(
+            Xdp,
+            "ipv4_proto_58_is_not_icmp",
+            v4().ip_proto(58).payload(&[128, 0, 0, 0]),
+            reason::NO_STAGE_IPV4_OTHER,
+        ),
+        kernel(
+            TcIngress,
+            "ipv6_next_header_1_is_not_icmpv6",
+            v6().ip_proto(proto::ICMP).payload(&[8, 0]),
+            reason::NO_STAGE_IPV6_OTHER,
+        ),
         kernel(
             Xdp,
             "ipv6_hop_by_hop_tcp",
@@ -701,6 +715,16 @@ fn malformed() -> Vec<Case> {
             "ipv6_payload_len_zero",
             v6().udp(1, 2).ipv6_payload_len(0),
             reason::BAD_IPV6_PAYLOAD_LEN,
+        ),
+        // A jumbogram: zero payload length with a hop-by-hop header (which carries the real
+        // length). Not malformed: the kernel gets it even with drop_malformed on.
+        kernel_despite_drop_malformed(
+            TcEgress,
+            "ipv6_jumbogram_payload_len_zero_with_hop_by_hop",
+            v6().ipv6_ext(Ipv6Ext::hop_by_hop())
+                .udp(1, 2)
+                .ipv6_payload_len(0),
+            reason::GSO_JUMBO,
         ),
         kernel(
             Xdp,

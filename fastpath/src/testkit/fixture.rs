@@ -36,6 +36,9 @@ pub const XDP_TX: u32 = 3;
 pub const XDP_REDIRECT: u32 = 4;
 /// Raw TC return codes (`TC_ACT_*`).
 pub const TC_ACT_OK: u32 = 0;
+/// TC_ACT_UNSPEC (-1) as the u32 BPF_PROG_TEST_RUN reports: in TCX this is TCX_NEXT, "let the
+/// next program and then the stack decide" — what the datapath returns for the kernel verdict.
+pub const TC_ACT_UNSPEC: u32 = u32::MAX;
 pub const TC_ACT_SHOT: u32 = 2;
 pub const TC_ACT_REDIRECT: u32 = 7;
 
@@ -54,7 +57,8 @@ pub const fn raw_verdict(hook: Hook, verdict: Verdict) -> u32 {
         (Hook::Xdp, Verdict::Drop) => XDP_DROP,
         (Hook::Xdp, Verdict::Kernel | Verdict::Forward) => XDP_PASS,
         (Hook::TcIngress | Hook::TcEgress, Verdict::Drop) => TC_ACT_SHOT,
-        (Hook::TcIngress | Hook::TcEgress, Verdict::Kernel | Verdict::Forward) => TC_ACT_OK,
+        (Hook::TcIngress | Hook::TcEgress, Verdict::Kernel) => TC_ACT_UNSPEC,
+        (Hook::TcIngress | Hook::TcEgress, Verdict::Forward) => TC_ACT_OK,
     }
 }
 
@@ -504,6 +508,7 @@ pub fn verdict_name(hook: Hook, raw: u32) -> String {
         (Hook::Xdp, XDP_TX) => "XDP_TX",
         (Hook::Xdp, XDP_REDIRECT) => "XDP_REDIRECT",
         (_, TC_ACT_OK) => "TC_ACT_OK",
+        (_, TC_ACT_UNSPEC) => "TC_ACT_UNSPEC",
         (_, TC_ACT_SHOT) => "TC_ACT_SHOT",
         (_, TC_ACT_REDIRECT) => "TC_ACT_REDIRECT",
         _ => "unknown",
@@ -681,7 +686,7 @@ mod tests {
     fn raw_verdicts_per_hook() {
         assert_eq!(raw_verdict(Hook::Xdp, Verdict::Kernel), XDP_PASS);
         assert_eq!(raw_verdict(Hook::Xdp, Verdict::Drop), XDP_DROP);
-        assert_eq!(raw_verdict(Hook::TcIngress, Verdict::Kernel), TC_ACT_OK);
+        assert_eq!(raw_verdict(Hook::TcIngress, Verdict::Kernel), TC_ACT_UNSPEC);
         assert_eq!(raw_verdict(Hook::TcEgress, Verdict::Drop), TC_ACT_SHOT);
     }
 }

@@ -45,9 +45,6 @@ pub const DAEMON_READY: &str = "Datapath running";
 /// Where `ip netns add` puts namespace handles.
 const NETNS_RUN_DIR: &str = "/run/netns";
 
-/// Where the daemon keeps its per-pin-dir lock files (see `daemon::lock_pin_dir`).
-const DAEMON_LOCK_DIR: &str = "/run/fastpath";
-
 /// The bpffs mount the pin directories live under.
 const BPF_FS: &str = "/sys/fs/bpf";
 
@@ -170,8 +167,8 @@ fn pid_alive(pid: u32) -> bool {
 }
 
 /// Removes what runs with `prefix` left behind when their process died without unwinding
-/// (SIGKILL, abort): namespaces (after killing what runs in them), pin directories, daemon
-/// lock files and temp directories whose owner pid is dead. Leaves this process's and other
+/// (SIGKILL, abort): namespaces (after killing what runs in them), pin directories and temp
+/// directories whose owner pid is dead. Leaves this process's and other
 /// live processes' objects alone. Returns what it removed.
 pub fn sweep_stale(prefix: &str) -> Result<Vec<String>, NetnsError> {
     let mut removed = Vec::new();
@@ -195,17 +192,6 @@ pub fn sweep_stale(prefix: &str) -> Result<Vec<String>, NetnsError> {
                 source: io::Error::other(e.to_string()),
             })?;
             removed.push(dir.display().to_string());
-        }
-    }
-    let lock_prefix = format!("_sys_fs_bpf_{prefix}_");
-    for name in dir_names(Path::new(DAEMON_LOCK_DIR)) {
-        if let Some(rest) = name.strip_prefix(&lock_prefix) {
-            let pid = rest.split('_').next().and_then(|p| p.parse::<u32>().ok());
-            if pid.is_some_and(|pid| !pid_alive(pid)) {
-                let path = Path::new(DAEMON_LOCK_DIR).join(&name);
-                let _ = fs::remove_file(&path);
-                removed.push(path.display().to_string());
-            }
         }
     }
     let tmp = std::env::temp_dir();
@@ -1089,17 +1075,6 @@ impl DaemonConfig {
     }
 }
 
-/// The daemon's lock file for `pin_dir` (mirrors `daemon::lock_pin_dir`); the daemon leaves it
-/// behind, so whoever made the pin dir removes it.
-pub fn daemon_lock_file(pin_dir: &Path) -> PathBuf {
-    let name: String = pin_dir
-        .to_string_lossy()
-        .chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-        .collect();
-    Path::new(DAEMON_LOCK_DIR).join(format!("{name}.lock"))
-}
-
 /// A `fastpath --netns NS daemon --config FILE` process. Each start logs (stderr) to its own
 /// file in a private temp directory. On drop: SIGTERM and wait (clean detach), SIGKILL if it
 /// hangs, then `fastpath detach` if pins remain; when the test is panicking, the logs are
@@ -1346,7 +1321,6 @@ impl Drop for Daemon {
                 );
             }
         }
-        let _ = fs::remove_file(daemon_lock_file(&self.pin_dir));
     }
 }
 
@@ -1424,13 +1398,5 @@ mod tests {
         );
         assert_eq!(c.interfaces[0].xdp, XdpMode::Auto);
         assert!(c.interfaces[0].tc_ingress && c.interfaces[0].tc_egress);
-    }
-
-    #[test]
-    fn lock_file_matches_the_daemons_naming() {
-        assert_eq!(
-            daemon_lock_file(Path::new("/sys/fs/bpf/fpt-1-2-x")),
-            Path::new("/run/fastpath/_sys_fs_bpf_fpt_1_2_x.lock")
-        );
     }
 }
