@@ -158,7 +158,7 @@ impl Config {
             ConfigError {
                 path: path.to_owned(),
                 line,
-                key: None,
+                key: e.span().and_then(|s| key_at(text, s.start)),
                 message: format!(
                     "{}; see config/README.md for every key",
                     e.message().trim_end()
@@ -224,6 +224,19 @@ impl Config {
                     ),
                 ));
             }
+            if interfaces == InterfaceCheck::MustExist
+                && let Some(kind) = link_type(name)
+                && kind != ARPHRD_ETHER
+                && kind != ARPHRD_LOOPBACK
+            {
+                return Err(err(
+                    iface.name.span(),
+                    key,
+                    format!(
+                        "interface {name:?} is not an Ethernet device (link type {kind}); the datapath parses Ethernet frames, so attach it to the Ethernet device underneath"
+                    ),
+                ));
+            }
             if iface.xdp == XdpMode::Off && !iface.tc_ingress && !iface.tc_egress {
                 return Err(err(
                     iface.name.span(),
@@ -244,6 +257,71 @@ pub fn ifindex(name: &str) -> Option<u32> {
     // SAFETY: `c` is a valid NUL-terminated string that outlives the call.
     let idx = unsafe { libc::if_nametoindex(c.as_ptr()) };
     (idx != 0).then_some(idx)
+}
+
+/// Link types the datapath can parse: Ethernet, and loopback (which uses Ethernet framing).
+const ARPHRD_ETHER: u16 = 1;
+const ARPHRD_LOOPBACK: u16 = 772;
+
+/// ARPHRD link type of interface `name` in the current network namespace (SIOCGIFHWADDR, so
+/// it works after setns, unlike /sys/class/net which shows the mounting namespace).
+fn link_type(name: &str) -> Option<u16> {
+    // struct ifreq: 16-byte name, then a sockaddr whose first two bytes are the family.
+    let mut ifreq = [0u8; 40];
+    let bytes = name.as_bytes();
+    if bytes.len() >= 16 {
+        return None;
+    }
+    ifreq[..bytes.len()].copy_from_slice(bytes);
+    // SAFETY: plain socket creation; the fd is closed below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: SIOCGIFHWADDR reads the name from and writes a sockaddr into `ifreq`, which is
+    // as large as struct ifreq.
+    let rc = unsafe { libc::ioctl(fd, libc::SIOCGIFHWADDR, ifreq.as_mut_ptr()) };
+    // SAFETY: `fd` is ours and open.
+    unsafe { libc::close(fd) };
+    (rc == 0).then(|| u16::from_ne_bytes([ifreq[16], ifreq[17]]))
+}
+
+/// The dotted key whose line holds byte offset `at` (`datapath.pin_dir`, `interface[1].xdp`),
+/// read from the text, for parse errors that carry only a position.
+fn key_at(text: &str, at: usize) -> Option<String> {
+    let at = at.min(text.len());
+    let line_start = text[..at].rfind('\n').map_or(0, |i| i + 1);
+    let line = text[line_start..].lines().next()?;
+    let key = line.split('=').next()?.trim();
+    if !line.contains('=') || key.is_empty() || key.starts_with('[') {
+        return None;
+    }
+    // The table the line belongs to: the last header above it.
+    let mut table: Option<String> = None;
+    let mut counts: Vec<(String, usize)> = Vec::new();
+    for l in text[..line_start].lines() {
+        let l = l.trim();
+        if let Some(name) = l.strip_prefix("[[").and_then(|r| r.strip_suffix("]]")) {
+            let name = name.trim().to_string();
+            let n = match counts.iter_mut().find(|(t, _)| *t == name) {
+                Some((_, n)) => {
+                    *n += 1;
+                    *n
+                }
+                None => {
+                    counts.push((name.clone(), 0));
+                    0
+                }
+            };
+            table = Some(format!("{name}[{n}]"));
+        } else if let Some(name) = l.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
+            table = Some(name.trim().to_string());
+        }
+    }
+    Some(match table {
+        Some(t) => format!("{t}.{key}"),
+        None => key.to_string(),
+    })
 }
 
 /// 1-based line number of byte offset `at` in `text`.
@@ -311,6 +389,24 @@ mod tests {
         assert_eq!(e.line, Some(4), "{e}");
         assert_eq!(e.key.as_deref(), Some("interface[1].name"));
         assert!(e.to_string().contains("ip link"), "{e}");
+    }
+
+    #[test]
+    fn type_errors_name_the_key_and_line() {
+        let e = parse("[datapath]\ndrop_malformed = \"yes\"\n[[interface]]\nname = \"lo\"\n")
+            .expect_err("string for a bool");
+        assert_eq!(e.line, Some(2), "{e}");
+        assert_eq!(e.key.as_deref(), Some("datapath.drop_malformed"), "{e}");
+        let e = parse("[[interface]]\nname = \"lo\"\n[[interface]]\nname = \"lo2\"\nxdp = 1\n")
+            .expect_err("integer for a mode");
+        assert_eq!(e.line, Some(5), "{e}");
+        assert_eq!(e.key.as_deref(), Some("interface[1].xdp"), "{e}");
+    }
+
+    #[test]
+    fn loopback_is_an_ethernet_framed_device() {
+        assert_eq!(link_type("lo"), Some(ARPHRD_LOOPBACK));
+        assert_eq!(link_type("nosuch0"), None);
     }
 
     #[test]
