@@ -3,8 +3,8 @@
 use anyhow::{Context as _, anyhow};
 use aya_build::{Package, Toolchain};
 
-/// Must match `EBPF_TOOLCHAIN` in xtask.
-const EBPF_TOOLCHAIN: &str = "nightly-2026-10-30";
+/// The eBPF toolchain, one source shared with xtask.
+const EBPF_TOOLCHAIN: &str = include_str!("../ebpf-toolchain.txt").trim_ascii();
 
 fn main() -> anyhow::Result<()> {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -13,6 +13,18 @@ fn main() -> anyhow::Result<()> {
         .join("fastpath-ebpf");
     let root = root.to_str().context("non-UTF-8 path to fastpath-ebpf")?;
     println!("cargo::rerun-if-changed=../fastpath-common/src");
+    // bpf-linker lives in the project's .tools/bin (installed by `cargo xtask bootstrap`): put
+    // it on PATH so plain `cargo +1.99.1 build` and IDEs find it too.
+    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .ok_or_else(|| anyhow!("fastpath crate has no parent directory"))?;
+    let mut paths = vec![workspace.join(".tools/bin")];
+    paths.extend(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    ));
+    let path = std::env::join_paths(paths).context("joining PATH")?;
+    // SAFETY: build scripts are single-threaded; nothing reads the environment concurrently.
+    unsafe { std::env::set_var("PATH", path) };
     aya_build::build_ebpf(
         [Package { name: "fastpath-ebpf", root_dir: root, no_default_features: false, features: &[] }],
         Toolchain::Custom(EBPF_TOOLCHAIN),

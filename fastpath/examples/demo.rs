@@ -155,28 +155,39 @@ fn run() -> Result<()> {
     step("Restart: pinned maps and links are reused, programs swapped in place")?;
     daemon.restart();
     let log = daemon.log();
-    if let Some(line) = log.lines().find(|l| l.contains("Reusing pinned maps")) {
-        println!("  log: {}", strip_ansi(line));
-    }
+    let Some(line) = log.lines().find(|l| l.contains("Reusing pinned maps")) else {
+        bail!("the restarted daemon did not reuse the pinned maps; its log:\n{log}");
+    };
+    println!("  log: {}", strip_ansi(line));
+    let hooks = 3 * lb.fp_interfaces().len();
     let reused = log.lines().filter(|l| l.contains("Reused pinned")).count();
+    if reused != hooks {
+        bail!("expected all {hooks} pinned links to be reused, the log shows {reused}:\n{log}");
+    }
     println!("  log: {reused} pinned links reused, programs replaced in place (bpf_link_update)");
     let continued = daemon.stats();
-    println!(
-        "  counters continue: {} packets on xdp before the restart, {} after",
+    let (was, now) = (
         after_traffic.packets_on_hook(Hook::Xdp),
-        continued.packets_on_hook(Hook::Xdp)
+        continued.packets_on_hook(Hook::Xdp),
     );
+    if now < was {
+        bail!("counters went back across the restart: {was} packets on xdp before, {now} after");
+    }
+    println!("  counters continue: {was} packets on xdp before the restart, {now} after");
 
     step("Clean stop: SIGTERM detaches everything")?;
     let status = daemon.stop();
     let attached = lb
         .fp()
         .xdp_attached(LbTopology::FP_CLIENT_IF)
-        .unwrap_or(true);
-    println!(
-        "  daemon exited with {status}; XDP on cl0 attached: {attached}; pin dir present: {}",
-        daemon.pin_dir().exists()
-    );
+        .context("reading XDP state of cl0")?;
+    let pins_left = daemon.pin_dir().exists();
+    if !status.success() || attached || pins_left {
+        bail!(
+            "clean stop incomplete: exit {status}, XDP still on cl0: {attached}, pins left: {pins_left}"
+        );
+    }
+    println!("  daemon exited with {status}; no XDP on cl0, pin directory removed");
     drop(servers);
     Ok(())
 }

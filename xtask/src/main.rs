@@ -19,8 +19,8 @@ use anyhow::{Context as _, Result, bail};
 
 /// Userspace toolchain (aya 0.16 needs rustc >= 1.98).
 const USER_TOOLCHAIN: &str = "1.99.1";
-/// eBPF toolchain; must match `EBPF_TOOLCHAIN` in fastpath/build.rs.
-const EBPF_TOOLCHAIN: &str = "nightly-2026-10-30";
+/// eBPF toolchain: one source, `ebpf-toolchain.txt`, also read by fastpath/build.rs.
+const EBPF_TOOLCHAIN: &str = include_str!("../../ebpf-toolchain.txt").trim_ascii();
 const BPF_LINKER_VERSION: &str = "0.13.0";
 /// Debian packages used by the tests, the demo and the benchmarks.
 const DEBIAN_PACKAGES: &[&str] = &[
@@ -55,12 +55,12 @@ fn main() {
     let args: Vec<String> = env::args().skip(1).collect();
     let started = Instant::now();
     let result = match args.first().map(String::as_str) {
-        Some("bootstrap") => bootstrap(),
-        Some("build") => bootstrap().and_then(|()| build()),
-        Some("test") => bootstrap().and_then(|()| test(&args[1..])),
-        Some("demo") => bootstrap().and_then(|()| demo(&args[1..])),
-        Some("bench") => bootstrap().and_then(|()| bench(&args[1..])),
-        Some("lint") => bootstrap().and_then(|()| lint()),
+        Some("bootstrap") => bootstrap(Packages::Install),
+        Some("build") => bootstrap(Packages::Skip).and_then(|()| build()),
+        Some("test") => bootstrap(Packages::Install).and_then(|()| test(&args[1..])),
+        Some("demo") => bootstrap(Packages::Install).and_then(|()| demo(&args[1..])),
+        Some("bench") => bootstrap(Packages::Install).and_then(|()| bench(&args[1..])),
+        Some("lint") => bootstrap(Packages::Skip).and_then(|()| lint()),
         Some("-h" | "--help" | "help") | None => {
             println!("{USAGE}");
             return;
@@ -108,7 +108,13 @@ fn cmd(program: &str) -> Command {
         "RUSTDOC",
         "CARGO",
         "RUSTC_WRAPPER",
+        "RUSTC_WORKSPACE_WRAPPER",
         "CARGO_TARGET_DIR",
+        "CARGO_ENCODED_RUSTFLAGS",
+        "CARGO_BUILD_RUSTC",
+        "CARGO_BUILD_RUSTC_WRAPPER",
+        // The outer `cargo run` points this at the default toolchain's libraries.
+        "LD_LIBRARY_PATH",
     ] {
         c.env_remove(var);
     }
@@ -152,7 +158,7 @@ fn is_root() -> bool {
 fn require_root(what: &str) -> Result<()> {
     if !is_root() {
         bail!(
-            "{what} loads eBPF programs and creates network namespaces: run it as root (e.g. `sudo -E cargo xtask {what}`)"
+            "{what} loads eBPF programs and creates network namespaces: run it as root (e.g. `sudo env PATH=\"$PATH\" cargo xtask {what}`)"
         );
     }
     Ok(())
@@ -161,9 +167,18 @@ fn require_root(what: &str) -> Result<()> {
 // ---------------------------------------------------------------------------------------------
 // bootstrap
 
-fn bootstrap() -> Result<()> {
+/// Whether a command needs the Debian packages (tests, demo and bench run real programs).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Packages {
+    Install,
+    Skip,
+}
+
+fn bootstrap(packages: Packages) -> Result<()> {
     let t = Instant::now();
-    debian_packages()?;
+    if packages == Packages::Install {
+        debian_packages()?;
+    }
     toolchains()?;
     bpf_linker()?;
     eprintln!("xtask: bootstrap ok in {:.1} s", t.elapsed().as_secs_f64());
@@ -193,9 +208,15 @@ fn debian_packages() -> Result<()> {
         );
     }
     eprintln!("xtask: installing Debian packages: {}", missing.join(" "));
-    run(Command::new("apt-get").args(["update", "-qq"]))?;
+    // Wait for a dpkg lock held by a boot-time apt job instead of failing at once.
+    let lock_wait = ["-o", "DPkg::Lock::Timeout=300"];
     run(Command::new("apt-get")
         .env("DEBIAN_FRONTEND", "noninteractive")
+        .args(lock_wait)
+        .args(["update", "-qq"]))?;
+    run(Command::new("apt-get")
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .args(lock_wait)
         .args(["install", "-y", "-qq", "--no-install-recommends"])
         .args(&missing))
 }
@@ -205,48 +226,43 @@ fn installed_toolchains() -> Result<String> {
 }
 
 fn toolchains() -> Result<()> {
-    let list = installed_toolchains()?;
-    if !list
+    ensure_toolchain(USER_TOOLCHAIN, &["rustfmt", "clippy"])?;
+    ensure_toolchain(EBPF_TOOLCHAIN, &["rust-src"])
+}
+
+/// Installs `toolchain` with `components`, or adds the components it lacks.
+fn ensure_toolchain(toolchain: &str, components: &[&str]) -> Result<()> {
+    let installed = installed_toolchains()?
         .lines()
-        .any(|l| l.starts_with(&format!("{USER_TOOLCHAIN}-")))
-    {
-        eprintln!("xtask: installing Rust {USER_TOOLCHAIN}");
-        run(cmd("rustup").args([
-            "toolchain",
-            "install",
-            USER_TOOLCHAIN,
-            "--profile",
-            "minimal",
-            "-c",
-            "rustfmt,clippy",
-        ]))?;
+        .any(|l| l.starts_with(&format!("{toolchain}-")));
+    if !installed {
+        eprintln!(
+            "xtask: installing Rust {toolchain} with {}",
+            components.join(", ")
+        );
+        return run(cmd("rustup")
+            .args(["toolchain", "install", toolchain, "--profile", "minimal"])
+            .arg("-c")
+            .arg(components.join(",")));
     }
-    let has_nightly = list
-        .lines()
-        .any(|l| l.starts_with(&format!("{EBPF_TOOLCHAIN}-")));
-    let has_src = has_nightly
-        && output(cmd("rustup").args([
-            "component",
-            "list",
-            "--installed",
-            "--toolchain",
-            EBPF_TOOLCHAIN,
-        ]))
-        .map(|s| s.lines().any(|l| l.starts_with("rust-src")))
-        .unwrap_or(false);
-    if !has_src {
-        eprintln!("xtask: installing Rust {EBPF_TOOLCHAIN} with rust-src");
-        run(cmd("rustup").args([
-            "toolchain",
-            "install",
-            EBPF_TOOLCHAIN,
-            "--profile",
-            "minimal",
-            "-c",
-            "rust-src",
-        ]))?;
+    let have =
+        output(cmd("rustup").args(["component", "list", "--installed", "--toolchain", toolchain]))?;
+    let missing: Vec<&str> = components
+        .iter()
+        .copied()
+        .filter(|c| {
+            !have
+                .lines()
+                .any(|l| l == *c || l.starts_with(&format!("{c}-")))
+        })
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
     }
-    Ok(())
+    eprintln!("xtask: adding {} to Rust {toolchain}", missing.join(", "));
+    run(cmd("rustup")
+        .args(["component", "add", "--toolchain", toolchain])
+        .args(&missing))
 }
 
 /// bpf-linker built against the eBPF nightly's own libLLVM, so no system LLVM is needed. The
@@ -338,7 +354,8 @@ fn demo(extra: &[String]) -> Result<()> {
         "--bins",
         "--examples",
     ]))?;
-    run(cmd("target/release/examples/demo").args(extra))
+    let demo = root_dir().join("target/release/examples/demo");
+    run(cmd(demo.to_str().context("non-UTF-8 path")?).args(extra))
 }
 
 fn bench(extra: &[String]) -> Result<()> {
@@ -350,7 +367,8 @@ fn bench(extra: &[String]) -> Result<()> {
         "fastpath",
         "--examples",
     ]))?;
-    run(cmd("target/release/examples/bench").args(extra))
+    let bench = root_dir().join("target/release/examples/bench");
+    run(cmd(bench.to_str().context("non-UTF-8 path")?).args(extra))
 }
 
 fn lint() -> Result<()> {
