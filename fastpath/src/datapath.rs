@@ -264,6 +264,11 @@ impl Datapath {
                     continue;
                 }
                 let pin = self.link_pin(name, hook);
+                if let Some(why) = stale_pin(&pin, hook) {
+                    // Found now, before any swap, so a failure later never leaves a mix.
+                    warn!(pin = %pin.display(), why, "Pinned link is stale; attaching afresh");
+                    remove_pin(&pin)?;
+                }
                 match open_pinned(&pin)? {
                     Some(link) => pending.push(PendingSwap {
                         iface: name.clone(),
@@ -689,6 +694,79 @@ where
     p.try_into().map_err(|source| DatapathError::Program {
         what: format!("program {name} has the wrong type"),
         source,
+    })
+}
+
+/// Why the link pinned at `pin` cannot take the new program (its interface is gone, or it is
+/// another kind of link), or `None` if it can (or nothing is pinned there).
+fn stale_pin(pin: &Path, hook: HookKind) -> Option<&'static str> {
+    let info = pinned_link_info(pin).ok()?;
+    let want = match hook {
+        HookKind::Xdp => BPF_LINK_TYPE_XDP,
+        HookKind::TcIngress | HookKind::TcEgress => BPF_LINK_TYPE_TCX,
+    };
+    if info.link_type != want {
+        Some("another kind of link")
+    } else if info.ifindex == 0 {
+        Some("its interface is gone")
+    } else {
+        None
+    }
+}
+
+const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+const BPF_LINK_TYPE_XDP: u32 = 6;
+const BPF_LINK_TYPE_TCX: u32 = 11;
+
+/// What `bpf_link_info` says of a pinned link (aya exposes neither field).
+struct PinnedLinkInfo {
+    link_type: u32,
+    /// Interface the XDP/TCX link is attached to; 0 once that interface is gone.
+    ifindex: u32,
+}
+
+fn pinned_link_info(pin: &Path) -> io::Result<PinnedLinkInfo> {
+    use std::os::{fd::FromRawFd as _, unix::ffi::OsStrExt as _};
+    let path = CString::new(pin.as_os_str().as_bytes())?;
+    // union bpf_attr for BPF_OBJ_GET: pathname (u64), bpf_fd, file_flags, path_fd.
+    let mut attr = [0u64; 4];
+    attr[0] = path.as_ptr() as u64;
+    // SAFETY: the bpf syscall reads `attr` (valid for its size) and the NUL-terminated path.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET,
+            attr.as_mut_ptr(),
+            size_of_val(&attr),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the syscall returned a new fd that nothing else owns.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+    // struct bpf_link_info: type, id, prog_id, pad, then the per-type union; for XDP and TCX
+    // links its first field is the ifindex (offset 16).
+    let mut info = [0u64; 32];
+    let mut attr = [0u64; 2];
+    attr[0] = (fd.as_raw_fd() as u32 as u64) | ((size_of_val(&info) as u64) << 32);
+    attr[1] = info.as_mut_ptr() as u64;
+    // SAFETY: BPF_OBJ_GET_INFO_BY_FD writes at most `info_len` bytes into `info`.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET_INFO_BY_FD,
+            attr.as_mut_ptr(),
+            size_of_val(&attr),
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(PinnedLinkInfo {
+        link_type: info[0] as u32,
+        ifindex: info[2] as u32,
     })
 }
 

@@ -3,17 +3,24 @@
 //! checking that the reason-coded counters moved as the traffic says.
 //!
 //! Root only (never skipped: without root these tests fail). Tools, Debian packages that
-//! `cargo xtask bootstrap` installs: iproute2, iputils-ping, curl, nginx-light, iperf3, bpftool.
+//! `cargo xtask bootstrap` installs: iproute2, iputils-ping, curl, nginx-light, iperf3, ethtool,
+//! bpftool.
 //! Run with `--test-threads=1`: the tests share the kernel (bpffs, /run/fastpath); each still
 //! has its own namespaces and pin directory.
 
 use std::{
+    collections::BTreeMap,
+    ffi::CString,
     fs,
     net::{IpAddr, SocketAddr, UdpSocket},
     path::{Path, PathBuf},
     time::Duration,
 };
 
+use aya::{
+    maps::{Array, Map, MapData},
+    programs::{SchedClassifier, TcAttachType},
+};
 use fastpath::{
     stats::StatsSnapshot,
     testkit::netns::{
@@ -21,7 +28,9 @@ use fastpath::{
         lb_topology, require_root, require_tools, run_daemon_to_exit, sweep_stale, unique_pin_dir,
     },
 };
-use fastpath_common::{Counter, Hook, Verdict, reason};
+use fastpath_common::{
+    Counter, DatapathConfig, Hook, Verdict, map_names, reason, stats::CONFIG_F_DROP_MALFORMED,
+};
 
 fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_fastpath"))
@@ -340,6 +349,192 @@ fn iperf3_udp_datagrams_are_counted() {
     assert_all_to_kernel(&delta);
 }
 
+/// The counters once traffic has drained: a sender that exited may leave data in its socket
+/// for the kernel to finish sending, so read until two reads 100 ms apart agree (at most 5 s;
+/// then the latest read).
+fn settled_stats(daemon: &Daemon) -> StatsSnapshot {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let mut last = daemon.stats();
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = daemon.stats();
+        if now == last || std::time::Instant::now() >= deadline {
+            return now;
+        }
+        last = now;
+    }
+}
+
+/// Frames up to this size fit one MTU-sized Ethernet frame (1500-byte IP packet + header).
+const MTU_FRAME: u64 = 1514;
+
+/// Whether `ethtool -k <dev>` in `ns` reports the offload `feature` (e.g.
+/// `tcp-segmentation-offload`) on.
+fn offload_on(ns: &Netns, dev: &str, feature: &str) -> bool {
+    let out = ns
+        .run(&["ethtool", "-k", dev])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let prefix = format!("{feature}: ");
+    let line = out
+        .lines()
+        .find_map(|l| l.trim().strip_prefix(&prefix))
+        .unwrap_or_else(|| {
+            panic!(
+                "`ethtool -k {dev}` in {} lists no {feature}:\n{out}",
+                ns.name()
+            )
+        });
+    line.starts_with("on")
+}
+
+/// (c'') TC only, with GSO: with no XDP program on fp's veths, their peers keep TSO/GSO and
+/// hand fp whole TCP super-packets (up to 64 KiB in one skb, the payload in page fragments),
+/// which is what the TC entry must parse against the linear area (pulling only if headers
+/// are beyond it). iperf3 TCP in both directions and both families: nothing may be counted as
+/// malformed or non-linear, every data byte iperf3 sent must be counted on both TC hooks, and
+/// the mean packet size there must exceed one Ethernet frame (super-packets were seen).
+///
+/// The counters are per hook, summed over fp's interfaces: client to backend, the data enters
+/// at cl0 (tc_ingress) and leaves at be0 (tc_egress), the backend's ACKs the other way round;
+/// with `-R` data and ACKs swap interfaces. Either way each TC hook sees all data once.
+#[test]
+fn tc_only_gso_superpackets_are_parsed_as_well_formed() {
+    setup(&["iperf3", "ethtool"]);
+    let lb = topology(1);
+    let pin_dir = unique_pin_dir("gso");
+    let config = lb
+        .fp_interfaces()
+        .iter()
+        .fold(DaemonConfig::new(&pin_dir), |c, dev| {
+            c.hooks(HookedInterface {
+                name: dev.clone(),
+                xdp: "off",
+                tc_ingress: true,
+                tc_egress: true,
+            })
+        });
+    let daemon = Daemon::start(bin(), lb.fp(), &config);
+
+    // Every sender's veth must offload segmentation, else no super-packet ever reaches fp.
+    for (ns, dev) in [
+        (lb.client(), LbTopology::HOST_IF.to_owned()),
+        (lb.backend(0), LbTopology::HOST_IF.to_owned()),
+        (lb.fp(), LbTopology::FP_CLIENT_IF.to_owned()),
+        (lb.fp(), LbTopology::fp_backend_if(0)),
+    ] {
+        for feature in ["tcp-segmentation-offload", "generic-segmentation-offload"] {
+            assert!(
+                offload_on(ns, &dev, feature),
+                "expected {feature} on {}/{dev} (veth without XDP keeps it)",
+                ns.name()
+            );
+        }
+    }
+
+    let _server = lb
+        .backend(0)
+        .spawn(&["iperf3", "-s", "-p", "5201"])
+        .expect("starting the iperf3 server");
+    lb.backend(0)
+        .wait_listening("tcp", 5201, Duration::from_secs(10))
+        .expect("iperf3 server listening");
+
+    for (family, target, code, reverse) in [
+        (
+            "IPv4",
+            LbTopology::backend_v4(0).to_string(),
+            reason::NO_STAGE_IPV4_TCP,
+            false,
+        ),
+        (
+            "IPv4",
+            LbTopology::backend_v4(0).to_string(),
+            reason::NO_STAGE_IPV4_TCP,
+            true,
+        ),
+        (
+            "IPv6",
+            LbTopology::backend_v6(0).to_string(),
+            reason::NO_STAGE_IPV6_TCP,
+            false,
+        ),
+        (
+            "IPv6",
+            LbTopology::backend_v6(0).to_string(),
+            reason::NO_STAGE_IPV6_TCP,
+            true,
+        ),
+    ] {
+        let run = format!(
+            "{family} iperf3 {}",
+            if reverse {
+                "backend to client (-R)"
+            } else {
+                "client to backend"
+            }
+        );
+        let mut args = vec!["iperf3", "-c", &target, "-p", "5201", "-t", "2", "-J"];
+        if reverse {
+            args.push("-R");
+        }
+        let before = daemon.stats();
+        let report = lb
+            .client()
+            .run(&args)
+            .unwrap_or_else(|e| panic!("{run}: {e}"));
+        let delta = settled_stats(&daemon).delta(&before);
+        let json: serde_json::Value = serde_json::from_str(&report)
+            .unwrap_or_else(|e| panic!("{run}: iperf3 -J output: {e}\n{report}"));
+        let sent = json["end"]["sum_sent"]["bytes"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{run}: no end.sum_sent.bytes in:\n{report}"));
+        let received = json["end"]["sum_received"]["bytes"].as_u64().unwrap_or(0);
+        let table = delta.render_table();
+
+        for code in (0..reason::COUNT).filter(|&c| reason::is_malformed(c)) {
+            assert_eq!(
+                delta.packets_for_reason(code),
+                0,
+                "{run}: well-formed TCP counted as {}; counters moved by:\n{table}",
+                reason::name(code)
+            );
+        }
+        assert_eq!(
+            delta.packets_for_reason(reason::HEADERS_NOT_LINEAR),
+            0,
+            "{run}: headers_not_linear means a TC packet stayed unparsed even after the pull; counters moved by:\n{table}"
+        );
+        assert_eq!(
+            delta.packets_on_hook(Hook::Xdp),
+            0,
+            "{run}: xdp = \"off\" everywhere, yet XDP counted packets:\n{table}"
+        );
+        assert_all_to_kernel(&delta);
+        for hook in [Hook::TcIngress, Hook::TcEgress] {
+            let c = kernel(&delta, hook, code);
+            let mean = c.bytes.checked_div(c.packets).unwrap_or(0);
+            eprintln!(
+                "{run} on {}: iperf3 sent {sent} bytes (received {received}); counted {} packets, {} bytes, mean {mean} bytes",
+                hook.name(),
+                c.packets,
+                c.bytes
+            );
+            assert!(
+                sent > 0 && c.bytes >= sent,
+                "{run}: expected {} on {} to count at least the {sent} bytes iperf3 sent; counters moved by:\n{table}",
+                reason::name(code),
+                hook.name()
+            );
+            assert!(
+                mean > MTU_FRAME,
+                "{run}: expected GSO super-packets on {}, i.e. a mean {} packet above {MTU_FRAME} bytes, got {mean}; counters moved by:\n{table}",
+                hook.name(),
+                reason::name(code)
+            );
+        }
+    }
+}
+
 /// (c') UDP, exactly: sockets opened inside the client and backend namespaces exchange a known
 /// number of datagrams of a known size (one-way; each received before the next is sent, so
 /// none is lost to a full socket buffer). Nothing else sends UDP in the topology, so every
@@ -402,9 +597,10 @@ fn udp_datagrams_are_counted_exactly() {
     }
 }
 
-/// The bpf_link id behind every pin under `<pin_dir>/links`, read with bpftool.
-fn pinned_link_ids(pin_dir: &Path) -> Vec<(String, u64)> {
-    let mut ids = Vec::new();
+/// Every link pinned under `<pin_dir>/links`: pin name (`<iface>@<hook>`) → the bpf_link id and
+/// the id of the program it runs, read with bpftool.
+fn pinned_links(pin_dir: &Path) -> BTreeMap<String, PinnedLinkIds> {
+    let mut links = BTreeMap::new();
     for entry in fs::read_dir(pin_dir.join("links"))
         .expect("links dir")
         .flatten()
@@ -421,27 +617,177 @@ fn pinned_link_ids(pin_dir: &Path) -> Vec<(String, u64)> {
         .unwrap_or_else(|e| panic!("{e}"));
         let v: serde_json::Value =
             serde_json::from_str(&json).unwrap_or_else(|e| panic!("bpftool json: {e}: {json}"));
-        let id = v["id"]
-            .as_u64()
-            .unwrap_or_else(|| panic!("no link id in {json}"));
-        ids.push((entry.file_name().to_string_lossy().into_owned(), id));
+        let (Some(link), Some(prog)) = (v["id"].as_u64(), v["prog_id"].as_u64()) else {
+            panic!("expected a link id and a prog_id from bpftool, got {json}");
+        };
+        links.insert(
+            entry.file_name().to_string_lossy().into_owned(),
+            PinnedLinkIds { link, prog },
+        );
     }
-    ids.sort();
-    ids
+    links
+}
+
+/// What bpftool says about one pinned link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PinnedLinkIds {
+    link: u64,
+    prog: u64,
+}
+
+/// The bpf_link id behind every pin under `<pin_dir>/links`, sorted by pin name.
+fn pinned_link_ids(pin_dir: &Path) -> Vec<(String, u64)> {
+    pinned_links(pin_dir)
+        .into_iter()
+        .map(|(pin, ids)| (pin, ids.link))
+        .collect()
 }
 
 fn link_exists(id: u64) -> bool {
     host_run(&["bpftool", "link", "show", "id", &id.to_string()]).is_ok()
 }
 
-fn assert_xdp_on_every_fp_interface(lb: &LbTopology, attached: bool, when: &str) {
+/// What runs on one interface, as the kernel reports it per device (not per pin).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct DeviceHooks {
+    /// Ids of the XDP programs `bpftool net show` lists (one per mode; at most one here).
+    xdp: Vec<u64>,
+    /// Program ids at TCX ingress and egress, in run order, from BPF_PROG_QUERY: older
+    /// bpftool (7.1 here) does not list TCX in `net show` at all.
+    tcx_ingress: Vec<u64>,
+    tcx_egress: Vec<u64>,
+    /// `bpftool net show`'s `tc` (classic cls_bpf; newer bpftool lists TCX there too) and
+    /// `tcx` entries, so a program attached any other way than the daemon's shows up as well.
+    tc: Vec<serde_json::Value>,
+    /// Whether `ip -d link show` says `prog/xdp` (a second witness for XDP).
+    ip_link_xdp: bool,
+}
+
+impl DeviceHooks {
+    fn is_empty(&self) -> bool {
+        *self == DeviceHooks::default()
+    }
+}
+
+/// The XDP and TC programs attached to `dev` in `ns`.
+fn device_hooks(ns: &Netns, dev: &str) -> DeviceHooks {
+    let out = ns
+        .run(&["bpftool", "-j", "net", "show", "dev", dev])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let v: serde_json::Value = serde_json::from_str(&out)
+        .unwrap_or_else(|e| panic!("`bpftool -j net show dev {dev}` json: {e}: {out}"));
+    let section = |name: &str| -> Vec<serde_json::Value> {
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|e| e[name].as_array().cloned().unwrap_or_default())
+            .collect()
+    };
+    let xdp = section("xdp")
+        .iter()
+        .map(|x| {
+            x["id"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("XDP entry without a program id: {out}"))
+        })
+        .collect();
+    let mut tc = section("tc");
+    tc.extend(section("tcx"));
+    let c_dev = CString::new(dev).expect("interface names have no NUL");
+    let query = |attach: TcAttachType| -> Vec<u64> {
+        let (_revision, progs) = ns
+            .in_netns(|| SchedClassifier::query_tcx(c_dev.as_c_str(), attach))
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|e| {
+                panic!(
+                    "querying TCX {attach:?} programs on {dev} in {}: {e}",
+                    ns.name()
+                )
+            });
+        progs.iter().map(|p| u64::from(p.id())).collect()
+    };
+    DeviceHooks {
+        xdp,
+        tcx_ingress: query(TcAttachType::Ingress),
+        tcx_egress: query(TcAttachType::Egress),
+        tc,
+        ip_link_xdp: ns.xdp_attached(dev).unwrap_or_else(|e| panic!("{e}")),
+    }
+}
+
+/// Asserts that no XDP program and no TC program (TCX or classic) is attached to any of
+/// `devs` in `ns`.
+fn assert_nothing_attached<S: AsRef<str>>(ns: &Netns, devs: &[S], when: &str) {
+    for dev in devs {
+        let dev = dev.as_ref();
+        let hooks = device_hooks(ns, dev);
+        assert!(
+            hooks.is_empty(),
+            "{when}: expected no XDP or TC program on {}/{dev}, found {hooks:?}",
+            ns.name()
+        );
+    }
+}
+
+/// Asserts that every fp interface runs the datapath on all three hooks, each program being
+/// the one its pinned link holds; returns what each interface runs.
+fn assert_datapath_on_every_fp_interface(
+    lb: &LbTopology,
+    links: &BTreeMap<String, PinnedLinkIds>,
+    when: &str,
+) -> BTreeMap<String, DeviceHooks> {
+    let mut all = BTreeMap::new();
     for dev in lb.fp_interfaces() {
-        let shown = lb.fp().link_show(&dev).unwrap_or_else(|e| panic!("{e}"));
+        let prog = |hook: &str| -> u64 {
+            links
+                .get(&format!("{dev}@{hook}"))
+                .unwrap_or_else(|| panic!("{when}: no link pinned for {dev}@{hook}: {links:?}"))
+                .prog
+        };
+        let hooks = device_hooks(lb.fp(), &dev);
+        let (xdp, ingress, egress) = (prog("xdp"), prog("tc_ingress"), prog("tc_egress"));
+        assert!(
+            hooks.ip_link_xdp
+                && hooks.xdp == [xdp]
+                && hooks.tcx_ingress == [ingress]
+                && hooks.tcx_egress == [egress],
+            "{when}: expected fp/{dev} to run XDP program {xdp}, TCX ingress [{ingress}] and TCX egress [{egress}] (from the pinned links); the device runs {hooks:?}"
+        );
+        all.insert(dev, hooks);
+    }
+    all
+}
+
+/// The runtime flags in the pinned FP_CONFIG map (index 0), read without a daemon.
+fn pinned_config_flags(pin_dir: &Path) -> u32 {
+    let path = pin_dir.join("maps").join(map_names::CONFIG);
+    let data = MapData::from_pin(&path)
+        .unwrap_or_else(|e| panic!("opening the pinned {}: {e}", path.display()));
+    let array: Array<MapData, DatapathConfig> = Array::try_from(Map::Array(data))
+        .unwrap_or_else(|e| panic!("{} as an array of DatapathConfig: {e}", path.display()));
+    array
+        .get(&0, 0)
+        .unwrap_or_else(|e| panic!("reading index 0 of {}: {e}", path.display()))
+        .flags
+}
+
+/// Asserts that `n` IPv4 pings from the client to a backend moved every hook by exactly one
+/// echo request and one reply each.
+fn assert_pings_counted(before: &StatsSnapshot, after: &StatsSnapshot, n: u32, when: &str) {
+    let delta = after.delta(before);
+    let frame = ETH + IPV4 + PING_ICMP;
+    for hook in Hook::ALL {
+        let c = kernel(&delta, hook, reason::NO_STAGE_IPV4_ICMP);
         assert_eq!(
-            shown.contains("prog/xdp"),
-            attached,
-            "{when}: expected XDP {} on fp/{dev}; `ip -d link show` says:\n{shown}",
-            if attached { "attached" } else { "not attached" }
+            c,
+            Counter {
+                packets: 2 * u64::from(n),
+                bytes: 2 * u64::from(n) * frame
+            },
+            "{when}: expected {} ICMP packets on {}; counters moved by:\n{}",
+            2 * n,
+            hook.name(),
+            delta.render_table()
         );
     }
 }
@@ -457,29 +803,10 @@ fn kill9_keeps_the_datapath_and_a_restart_continues_its_counters() {
     let mut daemon = Daemon::start(bin(), lb.fp(), &lb.fp_config(&pin_dir));
     const N: u32 = 10;
     let backend: IpAddr = LbTopology::backend_v4(0).into();
-    let frame = ETH + IPV4 + PING_ICMP;
-    let expect_pings = |before: &StatsSnapshot, after: &StatsSnapshot, when: &str| {
-        let delta = after.delta(before);
-        for hook in Hook::ALL {
-            let c = kernel(&delta, hook, reason::NO_STAGE_IPV4_ICMP);
-            assert_eq!(
-                c,
-                Counter {
-                    packets: 2 * u64::from(N),
-                    bytes: 2 * u64::from(N) * frame
-                },
-                "{when}: expected {} ICMP packets on {}; counters moved by:\n{}",
-                2 * N,
-                hook.name(),
-                delta.render_table()
-            );
-        }
-    };
-
     let s0 = daemon.stats();
     ping(lb.client(), backend, N);
     let s1 = daemon.stats();
-    expect_pings(&s0, &s1, "with the daemon running");
+    assert_pings_counted(&s0, &s1, N, "with the daemon running");
     let links = pinned_link_ids(&pin_dir);
     assert_eq!(
         links.len(),
@@ -493,10 +820,10 @@ fn kill9_keeps_the_datapath_and_a_restart_continues_its_counters() {
         pin_dir.join("maps").is_dir(),
         "kill -9 must leave the pins in place"
     );
-    assert_xdp_on_every_fp_interface(&lb, true, "after kill -9");
+    assert_datapath_on_every_fp_interface(&lb, &pinned_links(&pin_dir), "after kill -9");
     ping(lb.client(), backend, N);
     let s2 = daemon.stats();
-    expect_pings(&s1, &s2, "after kill -9, with no daemon");
+    assert_pings_counted(&s1, &s2, N, "after kill -9, with no daemon");
 
     // The CLI reads the same pinned map.
     let json = host_run(&[
@@ -555,7 +882,7 @@ fn kill9_keeps_the_datapath_and_a_restart_continues_its_counters() {
     }
     ping(lb.client(), backend, N);
     let s4 = daemon.stats();
-    expect_pings(&s3, &s4, "after the restart");
+    assert_pings_counted(&s3, &s4, N, "after the restart");
 
     let status = daemon.stop();
     assert!(
@@ -573,7 +900,7 @@ fn kill9_keeps_the_datapath_and_a_restart_continues_its_counters() {
         "a clean stop must remove {}",
         pin_dir.display()
     );
-    assert_xdp_on_every_fp_interface(&lb, false, "after a clean stop");
+    assert_nothing_attached(lb.fp(), &lb.fp_interfaces(), "after a clean stop");
     for (pin, id) in &links {
         assert!(
             !link_exists(*id),
@@ -584,11 +911,258 @@ fn kill9_keeps_the_datapath_and_a_restart_continues_its_counters() {
     ping(lb.client(), backend, 3);
 }
 
+/// Adds interface `name` in `ns`, up, of a kind whose driver has no native XDP: `dummy`, or
+/// `ifb` on kernels built without the dummy driver (both lack `ndo_bpf`).
+fn add_interface_without_native_xdp(ns: &Netns, name: &str) {
+    let mut refused = Vec::new();
+    for kind in ["dummy", "ifb"] {
+        match ns.ip(&["link", "add", name, "type", kind]) {
+            Ok(_) => {
+                eprintln!("{}/{name} is a {kind} interface", ns.name());
+                ns.link_up(name).unwrap_or_else(|e| panic!("{e}"));
+                return;
+            }
+            Err(e) => refused.push(format!("{kind}: {e}")),
+        }
+    }
+    panic!(
+        "cannot create an interface without native XDP in {}; the kernel refused every kind: {refused:?}",
+        ns.name()
+    );
+}
+
+/// An interface without native XDP, added to fp by [`failed_restart_keeps_the_running_datapath`].
+const DUMMY: &str = "dummy0";
+
+/// (d') A restart that fails changes nothing. A daemon runs (XDP auto + TCX on every fp
+/// interface, drop_malformed off) and is killed with -9; a new one is started on the same pin
+/// dir with a config that also asks for native XDP on a dummy interface (no driver XDP) and
+/// turns drop_malformed on. It must exit 1 naming the interface and the native-mode hint, and
+/// leave the running datapath exactly as it was: same links running the same programs, traffic
+/// counted, FP_CONFIG untouched, nothing on the dummy. A start with a good config then reuses
+/// the links, and a clean stop removes everything.
+#[test]
+fn failed_restart_keeps_the_running_datapath() {
+    setup(&["ping", "bpftool"]);
+    let lb = topology(1);
+    let fp = lb.fp();
+    let pin_dir = unique_pin_dir("failed-restart");
+    let mut daemon = Daemon::start(bin(), fp, &lb.fp_config(&pin_dir));
+    const N: u32 = 10;
+    let backend: IpAddr = LbTopology::backend_v4(0).into();
+
+    let s0 = daemon.stats();
+    ping(lb.client(), backend, N);
+    let s1 = daemon.stats();
+    assert_pings_counted(&s0, &s1, N, "with the first daemon running");
+    let links = pinned_links(&pin_dir);
+    assert_eq!(
+        links.len(),
+        6,
+        "expected 3 hooks on 2 interfaces pinned, got {links:?}"
+    );
+    let running = assert_datapath_on_every_fp_interface(&lb, &links, "with the first daemon");
+    assert_eq!(
+        pinned_config_flags(&pin_dir),
+        0,
+        "drop_malformed = false must leave FP_CONFIG flags at 0"
+    );
+
+    daemon.kill9();
+    assert!(!daemon.is_running(), "daemon survived SIGKILL");
+    add_interface_without_native_xdp(fp, DUMMY);
+
+    let bad = lb
+        .fp_config(&pin_dir)
+        .drop_malformed(true)
+        .hooks(HookedInterface {
+            name: DUMMY.into(),
+            xdp: "native",
+            tc_ingress: false,
+            tc_egress: false,
+        });
+    let (status, stderr) =
+        run_daemon_to_exit(bin(), fp.name(), &bad.to_toml()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "native XDP on {DUMMY}: expected exit code 1 (runtime failure); stderr:\n{stderr}"
+    );
+    assert!(
+        stderr.contains(DUMMY) && stderr.contains("native mode needs driver support"),
+        "expected stderr to name {DUMMY} and the native-mode hint; stderr:\n{stderr}"
+    );
+
+    let when = "after the failed restart";
+    assert_eq!(
+        pinned_links(&pin_dir),
+        links,
+        "{when}: expected the same pinned links running the same programs; stderr of the failed daemon:\n{stderr}"
+    );
+    for (pin, ids) in &links {
+        let json = host_run(&["bpftool", "-j", "link", "show", "id", &ids.link.to_string()])
+            .unwrap_or_else(|e| panic!("{when}: link {} ({pin}) is gone: {e}", ids.link));
+        let v: serde_json::Value =
+            serde_json::from_str(&json).unwrap_or_else(|e| panic!("bpftool json: {e}: {json}"));
+        assert_eq!(
+            v["prog_id"].as_u64(),
+            Some(ids.prog),
+            "{when}: link {} ({pin}) must still run program {}: {json}",
+            ids.link,
+            ids.prog
+        );
+    }
+    assert_eq!(
+        assert_datapath_on_every_fp_interface(&lb, &links, when),
+        running,
+        "{when}: fp's interfaces must run exactly what they ran before"
+    );
+    assert_nothing_attached(fp, &[DUMMY], when);
+    let dummy_pins: Vec<String> = fs::read_dir(pin_dir.join("links"))
+        .expect("links dir")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&format!("{DUMMY}@")))
+        .collect();
+    assert!(
+        dummy_pins.is_empty(),
+        "{when}: expected no pin for {DUMMY}, found {dummy_pins:?}"
+    );
+    assert_eq!(
+        pinned_config_flags(&pin_dir),
+        0,
+        "{when}: FP_CONFIG is written only after a successful attach, yet drop_malformed = true reached it"
+    );
+    let s2 = daemon.stats();
+    ping(lb.client(), backend, N);
+    let s3 = daemon.stats();
+    assert_pings_counted(&s2, &s3, N, when);
+
+    // A good config (this time with drop_malformed on) reuses the links and swaps programs.
+    let good = lb.fp_config(&pin_dir).drop_malformed(true);
+    fs::write(daemon.config_path(), good.to_toml()).expect("writing the good config");
+    daemon.restart();
+    let log = daemon.log();
+    for want in [
+        "Reusing pinned maps",
+        "Reused pinned XDP link",
+        "Reused pinned TCX link",
+    ] {
+        assert!(
+            log.contains(want),
+            "expected the restarted daemon to log {want:?}; log:\n{log}"
+        );
+    }
+    let swapped = pinned_links(&pin_dir);
+    assert_eq!(
+        swapped.iter().map(|(p, i)| (p, i.link)).collect::<Vec<_>>(),
+        links.iter().map(|(p, i)| (p, i.link)).collect::<Vec<_>>(),
+        "a good restart must keep the same links"
+    );
+    for (pin, ids) in &swapped {
+        assert_ne!(
+            ids.prog, links[pin].prog,
+            "a good restart must swap a new program into {pin}"
+        );
+    }
+    assert_datapath_on_every_fp_interface(&lb, &swapped, "after the good restart");
+    assert_nothing_attached(fp, &[DUMMY], "after the good restart");
+    assert_eq!(
+        pinned_config_flags(&pin_dir),
+        CONFIG_F_DROP_MALFORMED,
+        "after the good restart with drop_malformed = true"
+    );
+    let s4 = daemon.stats();
+    ping(lb.client(), backend, N);
+    let s5 = daemon.stats();
+    assert_pings_counted(&s4, &s5, N, "after the good restart");
+
+    let status = daemon.stop();
+    assert!(
+        status.success(),
+        "clean stop should exit 0, got {status}; log:\n{}",
+        daemon.log()
+    );
+    assert!(
+        !pin_dir.exists(),
+        "a clean stop must remove {}",
+        pin_dir.display()
+    );
+    let mut devs = lb.fp_interfaces();
+    devs.push(DUMMY.into());
+    assert_nothing_attached(fp, &devs, "after a clean stop");
+    for (pin, ids) in &swapped {
+        assert!(
+            !link_exists(ids.link),
+            "link {} ({pin}) still exists after a clean stop",
+            ids.link
+        );
+    }
+    ping(lb.client(), backend, 3);
+}
+
+/// (d'') As (d'), with a stale pinned link: an interface the last run attached to was deleted
+/// and re-created, so its pinned links are stale. The daemon must find that before swapping
+/// anything, re-attach that interface afresh (native XDP, which the driver refuses) and, when
+/// that fails, leave every other pinned link on its old program.
+#[test]
+fn failed_restart_after_a_stale_link_keeps_the_old_programs() {
+    setup(&["bpftool"]);
+    let lb = topology(1);
+    let fp = lb.fp();
+    let pin_dir = unique_pin_dir("stale-restart");
+    add_interface_without_native_xdp(fp, DUMMY);
+    // xdp = "auto": generic mode on the dummy.
+    let mut daemon = Daemon::start(bin(), fp, &lb.fp_config(&pin_dir).interface(DUMMY));
+    let links = pinned_links(&pin_dir);
+    assert_eq!(
+        links.len(),
+        9,
+        "expected 3 hooks on 3 interfaces pinned, got {links:?}"
+    );
+    daemon.kill9();
+    fp.ip(&["link", "del", DUMMY])
+        .unwrap_or_else(|e| panic!("{e}"));
+    add_interface_without_native_xdp(fp, DUMMY);
+
+    let bad = lb
+        .fp_config(&pin_dir)
+        .drop_malformed(true)
+        .hooks(HookedInterface {
+            name: DUMMY.into(),
+            xdp: "native",
+            tc_ingress: true,
+            tc_egress: true,
+        });
+    let (status, stderr) =
+        run_daemon_to_exit(bin(), fp.name(), &bad.to_toml()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "native XDP on the re-created {DUMMY}: expected exit code 1; stderr:\n{stderr}"
+    );
+    let after = pinned_links(&pin_dir);
+    for (pin, ids) in links.iter().filter(|(p, _)| !p.starts_with(DUMMY)) {
+        assert_eq!(
+            after.get(pin),
+            Some(ids),
+            "after a restart that failed on the stale {DUMMY}: {pin} must still run program {}; stderr of the failed daemon:\n{stderr}",
+            ids.prog
+        );
+    }
+    assert_eq!(
+        pinned_config_flags(&pin_dir),
+        0,
+        "FP_CONFIG changed by a failed start"
+    );
+}
+
 /// (e) A bad config changes nothing: a typo'd key and an interface that does not exist both
-/// make `fastpath daemon` exit 2 naming the file, line and key, before any pin or program.
+/// make `fastpath daemon` exit 2 naming the file, line and key, before any pin or program (no
+/// XDP, no TCX or other TC program on any fp interface).
 #[test]
 fn bad_config_exits_2_and_attaches_nothing() {
-    setup(&[]);
+    setup(&["bpftool"]);
     let lb = topology(1);
 
     let pin_dir = unique_pin_dir("typo");
@@ -614,7 +1188,7 @@ fn bad_config_exits_2_and_attaches_nothing() {
         "typo'd key: {} must not be created",
         pin_dir.display()
     );
-    assert_xdp_on_every_fp_interface(&lb, false, "after a typo'd config");
+    assert_nothing_attached(lb.fp(), &lb.fp_interfaces(), "after a typo'd config");
 
     // The first interface exists: validation must reject the file before attaching to it.
     let pin_dir = unique_pin_dir("missing");
@@ -651,7 +1225,11 @@ fn bad_config_exits_2_and_attaches_nothing() {
         "missing interface: {} must not be created",
         pin_dir.display()
     );
-    assert_xdp_on_every_fp_interface(&lb, false, "after a config naming a missing interface");
+    assert_nothing_attached(
+        lb.fp(),
+        &lb.fp_interfaces(),
+        "after a config naming a missing interface",
+    );
 }
 
 /// Removes a datapath a daemon should never have created (so a failing check leaves no pins).
@@ -756,11 +1334,12 @@ fn sweep_stale_removes_leftovers_of_dead_runs_only() {
 }
 
 /// SIGTERM at any moment of the start-up (before, while and just after attaching) must leave
-/// nothing attached: the daemon either dies before touching the kernel or detaches cleanly.
+/// nothing attached (no XDP, no TC program, no pin): the daemon either dies before touching the
+/// kernel or detaches cleanly.
 /// (Before the fix, a SIGTERM during attach killed it with some links pinned.)
 #[test]
 fn sigterm_during_startup_leaves_nothing_attached() {
-    setup(&[]);
+    setup(&["bpftool"]);
     let lb = topology(1);
     let dir = TempDir::new("sigterm").expect("temp dir");
     for delay_ms in (0..=150).step_by(10) {
@@ -785,9 +1364,9 @@ fn sigterm_during_startup_leaves_nothing_attached() {
             fs::read_dir(pin_dir.join("links"))
                 .map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>())
         );
-        assert_xdp_on_every_fp_interface(
-            &lb,
-            false,
+        assert_nothing_attached(
+            lb.fp(),
+            &lb.fp_interfaces(),
             &format!("SIGTERM {delay_ms} ms after start ({status})"),
         );
     }

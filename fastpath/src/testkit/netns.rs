@@ -1034,6 +1034,8 @@ pub struct HookedInterface {
 #[derive(Clone, Debug)]
 pub struct DaemonConfig {
     pub pin_dir: PathBuf,
+    /// `datapath.drop_malformed`; false (the daemon's default) unless set.
+    pub drop_malformed: bool,
     pub interfaces: Vec<HookedInterface>,
 }
 
@@ -1041,8 +1043,15 @@ impl DaemonConfig {
     pub fn new(pin_dir: &Path) -> DaemonConfig {
         DaemonConfig {
             pin_dir: pin_dir.to_owned(),
+            drop_malformed: false,
             interfaces: Vec::new(),
         }
+    }
+
+    /// Sets `datapath.drop_malformed`.
+    pub fn drop_malformed(mut self, drop: bool) -> DaemonConfig {
+        self.drop_malformed = drop;
+        self
     }
 
     /// Every hook on `name`: XDP auto, TC ingress and egress.
@@ -1062,8 +1071,9 @@ impl DaemonConfig {
 
     pub fn to_toml(&self) -> String {
         let mut s = format!(
-            "[datapath]\npin_dir = {:?}\n",
-            self.pin_dir.display().to_string()
+            "[datapath]\npin_dir = {:?}\ndrop_malformed = {}\n",
+            self.pin_dir.display().to_string(),
+            self.drop_malformed
         );
         for i in &self.interfaces {
             s.push_str(&format!(
@@ -1398,5 +1408,12 @@ mod tests {
         );
         assert_eq!(c.interfaces[0].xdp, XdpMode::Auto);
         assert!(c.interfaces[0].tc_ingress && c.interfaces[0].tc_egress);
+        assert!(!c.datapath.drop_malformed);
+        let text = DaemonConfig::new(Path::new("/sys/fs/bpf/fpt-1-0-x"))
+            .drop_malformed(true)
+            .interface("lo")
+            .to_toml();
+        let c = Config::parse(Path::new("t.toml"), &text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        assert!(c.datapath.drop_malformed, "{text}");
     }
 }
