@@ -231,9 +231,8 @@ fn parse_ipv6(pkt: &Packet, off: usize, p: &mut Parsed) -> Result<(), u32> {
     for _ in 0..MAX_IPV6_EXT {
         match next {
             IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {
-                if cur + 8 > l3_end {
-                    return Err(reason::TRUNC_IPV6_EXT);
-                }
+                // No separate `cur + 8 > l3_end` check: the length check below implies it
+                // (every such header is at least 8 bytes), and the load is bounds-checked.
                 let e: [u8; 2] = pkt
                     .load(cur)
                     .ok_or_else(|| missing(pkt, cur, 8, reason::TRUNC_IPV6_EXT))?;
