@@ -813,28 +813,12 @@ fn ensure_bpffs(pin_dir: &Path) -> Result<(), DatapathError> {
             break;
         }
     }
-    if fs_type(&probe) == Some(BPF_FS_MAGIC) {
+    if is_bpffs(&probe) {
         return Ok(());
     }
     let sys_bpf = Path::new("/sys/fs/bpf");
-    if pin_dir.starts_with(sys_bpf) && fs_type(sys_bpf) != Some(BPF_FS_MAGIC) {
-        let src = CString::new("bpf").unwrap_or_default();
-        let target = CString::new("/sys/fs/bpf").unwrap_or_default();
-        // SAFETY: all pointers are valid NUL-terminated strings for the duration of the call.
-        let rc = unsafe {
-            libc::mount(
-                src.as_ptr(),
-                target.as_ptr(),
-                src.as_ptr(),
-                0,
-                std::ptr::null(),
-            )
-        };
-        if rc != 0 {
-            return Err(DatapathError::Mount {
-                source: io::Error::last_os_error(),
-            });
-        }
+    if pin_dir.starts_with(sys_bpf) && !is_bpffs(sys_bpf) {
+        mount_bpffs(sys_bpf).map_err(|source| DatapathError::Mount { source })?;
         info!("Mounted bpffs on /sys/fs/bpf");
         return Ok(());
     }
@@ -844,12 +828,38 @@ fn ensure_bpffs(pin_dir: &Path) -> Result<(), DatapathError> {
     })
 }
 
-fn fs_type(path: &Path) -> Option<i64> {
+/// Whether `path` is on a bpffs.
+pub fn is_bpffs(path: &Path) -> bool {
     use std::os::unix::ffi::OsStrExt as _;
-    let c = CString::new(path.as_os_str().as_bytes()).ok()?;
+    let Ok(c) = CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
     // SAFETY: an all-zero statfs is a valid value of this plain C struct.
     let mut buf: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: statfs writes into `buf`, which is large enough; `c` is NUL-terminated.
     let rc = unsafe { libc::statfs(c.as_ptr(), &mut buf) };
-    (rc == 0).then_some(buf.f_type as i64)
+    rc == 0 && buf.f_type as i64 == BPF_FS_MAGIC
+}
+
+/// Mounts a new bpffs instance on `path`.
+pub fn mount_bpffs(path: &Path) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let target = CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let fstype = c"bpf";
+    // SAFETY: every pointer is a NUL-terminated string that outlives the call; no data.
+    let rc = unsafe {
+        libc::mount(
+            fstype.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }

@@ -346,29 +346,20 @@ fn test(extra: &[String]) -> Result<()> {
 
 fn demo(extra: &[String]) -> Result<()> {
     require_root("demo")?;
-    run(&mut cargo(&[
-        "build",
-        "--release",
-        "-p",
-        "fastpath",
-        "--bins",
-        "--examples",
-    ]))?;
-    let demo = root_dir().join("target/release/examples/demo");
-    run(cmd(demo.to_str().context("non-UTF-8 path")?).args(extra))
+    // The demo runs target/release/fastpath, so build the binary too.
+    run_example("demo", &["--bins"], extra)
 }
 
 fn bench(extra: &[String]) -> Result<()> {
     require_root("bench")?;
-    run(&mut cargo(&[
-        "build",
-        "--release",
-        "-p",
-        "fastpath",
-        "--examples",
-    ]))?;
-    let bench = root_dir().join("target/release/examples/bench");
-    run(cmd(bench.to_str().context("non-UTF-8 path")?).args(extra))
+    run_example("bench", &[], extra)
+}
+
+/// Builds the fastpath examples (release) and runs example `name` with `extra` arguments.
+fn run_example(name: &str, build_args: &[&str], extra: &[String]) -> Result<()> {
+    run(cargo(&["build", "--release", "-p", "fastpath", "--examples"]).args(build_args))?;
+    let exe = root_dir().join("target/release/examples").join(name);
+    run(cmd(exe.to_str().context("non-UTF-8 path")?).args(extra))
 }
 
 fn lint() -> Result<()> {

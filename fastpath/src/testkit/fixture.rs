@@ -26,7 +26,10 @@ use fastpath_common::{
     stats::CONFIG_F_DROP_MALFORMED,
 };
 
-use crate::stats::{StatsError, StatsSnapshot};
+use crate::{
+    datapath::{is_bpffs, mount_bpffs},
+    stats::{StatsError, StatsSnapshot},
+};
 
 /// Raw XDP return codes (`enum xdp_action`).
 pub const XDP_ABORTED: u32 = 0;
@@ -47,8 +50,6 @@ pub const MIN_INPUT_LEN: usize = 14;
 /// Room beyond the input in the output buffer, so a program that grows the packet (encap) is
 /// not cut short: the kernel fails the run with ENOSPC when `data_out` is too small.
 const OUTPUT_SLACK: usize = 512;
-/// bpffs superblock magic (`BPF_FS_MAGIC` in linux/magic.h).
-const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
 /// What the entry point of `hook` returns for `verdict` today (no stage forwards yet, so a
 /// forward verdict would be handed to the kernel).
@@ -622,35 +623,6 @@ impl Drop for PinDir {
 fn c_path(path: &Path) -> std::io::Result<CString> {
     CString::new(path.as_os_str().as_bytes())
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
-}
-
-fn is_bpffs(path: &Path) -> bool {
-    let Ok(c) = c_path(path) else { return false };
-    // SAFETY: all-zero is a valid `statfs` (plain integers).
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a NUL-terminated path and `st` a valid, writable statfs.
-    let rc = unsafe { libc::statfs(c.as_ptr(), &mut st) };
-    rc == 0 && st.f_type as i64 == BPF_FS_MAGIC
-}
-
-fn mount_bpffs(path: &Path) -> std::io::Result<()> {
-    let target = c_path(path)?;
-    let fstype = c"bpf";
-    // SAFETY: every pointer is a NUL-terminated string that outlives the call; no data.
-    let rc = unsafe {
-        libc::mount(
-            fstype.as_ptr(),
-            target.as_ptr(),
-            fstype.as_ptr(),
-            0,
-            std::ptr::null(),
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
 }
 
 fn umount(path: &Path) -> std::io::Result<()> {
