@@ -1,0 +1,479 @@
+//! Connection tracking ABI and logic shared by the datapath and the daemon: the normalized
+//! key, the entry layout, and the TCP state machine as a pure function (so the very code the
+//! datapath runs is unit-tested on the host).
+//!
+//! The TCP state machine is modelled on Linux `nf_conntrack_proto_tcp.c` (`tcp_conntracks`):
+//! the same states, the same packet classes, the same transition table, including
+//! simultaneous open (SYN_SENT2), retransmitted SYNs and RST handling. Sequence-window
+//! tracking (`tcp_in_window`) is not modelled.
+
+/// Direction of a packet relative to the connection's originator.
+pub const DIR_ORIGINAL: usize = 0;
+pub const DIR_REPLY: usize = 1;
+
+/// TCP conntrack states (values are an ABI: stored in pinned entries and events).
+pub mod tcp_state {
+    pub const NONE: u8 = 0;
+    pub const SYN_SENT: u8 = 1;
+    pub const SYN_RECV: u8 = 2;
+    pub const ESTABLISHED: u8 = 3;
+    pub const FIN_WAIT: u8 = 4;
+    pub const CLOSE_WAIT: u8 = 5;
+    pub const LAST_ACK: u8 = 6;
+    pub const TIME_WAIT: u8 = 7;
+    pub const CLOSE: u8 = 8;
+    /// Simultaneous open: a SYN seen in both directions.
+    pub const SYN_SENT2: u8 = 9;
+    pub const COUNT: u8 = 10;
+
+    /// Names as `conntrack -L` prints them.
+    pub const NAMES: [&str; COUNT as usize] = [
+        "NONE",
+        "SYN_SENT",
+        "SYN_RECV",
+        "ESTABLISHED",
+        "FIN_WAIT",
+        "CLOSE_WAIT",
+        "LAST_ACK",
+        "TIME_WAIT",
+        "CLOSE",
+        "SYN_SENT2",
+    ];
+}
+
+/// TCP packet classes, as in `get_conntrack_index`.
+pub mod tcp_class {
+    pub const SYN: usize = 0;
+    pub const SYNACK: usize = 1;
+    pub const FIN: usize = 2;
+    pub const ACK: usize = 3;
+    pub const RST: usize = 4;
+    pub const NONE: usize = 5;
+}
+
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
+pub const TCP_ACK: u8 = 0x10;
+
+/// The class of a TCP packet from its flags: RST wins, then SYN (with or without ACK), FIN,
+/// ACK; anything else (no flags, only PSH/URG) is `NONE`.
+#[inline(always)]
+pub const fn tcp_classify(flags: u8) -> usize {
+    if flags & TCP_RST != 0 {
+        tcp_class::RST
+    } else if flags & TCP_SYN != 0 {
+        if flags & TCP_ACK != 0 {
+            tcp_class::SYNACK
+        } else {
+            tcp_class::SYN
+        }
+    } else if flags & TCP_FIN != 0 {
+        tcp_class::FIN
+    } else if flags & TCP_ACK != 0 {
+        tcp_class::ACK
+    } else {
+        tcp_class::NONE
+    }
+}
+
+/// What a TCP packet does to its connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcpStep {
+    /// Move to this state (possibly the same one).
+    To(u8),
+    /// Accepted without changing state (a retransmission, a late SYN/ACK): Linux's sIG.
+    Ignore,
+    /// Does not fit the state: Linux's sIV. Counted; the stateful firewall drops it.
+    Invalid,
+}
+
+// Table cells: a state, or IG / IV.
+const IG: u8 = 0xfe;
+const IV: u8 = 0xff;
+use tcp_state::{
+    CLOSE as CL, CLOSE_WAIT as CW, ESTABLISHED as ES, FIN_WAIT as FW, LAST_ACK as LA,
+    SYN_RECV as SR, SYN_SENT as SS, SYN_SENT2 as S2, TIME_WAIT as TW,
+};
+
+/// `TCP_TRANSITIONS[dir][class][state]`, transcribed from Linux's `tcp_conntracks`.
+/// Columns: NONE, SYN_SENT, SYN_RECV, ESTABLISHED, FIN_WAIT, CLOSE_WAIT, LAST_ACK, TIME_WAIT,
+/// CLOSE, SYN_SENT2.
+const TCP_TRANSITIONS: [[[u8; tcp_state::COUNT as usize]; 6]; 2] = [
+    // ORIGINAL
+    [
+        /* syn    */ [SS, SS, IG, IG, IG, IG, IG, SS, SS, S2],
+        /* synack */ [IV, IV, SR, IV, IV, IV, IV, IV, IV, SR],
+        /* fin    */ [IV, IV, FW, FW, LA, LA, LA, TW, CL, IV],
+        /* ack    */ [ES, IV, ES, ES, CW, CW, TW, TW, CL, IV],
+        /* rst    */ [IV, CL, CL, CL, CL, CL, CL, CL, CL, CL],
+        /* none   */ [IV, IV, IV, IV, IV, IV, IV, IV, IV, IV],
+    ],
+    // REPLY
+    [
+        /* syn    */ [IV, S2, IV, IV, IV, IV, IV, SS, IV, S2],
+        /* synack */ [IV, SR, IG, IG, IG, IG, IG, IG, IG, SR],
+        /* fin    */ [IV, IV, FW, FW, LA, LA, LA, TW, CL, IV],
+        /* ack    */ [IV, IG, SR, ES, CW, CW, TW, TW, CL, IG],
+        /* rst    */ [IV, CL, CL, CL, CL, CL, CL, CL, CL, CL],
+        /* none   */ [IV, IV, IV, IV, IV, IV, IV, IV, IV, IV],
+    ],
+];
+
+/// The TCP state machine: what a packet of `flags` in direction `dir` does to a connection
+/// in `state`. `state` NONE means "no entry yet" (only a SYN — or, like Linux's loose
+/// pickup, an ACK in the original direction — starts one).
+#[inline(always)]
+pub fn tcp_step(state: u8, dir: usize, flags: u8) -> TcpStep {
+    let class = tcp_classify(flags);
+    let row = match TCP_TRANSITIONS.get(dir & 1).and_then(|d| d.get(class)) {
+        Some(r) => r,
+        None => return TcpStep::Invalid,
+    };
+    match row.get(state as usize) {
+        Some(&IG) => TcpStep::Ignore,
+        Some(&IV) | None => TcpStep::Invalid,
+        Some(&s) => TcpStep::To(s),
+    }
+}
+
+/// Default timeouts in seconds, per TCP state (index = state), as Linux's
+/// `nf_conntrack_tcp_timeout_*` defaults.
+pub const TCP_TIMEOUTS_S: [u32; tcp_state::COUNT as usize] = [
+    0,       // NONE
+    120,     // SYN_SENT
+    60,      // SYN_RECV
+    432_000, // ESTABLISHED (5 days)
+    120,     // FIN_WAIT
+    60,      // CLOSE_WAIT
+    30,      // LAST_ACK
+    120,     // TIME_WAIT
+    10,      // CLOSE
+    120,     // SYN_SENT2
+];
+/// UDP before a reply is seen (`nf_conntrack_udp_timeout`).
+pub const UDP_UNREPLIED_TIMEOUT_S: u32 = 30;
+/// UDP once replied / assured (`nf_conntrack_udp_timeout_stream`).
+pub const UDP_ASSURED_TIMEOUT_S: u32 = 120;
+/// ICMP echo (`nf_conntrack_icmp_timeout`).
+pub const ICMP_TIMEOUT_S: u32 = 30;
+
+/// A connection key that is the same for both directions: the (address, port) pairs are
+/// ordered, lower first. Addresses as on the wire; IPv4 uses the first 4 bytes. For ICMP echo
+/// both ports hold the echo identifier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(C)]
+pub struct CtKey {
+    pub addr_lo: [u8; 16],
+    pub addr_hi: [u8; 16],
+    /// Ports in host byte order.
+    pub port_lo: u16,
+    pub port_hi: u16,
+    /// IP protocol (6, 17, 1, 58).
+    pub proto: u8,
+    /// 4 or 6.
+    pub family: u8,
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(core::mem::size_of::<CtKey>() == 40);
+const _: () = assert!(core::mem::offset_of!(CtKey, port_lo) == 32);
+
+/// `CtKey` for a packet from (src, sport) to (dst, dport), and whether the packet's source is
+/// the key's `lo` side.
+#[inline(always)]
+pub fn ct_key(
+    family: u8,
+    proto: u8,
+    src: &[u8; 16],
+    sport: u16,
+    dst: &[u8; 16],
+    dport: u16,
+) -> (CtKey, bool) {
+    let src_is_lo = match cmp_addr(src, dst) {
+        core::cmp::Ordering::Less => true,
+        core::cmp::Ordering::Greater => false,
+        core::cmp::Ordering::Equal => sport <= dport,
+    };
+    let (addr_lo, port_lo, addr_hi, port_hi) = if src_is_lo {
+        (*src, sport, *dst, dport)
+    } else {
+        (*dst, dport, *src, sport)
+    };
+    (
+        CtKey {
+            addr_lo,
+            addr_hi,
+            port_lo,
+            port_hi,
+            proto,
+            family,
+            _pad: [0; 2],
+        },
+        src_is_lo,
+    )
+}
+
+/// Byte-wise address order (bounded, verifier-friendly).
+#[inline(always)]
+fn cmp_addr(a: &[u8; 16], b: &[u8; 16]) -> core::cmp::Ordering {
+    let mut i = 0;
+    while i < 16 {
+        if a[i] != b[i] {
+            return if a[i] < b[i] {
+                core::cmp::Ordering::Less
+            } else {
+                core::cmp::Ordering::Greater
+            };
+        }
+        i += 1;
+    }
+    core::cmp::Ordering::Equal
+}
+
+/// Entry flags.
+pub const CT_F_ORIG_IS_LO: u8 = 1 << 0;
+/// A packet was seen in the reply direction.
+pub const CT_F_SEEN_REPLY: u8 = 1 << 1;
+/// Assured (Linux's IPS_ASSURED): survives pressure before unassured entries.
+pub const CT_F_ASSURED: u8 = 1 << 2;
+
+/// A tracked connection. Append-only layout; `_reserved` holds room for the NAT binding and
+/// chosen backend that later stages share through the entry.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct CtEntry {
+    /// bpf_ktime_get_ns() at creation and at the last packet.
+    pub created_ns: u64,
+    pub last_seen_ns: u64,
+    /// Packets and bytes per direction, indexed by `DIR_*`.
+    pub packets: [u64; 2],
+    pub bytes: [u64; 2],
+    /// `tcp_state::*` for TCP; 0 otherwise.
+    pub state: u8,
+    /// `CT_F_*`.
+    pub flags: u8,
+    pub _pad: [u8; 6],
+    /// Reserved for NAT binding / backend (later issues); zero.
+    pub _reserved: [u64; 6],
+}
+const _: () = assert!(core::mem::size_of::<CtEntry>() == 104);
+const _: () = assert!(core::mem::offset_of!(CtEntry, state) == 48);
+
+impl CtEntry {
+    /// Direction of a packet whose source is (or is not) the key's `lo` side.
+    #[inline(always)]
+    pub const fn dir(&self, src_is_lo: bool) -> usize {
+        let orig_is_lo = self.flags & CT_F_ORIG_IS_LO != 0;
+        if src_is_lo == orig_is_lo {
+            DIR_ORIGINAL
+        } else {
+            DIR_REPLY
+        }
+    }
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: #[repr(C)], fixed-width fields, explicit padding (sizes asserted above).
+    unsafe impl aya::Pod for super::CtKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::CtEntry {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{tcp_state::*, *};
+
+    const SYN: u8 = TCP_SYN;
+    const SYNACK: u8 = TCP_SYN | TCP_ACK;
+    const ACK: u8 = TCP_ACK;
+    const FIN: u8 = TCP_FIN | TCP_ACK;
+    const RST: u8 = TCP_RST;
+    const O: usize = DIR_ORIGINAL;
+    const R: usize = DIR_REPLY;
+
+    /// Walks `steps` from NONE, checking the state after each.
+    fn walk(steps: &[(usize, u8, TcpStep)]) {
+        let mut state = NONE;
+        for (i, &(dir, flags, want)) in steps.iter().enumerate() {
+            let got = tcp_step(state, dir, flags);
+            assert_eq!(
+                got,
+                want,
+                "step {i}: {} {flags:#04x} in {}: expected {want:?}, got {got:?}",
+                if dir == O { "orig" } else { "reply" },
+                NAMES[state as usize]
+            );
+            if let TcpStep::To(s) = got {
+                state = s;
+            }
+        }
+    }
+
+    #[test]
+    fn three_way_handshake_and_active_close() {
+        walk(&[
+            (O, SYN, TcpStep::To(SYN_SENT)),
+            (R, SYNACK, TcpStep::To(SYN_RECV)),
+            (O, ACK, TcpStep::To(ESTABLISHED)),
+            (O, ACK | 0x08, TcpStep::To(ESTABLISHED)), // data (PSH|ACK)
+            (R, ACK, TcpStep::To(ESTABLISHED)),
+            (O, FIN, TcpStep::To(FIN_WAIT)),
+            (R, ACK, TcpStep::To(CLOSE_WAIT)),
+            (R, FIN, TcpStep::To(LAST_ACK)),
+            (O, ACK, TcpStep::To(TIME_WAIT)),
+        ]);
+    }
+
+    #[test]
+    fn passive_close_from_the_responder() {
+        walk(&[
+            (O, SYN, TcpStep::To(SYN_SENT)),
+            (R, SYNACK, TcpStep::To(SYN_RECV)),
+            (O, ACK, TcpStep::To(ESTABLISHED)),
+            (R, FIN, TcpStep::To(FIN_WAIT)),
+            (O, ACK, TcpStep::To(CLOSE_WAIT)),
+            (O, FIN, TcpStep::To(LAST_ACK)),
+            (R, ACK, TcpStep::To(TIME_WAIT)),
+        ]);
+    }
+
+    #[test]
+    fn simultaneous_close_reaches_time_wait() {
+        walk(&[
+            (O, SYN, TcpStep::To(SYN_SENT)),
+            (R, SYNACK, TcpStep::To(SYN_RECV)),
+            (O, ACK, TcpStep::To(ESTABLISHED)),
+            (O, FIN, TcpStep::To(FIN_WAIT)),
+            (R, FIN, TcpStep::To(LAST_ACK)),
+            (O, ACK, TcpStep::To(TIME_WAIT)),
+            (R, ACK, TcpStep::To(TIME_WAIT)),
+        ]);
+    }
+
+    #[test]
+    fn simultaneous_open_goes_through_syn_sent2() {
+        walk(&[
+            (O, SYN, TcpStep::To(SYN_SENT)),
+            (R, SYN, TcpStep::To(SYN_SENT2)),
+            (O, SYNACK, TcpStep::To(SYN_RECV)),
+            (R, ACK, TcpStep::To(SYN_RECV)),
+        ]);
+        assert_eq!(tcp_step(SYN_SENT2, R, SYNACK), TcpStep::To(SYN_RECV));
+        assert_eq!(tcp_step(SYN_SENT2, O, SYN), TcpStep::To(SYN_SENT2));
+        assert_eq!(tcp_step(SYN_SENT2, R, ACK), TcpStep::Ignore);
+        // A late retransmitted SYN/ACK of a simultaneous open, from the originator.
+        assert_eq!(tcp_step(SYN_RECV, O, SYNACK), TcpStep::To(SYN_RECV));
+    }
+
+    #[test]
+    fn retransmitted_syn_and_synack() {
+        assert_eq!(tcp_step(SYN_SENT, O, SYN), TcpStep::To(SYN_SENT));
+        assert_eq!(tcp_step(SYN_RECV, R, SYNACK), TcpStep::Ignore);
+        assert_eq!(tcp_step(SYN_RECV, O, SYN), TcpStep::Ignore);
+        assert_eq!(tcp_step(ESTABLISHED, R, SYNACK), TcpStep::Ignore);
+        assert_eq!(tcp_step(ESTABLISHED, O, SYN), TcpStep::Ignore);
+    }
+
+    #[test]
+    fn rst_closes_from_any_state_in_either_direction() {
+        for s in [
+            SYN_SENT,
+            SYN_RECV,
+            ESTABLISHED,
+            FIN_WAIT,
+            CLOSE_WAIT,
+            LAST_ACK,
+            TIME_WAIT,
+            CLOSE,
+            SYN_SENT2,
+        ] {
+            assert_eq!(
+                tcp_step(s, O, RST),
+                TcpStep::To(CLOSE),
+                "orig RST in {}",
+                NAMES[s as usize]
+            );
+            assert_eq!(
+                tcp_step(s, R, RST | TCP_ACK),
+                TcpStep::To(CLOSE),
+                "reply RST in {}",
+                NAMES[s as usize]
+            );
+        }
+        assert_eq!(tcp_step(NONE, O, RST), TcpStep::Invalid);
+    }
+
+    #[test]
+    fn new_connections_start_only_with_syn_or_loose_ack() {
+        assert_eq!(tcp_step(NONE, O, SYN), TcpStep::To(SYN_SENT));
+        // Picked up mid-stream, as Linux does with nf_conntrack_tcp_loose=1.
+        assert_eq!(tcp_step(NONE, O, ACK), TcpStep::To(ESTABLISHED));
+        assert_eq!(tcp_step(NONE, O, SYNACK), TcpStep::Invalid);
+        assert_eq!(tcp_step(NONE, O, FIN), TcpStep::Invalid);
+        assert_eq!(tcp_step(NONE, O, 0), TcpStep::Invalid);
+    }
+
+    #[test]
+    fn packets_that_do_not_fit_the_state_are_invalid() {
+        assert_eq!(tcp_step(SYN_SENT, O, ACK), TcpStep::Invalid);
+        assert_eq!(tcp_step(SYN_SENT, O, FIN), TcpStep::Invalid);
+        assert_eq!(tcp_step(SYN_SENT, R, FIN), TcpStep::Invalid);
+        assert_eq!(tcp_step(SYN_SENT, O, SYNACK), TcpStep::Invalid);
+        assert_eq!(tcp_step(ESTABLISHED, R, SYN), TcpStep::Invalid);
+        assert_eq!(tcp_step(ESTABLISHED, O, 0), TcpStep::Invalid);
+        assert_eq!(tcp_step(SYN_SENT2, O, FIN), TcpStep::Invalid);
+    }
+
+    #[test]
+    fn a_new_syn_reopens_time_wait_and_close() {
+        assert_eq!(tcp_step(TIME_WAIT, O, SYN), TcpStep::To(SYN_SENT));
+        assert_eq!(tcp_step(CLOSE, O, SYN), TcpStep::To(SYN_SENT));
+        assert_eq!(tcp_step(TIME_WAIT, R, SYN), TcpStep::To(SYN_SENT));
+        assert_eq!(tcp_step(CLOSE, R, SYN), TcpStep::Invalid);
+    }
+
+    #[test]
+    fn late_packets_after_close() {
+        assert_eq!(tcp_step(TIME_WAIT, O, ACK), TcpStep::To(TIME_WAIT));
+        assert_eq!(tcp_step(TIME_WAIT, R, FIN), TcpStep::To(TIME_WAIT));
+        assert_eq!(tcp_step(CLOSE, O, ACK), TcpStep::To(CLOSE));
+        assert_eq!(tcp_step(LAST_ACK, R, FIN), TcpStep::To(LAST_ACK));
+    }
+
+    #[test]
+    fn classification_follows_linux_precedence() {
+        assert_eq!(tcp_classify(TCP_RST | TCP_SYN), tcp_class::RST);
+        assert_eq!(tcp_classify(TCP_SYN | TCP_FIN), tcp_class::SYN);
+        assert_eq!(tcp_classify(TCP_FIN), tcp_class::FIN);
+        assert_eq!(tcp_classify(0x08), tcp_class::NONE); // PSH only
+    }
+
+    #[test]
+    fn keys_are_the_same_from_both_directions() {
+        let a = [10, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        let b = [10, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        let (k1, lo1) = ct_key(4, 6, &a, 40000, &b, 80);
+        let (k2, lo2) = ct_key(4, 6, &b, 80, &a, 40000);
+        assert_eq!(k1, k2);
+        assert!(lo1 && !lo2);
+        // Same address (e.g. loopback): ports decide.
+        let (k3, lo3) = ct_key(4, 17, &a, 5000, &a, 53);
+        let (k4, lo4) = ct_key(4, 17, &a, 53, &a, 5000);
+        assert_eq!(k3, k4);
+        assert!(!lo3 && lo4);
+    }
+
+    #[test]
+    fn direction_follows_the_originator() {
+        let e = CtEntry {
+            flags: CT_F_ORIG_IS_LO,
+            ..Default::default()
+        };
+        assert_eq!(e.dir(true), DIR_ORIGINAL);
+        assert_eq!(e.dir(false), DIR_REPLY);
+        let e = CtEntry::default();
+        assert_eq!(e.dir(false), DIR_ORIGINAL);
+        assert_eq!(e.dir(true), DIR_REPLY);
+    }
+}
