@@ -272,12 +272,101 @@ impl CtEntry {
     }
 }
 
+/// Conntrack counters (index of the per-CPU `FP_CT_STATS` array). Codes are an ABI.
+pub mod ct_stat {
+    /// Packets looked up (tracked protocols on a tracking hook).
+    pub const LOOKUPS: u32 = 0;
+    /// Packets that found their connection.
+    pub const HITS: u32 = 1;
+    /// Connections created.
+    pub const NEW: u32 = 2;
+    /// Creations refused by the table (full, or a concurrent insert): the packet is untracked.
+    pub const INSERT_FAILED: u32 = 3;
+    /// Packets with no connection that cannot start one (TCP without SYN, echo reply, ...).
+    pub const INVALID_NEW: u32 = 4;
+    /// TCP packets that do not fit the connection's state (Linux's sIV).
+    pub const INVALID_STATE: u32 = 5;
+    /// TCP packets accepted without a state change (Linux's sIG: retransmissions).
+    pub const IGNORED: u32 = 6;
+    /// Connections that became assured (TCP established, UDP/ICMP replied).
+    pub const ASSURED: u32 = 7;
+    /// TCP connections that reached TIME_WAIT or CLOSE.
+    pub const CLOSED: u32 = 8;
+    /// A SYN re-opened a connection in TIME_WAIT/CLOSE (entry reset).
+    pub const REOPENED: u32 = 9;
+    /// Events dropped because the ring buffer was full.
+    pub const EVENTS_LOST: u32 = 10;
+    pub const COUNT: u32 = 11;
+    /// Slots in the map (room to append codes without resizing the pinned map).
+    pub const SLOTS: u32 = 32;
+
+    pub const NAMES: [&str; COUNT as usize] = [
+        "lookups",
+        "hits",
+        "new",
+        "insert_failed",
+        "invalid_new",
+        "invalid_state",
+        "ignored",
+        "assured",
+        "closed",
+        "reopened",
+        "events_lost",
+    ];
+}
+
+/// Event kinds in the conntrack event stream.
+pub mod ct_event {
+    pub const NEW: u8 = 1;
+    pub const ESTABLISHED: u8 = 2;
+    pub const CLOSED: u8 = 3;
+    /// Produced by the daemon's expiry, not the datapath.
+    pub const EXPIRED: u8 = 4;
+}
+
+/// One conntrack event (ring buffer record). Append-only.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct CtEvent {
+    pub ts_ns: u64,
+    pub key: CtKey,
+    /// `ct_event::*`.
+    pub kind: u8,
+    /// TCP state after the packet (0 for other protocols).
+    pub state: u8,
+    /// `CT_F_*` after the packet.
+    pub flags: u8,
+    pub _pad: [u8; 5],
+}
+const _: () = assert!(core::mem::size_of::<CtEvent>() == 56);
+
+/// Per-interface datapath settings (`FP_IFACE`, keyed by ifindex), written by the daemon.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct IfaceConfig {
+    /// `IFACE_F_*`.
+    pub flags: u32,
+    pub _reserved: [u32; 3],
+}
+const _: () = assert!(core::mem::size_of::<IfaceConfig>() == 16);
+
+/// Track connections at this interface's XDP hook.
+pub const IFACE_F_CT_XDP: u32 = 1 << 0;
+/// Track connections at this interface's TC ingress hook (when it has no XDP program).
+pub const IFACE_F_CT_TC_INGRESS: u32 = 1 << 1;
+/// Track locally sent connections at this interface's TC egress hook.
+pub const IFACE_F_CT_TC_EGRESS: u32 = 1 << 2;
+
 #[cfg(feature = "user")]
 mod pod {
     // SAFETY: #[repr(C)], fixed-width fields, explicit padding (sizes asserted above).
     unsafe impl aya::Pod for super::CtKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::CtEntry {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::CtEvent {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::IfaceConfig {}
 }
 
 #[cfg(test)]

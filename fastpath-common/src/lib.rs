@@ -16,6 +16,14 @@ pub mod map_names {
     pub const STATS: &str = "FP_STATS";
     /// One [`crate::DatapathConfig`] at index 0.
     pub const CONFIG: &str = "FP_CONFIG";
+    /// Conntrack table: [`crate::ct::CtKey`] → [`crate::ct::CtEntry`].
+    pub const CT: &str = "FP_CT";
+    /// Per-CPU conntrack counters indexed by [`crate::ct::ct_stat`].
+    pub const CT_STATS: &str = "FP_CT_STATS";
+    /// Ring buffer of [`crate::ct::CtEvent`].
+    pub const CT_EVENTS: &str = "FP_CT_EVENTS";
+    /// ifindex → [`crate::ct::IfaceConfig`].
+    pub const IFACE: &str = "FP_IFACE";
 }
 
 /// Names of the programs in the eBPF object.

@@ -3,6 +3,7 @@
 #![no_std]
 #![no_main]
 
+mod conntrack;
 mod maps;
 mod packet;
 mod parse;
@@ -11,7 +12,8 @@ mod ratelimit;
 mod stats;
 
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, xdp_action},
+    EbpfContext as _,
+    bindings::{__sk_buff, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, xdp_action},
     macros::{classifier, xdp},
     programs::{TcContext, XdpContext},
 };
@@ -35,7 +37,7 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
         data_end: ctx.data_end(),
         len,
     };
-    let (verdict, reason) = pipeline::run(&pkt);
+    let (verdict, reason) = pipeline::run(&pkt, Hook::Xdp, ctx.ingress_ifindex() as u32, false);
     stats::count(Hook::Xdp, verdict, reason, len);
     match verdict {
         Verdict::Drop => xdp_action::XDP_DROP,
@@ -58,13 +60,20 @@ pub fn fastpath_tc_egress(ctx: TcContext) -> i32 {
 #[inline(always)]
 fn tc(ctx: TcContext, hook: Hook) -> i32 {
     let len = ctx.len();
-    let (mut verdict, mut reason) = pipeline::run(&tc_packet(&ctx));
+    // SAFETY: the context pointer is the kernel's __sk_buff for the duration of the program.
+    let (ifindex, ingress_ifindex) = unsafe {
+        let skb = ctx.as_ptr() as *const __sk_buff;
+        ((*skb).ifindex, (*skb).ingress_ifindex)
+    };
+    // At egress, a packet that never arrived on an interface was sent by this node.
+    let local = hook == Hook::TcEgress && ingress_ifindex == 0;
+    let (mut verdict, mut reason) = pipeline::run(&tc_packet(&ctx), hook, ifindex, local);
     if reason == fastpath_common::reason::HEADERS_NOT_LINEAR {
         // Headers beyond the linear area: make the first bytes linear and look again. Only
         // here, never per packet: a pull may copy (and reallocate cloned skbs).
         let want = if len < PULL_LEN { len } else { PULL_LEN };
         match ctx.pull_data(want) {
-            Ok(()) => (verdict, reason) = pipeline::run(&tc_packet(&ctx)),
+            Ok(()) => (verdict, reason) = pipeline::run(&tc_packet(&ctx), hook, ifindex, local),
             Err(err) => {
                 if ratelimit::allow() {
                     aya_log_ebpf::warn!(&ctx, "bpf_skb_pull_data({}) failed: {}", want, err);

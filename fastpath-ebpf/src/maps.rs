@@ -3,9 +3,13 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, PerCpuArray},
+    maps::{Array, HashMap, PerCpuArray, RingBuf},
 };
-use fastpath_common::{Counter, DatapathConfig, stats::STATS_ENTRIES};
+use fastpath_common::{
+    Counter, DatapathConfig,
+    ct::{CtEntry, CtKey, IfaceConfig, ct_stat},
+    stats::STATS_ENTRIES,
+};
 
 /// Packet/byte counters, one slot per (hook, verdict, reason): see `stats_index`.
 /// Written by every entry point exactly once per packet; read by the daemon and CLI.
@@ -22,3 +26,29 @@ pub static FP_CONFIG: Array<DatapathConfig> = Array::pinned(1, 0);
 /// Not pinned: losing it on restart only allows one early record.
 #[map(name = "FP_LOG_RATELIMIT")]
 pub static FP_LOG_RATELIMIT: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// The conntrack table: one entry per connection under its direction-independent key.
+/// Written by the conntrack stage; read, expired and flushed by the daemon. A plain hash (no
+/// LRU): nothing is evicted behind the operator's back; a full table refuses inserts, counted
+/// as `insert_failed`. 1 Mi entries by default; the daemon sizes it at load. Not
+/// preallocated (BPF_F_NO_PREALLOC): memory follows the connections actually tracked, and a
+/// start does not spend seconds zeroing 200 MB.
+#[map(name = "FP_CT")]
+pub static FP_CT: HashMap<CtKey, CtEntry> = HashMap::pinned(1 << 20, BPF_F_NO_PREALLOC);
+
+/// Map flag: allocate hash entries on insert.
+const BPF_F_NO_PREALLOC: u32 = 1;
+
+/// Per-CPU conntrack counters (`ct_stat::*`).
+#[map(name = "FP_CT_STATS")]
+pub static FP_CT_STATS: PerCpuArray<u64> = PerCpuArray::pinned(ct_stat::SLOTS, 0);
+
+/// Conntrack events (`CtEvent`) for the daemon: NEW, ESTABLISHED, CLOSED. 4 MiB ≈ 75k
+/// events of slack; when full, events are counted as lost, never waited for.
+#[map(name = "FP_CT_EVENTS")]
+pub static FP_CT_EVENTS: RingBuf = RingBuf::pinned(1 << 22, 0);
+
+/// Per-interface settings by ifindex (`IfaceConfig`), written by the daemon: which hook
+/// tracks connections. 1024 interfaces.
+#[map(name = "FP_IFACE")]
+pub static FP_IFACE: HashMap<u32, IfaceConfig> = HashMap::pinned(1024, 0);

@@ -72,7 +72,7 @@ pub struct Parsed {
 
 impl Parsed {
     #[inline(always)]
-    const fn new() -> Self {
+    pub const fn new() -> Self {
         Parsed {
             vlan_count: 0,
             family: 0,
@@ -113,9 +113,24 @@ fn is_vlan_tpid(ethertype: u16) -> bool {
     ethertype == ETH_P_8021Q || ethertype == ETH_P_8021AD || ethertype == ETH_P_QINQ_9100
 }
 
+/// Parses the headers of `pkt` into `out`; returns 0, or the `reason` code why the packet is
+/// not for the fast path.
+// verifier: a real function (BPF-to-BPF call) so its temporaries (header copies) do not share
+// a stack frame with the later stages'.
+#[inline(never)]
+pub fn parse_into(pkt: &Packet, out: &mut Parsed) -> u32 {
+    match parse(pkt) {
+        Ok(p) => {
+            *out = p;
+            reason::NONE
+        }
+        Err(code) => code,
+    }
+}
+
 /// Parses the headers of `pkt`. `Err(code)` carries a `reason` code.
 #[inline(always)]
-pub fn parse(pkt: &Packet) -> Result<Parsed, u32> {
+fn parse(pkt: &Packet) -> Result<Parsed, u32> {
     let mut p = Parsed::new();
 
     let eth: [u8; ETH_HLEN] = match pkt.load(0) {

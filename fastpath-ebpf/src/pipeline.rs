@@ -2,9 +2,10 @@
 //! nat, l3/l2, vxlan. Each stage either claims the packet (forward/drop) or lets it continue;
 //! whatever no stage claims goes to the kernel, the slow path, with a reason.
 
-use fastpath_common::{DatapathConfig, Verdict, reason, stats::CONFIG_F_DROP_MALFORMED};
+use fastpath_common::{DatapathConfig, Hook, Verdict, reason, stats::CONFIG_F_DROP_MALFORMED};
 
 use crate::{
+    conntrack,
     maps::FP_CONFIG,
     packet::Packet,
     parse::{self, FAMILY_IPV4, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, Parsed},
@@ -14,13 +15,18 @@ use crate::{
 const ICMPV6_ND_FIRST: u8 = 133;
 const ICMPV6_ND_LAST: u8 = 137;
 
-/// Runs the pipeline over one packet and returns the verdict and its reason code.
-#[inline(always)]
-pub fn run(pkt: &Packet) -> (Verdict, u32) {
-    let parsed = match parse::parse(pkt) {
-        Ok(p) => p,
-        Err(code) => return (unparsed_verdict(code), code),
-    };
+/// Runs the pipeline over one packet seen by `hook` on interface `ifindex` (`local`: sent by
+/// this node, seen at egress) and returns the verdict and its reason code.
+// verifier: a real function (BPF-to-BPF call), not inlined: TC may run it twice (after a
+// pull), and two inlined copies would not fit the 512-byte stack together.
+#[inline(never)]
+pub fn run(pkt: &Packet, hook: Hook, ifindex: u32, local: bool) -> (Verdict, u32) {
+    let mut parsed = Parsed::new();
+    let code = parse::parse_into(pkt, &mut parsed);
+    if code != reason::NONE {
+        return (unparsed_verdict(code), code);
+    }
+    conntrack::track(hook, ifindex, local, &parsed, pkt.len);
     (Verdict::Kernel, unhandled_reason(&parsed))
 }
 

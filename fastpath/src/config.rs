@@ -22,6 +22,8 @@ pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/fastpath";
 pub struct Config {
     #[serde(default)]
     pub datapath: DatapathSection,
+    #[serde(default)]
+    pub conntrack: ConntrackSection,
     /// Interfaces the datapath attaches to (`[[interface]]` tables).
     #[serde(default, rename = "interface")]
     pub interfaces: Vec<InterfaceConfig>,
@@ -91,6 +93,35 @@ pub struct InterfaceConfig {
     /// Attach the TC program at TCX egress. Default false.
     #[serde(default)]
     pub tc_egress: bool,
+    /// Track connections arriving on this interface (at XDP if attached, else at TC
+    /// ingress). Default true.
+    #[serde(default = "default_true")]
+    pub conntrack: bool,
+}
+
+/// Default conntrack table size: 1 Mi connections, like a mid-size Linux box's
+/// nf_conntrack_max.
+pub const DEFAULT_CT_CAPACITY: u32 = 1 << 20;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConntrackSection {
+    /// Maximum tracked connections. Default 1048576. The table is preallocated (about 200
+    /// bytes per entry); changing it on a running datapath needs `fastpath detach` first.
+    #[serde(default = "default_ct_capacity")]
+    pub capacity: Spanned<u32>,
+}
+
+impl Default for ConntrackSection {
+    fn default() -> Self {
+        ConntrackSection {
+            capacity: default_ct_capacity(),
+        }
+    }
+}
+
+fn default_ct_capacity() -> Spanned<u32> {
+    Spanned::new(0..0, DEFAULT_CT_CAPACITY)
 }
 
 /// Whether validation requires the named interfaces to exist in this network namespace.
@@ -189,6 +220,17 @@ impl Config {
                 format!(
                     "{:?} is not an absolute path; use a directory on a bpffs such as {DEFAULT_PIN_DIR}",
                     pin_dir.get_ref()
+                ),
+            ));
+        }
+        let capacity = &self.conntrack.capacity;
+        if !(1024..=1 << 26).contains(capacity.get_ref()) {
+            return Err(err(
+                capacity.span(),
+                "conntrack.capacity".into(),
+                format!(
+                    "{} is out of range: use 1024 ..= 67108864 entries",
+                    capacity.get_ref()
                 ),
             ));
         }
@@ -370,6 +412,16 @@ mod tests {
         assert!(!c.datapath.drop_malformed);
         assert_eq!(c.interfaces[0].xdp, XdpMode::Auto);
         assert!(!c.interfaces[0].tc_ingress);
+        assert!(c.interfaces[0].conntrack);
+        assert_eq!(*c.conntrack.capacity.get_ref(), DEFAULT_CT_CAPACITY);
+    }
+
+    #[test]
+    fn conntrack_capacity_is_bounded() {
+        let e = parse("[conntrack]\ncapacity = 10\n[[interface]]\nname = \"lo\"\n")
+            .expect_err("tiny table");
+        assert_eq!(e.line, Some(2), "{e}");
+        assert_eq!(e.key.as_deref(), Some("conntrack.capacity"), "{e}");
     }
 
     #[test]

@@ -45,7 +45,7 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
     let pin_dir = config.datapath.pin_dir.get_ref().clone();
     let _lock = datapath::lock_pin_dir(&pin_dir)?;
 
-    let mut dp = Datapath::open(&pin_dir, EBPF_OBJECT)?;
+    let mut dp = Datapath::open(&pin_dir, EBPF_OBJECT, *config.conntrack.capacity.get_ref())?;
     if dp.maps_reused {
         info!(pin_dir = %pin_dir.display(), "Reusing pinned maps; counters and state continue");
     } else {
@@ -66,6 +66,7 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
                 ..Default::default()
             })
         })
+        .and_then(|()| dp.set_interfaces(&config.interfaces))
         .and_then(|()| dp.remove_stale_links());
     let stale = match started {
         Ok(stale) => stale,

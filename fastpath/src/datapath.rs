@@ -18,7 +18,7 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, MapData, PerCpuArray},
+    maps::{Array, HashMap, MapData, PerCpuArray},
     programs::{
         LinkOrder, ProgramError, SchedClassifier, TcAttach, TcAttachType, Xdp,
         XdpMode as AyaXdpMode,
@@ -27,7 +27,14 @@ use aya::{
         xdp::{XdpLink, XdpLinkId},
     },
 };
-use fastpath_common::{Counter, DatapathConfig, map_names, program_names};
+use fastpath_common::{
+    Counter, DatapathConfig,
+    ct::{
+        CtEntry, CtKey, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IfaceConfig,
+        ct_stat,
+    },
+    map_names, program_names,
+};
 use tracing::{info, warn};
 
 use crate::{
@@ -157,14 +164,18 @@ pub struct Datapath {
 impl Datapath {
     /// Loads `object`, creating or reusing the maps pinned under `pin_dir/maps`. Call with
     /// the [`lock_pin_dir`] lock held. A failed first load removes the maps it pinned.
-    pub fn open(pin_dir: &Path, object: &[u8]) -> Result<Datapath, DatapathError> {
+    pub fn open(
+        pin_dir: &Path,
+        object: &[u8],
+        ct_capacity: u32,
+    ) -> Result<Datapath, DatapathError> {
         let maps_dir = pin_dir.join("maps");
         for dir in [maps_dir.clone(), pin_dir.join("links")] {
             fs::create_dir_all(&dir)
                 .map_err(|source| DatapathError::PinDir { path: dir, source })?;
         }
         let maps_reused = maps_dir.join(map_names::STATS).exists();
-        let loaded = Datapath::load(pin_dir, &maps_dir, object, maps_reused);
+        let loaded = Datapath::load(pin_dir, &maps_dir, object, maps_reused, ct_capacity);
         if loaded.is_err() && !maps_reused {
             let _ = remove_pins(pin_dir);
         }
@@ -176,9 +187,11 @@ impl Datapath {
         maps_dir: &Path,
         object: &[u8],
         maps_reused: bool,
+        ct_capacity: u32,
     ) -> Result<Datapath, DatapathError> {
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(maps_dir)
+            .map_max_entries(map_names::CT, ct_capacity)
             .load(object)
             .map_err(|source| DatapathError::Load {
                 pin_dir: pin_dir.display().to_string(),
@@ -209,6 +222,62 @@ impl Datapath {
         &mut self,
     ) -> Result<aya_log::EbpfLogger<&'static dyn log::Log>, aya_log::Error> {
         aya_log::EbpfLogger::init(&mut self.ebpf)
+    }
+
+    /// Writes the per-interface settings (FP_IFACE): which hook tracks connections arriving on
+    /// each interface — XDP when attached (earliest), else TC ingress — plus TC egress, where
+    /// the datapath tracks only what this node itself sends, so every packet is tracked once.
+    /// Entries of interfaces no longer configured go.
+    pub fn set_interfaces(&mut self, ifaces: &[InterfaceConfig]) -> Result<(), DatapathError> {
+        let map = self
+            .ebpf
+            .map_mut(map_names::IFACE)
+            .ok_or(DatapathError::MissingMap {
+                name: map_names::IFACE,
+            })?;
+        let mut table: HashMap<&mut MapData, u32, IfaceConfig> =
+            HashMap::try_from(map).map_err(|source| DatapathError::Map {
+                what: "opening FP_IFACE".into(),
+                source,
+            })?;
+        let mut wanted = BTreeSet::new();
+        for iface in ifaces {
+            let name = iface.name.get_ref();
+            let Some(ifindex) = crate::config::ifindex(name) else {
+                continue; // validated at load; gone since: nothing to configure
+            };
+            let mut flags = 0;
+            if iface.conntrack {
+                if iface.xdp != XdpMode::Off {
+                    flags |= IFACE_F_CT_XDP;
+                } else if iface.tc_ingress {
+                    flags |= IFACE_F_CT_TC_INGRESS;
+                }
+                if iface.tc_egress {
+                    flags |= IFACE_F_CT_TC_EGRESS;
+                }
+            }
+            let cfg = IfaceConfig {
+                flags,
+                ..IfaceConfig::default()
+            };
+            table
+                .insert(&ifindex, &cfg, 0)
+                .map_err(|source| DatapathError::Map {
+                    what: format!("writing FP_IFACE for {name}"),
+                    source,
+                })?;
+            wanted.insert(ifindex);
+        }
+        let stale: Vec<u32> = table
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| !wanted.contains(k))
+            .collect();
+        for k in stale {
+            let _ = table.remove(&k);
+        }
+        Ok(())
     }
 
     /// Writes the runtime knobs (index 0 of FP_CONFIG).
@@ -509,6 +578,67 @@ pub fn remove_pins(pin_dir: &Path) -> Result<(), DatapathError> {
     }
     let _ = fs::remove_dir(pin_dir);
     Ok(())
+}
+
+/// Opens a pinned map of a running datapath by name.
+fn pinned_map(pin_dir: &Path, name: &str) -> Result<MapData, DatapathError> {
+    let path = pin_dir.join("maps").join(name);
+    MapData::from_pin(&path).map_err(|source| DatapathError::Map {
+        what: format!(
+            "opening {} (is a fastpath datapath running with this pin dir?)",
+            path.display()
+        ),
+        source,
+    })
+}
+
+/// Every tracked connection of a pinned datapath (`fastpath ct list`).
+pub fn pinned_ct_entries(pin_dir: &Path) -> Result<Vec<(CtKey, CtEntry)>, DatapathError> {
+    let data = pinned_map(pin_dir, map_names::CT)?;
+    let table: HashMap<MapData, CtKey, CtEntry> = HashMap::try_from(aya::maps::Map::HashMap(data))
+        .map_err(|source| DatapathError::Map {
+            what: "opening FP_CT".into(),
+            source,
+        })?;
+    // An entry deleted during the walk ends that key's iteration with an error: skip it.
+    Ok(table.iter().filter_map(Result::ok).collect())
+}
+
+/// Deletes every tracked connection of a pinned datapath; returns how many went.
+pub fn flush_pinned_ct(pin_dir: &Path) -> Result<usize, DatapathError> {
+    let data = pinned_map(pin_dir, map_names::CT)?;
+    let mut table: HashMap<MapData, CtKey, CtEntry> =
+        HashMap::try_from(aya::maps::Map::HashMap(data)).map_err(|source| DatapathError::Map {
+            what: "opening FP_CT".into(),
+            source,
+        })?;
+    let keys: Vec<CtKey> = table.keys().filter_map(Result::ok).collect();
+    let mut removed = 0;
+    for k in &keys {
+        if table.remove(k).is_ok() {
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
+/// Conntrack counters of a pinned datapath, summed over CPUs, indexed by `ct_stat::*`.
+pub fn pinned_ct_stats(pin_dir: &Path) -> Result<Vec<u64>, DatapathError> {
+    let data = pinned_map(pin_dir, map_names::CT_STATS)?;
+    let array: PerCpuArray<MapData, u64> = PerCpuArray::try_from(aya::maps::Map::PerCpuArray(data))
+        .map_err(|source| DatapathError::Map {
+            what: "opening FP_CT_STATS".into(),
+            source,
+        })?;
+    let mut sums = Vec::with_capacity(ct_stat::COUNT as usize);
+    for code in 0..ct_stat::COUNT {
+        let per_cpu = array.get(&code, 0).map_err(|source| DatapathError::Map {
+            what: format!("reading FP_CT_STATS[{code}]"),
+            source,
+        })?;
+        sums.push(per_cpu.iter().sum());
+    }
+    Ok(sums)
 }
 
 /// Reads the counters of a pinned datapath without loading anything (`fastpath stats`).

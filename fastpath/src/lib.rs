@@ -1,6 +1,7 @@
 //! fastpath userspace: daemon, CLI and test support.
 
 pub mod config;
+pub mod conntrack;
 pub mod daemon;
 pub mod datapath;
 pub mod stats;

@@ -5,6 +5,7 @@ use std::{fs::File, io::IsTerminal as _, os::fd::AsRawFd as _, path::PathBuf, pr
 use clap::{Parser, Subcommand, ValueEnum};
 use fastpath::{
     config::{Config, DEFAULT_PIN_DIR, InterfaceCheck},
+    conntrack,
     daemon::{self, DaemonOptions},
     datapath,
 };
@@ -83,6 +84,11 @@ enum Command {
         #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
         output: Output,
     },
+    /// Connection tracking: list, flush and count the connections the datapath tracks.
+    Ct {
+        #[command(subcommand)]
+        command: CtCommand,
+    },
     /// Configuration tools.
     Config {
         #[command(subcommand)]
@@ -91,6 +97,33 @@ enum Command {
     /// Detach a datapath left running (after `kill -9`, or --leave-attached) and remove its pins.
     Detach {
         /// Pin directory of the datapath to remove.
+        #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_DIR)]
+        pin_dir: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum CtCommand {
+    /// List tracked connections, one per line as `conntrack -L` prints them (original and
+    /// reply tuple, packets and bytes per direction, state, [ASSURED]/[UNREPLIED]).
+    List {
+        /// Pin directory of the datapath to read.
+        #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_DIR)]
+        pin_dir: PathBuf,
+        /// Output format.
+        #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
+    /// Delete every tracked connection (established flows are picked up again by their next
+    /// ACK, as Linux does).
+    Flush {
+        /// Pin directory of the datapath.
+        #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_DIR)]
+        pin_dir: PathBuf,
+    },
+    /// Conntrack counters: lookups, hits, new, insert failures, invalid packets, events lost.
+    Stats {
+        /// Pin directory of the datapath to read.
         #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_DIR)]
         pin_dir: PathBuf,
     },
@@ -199,6 +232,7 @@ fn main() -> ExitCode {
                 ExitCode::from(EXIT_USAGE)
             }
         },
+        Command::Ct { command } => ct_command(command),
         Command::Detach { pin_dir } => {
             if !datapath::looks_like_pin_dir(&pin_dir) {
                 eprintln!(
@@ -219,6 +253,54 @@ fn main() -> ExitCode {
                     ExitCode::from(EXIT_FAILURE)
                 }
             }
+        }
+    }
+}
+
+fn ct_command(command: CtCommand) -> ExitCode {
+    let result = match command {
+        CtCommand::List { pin_dir, output } => {
+            datapath::pinned_ct_entries(&pin_dir).map(|entries| {
+                let now = conntrack::monotonic_ns();
+                let mut rows: Vec<conntrack::CtRow> = entries
+                    .iter()
+                    .map(|(k, e)| conntrack::row(k, e, now))
+                    .collect();
+                rows.sort_by(|a, b| {
+                    (a.proto, &a.original.src, a.original.sport).cmp(&(
+                        b.proto,
+                        &b.original.src,
+                        b.original.sport,
+                    ))
+                });
+                if output == Output::Json {
+                    match serde_json::to_string_pretty(&rows) {
+                        Ok(j) => println!("{j}"),
+                        Err(e) => eprintln!("error: encoding JSON: {e}"),
+                    }
+                } else {
+                    for r in &rows {
+                        println!("{}", conntrack::render(r));
+                    }
+                    eprintln!(
+                        "fastpath conntrack: {} flow entries have been shown.",
+                        rows.len()
+                    );
+                }
+            })
+        }
+        CtCommand::Flush { pin_dir } => datapath::flush_pinned_ct(&pin_dir).map(|n| {
+            println!("fastpath conntrack: {n} flow entries have been deleted.");
+        }),
+        CtCommand::Stats { pin_dir } => datapath::pinned_ct_stats(&pin_dir).map(|sums| {
+            print!("{}", conntrack::render_stats(&sums));
+        }),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", error_chain(&e));
+            ExitCode::from(EXIT_FAILURE)
         }
     }
 }

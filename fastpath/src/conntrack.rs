@@ -1,0 +1,197 @@
+//! Presenting the conntrack table: rows in the original/reply form `conntrack -L` prints,
+//! remaining timeouts from the per-state defaults, and the counters.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use fastpath_common::ct::{
+    CT_F_ASSURED, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CtEntry, CtKey, DIR_ORIGINAL, DIR_REPLY,
+    ICMP_TIMEOUT_S, TCP_TIMEOUTS_S, UDP_ASSURED_TIMEOUT_S, UDP_UNREPLIED_TIMEOUT_S, ct_stat,
+    tcp_state,
+};
+use serde::Serialize;
+
+/// One side of a connection as seen by its sender.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct Tuple {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub sport: u16,
+    pub dport: u16,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// A tracked connection, ready to print.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct CtRow {
+    pub proto: &'static str,
+    pub proto_num: u8,
+    /// Seconds until expiry at the default timeouts.
+    pub timeout_s: u64,
+    /// TCP state name; empty for other protocols.
+    pub state: &'static str,
+    pub original: Tuple,
+    pub reply: Tuple,
+    pub assured: bool,
+    pub seen_reply: bool,
+}
+
+/// Default timeout of an entry in its current state.
+pub fn timeout_s(key: &CtKey, e: &CtEntry) -> u32 {
+    match key.proto {
+        6 => TCP_TIMEOUTS_S.get(e.state as usize).copied().unwrap_or(0),
+        17 if e.flags & CT_F_ASSURED != 0 => UDP_ASSURED_TIMEOUT_S,
+        17 => UDP_UNREPLIED_TIMEOUT_S,
+        _ => ICMP_TIMEOUT_S,
+    }
+}
+
+fn addr(family: u8, a: &[u8; 16]) -> IpAddr {
+    if family == 4 {
+        IpAddr::V4(Ipv4Addr::new(a[0], a[1], a[2], a[3]))
+    } else {
+        IpAddr::V6(Ipv6Addr::from(*a))
+    }
+}
+
+/// A row for `key`/`entry`, with `now_ns` on the datapath's clock (CLOCK_MONOTONIC).
+pub fn row(key: &CtKey, e: &CtEntry, now_ns: u64) -> CtRow {
+    let lo = (addr(key.family, &key.addr_lo), key.port_lo);
+    let hi = (addr(key.family, &key.addr_hi), key.port_hi);
+    let (orig, resp) = if e.flags & CT_F_ORIG_IS_LO != 0 {
+        (lo, hi)
+    } else {
+        (hi, lo)
+    };
+    let idle_s = now_ns.saturating_sub(e.last_seen_ns) / 1_000_000_000;
+    let proto = match key.proto {
+        6 => "tcp",
+        17 => "udp",
+        1 => "icmp",
+        58 => "icmpv6",
+        _ => "unknown",
+    };
+    CtRow {
+        proto,
+        proto_num: key.proto,
+        timeout_s: u64::from(timeout_s(key, e)).saturating_sub(idle_s),
+        state: if key.proto == 6 {
+            tcp_state::NAMES
+                .get(e.state as usize)
+                .copied()
+                .unwrap_or("UNKNOWN")
+        } else {
+            ""
+        },
+        original: Tuple {
+            src: orig.0,
+            dst: resp.0,
+            sport: orig.1,
+            dport: resp.1,
+            packets: e.packets[DIR_ORIGINAL],
+            bytes: e.bytes[DIR_ORIGINAL],
+        },
+        reply: Tuple {
+            src: resp.0,
+            dst: orig.0,
+            sport: resp.1,
+            dport: orig.1,
+            packets: e.packets[DIR_REPLY],
+            bytes: e.bytes[DIR_REPLY],
+        },
+        assured: e.flags & CT_F_ASSURED != 0,
+        seen_reply: e.flags & CT_F_SEEN_REPLY != 0,
+    }
+}
+
+/// The `conntrack -L` line of a row.
+pub fn render(r: &CtRow) -> String {
+    let tuple = |t: &Tuple| {
+        if r.proto.starts_with("icmp") {
+            format!(
+                "src={} dst={} id={} packets={} bytes={}",
+                t.src, t.dst, t.sport, t.packets, t.bytes
+            )
+        } else {
+            format!(
+                "src={} dst={} sport={} dport={} packets={} bytes={}",
+                t.src, t.dst, t.sport, t.dport, t.packets, t.bytes
+            )
+        }
+    };
+    let mut line = format!("{:<8} {} {} ", r.proto, r.proto_num, r.timeout_s);
+    if !r.state.is_empty() {
+        line.push_str(r.state);
+        line.push(' ');
+    }
+    line.push_str(&tuple(&r.original));
+    if !r.seen_reply {
+        line.push_str(" [UNREPLIED]");
+    }
+    line.push(' ');
+    line.push_str(&tuple(&r.reply));
+    if r.assured {
+        line.push_str(" [ASSURED]");
+    }
+    line
+}
+
+/// Current CLOCK_MONOTONIC in ns (the clock of bpf_ktime_get_ns).
+pub fn monotonic_ns() -> u64 {
+    // SAFETY: an all-zero timespec is valid; clock_gettime writes into it.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: valid clock id and pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// `name value` lines for the counters, in code order.
+pub fn render_stats(sums: &[u64]) -> String {
+    ct_stat::NAMES
+        .iter()
+        .zip(sums)
+        .map(|(n, v)| format!("{n:<14} {v}\n"))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use fastpath_common::ct::{ct_key, tcp_state::ESTABLISHED};
+
+    use super::*;
+
+    #[test]
+    fn rows_read_like_conntrack_l() {
+        let c = [10, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        let s = [10, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        // The client (10.0.0.2) opened the connection; its address sorts high.
+        let (key, client_is_lo) = ct_key(4, 6, &c, 40000, &s, 80);
+        assert!(!client_is_lo);
+        let e = CtEntry {
+            last_seen_ns: 5_000_000_000,
+            packets: [3, 2],
+            bytes: [180, 120],
+            state: ESTABLISHED,
+            flags: CT_F_ASSURED | CT_F_SEEN_REPLY,
+            ..CtEntry::default()
+        };
+        let r = row(&key, &e, 6_000_000_000);
+        assert_eq!(
+            render(&r),
+            "tcp      6 431999 ESTABLISHED src=10.0.0.2 dst=10.0.0.1 sport=40000 dport=80 packets=3 bytes=180 src=10.0.0.1 dst=10.0.0.2 sport=80 dport=40000 packets=2 bytes=120 [ASSURED]"
+        );
+    }
+
+    #[test]
+    fn unreplied_udp_times_out_sooner() {
+        let a = [10, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        let b = [10, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        let (key, _) = ct_key(4, 17, &a, 5000, &b, 53);
+        let e = CtEntry {
+            flags: CT_F_ORIG_IS_LO,
+            ..CtEntry::default()
+        };
+        assert_eq!(timeout_s(&key, &e), UDP_UNREPLIED_TIMEOUT_S);
+        assert!(render(&row(&key, &e, 0)).contains("[UNREPLIED]"));
+    }
+}
