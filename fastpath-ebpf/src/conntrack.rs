@@ -23,18 +23,37 @@ use crate::{
 /// BPF_NOEXIST: create only.
 const BPF_NOEXIST: u64 = 1;
 
-/// Tracks `p` if `hook` tracks for interface `ifindex`. At egress only packets this node sent
-/// (`local`) are tracked: forwarded ones were tracked where they came in.
-// verifier: its own stack frame (key, entry), apart from the parser's.
+/// Tracks `p` if `hook` (a `Hook` value) tracks for interface `ifindex`. At egress only
+/// packets this node sent (`local` != 0) are tracked: forwarded ones were tracked where they
+/// came in. Returns 0.
+// verifier: a global function (exported, C ABI): verified once on its own, with `p` as plain
+// memory, instead of once per path through the parser — which made loading take seconds.
+#[unsafe(no_mangle)]
 #[inline(never)]
-pub fn track(hook: Hook, ifindex: u32, local: bool, p: &Parsed, len: usize) {
-    if p.fragment != 0 || (hook == Hook::TcEgress && !local) || !hook_tracks(hook, ifindex) {
-        return;
+pub extern "C" fn fp_ct_track(
+    hook: u32,
+    ifindex: u32,
+    local: u32,
+    p: *const Parsed,
+    len: u32,
+) -> u32 {
+    // SAFETY: the caller passes its stack's Parsed; the verifier still wants the null check.
+    let Some(p) = (unsafe { p.as_ref() }) else {
+        return 0;
+    };
+    let hook = match hook {
+        0 => Hook::Xdp,
+        1 => Hook::TcIngress,
+        _ => Hook::TcEgress,
+    };
+    if p.fragment != 0 || (hook == Hook::TcEgress && local == 0) || !hook_tracks(hook, ifindex) {
+        return 0;
     }
     let Some((src_port, dst_port, starts)) = ports_and_start(p) else {
-        return;
+        return 0;
     };
     count(ct_stat::LOOKUPS);
+    let len = len as usize;
     let (key, src_is_lo) = ct_key(
         p.family,
         p.l4_proto,
@@ -55,6 +74,7 @@ pub fn track(hook: Hook, ifindex: u32, local: bool, p: &Parsed, len: usize) {
         }
         None => create(&key, src_is_lo, starts, p, len, now),
     }
+    0
 }
 
 /// Whether this hook is the one tracking for the interface.

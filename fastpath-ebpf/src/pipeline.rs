@@ -26,7 +26,7 @@ pub fn run(pkt: &Packet, hook: Hook, ifindex: u32, local: bool) -> (Verdict, u32
     if code != reason::NONE {
         return (unparsed_verdict(code), code);
     }
-    conntrack::track(hook, ifindex, local, &parsed, pkt.len);
+    conntrack::fp_ct_track(hook as u32, ifindex, local as u32, &parsed, pkt.len as u32);
     (Verdict::Kernel, unhandled_reason(&parsed))
 }
 
