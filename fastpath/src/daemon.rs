@@ -16,6 +16,7 @@ use tracing::{info, warn};
 use crate::{
     EBPF_OBJECT,
     config::Config,
+    ct_events::{self, EventHub},
     datapath::{self, Datapath, DatapathError},
 };
 
@@ -27,12 +28,16 @@ pub enum DaemonError {
     Signal(#[source] io::Error),
     #[error("watching the datapath log ring: {0}")]
     LogRing(#[source] io::Error),
+    #[error("watching the conntrack event ring: {0}")]
+    EventRing(#[source] io::Error),
 }
 
 /// Options from the command line (runtime behaviour; the config file describes the datapath).
 pub struct DaemonOptions {
     /// Leave programs attached on a clean stop, whatever the config says.
     pub leave_attached: bool,
+    /// Append every conntrack event to this file (`conntrack -E` style lines).
+    pub ct_events_log: Option<std::path::PathBuf>,
 }
 
 /// Runs until SIGINT/SIGTERM.
@@ -103,6 +108,21 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         }
     });
 
+    // Conntrack events: drain the ring into the hub; subscribers never slow the drain.
+    let hub = EventHub::new();
+    // SAFETY: the RingBuf owns its fd and keeps it open while the AsyncFd owns it.
+    let mut ct_ring = unsafe {
+        AsyncFd::register_with_interest(dp.take_ct_events()?, tokio::io::Interest::READABLE)
+    }
+    .map_err(|e| DaemonError::EventRing(e.into()))?;
+    let event_log = opts.ct_events_log.clone().map(|path| {
+        tokio::spawn(ct_events::log_to_file(
+            hub.subscribe(),
+            hub.stats.clone(),
+            path,
+        ))
+    });
+
     info!(
         attachments = dp.attachments.len(),
         pin_dir = %pin_dir.display(),
@@ -113,6 +133,15 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         tokio::select! {
             _ = sigint.recv() => { info!("SIGINT received"); break; }
             _ = sigterm.recv() => { info!("SIGTERM received"); break; }
+            ready = ct_ring.readable_mut() => {
+                if let Ok(mut guard) = ready {
+                    let ring = guard.get_inner_mut();
+                    while let Some(record) = ring.next() {
+                        hub.publish_record(&record);
+                    }
+                    guard.clear_ready();
+                }
+            }
             ready = async {
                 match logger.as_mut() {
                     Some(l) => l.readable_mut().await.map(Some),
@@ -126,6 +155,13 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
             }
         }
     }
+
+    // Closing the hub ends the subscribers once they have written what they hold.
+    drop(hub);
+    if let Some(task) = event_log {
+        let _ = task.await;
+    }
+    drop(ct_ring);
 
     if config.datapath.detach_on_exit && !opts.leave_attached {
         let n = dp.attachments.len();

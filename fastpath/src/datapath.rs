@@ -18,7 +18,7 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, MapData, PerCpuArray},
+    maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
     programs::{
         LinkOrder, ProgramError, SchedClassifier, TcAttach, TcAttachType, Xdp,
         XdpMode as AyaXdpMode,
@@ -214,6 +214,20 @@ impl Datapath {
             pin_dir: pin_dir.to_owned(),
             maps_reused,
             attachments: Vec::new(),
+        })
+    }
+
+    /// Takes the conntrack event ring so the daemon can drain it.
+    pub fn take_ct_events(&mut self) -> Result<RingBuf<MapData>, DatapathError> {
+        let map = self
+            .ebpf
+            .take_map(map_names::CT_EVENTS)
+            .ok_or(DatapathError::MissingMap {
+                name: map_names::CT_EVENTS,
+            })?;
+        RingBuf::try_from(map).map_err(|source| DatapathError::Map {
+            what: "opening FP_CT_EVENTS".into(),
+            source,
         })
     }
 

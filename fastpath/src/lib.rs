@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod conntrack;
+pub mod ct_events;
 pub mod daemon;
 pub mod datapath;
 pub mod stats;

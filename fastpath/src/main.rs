@@ -74,6 +74,10 @@ enum Command {
         /// Keep programs attached and pins in place on exit.
         #[arg(long)]
         leave_attached: bool,
+        /// Append every conntrack event (NEW, UPDATE on established/closed) to FILE, one
+        /// `conntrack -E -o timestamp` style line each.
+        #[arg(long, value_name = "FILE")]
+        ct_events_log: Option<PathBuf>,
     },
     /// Print the datapath's per-reason packet and byte counters (read from the pinned map).
     Stats {
@@ -156,6 +160,7 @@ fn main() -> ExitCode {
         Command::Daemon {
             config,
             leave_attached,
+            ct_events_log,
         } => {
             let config = match Config::load(&config) {
                 Ok(c) => c,
@@ -176,7 +181,11 @@ fn main() -> ExitCode {
                     return ExitCode::from(EXIT_FAILURE);
                 }
             };
-            match rt.block_on(daemon::run(config, DaemonOptions { leave_attached })) {
+            let opts = DaemonOptions {
+                leave_attached,
+                ct_events_log,
+            };
+            match rt.block_on(daemon::run(config, opts)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("error: {}", error_chain(&e));

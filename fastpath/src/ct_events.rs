@@ -1,0 +1,235 @@
+//! Conntrack events: drained from the datapath's ring buffer into a bounded broadcast that the
+//! event log (and later the API watch and HA sync) subscribe to.
+//!
+//! Contract: the drain never waits on a subscriber. A subscriber that falls behind loses the
+//! oldest events and the loss is counted (`lagged`); the ring itself is never left full by a
+//! slow reader.
+
+use std::{
+    io::Write as _,
+    path::PathBuf,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use fastpath_common::ct::{CtEntry, CtEvent, ct_event};
+use tokio::sync::broadcast;
+use tracing::warn;
+
+use crate::conntrack;
+
+/// Events buffered per subscriber before it starts losing the oldest.
+pub const BROADCAST_CAPACITY: usize = 65_536;
+
+/// Counters of the event path, shared with whoever reports them.
+#[derive(Debug, Default)]
+pub struct EventStats {
+    /// Events read from the ring.
+    pub drained: AtomicU64,
+    /// Ring records of the wrong size (a datapath/daemon version mismatch), skipped.
+    pub malformed: AtomicU64,
+    /// Events a subscriber missed because it fell behind.
+    pub lagged: AtomicU64,
+}
+
+/// The sending side: the drain publishes, subscribers call [`EventHub::subscribe`].
+#[derive(Clone)]
+pub struct EventHub {
+    tx: broadcast::Sender<CtEvent>,
+    pub stats: Arc<EventStats>,
+}
+
+impl Default for EventHub {
+    fn default() -> Self {
+        EventHub::new()
+    }
+}
+
+impl EventHub {
+    pub fn new() -> EventHub {
+        let (tx, _) = broadcast::channel(BROADCAST_CAPACITY);
+        EventHub {
+            tx,
+            stats: Arc::default(),
+        }
+    }
+
+    pub fn subscribe(&self) -> broadcast::Receiver<CtEvent> {
+        self.tx.subscribe()
+    }
+
+    /// Publishes one ring record; never blocks.
+    pub fn publish_record(&self, record: &[u8]) {
+        match decode(record) {
+            Some(ev) => {
+                self.stats.drained.fetch_add(1, Ordering::Relaxed);
+                // No subscriber is not an error: the event is simply not wanted now.
+                let _ = self.tx.send(ev);
+            }
+            None => {
+                self.stats.malformed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// A `CtEvent` from a ring record, if it has exactly the right size.
+pub fn decode(record: &[u8]) -> Option<CtEvent> {
+    if record.len() != size_of::<CtEvent>() {
+        return None;
+    }
+    // SAFETY: the length matches and CtEvent is a plain #[repr(C)] struct of integers, valid
+    // for any bit pattern; read_unaligned copes with the record's alignment.
+    Some(unsafe { std::ptr::read_unaligned(record.as_ptr().cast::<CtEvent>()) })
+}
+
+/// `conntrack -E -o timestamp`-style line: `[ts] [NEW] tcp 6 SYN_SENT src=.. dst=.. ...`.
+pub fn render(ev: &CtEvent) -> String {
+    let kind = match ev.kind {
+        ct_event::NEW => "NEW",
+        ct_event::ESTABLISHED => "UPDATE",
+        ct_event::CLOSED => "UPDATE",
+        ct_event::EXPIRED => "DESTROY",
+        _ => "UNKNOWN",
+    };
+    let entry = CtEntry {
+        state: ev.state,
+        flags: ev.flags,
+        ..CtEntry::default()
+    };
+    let row = conntrack::row(&ev.key, &entry, 0);
+    let t = &row.original;
+    let ports = if row.proto.starts_with("icmp") {
+        format!("id={}", t.sport)
+    } else {
+        format!("sport={} dport={}", t.sport, t.dport)
+    };
+    let mut line = format!(
+        "[{}.{:06}] [{kind}] {} {} ",
+        ev.ts_ns / 1_000_000_000,
+        (ev.ts_ns % 1_000_000_000) / 1000,
+        row.proto,
+        row.proto_num
+    );
+    if !row.state.is_empty() {
+        line.push_str(row.state);
+        line.push(' ');
+    }
+    line.push_str(&format!("src={} dst={} {ports}", t.src, t.dst));
+    if row.assured {
+        line.push_str(" [ASSURED]");
+    }
+    line
+}
+
+/// Appends every event of `rx` to `path`, one line each, until the hub is dropped. Lag is
+/// counted in `stats`.
+pub async fn log_to_file(
+    mut rx: broadcast::Receiver<CtEvent>,
+    stats: Arc<EventStats>,
+    path: PathBuf,
+) {
+    let file = match std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+    {
+        Ok(f) => f,
+        Err(e) => {
+            warn!(path = %path.display(), error = %e, "Cannot open the conntrack event log; events will not be logged");
+            return;
+        }
+    };
+    let mut out = std::io::BufWriter::new(file);
+    loop {
+        match rx.recv().await {
+            Ok(ev) => {
+                let _ = writeln!(out, "{}", render(&ev));
+                // Flush when nothing else is queued: batches under load, prompt when idle.
+                if rx.is_empty() {
+                    let _ = out.flush();
+                }
+            }
+            Err(broadcast::error::RecvError::Lagged(n)) => {
+                stats.lagged.fetch_add(n, Ordering::Relaxed);
+            }
+            Err(broadcast::error::RecvError::Closed) => break,
+        }
+    }
+    let _ = out.flush();
+}
+
+#[cfg(test)]
+mod tests {
+    use fastpath_common::ct::{CT_F_ASSURED, CT_F_ORIG_IS_LO, ct_key, tcp_state};
+
+    use super::*;
+
+    fn event(kind: u8, state: u8, flags: u8) -> CtEvent {
+        let c = [10, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        let s = [10, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        let (key, client_is_lo) = ct_key(4, 6, &c, 40000, &s, 80);
+        let orig = if client_is_lo { CT_F_ORIG_IS_LO } else { 0 };
+        CtEvent {
+            ts_ns: 12_000_345_678,
+            key,
+            kind,
+            state,
+            flags: flags | orig,
+            _pad: [0; 5],
+        }
+    }
+
+    fn bytes(ev: &CtEvent) -> Vec<u8> {
+        // SAFETY: viewing a plain #[repr(C)] struct as bytes.
+        unsafe {
+            std::slice::from_raw_parts((ev as *const CtEvent).cast::<u8>(), size_of::<CtEvent>())
+        }
+        .to_vec()
+    }
+
+    #[test]
+    fn records_round_trip_and_bad_sizes_are_counted() {
+        let hub = EventHub::new();
+        let mut rx = hub.subscribe();
+        let ev = event(ct_event::NEW, tcp_state::SYN_SENT, 0);
+        hub.publish_record(&bytes(&ev));
+        hub.publish_record(&[0u8; 7]);
+        assert_eq!(rx.try_recv().expect("one event"), ev);
+        assert!(
+            rx.try_recv().is_err(),
+            "the short record must not be published"
+        );
+        assert_eq!(hub.stats.drained.load(Ordering::Relaxed), 1);
+        assert_eq!(hub.stats.malformed.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_slow_subscriber_never_blocks_the_drain() {
+        let hub = EventHub::new();
+        let mut rx = hub.subscribe();
+        let ev = bytes(&event(ct_event::NEW, tcp_state::SYN_SENT, 0));
+        for _ in 0..BROADCAST_CAPACITY + 10 {
+            hub.publish_record(&ev); // returns at once even though nobody reads
+        }
+        assert!(matches!(
+            rx.try_recv(),
+            Err(broadcast::error::TryRecvError::Lagged(10))
+        ));
+    }
+
+    #[test]
+    fn lines_read_like_conntrack_e() {
+        let line = render(&event(
+            ct_event::ESTABLISHED,
+            tcp_state::ESTABLISHED,
+            CT_F_ASSURED,
+        ));
+        assert_eq!(
+            line,
+            "[12.000345] [UPDATE] tcp 6 ESTABLISHED src=10.0.0.2 dst=10.0.0.1 sport=40000 dport=80 [ASSURED]"
+        );
+    }
+}
