@@ -11,7 +11,7 @@ use fastpath_common::{
     ct::{
         CT_F_ASSURED, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CtEntry, CtEvent, CtKey, DIR_ORIGINAL,
         DIR_REPLY, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, TcpStep, ct_event,
-        ct_key, ct_stat, tcp_class, tcp_classify, tcp_state, tcp_step,
+        ct_key, ct_stat, tcp_state, tcp_step,
     },
 };
 
@@ -159,41 +159,50 @@ fn create(key: &CtKey, src_is_lo: bool, starts: bool, p: &Parsed, len: usize, no
     }
 }
 
+/// Steps an existing connection. As in Linux, a packet the state machine rejects (invalid)
+/// or ignores (a retransmission) is not accounted: it neither refreshes the entry nor counts.
 #[inline(always)]
 fn update(key: &CtKey, e: &mut CtEntry, src_is_lo: bool, p: &Parsed, len: usize, now: u64) {
     let mut dir = e.dir(src_is_lo);
     if p.l4_proto == IPPROTO_TCP {
-        let reopen = tcp_classify(p.tcp_flags) == tcp_class::SYN
-            && (e.state == tcp_state::TIME_WAIT || e.state == tcp_state::CLOSE);
-        if reopen {
-            // A new connection on the same tuple: start over, its SYN sender as originator.
-            *e = CtEntry {
-                created_ns: now,
-                flags: if src_is_lo { CT_F_ORIG_IS_LO } else { 0 },
-                ..CtEntry::default()
-            };
-            e.state = tcp_state::SYN_SENT;
-            dir = DIR_ORIGINAL;
-            count(ct_stat::REOPENED);
-            emit(key, ct_event::NEW, e, now);
-        } else {
-            match tcp_step(e.state, dir, p.tcp_flags) {
-                TcpStep::To(s) => {
-                    let was = e.state;
-                    e.state = s;
-                    if s == tcp_state::ESTABLISHED && e.flags & CT_F_ASSURED == 0 {
-                        e.flags |= CT_F_ASSURED;
-                        count(ct_stat::ASSURED);
-                        emit(key, ct_event::ESTABLISHED, e, now);
-                    }
-                    let closed = |x: u8| x == tcp_state::TIME_WAIT || x == tcp_state::CLOSE;
-                    if closed(s) && !closed(was) {
-                        count(ct_stat::CLOSED);
-                        emit(key, ct_event::CLOSED, e, now);
-                    }
+        let closed = |x: u8| x == tcp_state::TIME_WAIT || x == tcp_state::CLOSE;
+        match tcp_step(e.state, dir, p.tcp_flags) {
+            TcpStep::To(tcp_state::SYN_SENT) if closed(e.state) => {
+                // A new connection on the same tuple: start over, its SYN sender as originator.
+                *e = CtEntry {
+                    created_ns: now,
+                    flags: if src_is_lo { CT_F_ORIG_IS_LO } else { 0 },
+                    ..CtEntry::default()
+                };
+                e.state = tcp_state::SYN_SENT;
+                dir = DIR_ORIGINAL;
+                count(ct_stat::REOPENED);
+                emit(key, ct_event::NEW, e, now);
+            }
+            TcpStep::To(s) => {
+                let was = e.state;
+                e.state = s;
+                if s == tcp_state::ESTABLISHED && e.flags & CT_F_ASSURED == 0 {
+                    e.flags |= CT_F_ASSURED;
+                    count(ct_stat::ASSURED);
+                    emit(key, ct_event::ESTABLISHED, e, now);
                 }
-                TcpStep::Ignore => count(ct_stat::IGNORED),
-                TcpStep::Invalid => count(ct_stat::INVALID_STATE),
+                if closed(s) && !closed(was) {
+                    count(ct_stat::CLOSED);
+                    emit(key, ct_event::CLOSED, e, now);
+                }
+            }
+            TcpStep::Ignore => {
+                // Accepted, so a reply still counts as seen (as in Linux), but not accounted.
+                count(ct_stat::IGNORED);
+                if dir == DIR_REPLY {
+                    e.flags |= CT_F_SEEN_REPLY;
+                }
+                return;
+            }
+            TcpStep::Invalid => {
+                count(ct_stat::INVALID_STATE);
+                return;
             }
         }
     } else if dir == DIR_REPLY && e.flags & CT_F_ASSURED == 0 {

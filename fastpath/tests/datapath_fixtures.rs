@@ -1,31 +1,14 @@
 //! Runs the parser fixture table through the real entry points with BPF_PROG_TEST_RUN and
 //! reports every failing case at once. Needs root; without it the test fails (never skips).
 
-use fastpath::testkit::{cases::parser_cases, fixture::Fixture};
-
-/// Loading programs and mounting a bpffs need root; say so instead of failing obscurely, and
-/// never pass without checking anything.
-fn require_root() {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let euid = unsafe { libc::geteuid() };
-    if euid == 0 {
-        return;
-    }
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
-        panic!(
-            "datapath fixtures need root (euid is {euid}) and CI=true: CI must run this test as \
-             root, it cannot be skipped"
-        );
-    }
-    panic!(
-        "datapath fixtures need root (euid is {euid}): run `sudo -E cargo test -p fastpath --test \
-         datapath_fixtures` or run the tests as root"
-    );
-}
+use fastpath::testkit::{
+    cases::parser_cases,
+    fixture::{Fixture, require_root},
+};
 
 #[test]
 fn parser_cases_through_bpf_prog_test_run() {
-    require_root();
+    require_root("datapath_fixtures");
     let cases = parser_cases();
     assert!(
         cases.len() >= 30,

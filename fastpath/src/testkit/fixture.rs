@@ -1,6 +1,8 @@
 //! Table-driven datapath fixtures: each [`Case`] runs through the real entry point of one hook
 //! with BPF_PROG_TEST_RUN, and its verdict, output bytes and counter deltas are compared with
 //! what the case states. The same tables drive the benchmarks ([`Fixture::run_repeat`]).
+//! Conntrack fixtures are [`CtSequence`]s: packets run in order against one table, each step
+//! checked for its connection's entry, the conntrack counters and the events it emits.
 //!
 //! Contract: a [`Fixture`] loads its own copy of the datapath object with its own, empty maps
 //! (pinned in a private directory that is removed on drop), so fixtures never see each other's
@@ -8,6 +10,7 @@
 //! a bpffs when `/sys/fs/bpf` is not one).
 
 use std::{
+    collections::BTreeMap,
     ffi::CString,
     fmt::Write as _,
     os::unix::ffi::OsStrExt as _,
@@ -18,11 +21,16 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, PerCpuArray},
+    maps::{Array, HashMap as BpfHashMap, MapError, PerCpuArray, RingBuf},
     programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions, TestRunResult, Xdp},
 };
 use fastpath_common::{
-    Counter, DatapathConfig, Hook, Verdict, map_names, program_names,
+    Counter, DatapathConfig, Hook, Verdict,
+    ct::{
+        CT_F_ASSURED, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CtEntry, CtEvent, CtKey, DIR_ORIGINAL,
+        DIR_REPLY, IfaceConfig, ct_event, ct_stat, tcp_state,
+    },
+    map_names, program_names,
     stats::CONFIG_F_DROP_MALFORMED,
 };
 
@@ -70,6 +78,9 @@ pub const fn raw_verdict(hook: Hook, verdict: Verdict) -> u32 {
 pub struct Seed {
     /// Written to `FP_CONFIG[0]`.
     pub config: DatapathConfig,
+    /// Written to `FP_IFACE` (ifindex → settings); every interface not listed is removed, so
+    /// the default (none) means no hook tracks connections on any interface.
+    pub ifaces: Vec<(u32, IfaceConfig)>,
 }
 
 impl Seed {
@@ -80,12 +91,32 @@ impl Seed {
                 flags,
                 ..DatapathConfig::default()
             },
+            ..Seed::default()
         }
     }
 
     /// `drop_malformed` on.
     pub fn drop_malformed() -> Self {
         Seed::flags(CONFIG_F_DROP_MALFORMED)
+    }
+
+    /// The default configuration, with interface `ifindex` set to `IFACE_F_*` `flags` (and no
+    /// other interface configured).
+    pub fn iface(ifindex: u32, flags: u32) -> Self {
+        Seed::default().with_iface(ifindex, flags)
+    }
+
+    /// This seed with interface `ifindex` (also) set to `IFACE_F_*` `flags`.
+    pub fn with_iface(mut self, ifindex: u32, flags: u32) -> Self {
+        self.ifaces.retain(|(i, _)| *i != ifindex);
+        self.ifaces.push((
+            ifindex,
+            IfaceConfig {
+                flags,
+                ..IfaceConfig::default()
+            },
+        ));
+        self
     }
 
     fn apply(&self, ebpf: &mut Ebpf) -> Result<(), FixtureError> {
@@ -104,7 +135,28 @@ impl Seed {
             .map_err(|source| FixtureError::Map {
                 name: map_names::CONFIG,
                 source,
-            })
+            })?;
+
+        let name = map_names::IFACE;
+        let map_err = map_error(name);
+        let map = ebpf
+            .map_mut(name)
+            .ok_or(FixtureError::MissingMap { name })?;
+        let mut ifaces: BpfHashMap<_, u32, IfaceConfig> =
+            BpfHashMap::try_from(map).map_err(map_err)?;
+        let present = ifaces
+            .keys()
+            .collect::<Result<Vec<u32>, _>>()
+            .map_err(map_err)?;
+        for ifindex in present {
+            if !self.ifaces.iter().any(|(i, _)| *i == ifindex) {
+                ifaces.remove(&ifindex).map_err(map_err)?;
+            }
+        }
+        for (ifindex, cfg) in &self.ifaces {
+            ifaces.insert(ifindex, cfg, 0).map_err(map_err)?;
+        }
+        Ok(())
     }
 }
 
@@ -210,6 +262,11 @@ pub enum FixtureError {
     },
     #[error("input is {len} bytes; BPF_PROG_TEST_RUN needs at least {MIN_INPUT_LEN}")]
     InputTooShort { len: usize },
+    #[error(
+        "a conntrack event record is {len} bytes, a CtEvent {}; was fastpath-ebpf rebuilt?",
+        size_of::<CtEvent>()
+    )]
+    BadEvent { len: usize },
 }
 
 /// Why a case did not pass: it could not run, or it ran and something differed.
@@ -310,7 +367,7 @@ impl Fixture {
             Hook::TcIngress | Hook::TcEgress => program_names::BENCH_FLOOR_TC,
         };
         let mut out = vec![0u8; input.len() + OUTPUT_SLACK];
-        let res = self.test_run_program(name, hook, input, &mut out, repeat.max(1))?;
+        let res = self.test_run_program(name, hook, input, &mut out, repeat.max(1), None)?;
         Ok(RepeatRun {
             verdict: res.return_value,
             per_run: res.duration,
@@ -365,10 +422,11 @@ impl Fixture {
         out: &mut [u8],
         repeat: u32,
     ) -> Result<TestRunResult, FixtureError> {
-        self.test_run_program(program_name(hook), hook, input, out, repeat)
+        self.test_run_program(program_name(hook), hook, input, out, repeat, None)
     }
 
-    /// Runs program `name`, of `hook`'s kind, on `input`.
+    /// Runs program `name`, of `hook`'s kind, on `input`, with the context `ctx` (`None`: the
+    /// kernel's default context).
     fn test_run_program(
         &self,
         name: &'static str,
@@ -376,10 +434,12 @@ impl Fixture {
         input: &[u8],
         out: &mut [u8],
         repeat: u32,
+        ctx: Option<&[u8]>,
     ) -> Result<TestRunResult, FixtureError> {
         let opts = TestRunOptions {
             data_in: Some(input),
             data_out: Some(out),
+            ctx_in: ctx,
             repeat,
             ..Default::default()
         };
@@ -543,6 +603,580 @@ fn hex_line(bytes: &[u8], range: std::ops::Range<usize>) -> String {
         })
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// The check every root-only fixture test starts with: loading programs and mounting a bpffs
+/// need root. It panics, never skips — a test that did not run must not pass: under CI=true
+/// the message says CI must run `test` as root, otherwise it says how to run it as root.
+pub fn require_root(test: &str) {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if euid == 0 {
+        return;
+    }
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!(
+            "datapath fixtures need root (euid is {euid}) and CI=true: CI must run the {test} \
+             test as root, it cannot be skipped"
+        );
+    }
+    panic!(
+        "datapath fixtures need root (euid is {euid}): run `sudo -E cargo test -p fastpath --test \
+         {test}` or run the tests as root"
+    );
+}
+
+fn map_error(name: &'static str) -> impl Fn(MapError) -> FixtureError + Copy {
+    move |source| FixtureError::Map { name, source }
+}
+
+/// `FP_CT_STATS` summed over CPUs, indexed by `ct_stat::*` (every slot, named or not).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CtStats(pub [u64; ct_stat::SLOTS as usize]);
+
+impl CtStats {
+    /// Every slot that moved since `before`, as (code, delta), in code order.
+    pub fn delta(&self, before: &CtStats) -> Vec<(u32, u64)> {
+        self.0
+            .iter()
+            .zip(before.0.iter())
+            .enumerate()
+            .filter(|(_, (now, was))| now != was)
+            .map(|(code, (now, was))| (code as u32, now.wrapping_sub(*was)))
+            .collect()
+    }
+}
+
+/// Conntrack state: the table, its counters and its event ring.
+impl Fixture {
+    /// Every entry of `FP_CT`, in key order.
+    pub fn ct_entries(&self) -> Result<BTreeMap<CtKey, CtEntry>, FixtureError> {
+        let name = map_names::CT;
+        let map = self
+            .ebpf
+            .map(name)
+            .ok_or(FixtureError::MissingMap { name })?;
+        let table: BpfHashMap<_, CtKey, CtEntry> =
+            BpfHashMap::try_from(map).map_err(map_error(name))?;
+        table
+            .iter()
+            .collect::<Result<_, _>>()
+            .map_err(map_error(name))
+    }
+
+    /// The entry of one connection, if there is one.
+    pub fn ct_entry(&self, key: &CtKey) -> Result<Option<CtEntry>, FixtureError> {
+        let name = map_names::CT;
+        let map = self
+            .ebpf
+            .map(name)
+            .ok_or(FixtureError::MissingMap { name })?;
+        let table: BpfHashMap<_, CtKey, CtEntry> =
+            BpfHashMap::try_from(map).map_err(map_error(name))?;
+        match table.get(key, 0) {
+            Ok(entry) => Ok(Some(entry)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(source) => Err(FixtureError::Map { name, source }),
+        }
+    }
+
+    /// Deletes every entry of `FP_CT`; returns how many there were.
+    pub fn ct_clear(&mut self) -> Result<usize, FixtureError> {
+        let name = map_names::CT;
+        let map = self
+            .ebpf
+            .map_mut(name)
+            .ok_or(FixtureError::MissingMap { name })?;
+        let mut table: BpfHashMap<_, CtKey, CtEntry> =
+            BpfHashMap::try_from(map).map_err(map_error(name))?;
+        // Keys first: deleting while walking would restart the kernel's iteration.
+        let keys = table
+            .keys()
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(map_error(name))?;
+        for key in &keys {
+            table.remove(key).map_err(map_error(name))?;
+        }
+        Ok(keys.len())
+    }
+
+    /// `FP_CT_STATS` summed over CPUs.
+    pub fn ct_stats(&self) -> Result<CtStats, FixtureError> {
+        let name = map_names::CT_STATS;
+        let map = self
+            .ebpf
+            .map(name)
+            .ok_or(FixtureError::MissingMap { name })?;
+        let per_cpu: PerCpuArray<_, u64> = PerCpuArray::try_from(map).map_err(map_error(name))?;
+        let mut sums = [0u64; ct_stat::SLOTS as usize];
+        for (code, sum) in (0u32..).zip(sums.iter_mut()) {
+            let values = per_cpu.get(&code, 0).map_err(map_error(name))?;
+            *sum = values.iter().sum();
+        }
+        Ok(CtStats(sums))
+    }
+
+    /// Takes every record out of the `FP_CT_EVENTS` ring, oldest first. The ring keeps its
+    /// consumer position in the kernel, so each call sees only what the last one left.
+    pub fn ct_drain_events(&self) -> Result<Vec<CtEvent>, FixtureError> {
+        let name = map_names::CT_EVENTS;
+        let map = self
+            .ebpf
+            .map(name)
+            .ok_or(FixtureError::MissingMap { name })?;
+        let mut ring = RingBuf::try_from(map).map_err(map_error(name))?;
+        let mut events = Vec::new();
+        while let Some(record) = ring.next() {
+            if record.len() != size_of::<CtEvent>() {
+                return Err(FixtureError::BadEvent { len: record.len() });
+            }
+            // SAFETY: the record holds exactly one CtEvent (length checked above), a Pod type;
+            // read_unaligned assumes nothing about the record's alignment.
+            events.push(unsafe { std::ptr::read_unaligned(record.as_ptr().cast::<CtEvent>()) });
+        }
+        Ok(events)
+    }
+
+    /// Runs a conntrack sequence from an empty table and an empty event ring, step by step,
+    /// and stops at the first step that does not do what it states.
+    pub fn run_ct_sequence(&mut self, seq: &CtSequence) -> Result<(), CtFailure> {
+        let run_error = |step: usize, what: &str, source| CtFailure::Run {
+            sequence: seq.name.clone(),
+            step,
+            what: what.to_owned(),
+            source: Box::new(source),
+        };
+        self.ct_clear()
+            .map_err(|e| run_error(0, "clearing FP_CT", e))?;
+        self.ct_drain_events()
+            .map_err(|e| run_error(0, "draining FP_CT_EVENTS", e))?;
+        for (i, step) in seq.steps.iter().enumerate() {
+            let details = self
+                .ct_step(&seq.seed, step)
+                .map_err(|e| run_error(i, &step.what, e))?;
+            if details.is_empty() {
+                continue;
+            }
+            return Err(CtFailure::Mismatch {
+                sequence: seq.name.clone(),
+                step: i,
+                hook: step.hook.name(),
+                what: step.what.clone(),
+                details,
+            });
+        }
+        Ok(())
+    }
+
+    /// Runs one step; returns its mismatches (empty when it did what it states).
+    fn ct_step(&mut self, seed: &Seed, step: &CtStep) -> Result<String, FixtureError> {
+        if step.input.len() < MIN_INPUT_LEN {
+            return Err(FixtureError::InputTooShort {
+                len: step.input.len(),
+            });
+        }
+        if step.hook == Hook::Xdp && step.skb_ingress_ifindex.is_some() {
+            return Ok(
+                "  step: skb_ingress_ifindex is a TC context field; XDP has none\n".to_owned(),
+            );
+        }
+        seed.apply(&mut self.ebpf)?;
+        let table_before = self.ct_entries()?;
+        let stats_before = self.ct_stats()?;
+        let ctx = step.skb_ingress_ifindex.map(skb_ctx_forwarded_from);
+        let mut out = vec![0u8; step.input.len() + OUTPUT_SLACK];
+        let res = self.test_run_program(
+            program_name(step.hook),
+            step.hook,
+            &step.input,
+            &mut out,
+            1,
+            ctx.as_ref().map(|c| c.as_slice()),
+        )?;
+        out.truncate(res.data_size_out as usize);
+        let got = CtObserved {
+            verdict: res.return_value,
+            output: out,
+            table_before,
+            table_after: self.ct_entries()?,
+            stats: self.ct_stats()?.delta(&stats_before),
+            events: self.ct_drain_events()?,
+        };
+        Ok(ct_mismatches(step, &got))
+    }
+}
+
+/// Offsets in `struct __sk_buff` (uapi, stable).
+const SKB_INGRESS_IFINDEX_OFF: usize = 36;
+/// Up to the end of `ifindex`: what BPF_PROG_TEST_RUN accepts with every other field zero.
+const SKB_CTX_LEN: usize = 44;
+
+/// A TC test-run context for a packet that arrived on `ingress_ifindex` (its
+/// `skb->skb_iif`): forwarded rather than sent by this node. `ifindex` stays 0, so the packet
+/// is still seen on loopback.
+fn skb_ctx_forwarded_from(ingress_ifindex: u32) -> [u8; SKB_CTX_LEN] {
+    let mut ctx = [0u8; SKB_CTX_LEN];
+    ctx[SKB_INGRESS_IFINDEX_OFF..SKB_INGRESS_IFINDEX_OFF + 4]
+        .copy_from_slice(&ingress_ifindex.to_ne_bytes());
+    ctx
+}
+
+/// What a step leaves behind for its packet's connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CtExpect {
+    /// The packet is not tracked (a fragment, an untracked protocol or ICMP type, a hook that
+    /// does not track for the interface): the table does not change at all.
+    Untouched,
+    /// The packet's connection has no entry after the step (a packet that cannot start one);
+    /// no other entry changes.
+    Absent(CtKey),
+    /// The packet's connection has an entry like this after the step; no other entry changes.
+    Entry(CtKey, CtEntryExpect),
+}
+
+impl CtExpect {
+    /// The connection the step is about, if the packet is tracked.
+    pub fn key(&self) -> Option<CtKey> {
+        match self {
+            CtExpect::Untouched => None,
+            CtExpect::Absent(key) | CtExpect::Entry(key, _) => Some(*key),
+        }
+    }
+}
+
+/// The parts of a [`CtEntry`] a step states.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtEntryExpect {
+    /// `tcp_state::*` for TCP; `None` for UDP and ICMP, whose entries keep state 0.
+    pub tcp_state: Option<u8>,
+    /// The `CT_F_SEEN_REPLY | CT_F_ASSURED` bits, exactly (the direction bit shows in
+    /// `packets`: the originator's packets count under `DIR_ORIGINAL`).
+    pub flags: u8,
+    /// Packets per direction (`DIR_*`), when stated.
+    pub packets: Option<[u64; 2]>,
+    /// Bytes (frame lengths) per direction, when stated.
+    pub bytes: Option<[u64; 2]>,
+}
+
+/// The flag bits a [`CtEntryExpect`] states.
+pub const CT_CHECKED_FLAGS: u8 = CT_F_SEEN_REPLY | CT_F_ASSURED;
+
+/// One packet of a [`CtSequence`] and what it must do.
+#[derive(Clone, Debug)]
+pub struct CtStep {
+    /// What the packet is, for failure messages (`reply SYN|ACK`).
+    pub what: String,
+    pub hook: Hook,
+    /// The frame, from the destination MAC on.
+    pub input: Vec<u8>,
+    pub expect: CtExpect,
+    /// Exact `ct_stat` changes as (code, delta); every slot not listed must not move.
+    pub expect_stats: Vec<(u32, u64)>,
+    /// The events this packet emits, in order, as (`ct_event::*`, state in the event). Each
+    /// must also carry the packet's connection key.
+    pub expect_events: Vec<(u8, u8)>,
+    /// Entries in `FP_CT` after the step, when stated.
+    pub expect_table_len: Option<usize>,
+    /// TC only: run with a context saying the packet arrived on this interface (forwarded);
+    /// `None` runs without one, which the datapath sees as sent by this node.
+    pub skb_ingress_ifindex: Option<u32>,
+}
+
+/// A conntrack fixture: packets run in order against one table (entries persist across
+/// steps), each checked for its entry, counters and events. The verdict must stay the
+/// kernel's and the frame unchanged, since conntrack never decides or rewrites.
+#[derive(Clone, Debug)]
+pub struct CtSequence {
+    /// Unique, says what the sequence is about (`tcp_handshake_active_close`).
+    pub name: String,
+    /// Applied before every step (it includes which hooks track on which interface).
+    pub seed: Seed,
+    pub steps: Vec<CtStep>,
+}
+
+/// Why a sequence did not pass.
+#[derive(Debug, thiserror::Error)]
+pub enum CtFailure {
+    #[error("sequence `{sequence}` step {step} ({what}) could not run: {source}")]
+    Run {
+        sequence: String,
+        step: usize,
+        what: String,
+        #[source]
+        source: Box<FixtureError>,
+    },
+    #[error("sequence `{sequence}`, step {step} ({hook}, {what}):\n{details}")]
+    Mismatch {
+        sequence: String,
+        step: usize,
+        hook: &'static str,
+        what: String,
+        details: String,
+    },
+}
+
+/// What one step did: the program's result and what changed in the conntrack maps.
+struct CtObserved {
+    verdict: u32,
+    output: Vec<u8>,
+    table_before: BTreeMap<CtKey, CtEntry>,
+    table_after: BTreeMap<CtKey, CtEntry>,
+    stats: Vec<(u32, u64)>,
+    events: Vec<CtEvent>,
+}
+
+/// Every difference between what `step` states and what happened, one paragraph each.
+fn ct_mismatches(step: &CtStep, got: &CtObserved) -> String {
+    let mut out = String::new();
+    let want_verdict = raw_verdict(step.hook, Verdict::Kernel);
+    if got.verdict != want_verdict {
+        let _ = writeln!(
+            out,
+            "  verdict: expected {} got {} (conntrack never decides)",
+            verdict_name(step.hook, want_verdict),
+            verdict_name(step.hook, got.verdict)
+        );
+    }
+    if got.output != step.input {
+        let _ = writeln!(
+            out,
+            "  output: expected the input unchanged, got ('!' marks differing lines)\n{}",
+            hexdump_diff(&step.input, &got.output)
+        );
+    }
+
+    let key = step.expect.key();
+    let others: Vec<String> = got
+        .table_before
+        .keys()
+        .chain(got.table_after.keys())
+        .filter(|k| Some(**k) != key)
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .filter(|k| got.table_before.get(k) != got.table_after.get(k))
+        .map(|k| {
+            format!(
+                "    {}: {} -> {}\n",
+                key_name(k),
+                entry_name(got.table_before.get(k)),
+                entry_name(got.table_after.get(k))
+            )
+        })
+        .collect();
+    if !others.is_empty() {
+        let mine = key.map_or_else(|| "none: untracked".to_owned(), |k| key_name(&k));
+        let _ = writeln!(
+            out,
+            "  table: entries other than the packet's connection ({mine}) changed:\n{}",
+            others.concat().trim_end()
+        );
+    }
+    match &step.expect {
+        CtExpect::Untouched => {}
+        CtExpect::Absent(k) => {
+            if let Some(e) = got.table_after.get(k) {
+                let _ = writeln!(
+                    out,
+                    "  entry {}: expected none, got {}",
+                    key_name(k),
+                    entry_name(Some(e))
+                );
+            }
+        }
+        CtExpect::Entry(k, want) => match got.table_after.get(k) {
+            None => {
+                let _ = writeln!(
+                    out,
+                    "  entry {}: expected {}, got none",
+                    key_name(k),
+                    want_name(want)
+                );
+            }
+            Some(e) => {
+                if !entry_matches(want, e) {
+                    let _ = writeln!(
+                        out,
+                        "  entry {}:\n    expected {}\n    got      {}",
+                        key_name(k),
+                        want_name(want),
+                        entry_name(Some(e))
+                    );
+                }
+            }
+        },
+    }
+    if let Some(n) = step.expect_table_len
+        && got.table_after.len() != n
+    {
+        let keys: Vec<String> = got.table_after.keys().map(key_name).collect();
+        let _ = writeln!(
+            out,
+            "  table: expected {n} entries, got {}: {}",
+            got.table_after.len(),
+            keys.join(", ")
+        );
+    }
+
+    let mut want_stats: BTreeMap<u32, u64> = BTreeMap::new();
+    for &(code, delta) in &step.expect_stats {
+        *want_stats.entry(code).or_default() += delta;
+    }
+    want_stats.retain(|_, d| *d != 0);
+    let want_stats: Vec<(u32, u64)> = want_stats.into_iter().collect();
+    if got.stats != want_stats {
+        let _ = writeln!(
+            out,
+            "  ct_stats: expected {} got {}",
+            stats_name(&want_stats),
+            stats_name(&got.stats)
+        );
+    }
+
+    let got_events: Vec<(u8, u8)> = got.events.iter().map(|e| (e.kind, e.state)).collect();
+    if got_events != step.expect_events {
+        let _ = writeln!(
+            out,
+            "  events: expected {} got {}",
+            events_name(&step.expect_events),
+            events_name(&got_events)
+        );
+    }
+    for e in got.events.iter().filter(|e| Some(e.key) != key) {
+        let _ = writeln!(
+            out,
+            "  event {} carries key {}, not the packet's connection",
+            events_name(&[(e.kind, e.state)]),
+            key_name(&e.key)
+        );
+    }
+    out
+}
+
+fn entry_matches(want: &CtEntryExpect, got: &CtEntry) -> bool {
+    got.state == want.tcp_state.unwrap_or(tcp_state::NONE)
+        && got.flags & CT_CHECKED_FLAGS == want.flags
+        && want.packets.is_none_or(|p| p == got.packets)
+        && want.bytes.is_none_or(|b| b == got.bytes)
+}
+
+/// `tcp 10.0.0.1:40000 <-> 10.0.0.2:80`.
+pub fn key_name(k: &CtKey) -> String {
+    let addr = |a: &[u8; 16]| match k.family {
+        4 => std::net::Ipv4Addr::new(a[0], a[1], a[2], a[3]).to_string(),
+        _ => format!("[{}]", std::net::Ipv6Addr::from(*a)),
+    };
+    let proto = match k.proto {
+        6 => "tcp".to_owned(),
+        17 => "udp".to_owned(),
+        1 => "icmp".to_owned(),
+        58 => "icmpv6".to_owned(),
+        p => format!("proto{p}"),
+    };
+    format!(
+        "{proto} {}:{} <-> {}:{}",
+        addr(&k.addr_lo),
+        k.port_lo,
+        addr(&k.addr_hi),
+        k.port_hi
+    )
+}
+
+fn state_name(state: u8) -> String {
+    tcp_state::NAMES
+        .get(usize::from(state))
+        .map_or_else(|| format!("state{state}"), |n| (*n).to_owned())
+}
+
+fn flags_name(flags: u8) -> String {
+    let names: Vec<&str> = [
+        (CT_F_ORIG_IS_LO, "ORIG_IS_LO"),
+        (CT_F_SEEN_REPLY, "SEEN_REPLY"),
+        (CT_F_ASSURED, "ASSURED"),
+    ]
+    .into_iter()
+    .filter(|(bit, _)| flags & bit != 0)
+    .map(|(_, name)| name)
+    .collect();
+    if names.is_empty() {
+        "-".to_owned()
+    } else {
+        names.join("|")
+    }
+}
+
+fn entry_name(e: Option<&CtEntry>) -> String {
+    let Some(e) = e else {
+        return "none".to_owned();
+    };
+    format!(
+        "state {} flags {} packets orig {} reply {} bytes orig {} reply {}",
+        state_name(e.state),
+        flags_name(e.flags),
+        e.packets[DIR_ORIGINAL],
+        e.packets[DIR_REPLY],
+        e.bytes[DIR_ORIGINAL],
+        e.bytes[DIR_REPLY]
+    )
+}
+
+fn want_name(w: &CtEntryExpect) -> String {
+    let mut s = format!(
+        "state {} flags {} (of SEEN_REPLY|ASSURED)",
+        state_name(w.tcp_state.unwrap_or(tcp_state::NONE)),
+        flags_name(w.flags)
+    );
+    if let Some(p) = w.packets {
+        let _ = write!(
+            s,
+            " packets orig {} reply {}",
+            p[DIR_ORIGINAL], p[DIR_REPLY]
+        );
+    }
+    if let Some(b) = w.bytes {
+        let _ = write!(s, " bytes orig {} reply {}", b[DIR_ORIGINAL], b[DIR_REPLY]);
+    }
+    s
+}
+
+fn stats_name(stats: &[(u32, u64)]) -> String {
+    if stats.is_empty() {
+        return "(no counter moved)".to_owned();
+    }
+    stats
+        .iter()
+        .map(|&(code, delta)| {
+            let name = ct_stat::NAMES
+                .get(code as usize)
+                .map_or_else(|| format!("slot{code}"), |n| (*n).to_owned());
+            format!("{name}+{delta}")
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn events_name(events: &[(u8, u8)]) -> String {
+    if events.is_empty() {
+        return "(none)".to_owned();
+    }
+    events
+        .iter()
+        .map(|&(kind, state)| {
+            let kind = match kind {
+                ct_event::NEW => "NEW".to_owned(),
+                ct_event::ESTABLISHED => "ESTABLISHED".to_owned(),
+                ct_event::CLOSED => "CLOSED".to_owned(),
+                ct_event::EXPIRED => "EXPIRED".to_owned(),
+                k => format!("kind{k}"),
+            };
+            // Only TCP events carry a state.
+            if state == tcp_state::NONE {
+                kind
+            } else {
+                format!("{kind}({})", state_name(state))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// A directory on a bpffs that only this fixture uses: a fresh subdirectory of `/sys/fs/bpf`

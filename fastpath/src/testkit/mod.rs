@@ -3,6 +3,7 @@
 //! topologies with guaranteed cleanup.
 
 pub mod cases;
+pub mod ct_cases;
 pub mod fixture;
 pub mod netns;
 pub mod packet;
