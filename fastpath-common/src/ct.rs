@@ -151,6 +151,44 @@ pub const TCP_TIMEOUTS_S: [u32; tcp_state::COUNT as usize] = [
     10,      // CLOSE
     120,     // SYN_SENT2
 ];
+/// Slots of `DatapathConfig::ct_timeouts_s`: TCP states by their value (1..=9, slot 0
+/// unused), then UDP unreplied, UDP assured, ICMP.
+pub mod timeout_slot {
+    pub const UDP: usize = 10;
+    pub const UDP_STREAM: usize = 11;
+    pub const ICMP: usize = 12;
+    pub const COUNT: usize = 13;
+}
+
+/// The Linux defaults in `DatapathConfig::ct_timeouts_s` layout.
+pub const DEFAULT_TIMEOUTS_S: [u32; timeout_slot::COUNT] = [
+    0,
+    TCP_TIMEOUTS_S[1],
+    TCP_TIMEOUTS_S[2],
+    TCP_TIMEOUTS_S[3],
+    TCP_TIMEOUTS_S[4],
+    TCP_TIMEOUTS_S[5],
+    TCP_TIMEOUTS_S[6],
+    TCP_TIMEOUTS_S[7],
+    TCP_TIMEOUTS_S[8],
+    TCP_TIMEOUTS_S[9],
+    UDP_UNREPLIED_TIMEOUT_S,
+    UDP_ASSURED_TIMEOUT_S,
+    ICMP_TIMEOUT_S,
+];
+
+/// Idle timeout of an entry, from a `ct_timeouts_s` table.
+pub fn timeout_of(timeouts: &[u32; timeout_slot::COUNT], key: &CtKey, e: &CtEntry) -> u32 {
+    let slot = match key.proto {
+        6 if e.state >= 1 && (e.state as usize) < timeout_slot::UDP => e.state as usize,
+        6 => tcp_state::CLOSE as usize,
+        17 if e.flags & CT_F_ASSURED != 0 => timeout_slot::UDP_STREAM,
+        17 => timeout_slot::UDP,
+        _ => timeout_slot::ICMP,
+    };
+    timeouts[slot]
+}
+
 /// UDP before a reply is seen (`nf_conntrack_udp_timeout`).
 pub const UDP_UNREPLIED_TIMEOUT_S: u32 = 30;
 /// UDP once replied / assured (`nf_conntrack_udp_timeout_stream`).

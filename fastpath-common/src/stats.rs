@@ -100,8 +100,11 @@ const _: () = assert!(core::mem::offset_of!(Counter, bytes) == 8);
 pub struct DatapathConfig {
     /// Bit set of `CONFIG_F_*`.
     pub flags: u32,
+    /// Conntrack idle timeouts in seconds, indexed by `ct::timeout_slot`; written by the
+    /// daemon from its config so that every reader (CLI, expiry) uses the same values.
+    pub ct_timeouts_s: [u32; crate::ct::timeout_slot::COUNT],
     /// Reserved for later knobs; zero.
-    pub _reserved: [u32; 15],
+    pub _reserved: [u32; 15 - crate::ct::timeout_slot::COUNT],
 }
 const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 64);
 const _: () = assert!(core::mem::offset_of!(DatapathConfig, flags) == 0);

@@ -110,13 +110,87 @@ pub struct ConntrackSection {
     /// bytes per entry); changing it on a running datapath needs `fastpath detach` first.
     #[serde(default = "default_ct_capacity")]
     pub capacity: Spanned<u32>,
+    /// How often the daemon expires idle connections, in milliseconds. Default 1000: an idle
+    /// connection goes at most this long after its timeout.
+    #[serde(default = "default_gc_interval_ms")]
+    pub gc_interval_ms: Spanned<u64>,
+    /// Idle timeouts per state, in seconds; defaults as Linux's nf_conntrack.
+    #[serde(default)]
+    pub timeouts: CtTimeouts,
 }
 
 impl Default for ConntrackSection {
     fn default() -> Self {
         ConntrackSection {
             capacity: default_ct_capacity(),
+            gc_interval_ms: default_gc_interval_ms(),
+            timeouts: CtTimeouts::default(),
         }
+    }
+}
+
+fn default_gc_interval_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 1000)
+}
+
+/// Idle timeouts in seconds (`[conntrack.timeouts]`), named like Linux's
+/// `nf_conntrack_*_timeout*` sysctls; every default is Linux's.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CtTimeouts {
+    pub tcp_syn_sent: u32,
+    pub tcp_syn_recv: u32,
+    pub tcp_established: u32,
+    pub tcp_fin_wait: u32,
+    pub tcp_close_wait: u32,
+    pub tcp_last_ack: u32,
+    pub tcp_time_wait: u32,
+    pub tcp_close: u32,
+    /// UDP before a reply is seen.
+    pub udp: u32,
+    /// UDP once replied (assured).
+    pub udp_stream: u32,
+    /// ICMP and ICMPv6 echo.
+    pub icmp: u32,
+}
+
+impl Default for CtTimeouts {
+    fn default() -> Self {
+        use fastpath_common::ct::{DEFAULT_TIMEOUTS_S as D, tcp_state as s, timeout_slot};
+        CtTimeouts {
+            tcp_syn_sent: D[s::SYN_SENT as usize],
+            tcp_syn_recv: D[s::SYN_RECV as usize],
+            tcp_established: D[s::ESTABLISHED as usize],
+            tcp_fin_wait: D[s::FIN_WAIT as usize],
+            tcp_close_wait: D[s::CLOSE_WAIT as usize],
+            tcp_last_ack: D[s::LAST_ACK as usize],
+            tcp_time_wait: D[s::TIME_WAIT as usize],
+            tcp_close: D[s::CLOSE as usize],
+            udp: D[timeout_slot::UDP],
+            udp_stream: D[timeout_slot::UDP_STREAM],
+            icmp: D[timeout_slot::ICMP],
+        }
+    }
+}
+
+impl CtTimeouts {
+    /// The `DatapathConfig::ct_timeouts_s` layout (SYN_SENT2 shares SYN_SENT's timeout).
+    pub fn to_slots(&self) -> [u32; fastpath_common::ct::timeout_slot::COUNT] {
+        [
+            0,
+            self.tcp_syn_sent,
+            self.tcp_syn_recv,
+            self.tcp_established,
+            self.tcp_fin_wait,
+            self.tcp_close_wait,
+            self.tcp_last_ack,
+            self.tcp_time_wait,
+            self.tcp_close,
+            self.tcp_syn_sent,
+            self.udp,
+            self.udp_stream,
+            self.icmp,
+        ]
     }
 }
 
@@ -232,6 +306,14 @@ impl Config {
                     "{} is out of range: use 1024 ..= 67108864 entries",
                     capacity.get_ref()
                 ),
+            ));
+        }
+        let gc = &self.conntrack.gc_interval_ms;
+        if !(10..=60_000).contains(gc.get_ref()) {
+            return Err(err(
+                gc.span(),
+                "conntrack.gc_interval_ms".into(),
+                format!("{} is out of range: use 10 ..= 60000 ms", gc.get_ref()),
             ));
         }
         if self.interfaces.is_empty() {

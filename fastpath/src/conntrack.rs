@@ -5,10 +5,11 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use fastpath_common::ct::{
     CT_F_ASSURED, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CtEntry, CtKey, DIR_ORIGINAL, DIR_REPLY,
-    ICMP_TIMEOUT_S, TCP_TIMEOUTS_S, UDP_ASSURED_TIMEOUT_S, UDP_UNREPLIED_TIMEOUT_S, ct_stat,
-    tcp_state,
+    ct_stat, tcp_state, timeout_of,
 };
 use serde::Serialize;
+
+use crate::ct_gc::Timeouts;
 
 /// One side of a connection as seen by its sender.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -36,16 +37,6 @@ pub struct CtRow {
     pub seen_reply: bool,
 }
 
-/// Default timeout of an entry in its current state.
-pub fn timeout_s(key: &CtKey, e: &CtEntry) -> u32 {
-    match key.proto {
-        6 => TCP_TIMEOUTS_S.get(e.state as usize).copied().unwrap_or(0),
-        17 if e.flags & CT_F_ASSURED != 0 => UDP_ASSURED_TIMEOUT_S,
-        17 => UDP_UNREPLIED_TIMEOUT_S,
-        _ => ICMP_TIMEOUT_S,
-    }
-}
-
 fn addr(family: u8, a: &[u8; 16]) -> IpAddr {
     if family == 4 {
         IpAddr::V4(Ipv4Addr::new(a[0], a[1], a[2], a[3]))
@@ -54,8 +45,9 @@ fn addr(family: u8, a: &[u8; 16]) -> IpAddr {
     }
 }
 
-/// A row for `key`/`entry`, with `now_ns` on the datapath's clock (CLOCK_MONOTONIC).
-pub fn row(key: &CtKey, e: &CtEntry, now_ns: u64) -> CtRow {
+/// A row for `key`/`entry`, with `now_ns` on the datapath's clock (CLOCK_MONOTONIC) and the
+/// datapath's configured `timeouts`.
+pub fn row(key: &CtKey, e: &CtEntry, now_ns: u64, timeouts: &Timeouts) -> CtRow {
     let lo = (addr(key.family, &key.addr_lo), key.port_lo);
     let hi = (addr(key.family, &key.addr_hi), key.port_hi);
     let (orig, resp) = if e.flags & CT_F_ORIG_IS_LO != 0 {
@@ -74,7 +66,7 @@ pub fn row(key: &CtKey, e: &CtEntry, now_ns: u64) -> CtRow {
     CtRow {
         proto,
         proto_num: key.proto,
-        timeout_s: u64::from(timeout_s(key, e)).saturating_sub(idle_s),
+        timeout_s: u64::from(timeout_of(timeouts, key, e)).saturating_sub(idle_s),
         state: if key.proto == 6 {
             tcp_state::NAMES
                 .get(e.state as usize)
@@ -156,7 +148,7 @@ pub fn render_stats(sums: &[u64]) -> String {
 
 #[cfg(test)]
 mod tests {
-    use fastpath_common::ct::{ct_key, tcp_state::ESTABLISHED};
+    use fastpath_common::ct::{DEFAULT_TIMEOUTS_S, ct_key, tcp_state::ESTABLISHED};
 
     use super::*;
 
@@ -175,7 +167,7 @@ mod tests {
             flags: CT_F_ASSURED | CT_F_SEEN_REPLY,
             ..CtEntry::default()
         };
-        let r = row(&key, &e, 6_000_000_000);
+        let r = row(&key, &e, 6_000_000_000, &DEFAULT_TIMEOUTS_S);
         assert_eq!(
             render(&r),
             "tcp      6 431999 ESTABLISHED src=10.0.0.2 dst=10.0.0.1 sport=40000 dport=80 packets=3 bytes=180 src=10.0.0.1 dst=10.0.0.2 sport=80 dport=40000 packets=2 bytes=120 [ASSURED]"
@@ -191,7 +183,7 @@ mod tests {
             flags: CT_F_ORIG_IS_LO,
             ..CtEntry::default()
         };
-        assert_eq!(timeout_s(&key, &e), UDP_UNREPLIED_TIMEOUT_S);
-        assert!(render(&row(&key, &e, 0)).contains("[UNREPLIED]"));
+        assert_eq!(timeout_of(&DEFAULT_TIMEOUTS_S, &key, &e), 30);
+        assert!(render(&row(&key, &e, 0, &DEFAULT_TIMEOUTS_S)).contains("[UNREPLIED]"));
     }
 }

@@ -14,7 +14,7 @@ use std::{
     },
 };
 
-use fastpath_common::ct::{CtEntry, CtEvent, ct_event};
+use fastpath_common::ct::{CtEntry, CtEvent, DEFAULT_TIMEOUTS_S, ct_event};
 use tokio::sync::broadcast;
 use tracing::warn;
 
@@ -60,6 +60,11 @@ impl EventHub {
         self.tx.subscribe()
     }
 
+    /// Publishes an event produced in userspace (expiry); never blocks.
+    pub fn publish(&self, ev: CtEvent) {
+        let _ = self.tx.send(ev);
+    }
+
     /// Publishes one ring record; never blocks.
     pub fn publish_record(&self, record: &[u8]) {
         match decode(record) {
@@ -99,7 +104,7 @@ pub fn render(ev: &CtEvent) -> String {
         flags: ev.flags,
         ..CtEntry::default()
     };
-    let row = conntrack::row(&ev.key, &entry, 0);
+    let row = conntrack::row(&ev.key, &entry, 0, &DEFAULT_TIMEOUTS_S);
     let t = &row.original;
     let ports = if row.proto.starts_with("icmp") {
         format!("id={}", t.sport)

@@ -4,7 +4,7 @@
 //! undoes what this run attached (links it created are removed; links it found pinned are left
 //! as they were), so a bad start never leaves the datapath half-updated.
 
-use std::io;
+use std::{io, sync::Arc};
 
 use fastpath_common::{DatapathConfig, stats::CONFIG_F_DROP_MALFORMED};
 use tokio::{
@@ -16,8 +16,10 @@ use tracing::{info, warn};
 use crate::{
     EBPF_OBJECT,
     config::Config,
+    conntrack,
     ct_events::{self, EventHub},
-    datapath::{self, Datapath, DatapathError},
+    ct_gc::{self, GcStats},
+    datapath::{self, CtTable, Datapath, DatapathError},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -68,6 +70,7 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         .and_then(|()| {
             dp.set_config(DatapathConfig {
                 flags,
+                ct_timeouts_s: config.conntrack.timeouts.to_slots(),
                 ..Default::default()
             })
         })
@@ -115,6 +118,16 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         AsyncFd::register_with_interest(dp.take_ct_events()?, tokio::io::Interest::READABLE)
     }
     .map_err(|e| DaemonError::EventRing(e.into()))?;
+    // Conntrack expiry in its own task; a pass runs on the blocking pool.
+    let (stop_gc, gc_stop) = tokio::sync::watch::channel(false);
+    let gc_task = tokio::spawn(gc_loop(
+        dp.take_ct_table()?,
+        config.conntrack.timeouts.to_slots(),
+        hub.clone(),
+        Arc::new(GcStats::default()),
+        std::time::Duration::from_millis(*config.conntrack.gc_interval_ms.get_ref()),
+        gc_stop,
+    ));
     let event_log = opts.ct_events_log.clone().map(|path| {
         tokio::spawn(ct_events::log_to_file(
             hub.subscribe(),
@@ -156,6 +169,8 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         }
     }
 
+    let _ = stop_gc.send(true);
+    let _ = gc_task.await;
     // Closing the hub ends the subscribers once they have written what they hold.
     drop(hub);
     if let Some(task) = event_log {
@@ -172,4 +187,36 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         dp.leave_attached();
     }
     Ok(())
+}
+
+/// Expires idle connections every `interval` until `stop` turns true.
+async fn gc_loop(
+    mut table: CtTable,
+    timeouts: ct_gc::Timeouts,
+    hub: EventHub,
+    stats: Arc<GcStats>,
+    interval: std::time::Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => return,
+        }
+        let (h, s) = (hub.clone(), stats.clone());
+        let done = tokio::task::spawn_blocking(move || {
+            ct_gc::pass(&mut table, &timeouts, &h, &s, conntrack::monotonic_ns());
+            table
+        })
+        .await;
+        match done {
+            Ok(t) => table = t,
+            Err(e) => {
+                warn!(error = %e, "Conntrack expiry pass failed; expiry stops");
+                return;
+            }
+        }
+    }
 }

@@ -18,7 +18,7 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, IterableMap as _, MapData, PerCpuArray, RingBuf},
     programs::{
         LinkOrder, ProgramError, SchedClassifier, TcAttach, TcAttachType, Xdp,
         XdpMode as AyaXdpMode,
@@ -215,6 +215,21 @@ impl Datapath {
             maps_reused,
             attachments: Vec::new(),
         })
+    }
+
+    /// Takes the conntrack table for the daemon's expiry.
+    pub fn take_ct_table(&mut self) -> Result<CtTable, DatapathError> {
+        let map = self
+            .ebpf
+            .take_map(map_names::CT)
+            .ok_or(DatapathError::MissingMap {
+                name: map_names::CT,
+            })?;
+        let table = HashMap::try_from(map).map_err(|source| DatapathError::Map {
+            what: "opening FP_CT".into(),
+            source,
+        })?;
+        Ok(CtTable { table })
     }
 
     /// Takes the conntrack event ring so the daemon can drain it.
@@ -594,6 +609,77 @@ pub fn remove_pins(pin_dir: &Path) -> Result<(), DatapathError> {
     Ok(())
 }
 
+/// The conntrack table as the daemon's expiry sees it: walked in batches, deleted by key.
+pub struct CtTable {
+    table: HashMap<MapData, CtKey, CtEntry>,
+}
+
+/// Entries fetched per BPF_MAP_LOOKUP_BATCH call.
+const CT_BATCH: usize = 4096;
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+
+impl CtTable {
+    /// Every entry, read with BPF_MAP_LOOKUP_BATCH (about 4k entries per syscall instead of
+    /// two syscalls per entry), handed to `visit` chunk by chunk.
+    pub fn walk(&self, mut visit: impl FnMut(&[CtKey], &[CtEntry])) -> io::Result<()> {
+        use std::os::fd::{AsFd as _, AsRawFd as _};
+        let fd = self.table.map().fd().as_fd().as_raw_fd();
+        let mut keys = vec![CtKey::default(); CT_BATCH];
+        let mut values = vec![CtEntry::default(); CT_BATCH];
+        // Opaque resume tokens (a bucket index for hash maps).
+        let mut in_batch = [0u64; 8];
+        let mut out_batch = [0u64; 8];
+        let mut first = true;
+        loop {
+            // union bpf_attr, batch: in_batch, out_batch, keys, values, count|map_fd,
+            // elem_flags, flags.
+            let mut attr = [0u64; 7];
+            attr[0] = if first {
+                0
+            } else {
+                in_batch.as_mut_ptr() as u64
+            };
+            attr[1] = out_batch.as_mut_ptr() as u64;
+            attr[2] = keys.as_mut_ptr() as u64;
+            attr[3] = values.as_mut_ptr() as u64;
+            attr[4] = (CT_BATCH as u64) | ((fd as u32 as u64) << 32);
+            // SAFETY: the kernel writes at most `count` keys and values into the buffers,
+            // which hold CT_BATCH of each, and a resume token into `out_batch`.
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_bpf,
+                    BPF_MAP_LOOKUP_BATCH,
+                    attr.as_mut_ptr(),
+                    size_of_val(&attr),
+                )
+            };
+            let err = (rc < 0).then(io::Error::last_os_error);
+            let count = (attr[4] & 0xffff_ffff) as usize;
+            match err {
+                None => {}
+                // End of the table: the last chunk (possibly empty) is in the buffers.
+                Some(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                    visit(&keys[..count.min(CT_BATCH)], &values[..count.min(CT_BATCH)]);
+                    return Ok(());
+                }
+                Some(e) => return Err(e),
+            }
+            visit(&keys[..count.min(CT_BATCH)], &values[..count.min(CT_BATCH)]);
+            in_batch = out_batch;
+            first = false;
+        }
+    }
+
+    /// The entry of `key` now, if any.
+    pub fn get(&self, key: &CtKey) -> Option<CtEntry> {
+        self.table.get(key, 0).ok()
+    }
+
+    pub fn remove(&mut self, key: &CtKey) -> bool {
+        self.table.remove(key).is_ok()
+    }
+}
+
 /// Opens a pinned map of a running datapath by name.
 fn pinned_map(pin_dir: &Path, name: &str) -> Result<MapData, DatapathError> {
     let path = pin_dir.join("maps").join(name);
@@ -602,6 +688,20 @@ fn pinned_map(pin_dir: &Path, name: &str) -> Result<MapData, DatapathError> {
             "opening {} (is a fastpath datapath running with this pin dir?)",
             path.display()
         ),
+        source,
+    })
+}
+
+/// The runtime knobs of a pinned datapath (FP_CONFIG[0]).
+pub fn pinned_config(pin_dir: &Path) -> Result<DatapathConfig, DatapathError> {
+    let data = pinned_map(pin_dir, map_names::CONFIG)?;
+    let array: Array<MapData, DatapathConfig> = Array::try_from(aya::maps::Map::Array(data))
+        .map_err(|source| DatapathError::Map {
+            what: "opening FP_CONFIG".into(),
+            source,
+        })?;
+    array.get(&0, 0).map_err(|source| DatapathError::Map {
+        what: "reading FP_CONFIG".into(),
         source,
     })
 }

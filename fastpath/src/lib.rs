@@ -3,6 +3,7 @@
 pub mod config;
 pub mod conntrack;
 pub mod ct_events;
+pub mod ct_gc;
 pub mod daemon;
 pub mod datapath;
 pub mod stats;

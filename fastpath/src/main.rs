@@ -269,11 +269,13 @@ fn main() -> ExitCode {
 fn ct_command(command: CtCommand) -> ExitCode {
     let result = match command {
         CtCommand::List { pin_dir, output } => {
-            datapath::pinned_ct_entries(&pin_dir).map(|entries| {
+            let read = datapath::pinned_config(&pin_dir)
+                .and_then(|cfg| Ok((cfg, datapath::pinned_ct_entries(&pin_dir)?)));
+            read.map(|(cfg, entries)| {
                 let now = conntrack::monotonic_ns();
                 let mut rows: Vec<conntrack::CtRow> = entries
                     .iter()
-                    .map(|(k, e)| conntrack::row(k, e, now))
+                    .map(|(k, e)| conntrack::row(k, e, now, &cfg.ct_timeouts_s))
                     .collect();
                 rows.sort_by(|a, b| {
                     (a.proto, &a.original.src, a.original.sport).cmp(&(
