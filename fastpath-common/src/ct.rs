@@ -388,6 +388,10 @@ pub struct IfaceConfig {
 }
 const _: () = assert!(core::mem::size_of::<IfaceConfig>() == 16);
 
+/// Entries of the per-interface array (`FP_IFACE`): interfaces with a larger ifindex are not
+/// tracked (the daemon says so).
+pub const IFACE_SLOTS: u32 = 1 << 16;
+
 /// Track connections at this interface's XDP hook.
 pub const IFACE_F_CT_XDP: u32 = 1 << 0;
 /// Track connections at this interface's TC ingress hook (when it has no XDP program).

@@ -23,37 +23,17 @@ use crate::{
 /// BPF_NOEXIST: create only.
 const BPF_NOEXIST: u64 = 1;
 
-/// Tracks `p` if `hook` (a `Hook` value) tracks for interface `ifindex`. At egress only
-/// packets this node sent (`local` != 0) are tracked: forwarded ones were tracked where they
-/// came in. Returns 0.
-// verifier: a global function (exported, C ABI): verified once on its own, with `p` as plain
-// memory, instead of once per path through the parser — which made loading take seconds.
-#[unsafe(no_mangle)]
-#[inline(never)]
-pub extern "C" fn fp_ct_track(
-    hook: u32,
-    ifindex: u32,
-    local: u32,
-    p: *const Parsed,
-    len: u32,
-) -> u32 {
-    // SAFETY: the caller passes its stack's Parsed; the verifier still wants the null check.
-    let Some(p) = (unsafe { p.as_ref() }) else {
-        return 0;
-    };
-    let hook = match hook {
-        0 => Hook::Xdp,
-        1 => Hook::TcIngress,
-        _ => Hook::TcEgress,
-    };
-    if p.fragment != 0 || (hook == Hook::TcEgress && local == 0) || !hook_tracks(hook, ifindex) {
-        return 0;
+/// Tracks `p` if `hook` tracks for interface `ifindex`. At egress only packets this node sent
+/// (`local`) are tracked: forwarded ones were tracked where they came in.
+#[inline(always)]
+pub fn track(hook: Hook, ifindex: u32, local: bool, p: &Parsed, len: usize) {
+    if p.fragment != 0 || (hook == Hook::TcEgress && !local) || !hook_tracks(hook, ifindex) {
+        return;
     }
     let Some((src_port, dst_port, starts)) = ports_and_start(p) else {
-        return 0;
+        return;
     };
     count(ct_stat::LOOKUPS);
-    let len = len as usize;
     let (key, src_is_lo) = ct_key(
         p.family,
         p.l4_proto,
@@ -74,13 +54,12 @@ pub extern "C" fn fp_ct_track(
         }
         None => create(&key, src_is_lo, starts, p, len, now),
     }
-    0
 }
 
 /// Whether this hook is the one tracking for the interface.
 #[inline(always)]
 fn hook_tracks(hook: Hook, ifindex: u32) -> bool {
-    let Some(cfg) = FP_IFACE.get_ptr(&ifindex) else {
+    let Some(cfg) = FP_IFACE.get_ptr(ifindex) else {
         return false;
     };
     // SAFETY: a valid map value pointer for this run.

@@ -37,7 +37,10 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
         data_end: ctx.data_end(),
         len,
     };
-    let (verdict, reason) = pipeline::run(&pkt, Hook::Xdp, ctx.ingress_ifindex() as u32, false);
+    let (verdict, reason) = match pipeline::parse(&pkt) {
+        Ok(p) => pipeline::process(p, Hook::Xdp, ctx.ingress_ifindex() as u32, false, len),
+        Err(code) => pipeline::unparsed(code),
+    };
     stats::count(Hook::Xdp, verdict, reason, len);
     match verdict {
         Verdict::Drop => xdp_action::XDP_DROP,
@@ -67,13 +70,13 @@ fn tc(ctx: TcContext, hook: Hook) -> i32 {
     };
     // At egress, a packet that never arrived on an interface was sent by this node.
     let local = hook == Hook::TcEgress && ingress_ifindex == 0;
-    let (mut verdict, mut reason) = pipeline::run(&tc_packet(&ctx), hook, ifindex, local);
-    if reason == fastpath_common::reason::HEADERS_NOT_LINEAR {
-        // Headers beyond the linear area: make the first bytes linear and look again. Only
+    let mut parsed = pipeline::parse(&tc_packet(&ctx));
+    if matches!(parsed, Err(fastpath_common::reason::HEADERS_NOT_LINEAR)) {
+        // Headers beyond the linear area: make the first bytes linear and parse again. Only
         // here, never per packet: a pull may copy (and reallocate cloned skbs).
         let want = if len < PULL_LEN { len } else { PULL_LEN };
         match ctx.pull_data(want) {
-            Ok(()) => (verdict, reason) = pipeline::run(&tc_packet(&ctx), hook, ifindex, local),
+            Ok(()) => parsed = pipeline::parse(&tc_packet(&ctx)),
             Err(err) => {
                 if ratelimit::allow() {
                     aya_log_ebpf::warn!(&ctx, "bpf_skb_pull_data({}) failed: {}", want, err);
@@ -81,6 +84,10 @@ fn tc(ctx: TcContext, hook: Hook) -> i32 {
             }
         }
     }
+    let (verdict, reason) = match parsed {
+        Ok(p) => pipeline::process(p, hook, ifindex, local, len as usize),
+        Err(code) => pipeline::unparsed(code),
+    };
     stats::count(hook, verdict, reason, len as usize);
     match verdict {
         Verdict::Drop => TC_ACT_SHOT,

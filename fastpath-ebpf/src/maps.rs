@@ -1,13 +1,14 @@
 //! Every map of the datapath, in one place. Pinned by name under `<pin_dir>/maps/` by the
 //! daemon, so a daemon restart or crash keeps both the counters and the attached programs.
 
+use crate::parse::Parsed;
 use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, PerCpuArray, RingBuf},
 };
 use fastpath_common::{
     Counter, DatapathConfig,
-    ct::{CtEntry, CtKey, IfaceConfig, ct_stat},
+    ct::{CtEntry, CtKey, IFACE_SLOTS, IfaceConfig, ct_stat},
     stats::STATS_ENTRIES,
 };
 
@@ -48,7 +49,13 @@ pub static FP_CT_STATS: PerCpuArray<u64> = PerCpuArray::pinned(ct_stat::SLOTS, 0
 #[map(name = "FP_CT_EVENTS")]
 pub static FP_CT_EVENTS: RingBuf = RingBuf::pinned(1 << 22, 0);
 
-/// Per-interface settings by ifindex (`IfaceConfig`), written by the daemon: which hook
-/// tracks connections. 1024 interfaces.
+/// Per-interface settings indexed by ifindex (`IfaceConfig`), written by the daemon: which
+/// hook tracks connections. An array, not a hash: its lookup is inlined by the verifier,
+/// while a hash lookup is a kernel call on every packet. 65536 ifindexes × 16 B = 1 MiB.
 #[map(name = "FP_IFACE")]
-pub static FP_IFACE: HashMap<u32, IfaceConfig> = HashMap::pinned(1024, 0);
+pub static FP_IFACE: Array<IfaceConfig> = Array::pinned(IFACE_SLOTS, 0);
+
+/// This CPU's packet context: what the parser learned about the packet being processed,
+/// read by the later stages. One entry per CPU; overwritten by every packet.
+#[map(name = "FP_PKT_CTX")]
+pub static FP_PKT_CTX: PerCpuArray<Parsed> = PerCpuArray::with_max_entries(1, 0);

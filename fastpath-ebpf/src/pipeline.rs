@@ -6,7 +6,7 @@ use fastpath_common::{DatapathConfig, Hook, Verdict, reason, stats::CONFIG_F_DRO
 
 use crate::{
     conntrack,
-    maps::FP_CONFIG,
+    maps::{FP_CONFIG, FP_PKT_CTX},
     packet::Packet,
     parse::{self, FAMILY_IPV4, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, Parsed},
 };
@@ -15,19 +15,35 @@ use crate::{
 const ICMPV6_ND_FIRST: u8 = 133;
 const ICMPV6_ND_LAST: u8 = 137;
 
-/// Runs the pipeline over one packet seen by `hook` on interface `ifindex` (`local`: sent by
-/// this node, seen at egress) and returns the verdict and its reason code.
-// verifier: a real function (BPF-to-BPF call), not inlined: TC may run it twice (after a
-// pull), and two inlined copies would not fit the 512-byte stack together.
-#[inline(never)]
-pub fn run(pkt: &Packet, hook: Hook, ifindex: u32, local: bool) -> (Verdict, u32) {
-    let mut parsed = Parsed::new();
-    let code = parse::parse_into(pkt, &mut parsed);
-    if code != reason::NONE {
-        return (unparsed_verdict(code), code);
-    }
-    conntrack::fp_ct_track(hook as u32, ifindex, local as u32, &parsed, pkt.len as u32);
-    (Verdict::Kernel, unhandled_reason(&parsed))
+/// Parses `pkt` into this CPU's packet context (`FP_PKT_CTX`), which the later stages read.
+/// `Err` carries the reason the packet is not for the fast path.
+#[inline(always)]
+pub fn parse(pkt: &Packet) -> Result<&'static mut Parsed, u32> {
+    // verifier: map memory, not the stack — the context would not fit the 512-byte stack
+    // with the stages' own state, and values read back from a map are not tracked as
+    // constants, which keeps the verifier from re-walking every stage once per parse path.
+    let Some(ctx) = FP_PKT_CTX.get_ptr_mut(0) else {
+        return Err(reason::NONE);
+    };
+    // SAFETY: this CPU's slot of a per-CPU array, used by this program run only (BPF
+    // programs do not preempt each other on one CPU).
+    let ctx = unsafe { &mut *ctx };
+    parse::parse(pkt, ctx)?;
+    Ok(ctx)
+}
+
+/// The rest of the pipeline for a parsed packet seen by `hook` on interface `ifindex`
+/// (`local`: sent by this node, seen at egress); returns the verdict and its reason code.
+#[inline(always)]
+pub fn process(p: &Parsed, hook: Hook, ifindex: u32, local: bool, len: usize) -> (Verdict, u32) {
+    conntrack::track(hook, ifindex, local, p, len);
+    (Verdict::Kernel, unhandled_reason(p))
+}
+
+/// Verdict and reason for a packet the parser refused.
+#[inline(always)]
+pub fn unparsed(code: u32) -> (Verdict, u32) {
+    (unparsed_verdict(code), code)
 }
 
 /// Verdict for a packet the parser refused: malformed ones are dropped only when configured.

@@ -14,11 +14,22 @@
 use std::{fmt::Write as _, fs, path::PathBuf, process::Command, time::Duration};
 
 use anyhow::{Context as _, Result, bail};
-use fastpath::testkit::{
-    cases::parser_cases,
-    fixture::{Case, Fixture},
+use fastpath::{
+    conntrack::monotonic_ns,
+    ct_events::EventHub,
+    ct_gc::{self, GcStats},
+    datapath::CtTable,
+    testkit::{
+        cases::parser_cases,
+        fixture::{Case, Fixture, Seed, raw_verdict},
+        packet::{Pkt, tcp_flags},
+    },
 };
-use fastpath_common::Hook;
+use fastpath_common::{
+    Hook, Verdict,
+    ct::{DEFAULT_TIMEOUTS_S, IFACE_F_CT_XDP},
+    map_names,
+};
 use serde::Serialize;
 
 /// Runs per BPF_PROG_TEST_RUN call (the kernel loops in-kernel and reports the mean).
@@ -67,6 +78,27 @@ struct FloorRow {
     max_ns: f64,
 }
 
+/// One conntrack measurement at one table size.
+#[derive(Serialize)]
+struct CtRow {
+    path: &'static str,
+    table_entries: u32,
+    median_ns: f64,
+    min_ns: f64,
+    max_ns: f64,
+    floor_median_ns: f64,
+    over_floor_ns: f64,
+}
+
+/// Cost of one expiry pass over the table (nothing expired: the walk itself).
+#[derive(Serialize)]
+struct GcRow {
+    table_entries: u32,
+    median_ms: f64,
+    min_ms: f64,
+    max_ms: f64,
+}
+
 #[derive(Serialize)]
 struct Report {
     generated_by: &'static str,
@@ -75,6 +107,8 @@ struct Report {
     rounds: usize,
     floors: Vec<FloorRow>,
     rows: Vec<Row>,
+    conntrack: Vec<CtRow>,
+    conntrack_gc: Vec<GcRow>,
 }
 
 #[derive(Serialize)]
@@ -209,6 +243,7 @@ fn main() -> Result<()> {
         });
     }
 
+    let (conntrack, conntrack_gc) = bench_conntrack(&mut fx)?;
     let report = Report {
         generated_by: "cargo xtask bench",
         machine: machine(),
@@ -216,6 +251,8 @@ fn main() -> Result<()> {
         rounds: ROUNDS,
         floors,
         rows,
+        conntrack,
+        conntrack_gc,
     };
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     fs::create_dir_all(root.join("docs/bench"))?;
@@ -228,6 +265,118 @@ fn main() -> Result<()> {
     print!("{md}");
     eprintln!("wrote docs/bench/datapath.json and docs/BENCHMARKS.md");
     Ok(())
+}
+
+/// Conntrack table sizes measured.
+const CT_SIZES: [u32; 2] = [1_000, 1_000_000];
+/// New flows per miss measurement (each runs once: a repeat would hit the entry it made).
+const CT_MISS_FLOWS: u16 = 2_000;
+const GC_PASSES: usize = 5;
+
+/// CT hit (an established TCP flow's ACK, repeated) and CT miss + insert (a new UDP flow per
+/// run, repeat = 1, against a floor also run with repeat = 1) at each table size, and the
+/// expiry pass cost.
+fn bench_conntrack(fx: &mut Fixture) -> Result<(Vec<CtRow>, Vec<GcRow>)> {
+    let seed = Seed::iface(1, IFACE_F_CT_XDP); // BPF_PROG_TEST_RUN runs on loopback (ifindex 1)
+    let case = |name: &str, input: Vec<u8>| Case {
+        name: name.into(),
+        hook: Hook::Xdp,
+        seed: seed.clone(),
+        input,
+        expect_verdict: raw_verdict(Hook::Xdp, Verdict::Kernel),
+        expect_output: None,
+        expect_counters: vec![],
+    };
+    let (a, b) = ([10, 255, 0, 1], [10, 255, 0, 2]);
+    let hit = case(
+        "ct_hit",
+        Pkt::eth().ipv4(a, b).tcp(40000, 80, tcp_flags::ACK).build(),
+    );
+    let misses: Vec<Case> = (0..CT_MISS_FLOWS)
+        .map(|i| case("ct_miss", Pkt::eth().ipv4(a, b).udp(10_000 + i, 53).build()))
+        .collect();
+    let mut rows = Vec::new();
+    let mut gc_rows = Vec::new();
+    for size in CT_SIZES {
+        fx.ct_clear()?;
+        fx.ct_fill(size, monotonic_ns())?;
+        fx.run_repeat(&hit, 1)?; // loose pickup creates the flow; every timed run hits it
+        let (mut hit_ns, mut hit_floor) = (vec![], vec![]);
+        for _ in 0..ROUNDS {
+            hit_floor.push(
+                fx.run_floor_repeat(Hook::Xdp, &hit.input, REPEAT)?
+                    .per_run
+                    .as_nanos() as f64,
+            );
+            hit_ns.push(fx.run_repeat(&hit, REPEAT)?.per_run.as_nanos() as f64);
+        }
+        rows.push(ct_row(
+            "CT hit: established TCP flow",
+            size,
+            &hit_ns,
+            &hit_floor,
+        ));
+        let (mut miss_ns, mut miss_floor) = (vec![], vec![]);
+        for m in &misses {
+            miss_floor.push(
+                fx.run_floor_repeat(Hook::Xdp, &m.input, 1)?
+                    .per_run
+                    .as_nanos() as f64,
+            );
+            miss_ns.push(fx.run_repeat(m, 1)?.per_run.as_nanos() as f64);
+        }
+        rows.push(ct_row(
+            "CT miss + insert: new UDP flow (repeat = 1)",
+            size,
+            &miss_ns,
+            &miss_floor,
+        ));
+
+        let mut table = CtTable::open_pin(&fx.pin_dir().join(map_names::CT))?;
+        let (hub, gc_stats) = (EventHub::new(), GcStats::default());
+        let mut ms = vec![];
+        for _ in 0..GC_PASSES {
+            let t = std::time::Instant::now();
+            ct_gc::pass(
+                &mut table,
+                &DEFAULT_TIMEOUTS_S,
+                &hub,
+                &gc_stats,
+                monotonic_ns(),
+            );
+            ms.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let occupancy = gc_stats
+            .occupancy
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if occupancy < u64::from(size) {
+            bail!("expiry pass saw {occupancy} entries, expected at least {size}");
+        }
+        let (median_ms, min_ms, max_ms) = stats(&ms);
+        gc_rows.push(GcRow {
+            table_entries: size,
+            median_ms,
+            min_ms,
+            max_ms,
+        });
+        eprint!("c");
+    }
+    fx.ct_clear()?;
+    Ok((rows, gc_rows))
+}
+
+fn ct_row(path: &'static str, size: u32, samples: &[f64], floor: &[f64]) -> CtRow {
+    let (median_ns, min_ns, max_ns) = stats(samples);
+    let diffs: Vec<f64> = samples.iter().zip(floor).map(|(c, f)| c - f).collect();
+    CtRow {
+        path,
+        table_entries: size,
+        median_ns,
+        min_ns,
+        max_ns,
+        floor_median_ns: stats(floor).0,
+        over_floor_ns: stats(&diffs).0,
+    }
 }
 
 fn floor_row(hook: &'static str, samples: &[f64]) -> FloorRow {
@@ -314,6 +463,46 @@ fn markdown(r: &Report) -> String {
         .filter(|row| !row.within_budget)
         .map(|row| format!("{} ({:+.1} ns)", row.what, row.over_floor_ns))
         .collect();
+    let _ = writeln!(md, "## Conntrack\n");
+    let _ = writeln!(
+        md,
+        "XDP with the conntrack stage on (the interface tracks at XDP). CT hit: an established TCP flow's ACK, {} runs per call, {} interleaved rounds, paired with the empty-program floor. CT miss + insert: {} new UDP flows, each run once (repeat = 1, so its floor is also measured with repeat = 1, which includes the kernel's per-call timing overhead). Table pre-filled with that many established connections.\n",
+        r.repeat_per_call, r.rounds, CT_MISS_FLOWS
+    );
+    let _ = writeln!(
+        md,
+        "| path | table entries | median ns | min–max ns | floor ns | over floor ns |\n|---|---:|---:|---:|---:|---:|"
+    );
+    for c in &r.conntrack {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {:.1} | {:.1}–{:.1} | {:.1} | {:+.1} |",
+            c.path,
+            c.table_entries,
+            c.median_ns,
+            c.min_ns,
+            c.max_ns,
+            c.floor_median_ns,
+            c.over_floor_ns
+        );
+    }
+    let _ = writeln!(md);
+    let _ = writeln!(
+        md,
+        "Expiry pass (the daemon's GC: batched walk of the whole table, nothing expired), {GC_PASSES} passes:\n"
+    );
+    let _ = writeln!(
+        md,
+        "| table entries | median ms | min–max ms |\n|---:|---:|---:|"
+    );
+    for g in &r.conntrack_gc {
+        let _ = writeln!(
+            md,
+            "| {} | {:.1} | {:.1}–{:.1} |",
+            g.table_entries, g.median_ms, g.min_ms, g.max_ms
+        );
+    }
+    let _ = writeln!(md);
     let _ = writeln!(md, "## Where we lose\n");
     if missed.is_empty() {
         let _ = writeln!(

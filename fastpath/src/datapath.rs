@@ -30,8 +30,8 @@ use aya::{
 use fastpath_common::{
     Counter, DatapathConfig,
     ct::{
-        CtEntry, CtKey, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IfaceConfig,
-        ct_stat,
+        CtEntry, CtKey, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_SLOTS,
+        IfaceConfig, ct_stat,
     },
     map_names, program_names,
 };
@@ -264,17 +264,21 @@ impl Datapath {
             .ok_or(DatapathError::MissingMap {
                 name: map_names::IFACE,
             })?;
-        let mut table: HashMap<&mut MapData, u32, IfaceConfig> =
-            HashMap::try_from(map).map_err(|source| DatapathError::Map {
+        let mut table: Array<&mut MapData, IfaceConfig> =
+            Array::try_from(map).map_err(|source| DatapathError::Map {
                 what: "opening FP_IFACE".into(),
                 source,
             })?;
-        let mut wanted = BTreeSet::new();
+        let mut wanted = std::collections::BTreeMap::new();
         for iface in ifaces {
             let name = iface.name.get_ref();
             let Some(ifindex) = crate::config::ifindex(name) else {
                 continue; // validated at load; gone since: nothing to configure
             };
+            if ifindex >= IFACE_SLOTS {
+                warn!(iface = %name, ifindex, "Interface index beyond the datapath's per-interface table; its connections are not tracked");
+                continue;
+            }
             let mut flags = 0;
             if iface.conntrack {
                 if iface.xdp != XdpMode::Off {
@@ -286,25 +290,24 @@ impl Datapath {
                     flags |= IFACE_F_CT_TC_EGRESS;
                 }
             }
-            let cfg = IfaceConfig {
-                flags,
-                ..IfaceConfig::default()
-            };
-            table
-                .insert(&ifindex, &cfg, 0)
-                .map_err(|source| DatapathError::Map {
-                    what: format!("writing FP_IFACE for {name}"),
-                    source,
-                })?;
-            wanted.insert(ifindex);
+            wanted.insert(ifindex, flags);
         }
-        let stale: Vec<u32> = table
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| !wanted.contains(k))
-            .collect();
-        for k in stale {
-            let _ = table.remove(&k);
+        // Every slot: set the configured ones, clear whatever an earlier config left.
+        for ifindex in 0..IFACE_SLOTS {
+            let flags = wanted.get(&ifindex).copied().unwrap_or(0);
+            let current = table.get(&ifindex, 0).map(|c| c.flags).unwrap_or(0);
+            if current != flags {
+                let cfg = IfaceConfig {
+                    flags,
+                    ..IfaceConfig::default()
+                };
+                table
+                    .set(ifindex, &cfg, 0)
+                    .map_err(|source| DatapathError::Map {
+                        what: format!("writing FP_IFACE[{ifindex}]"),
+                        source,
+                    })?;
+            }
         }
         Ok(())
     }
@@ -619,6 +622,22 @@ const CT_BATCH: usize = 4096;
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 
 impl CtTable {
+    /// The table pinned at `map_path` (for tools and benchmarks; the daemon takes its own
+    /// with [`Datapath::take_ct_table`]).
+    pub fn open_pin(map_path: &Path) -> Result<CtTable, DatapathError> {
+        let data = MapData::from_pin(map_path).map_err(|source| DatapathError::Map {
+            what: format!("opening {}", map_path.display()),
+            source,
+        })?;
+        let table = HashMap::try_from(aya::maps::Map::HashMap(data)).map_err(|source| {
+            DatapathError::Map {
+                what: "opening FP_CT".into(),
+                source,
+            }
+        })?;
+        Ok(CtTable { table })
+    }
+
     /// Every entry, read with BPF_MAP_LOOKUP_BATCH (about 4k entries per syscall instead of
     /// two syscalls per entry), handed to `visit` chunk by chunk.
     pub fn walk(&self, mut visit: impl FnMut(&[CtKey], &[CtEntry])) -> io::Result<()> {

@@ -108,6 +108,10 @@ impl Seed {
 
     /// This seed with interface `ifindex` (also) set to `IFACE_F_*` `flags`.
     pub fn with_iface(mut self, ifindex: u32, flags: u32) -> Self {
+        assert!(
+            ifindex < FIXTURE_IFINDEXES,
+            "fixture ifindexes stay below {FIXTURE_IFINDEXES}"
+        );
         self.ifaces.retain(|(i, _)| *i != ifindex);
         self.ifaces.push((
             ifindex,
@@ -142,23 +146,24 @@ impl Seed {
         let map = ebpf
             .map_mut(name)
             .ok_or(FixtureError::MissingMap { name })?;
-        let mut ifaces: BpfHashMap<_, u32, IfaceConfig> =
-            BpfHashMap::try_from(map).map_err(map_err)?;
-        let present = ifaces
-            .keys()
-            .collect::<Result<Vec<u32>, _>>()
-            .map_err(map_err)?;
-        for ifindex in present {
-            if !self.ifaces.iter().any(|(i, _)| *i == ifindex) {
-                ifaces.remove(&ifindex).map_err(map_err)?;
-            }
-        }
-        for (ifindex, cfg) in &self.ifaces {
-            ifaces.insert(ifindex, cfg, 0).map_err(map_err)?;
+        let mut ifaces: Array<_, IfaceConfig> = Array::try_from(map).map_err(map_err)?;
+        // Fixtures use ifindexes below FIXTURE_IFINDEXES (the test runs' loopback is 1): every
+        // one of them not listed is reset, so a seed is exact.
+        for ifindex in 0..FIXTURE_IFINDEXES {
+            let cfg = self
+                .ifaces
+                .iter()
+                .find(|(i, _)| *i == ifindex)
+                .map(|(_, c)| *c)
+                .unwrap_or_default();
+            ifaces.set(ifindex, &cfg, 0).map_err(map_err)?;
         }
         Ok(())
     }
 }
+
+/// Interface indexes a fixture seed may name (and resets when it does not).
+pub const FIXTURE_IFINDEXES: u32 = 16;
 
 /// One expected counter change: `packets` and `bytes` added to (hook, verdict, reason).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -698,6 +703,43 @@ impl Fixture {
             table.remove(key).map_err(map_error(name))?;
         }
         Ok(keys.len())
+    }
+
+    /// Inserts `n` synthetic established TCP connections (10.128.0.0/9 ↔ 10.0.0.0/9 keys that
+    /// no fixture packet uses), last seen `now_ns`: table pressure for benchmarks.
+    pub fn ct_fill(&mut self, n: u32, now_ns: u64) -> Result<(), FixtureError> {
+        let name = map_names::CT;
+        let map = self
+            .ebpf
+            .map_mut(name)
+            .ok_or(FixtureError::MissingMap { name })?;
+        let mut table: BpfHashMap<_, CtKey, CtEntry> =
+            BpfHashMap::try_from(map).map_err(map_error(name))?;
+        for i in 0..n {
+            let b = i.to_be_bytes();
+            let mut lo = [0u8; 16];
+            let mut hi = [0u8; 16];
+            lo[..4].copy_from_slice(&[10, b[1] & 0x7f, b[2], b[3]]);
+            hi[..4].copy_from_slice(&[10, 0x80 | b[1], b[2], b[3]]);
+            let key = CtKey {
+                addr_lo: lo,
+                addr_hi: hi,
+                port_lo: 40000,
+                port_hi: 80,
+                proto: 6,
+                family: 4,
+                _pad: [0; 2],
+            };
+            let entry = CtEntry {
+                created_ns: now_ns,
+                last_seen_ns: now_ns,
+                state: fastpath_common::ct::tcp_state::ESTABLISHED,
+                flags: fastpath_common::ct::CT_F_ASSURED | fastpath_common::ct::CT_F_ORIG_IS_LO,
+                ..CtEntry::default()
+            };
+            table.insert(&key, &entry, 0).map_err(map_error(name))?;
+        }
+        Ok(())
     }
 
     /// `FP_CT_STATS` summed over CPUs.
