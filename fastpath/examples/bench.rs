@@ -455,7 +455,7 @@ fn markdown(r: &Report) -> String {
     let _ = writeln!(md);
     let _ = writeln!(
         md,
-        "Every path above parses the packet, counts it once in the per-CPU stats map under (hook, verdict, reason) and hands it to the kernel: no forwarding stage exists yet, so these rows are the parse-only cost that later stages build on.\n"
+        "Every path above parses the packet into the per-CPU packet context, passes the conntrack stage (the interface does not track here: see the Conntrack section for tracked packets), counts the packet once in the per-CPU stats map under (hook, verdict, reason) and hands it to the kernel: no forwarding stage exists yet.\n"
     );
     let missed: Vec<String> = r
         .rows
@@ -512,7 +512,7 @@ fn markdown(r: &Report) -> String {
     } else {
         let _ = writeln!(
             md,
-            "Over the floor + {PARSE_BUDGET_NS:.0} ns target in this run: {}. The target is met by the plain, VLAN and QinQ paths; each IPv6 extension header adds one bounded-loop iteration (a bounds check and a 2-byte load), so a packet with four of them pays for four walks. Such packets are rare on the wire; the cost is reported, not hidden.\n",
+            "Over the floor + {PARSE_BUDGET_NS:.0} ns target in this run: {}. Every IP packet now goes through the per-CPU packet context that the conntrack stage reads (the addresses are copied out of the packet byte by byte: BPF has no unaligned loads) and through the stage's per-interface check, even where the interface does not track; ARP, which stops in the parser, shows the parse-and-count cost alone. Each IPv6 extension header adds one bounded-loop iteration.\n",
             missed.join("; ")
         );
     }
