@@ -35,6 +35,7 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "bpftool",
     "tcpdump",
     "conntrack",
+    "nftables",
 ];
 
 const USAGE: &str = "\

@@ -11,7 +11,7 @@
 //! topology dropped first still SIGTERMs whatever runs in its namespaces before deleting them.
 
 use std::{
-    ffi::OsStr,
+    ffi::{OsStr, OsString},
     fmt,
     fs::{self, File},
     io::{self, Read},
@@ -132,6 +132,7 @@ pub fn require_tools(tools: &[&str]) {
                 "ping" => "iputils-ping",
                 "nginx" => "nginx-light",
                 "nc" => "netcat-openbsd",
+                "nft" => "nftables",
                 other => other,
             };
             panic!(
@@ -1095,6 +1096,8 @@ pub struct Daemon {
     pin_dir: PathBuf,
     dir: TempDir,
     config_path: PathBuf,
+    /// Passed after `daemon --config FILE` on every start (e.g. `--ct-events-log FILE`).
+    extra_args: Vec<OsString>,
     child: Option<Child>,
     /// Log of every start so far; the last is the current one.
     logs: Vec<PathBuf>,
@@ -1104,11 +1107,23 @@ impl Daemon {
     /// Starts the daemon with `config` in `netns` and waits for "Datapath running"; panics
     /// with the daemon's log if it exits or does not get there within 10 s.
     pub fn start(bin: impl AsRef<Path>, netns: &Netns, config: &DaemonConfig) -> Daemon {
-        match Daemon::try_start(
+        Daemon::start_with_args(bin, netns, config, &[] as &[&str])
+    }
+
+    /// [`Daemon::start`] with `args` appended to the daemon's command line on this and every
+    /// later start (e.g. `["--ct-events-log", "/tmp/x/events.log"]`).
+    pub fn start_with_args<S: AsRef<OsStr>>(
+        bin: impl AsRef<Path>,
+        netns: &Netns,
+        config: &DaemonConfig,
+        args: &[S],
+    ) -> Daemon {
+        match Daemon::try_start_with_args(
             bin.as_ref(),
             netns.name(),
             &config.pin_dir,
             &config.to_toml(),
+            args,
         ) {
             Ok(d) => d,
             Err(e) => panic!("{e}"),
@@ -1123,6 +1138,17 @@ impl Daemon {
         pin_dir: &Path,
         config_text: &str,
     ) -> Result<Daemon, NetnsError> {
+        Daemon::try_start_with_args(bin, netns, pin_dir, config_text, &[] as &[&str])
+    }
+
+    /// [`Daemon::try_start`] with `args` appended to the daemon's command line.
+    pub fn try_start_with_args<S: AsRef<OsStr>>(
+        bin: &Path,
+        netns: &str,
+        pin_dir: &Path,
+        config_text: &str,
+        args: &[S],
+    ) -> Result<Daemon, NetnsError> {
         let dir = TempDir::new("daemon")?;
         let config_path = dir.join("fastpath.toml");
         let mut d = Daemon {
@@ -1131,6 +1157,7 @@ impl Daemon {
             pin_dir: pin_dir.to_owned(),
             dir,
             config_path,
+            extra_args: args.iter().map(|a| a.as_ref().to_owned()).collect(),
             child: None,
             logs: Vec::new(),
         };
@@ -1163,6 +1190,7 @@ impl Daemon {
             .arg("daemon")
             .arg("--config")
             .arg(&self.config_path)
+            .args(&self.extra_args)
             .env("NO_COLOR", "1")
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
