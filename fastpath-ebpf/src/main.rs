@@ -77,9 +77,12 @@ fn tc(ctx: TcContext, hook: Hook) -> i32 {
         let want = if len < PULL_LEN { len } else { PULL_LEN };
         match ctx.pull_data(want) {
             Ok(()) => parsed = pipeline::parse(&tc_packet(&ctx)),
-            Err(err) => {
+            Err(_) => {
+                // verifier: a message without arguments — formatted arguments make aya-log
+                // write unaligned stack slots, which the verifier refuses once packet loads
+                // may be unaligned (see build.rs).
                 if ratelimit::allow() {
-                    aya_log_ebpf::warn!(&ctx, "bpf_skb_pull_data({}) failed: {}", want, err);
+                    aya_log_ebpf::warn!(&ctx, "bpf_skb_pull_data failed; headers not linear");
                 }
             }
         }
