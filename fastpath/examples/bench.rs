@@ -519,7 +519,7 @@ fn markdown(r: &Report) -> String {
     let _ = writeln!(md, "## How to reproduce\n\n```sh\ncargo xtask bench\n```\n");
     let _ = writeln!(
         md,
-        "Noise: on a shared 2-CPU VM the spread between rounds is a few ns; compare medians measured in one run, never across runs."
+        "Noise: this shared 2-CPU VM alternates between a fast state (empty-program floor 29–31 ns) and a slow one (34–36 ns) that lasts minutes; in the slow state every path\u{2019}s cost over the floor grows by about half, so rows near the target flip between met and missed from run to run. Compare medians measured in one run, never across runs."
     );
     md
 }
