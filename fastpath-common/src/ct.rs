@@ -227,28 +227,36 @@ pub fn ct_key(
     dst: &[u8; 16],
     dport: u16,
 ) -> (CtKey, bool) {
-    let src_is_lo = match cmp_addr(src, dst) {
-        core::cmp::Ordering::Less => true,
-        core::cmp::Ordering::Greater => false,
-        core::cmp::Ordering::Equal => sport <= dport,
+    let mut key = CtKey {
+        addr_lo: *src,
+        addr_hi: *dst,
+        port_lo: sport,
+        port_hi: dport,
+        proto,
+        family,
+        _pad: [0; 2],
     };
-    let (addr_lo, port_lo, addr_hi, port_hi) = if src_is_lo {
-        (*src, sport, *dst, dport)
-    } else {
-        (*dst, dport, *src, sport)
-    };
-    (
-        CtKey {
-            addr_lo,
-            addr_hi,
-            port_lo,
-            port_hi,
-            proto,
-            family,
-            _pad: [0; 2],
-        },
-        src_is_lo,
-    )
+    let src_is_lo = key.normalize();
+    (key, src_is_lo)
+}
+
+impl CtKey {
+    /// Orders a key filled as (source in `lo`, destination in `hi`) so that the lower
+    /// (address, port) comes first; returns whether the source stayed `lo`. Works in place
+    /// (the datapath builds keys in map memory: no stack copies).
+    #[inline(always)]
+    pub fn normalize(&mut self) -> bool {
+        let src_is_lo = match cmp_addr(&self.addr_lo, &self.addr_hi) {
+            core::cmp::Ordering::Less => true,
+            core::cmp::Ordering::Greater => false,
+            core::cmp::Ordering::Equal => self.port_lo <= self.port_hi,
+        };
+        if !src_is_lo {
+            core::mem::swap(&mut self.addr_lo, &mut self.addr_hi);
+            core::mem::swap(&mut self.port_lo, &mut self.port_hi);
+        }
+        src_is_lo
+    }
 }
 
 /// Byte-wise address order (bounded, verifier-friendly).

@@ -11,12 +11,13 @@ use fastpath_common::{
     ct::{
         CT_F_ASSURED, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CtEntry, CtEvent, CtKey, DIR_ORIGINAL,
         DIR_REPLY, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, TcpStep, ct_event,
-        ct_key, ct_stat, tcp_state, tcp_step,
+        ct_stat, tcp_state, tcp_step,
     },
 };
 
 use crate::{
-    maps::{FP_CT, FP_CT_EVENTS, FP_CT_STATS, FP_IFACE},
+    maps::{FP_CT, FP_CT_EVENTS, FP_CT_KEY, FP_CT_STATS, FP_IFACE},
+    packet::Packet,
     parse::{FAMILY_IPV4, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, Parsed},
 };
 
@@ -26,22 +27,29 @@ const BPF_NOEXIST: u64 = 1;
 /// Tracks `p` if `hook` tracks for interface `ifindex`. At egress only packets this node sent
 /// (`local`) are tracked: forwarded ones were tracked where they came in.
 #[inline(always)]
-pub fn track(hook: Hook, ifindex: u32, local: bool, p: &Parsed, len: usize) {
+pub fn track(hook: Hook, ifindex: u32, local: bool, pkt: &Packet, p: &Parsed, len: usize) {
     if p.fragment != 0 || (hook == Hook::TcEgress && !local) || !hook_tracks(hook, ifindex) {
         return;
     }
     let Some((src_port, dst_port, starts)) = ports_and_start(p) else {
         return;
     };
+    let Some(key) = FP_CT_KEY.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
+    let key = unsafe { &mut *key };
+    if !load_addresses(pkt, p, key) {
+        return;
+    }
+    key.port_lo = src_port;
+    key.port_hi = dst_port;
+    key.proto = p.l4_proto;
+    key.family = p.family;
+    key._pad = [0; 2];
+    let src_is_lo = key.normalize();
     count(ct_stat::LOOKUPS);
-    let (key, src_is_lo) = ct_key(
-        p.family,
-        p.l4_proto,
-        &p.src_addr,
-        src_port,
-        &p.dst_addr,
-        dst_port,
-    );
+    let key: &CtKey = key;
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     match FP_CT.get_ptr_mut(&key) {
@@ -53,6 +61,35 @@ pub fn track(hook: Hook, ifindex: u32, local: bool, p: &Parsed, len: usize) {
             unsafe { update(&key, &mut *e, src_is_lo, p, len, now) };
         }
         None => create(&key, src_is_lo, starts, p, len, now),
+    }
+}
+
+/// Source into `addr_lo`, destination into `addr_hi`, read from the packet (IPv4: first 4
+/// bytes, the rest zero). False if the packet no longer holds them.
+#[inline(always)]
+fn load_addresses(pkt: &Packet, p: &Parsed, key: &mut CtKey) -> bool {
+    let off = p.l3_off as usize;
+    if p.family == FAMILY_IPV4 {
+        let Some(a) = pkt.load::<[u8; 8]>(off + 12) else {
+            return false;
+        };
+        key.addr_lo = [0; 16];
+        key.addr_hi = [0; 16];
+        key.addr_lo[..4].copy_from_slice(&a[..4]);
+        key.addr_hi[..4].copy_from_slice(&a[4..]);
+        true
+    } else {
+        match (
+            pkt.load::<[u8; 16]>(off + 8),
+            pkt.load::<[u8; 16]>(off + 24),
+        ) {
+            (Some(s), Some(d)) => {
+                key.addr_lo = s;
+                key.addr_hi = d;
+                true
+            }
+            _ => false,
+        }
     }
 }
 

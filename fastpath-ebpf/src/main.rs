@@ -38,7 +38,7 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
         len,
     };
     let (verdict, reason) = match pipeline::parse(&pkt) {
-        Ok(p) => pipeline::process(p, Hook::Xdp, ctx.ingress_ifindex() as u32, false, len),
+        Ok(p) => pipeline::process(&pkt, p, Hook::Xdp, ctx.ingress_ifindex() as u32, false),
         Err(code) => pipeline::unparsed(code),
     };
     stats::count(Hook::Xdp, verdict, reason, len);
@@ -70,13 +70,17 @@ fn tc(ctx: TcContext, hook: Hook) -> i32 {
     };
     // At egress, a packet that never arrived on an interface was sent by this node.
     let local = hook == Hook::TcEgress && ingress_ifindex == 0;
-    let mut parsed = pipeline::parse(&tc_packet(&ctx));
+    let mut pkt = tc_packet(&ctx);
+    let mut parsed = pipeline::parse(&pkt);
     if matches!(parsed, Err(fastpath_common::reason::HEADERS_NOT_LINEAR)) {
         // Headers beyond the linear area: make the first bytes linear and parse again. Only
         // here, never per packet: a pull may copy (and reallocate cloned skbs).
         let want = if len < PULL_LEN { len } else { PULL_LEN };
         match ctx.pull_data(want) {
-            Ok(()) => parsed = pipeline::parse(&tc_packet(&ctx)),
+            Ok(()) => {
+                pkt = tc_packet(&ctx);
+                parsed = pipeline::parse(&pkt);
+            }
             Err(_) => {
                 // verifier: a message without arguments — formatted arguments make aya-log
                 // write unaligned stack slots, which the verifier refuses once packet loads
@@ -88,7 +92,7 @@ fn tc(ctx: TcContext, hook: Hook) -> i32 {
         }
     }
     let (verdict, reason) = match parsed {
-        Ok(p) => pipeline::process(p, hook, ifindex, local, len as usize),
+        Ok(p) => pipeline::process(&pkt, p, hook, ifindex, local),
         Err(code) => pipeline::unparsed(code),
     };
     stats::count(hook, verdict, reason, len as usize);

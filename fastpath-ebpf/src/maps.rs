@@ -59,3 +59,8 @@ pub static FP_IFACE: Array<IfaceConfig> = Array::pinned(IFACE_SLOTS, 0);
 /// read by the later stages. One entry per CPU; overwritten by every packet.
 #[map(name = "FP_PKT_CTX")]
 pub static FP_PKT_CTX: PerCpuArray<Parsed> = PerCpuArray::with_max_entries(1, 0);
+
+/// This CPU's conntrack key under construction: built in place from the packet (no stack
+/// copies of 16-byte addresses) and used for the lookup and insert.
+#[map(name = "FP_CT_KEY")]
+pub static FP_CT_KEY: PerCpuArray<CtKey> = PerCpuArray::with_max_entries(1, 0);

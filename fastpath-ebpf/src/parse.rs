@@ -65,11 +65,10 @@ pub struct Parsed {
     pub dst_port: u16,
     /// VLAN TCIs, outermost first, host order.
     pub vlan_tci: [u16; MAX_VLAN],
-    /// Addresses as on the wire; IPv4 uses the first 4 bytes.
-    pub src_addr: [u8; 16],
-    pub dst_addr: [u8; 16],
     /// Pads the struct to whole u64 words for [`Parsed::reset`].
     pub _pad2: u32,
+    // Addresses are not copied here: a stage that needs them reads them from the packet at
+    // `l3_off`, so packets that no stage looks at do not pay for the copy.
 }
 const _: () = assert!(core::mem::size_of::<Parsed>() % 8 == 0);
 const _: () = assert!(core::mem::align_of::<Parsed>() <= 8);
@@ -196,8 +195,6 @@ fn parse_ipv4(pkt: &Packet, off: usize, p: &mut Parsed) -> Result<(), u32> {
     p.l4_proto = h[9];
     p.l4_off = (off + hdr_len) as u32;
     p.l3_end = (off + total_len) as u32;
-    p.src_addr[..4].copy_from_slice(&h[12..16]);
-    p.dst_addr[..4].copy_from_slice(&h[16..20]);
     Ok(())
 }
 
@@ -220,8 +217,6 @@ fn parse_ipv6(pkt: &Packet, off: usize, p: &mut Parsed) -> Result<(), u32> {
     let l3_end = off + 40 + payload_len;
     p.family = FAMILY_IPV6;
     p.l3_end = l3_end as u32;
-    p.src_addr.copy_from_slice(&h[8..24]);
-    p.dst_addr.copy_from_slice(&h[24..40]);
 
     let mut next = h[6];
     let mut cur = off + 40;

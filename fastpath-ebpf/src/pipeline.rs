@@ -35,8 +35,8 @@ pub fn parse(pkt: &Packet) -> Result<&'static mut Parsed, u32> {
 /// The rest of the pipeline for a parsed packet seen by `hook` on interface `ifindex`
 /// (`local`: sent by this node, seen at egress); returns the verdict and its reason code.
 #[inline(always)]
-pub fn process(p: &Parsed, hook: Hook, ifindex: u32, local: bool, len: usize) -> (Verdict, u32) {
-    conntrack::track(hook, ifindex, local, p, len);
+pub fn process(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32, local: bool) -> (Verdict, u32) {
+    conntrack::track(hook, ifindex, local, pkt, p, pkt.len);
     (Verdict::Kernel, unhandled_reason(p))
 }
 
