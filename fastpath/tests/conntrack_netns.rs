@@ -20,8 +20,7 @@ use std::{
 };
 
 use fastpath::testkit::netns::{
-    Daemon, LbTopology, Netns, PREFIX, TempDir, host_run, lb_topology, require_root, require_tools,
-    sweep_stale, unique_pin_dir,
+    Daemon, LbTopology, Netns, TempDir, host_run, lb_topology, prepare_test, unique_pin_dir,
 };
 use serde::Deserialize;
 
@@ -31,16 +30,7 @@ fn bin() -> &'static Path {
 
 /// Root and tools present, and leftovers of killed earlier runs removed.
 fn setup(tools: &[&str]) {
-    require_root();
-    require_tools(&["ip", "ss"]);
-    require_tools(tools);
-    match sweep_stale(PREFIX) {
-        Ok(removed) if !removed.is_empty() => {
-            eprintln!("removed leftovers of dead runs: {removed:?}")
-        }
-        Ok(_) => {}
-        Err(e) => panic!("sweeping leftovers of earlier runs: {e}"),
-    }
+    prepare_test(tools);
 }
 
 fn topology(backends: usize) -> LbTopology {

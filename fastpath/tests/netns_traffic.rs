@@ -25,7 +25,7 @@ use fastpath::{
     stats::StatsSnapshot,
     testkit::netns::{
         Daemon, DaemonConfig, HookedInterface, LbTopology, Netns, PREFIX, TempDir, host_run,
-        lb_topology, require_root, require_tools, run_daemon_to_exit, sweep_stale, unique_pin_dir,
+        lb_topology, prepare_test, run_daemon_to_exit, sweep_stale, unique_pin_dir,
     },
 };
 use fastpath_common::{
@@ -38,16 +38,7 @@ fn bin() -> &'static Path {
 
 /// Root and tools present, and leftovers of killed earlier runs removed.
 fn setup(tools: &[&str]) {
-    require_root();
-    require_tools(&["ip", "ss"]);
-    require_tools(tools);
-    match sweep_stale(PREFIX) {
-        Ok(removed) if !removed.is_empty() => {
-            eprintln!("removed leftovers of dead runs: {removed:?}")
-        }
-        Ok(_) => {}
-        Err(e) => panic!("sweeping leftovers of earlier runs: {e}"),
-    }
+    prepare_test(tools);
 }
 
 fn topology(backends: usize) -> LbTopology {

@@ -119,6 +119,21 @@ pub fn require_root() {
     );
 }
 
+/// The preamble of a namespace test: root, `ip`/`ss` and `tools` present, and whatever
+/// killed earlier runs left behind removed.
+pub fn prepare_test(tools: &[&str]) {
+    require_root();
+    require_tools(&["ip", "ss"]);
+    require_tools(tools);
+    match sweep_stale(PREFIX) {
+        Ok(removed) if !removed.is_empty() => {
+            eprintln!("removed leftovers of dead runs: {removed:?}")
+        }
+        Ok(_) => {}
+        Err(e) => panic!("sweeping leftovers of earlier runs: {e}"),
+    }
+}
+
 /// Panics naming the first of `tools` that is not on PATH, with the Debian package to install.
 pub fn require_tools(tools: &[&str]) {
     for tool in tools {
