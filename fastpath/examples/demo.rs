@@ -15,8 +15,7 @@ use anyhow::{Context as _, Result, bail};
 use fastpath::{
     stats::StatsSnapshot,
     testkit::netns::{
-        Daemon, HttpServer, LbTopology, PREFIX, lb_topology, require_root, sweep_stale,
-        unique_pin_dir,
+        Daemon, HttpServer, LbTopology, PREFIX, lb_topology, sweep_stale, unique_pin_dir,
     },
 };
 use fastpath_common::{Hook, Verdict};
@@ -38,7 +37,7 @@ fn main() -> ExitCode {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
-    require_root();
+    fastpath::testkit::require_root("the demo");
     match sweep_stale(PREFIX) {
         Ok(swept) if !swept.is_empty() => {
             println!("removed leftovers of an earlier run: {}", swept.join(", "))

@@ -1,10 +1,7 @@
 //! Runs the conntrack sequences through the real entry points with BPF_PROG_TEST_RUN and
 //! reports every failing sequence at once. Needs root; without it the test fails (never skips).
 
-use fastpath::testkit::{
-    ct_cases::ct_sequences,
-    fixture::{Fixture, require_root},
-};
+use fastpath::testkit::{ct_cases::ct_sequences, fixture::Fixture, require_root};
 
 #[test]
 fn conntrack_sequences_through_bpf_prog_test_run() {

@@ -20,21 +20,12 @@ use std::{
 };
 
 use fastpath::testkit::netns::{
-    Daemon, LbTopology, Netns, TempDir, host_run, lb_topology, prepare_test, unique_pin_dir,
+    Daemon, LbTopology, Netns, TempDir, host_run, prepare_test, test_lb_topology, unique_pin_dir,
 };
 use serde::Deserialize;
 
 fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
-
-/// Root and tools present, and leftovers of killed earlier runs removed.
-fn setup(tools: &[&str]) {
-    prepare_test(tools);
-}
-
-fn topology(backends: usize) -> LbTopology {
-    lb_topology(backends).unwrap_or_else(|e| panic!("building the lb topology: {e}"))
 }
 
 /// Our counters count the frame as the hook sees it (Ethernet header included); the kernel's
@@ -516,11 +507,11 @@ const PAGE: &str = "<html><body>fastpath conntrack reference page</body></html>\
 /// the Ethernet header: our hooks count frames, the kernel IP packets).
 #[test]
 fn tcp_exchange_through_fp_matches_kernel_conntrack() {
-    setup(&["curl", "nginx", "nft", "conntrack", "ethtool"]);
+    prepare_test(&["curl", "nginx", "nft", "conntrack", "ethtool"]);
     let dir = TempDir::new("ct-tcp").expect("temp dir");
     let events_log = dir.join("ct-events.log");
     let _print = PrintEventsOnPanic(events_log.clone());
-    let lb = topology(1);
+    let lb = test_lb_topology(1);
     let fp = lb.fp();
     enable_kernel_conntrack(fp);
     let daemon = start_daemon(&lb, "ct-tcp", &events_log);
@@ -736,11 +727,11 @@ fn udp_echo(ns: &Netns, target: IpAddr, port: u16, sport: u16) {
 /// printed, not asserted.
 #[test]
 fn udp_and_icmp_through_fp_are_tracked_and_assured() {
-    setup(&["socat", "ping", "curl", "nginx", "nft", "conntrack"]);
+    prepare_test(&["socat", "ping", "curl", "nginx", "nft", "conntrack"]);
     let dir = TempDir::new("ct-udp-icmp").expect("temp dir");
     let events_log = dir.join("ct-events.log");
     let _print = PrintEventsOnPanic(events_log.clone());
-    let lb = topology(1);
+    let lb = test_lb_topology(1);
     let fp = lb.fp();
     enable_kernel_conntrack(fp);
     let daemon = start_daemon(&lb, "ct-udp-icmp", &events_log);
@@ -895,11 +886,11 @@ const LINES: usize = 20;
 /// ESTABLISHED and assured at once), and the connection itself never notices.
 #[test]
 fn ct_flush_empties_the_table_and_flows_are_picked_up_again() {
-    setup(&["socat"]);
+    prepare_test(&["socat"]);
     let dir = TempDir::new("ct-flush").expect("temp dir");
     let events_log = dir.join("ct-events.log");
     let _print = PrintEventsOnPanic(events_log.clone());
-    let lb = topology(1);
+    let lb = test_lb_topology(1);
     let daemon = start_daemon(&lb, "ct-flush", &events_log);
     const PORT: u16 = 7000;
     let _server = lb

@@ -1,10 +1,7 @@
 //! Runs the parser fixture table through the real entry points with BPF_PROG_TEST_RUN and
 //! reports every failing case at once. Needs root; without it the test fails (never skips).
 
-use fastpath::testkit::{
-    cases::parser_cases,
-    fixture::{Fixture, require_root},
-};
+use fastpath::testkit::{cases::parser_cases, fixture::Fixture, require_root};
 
 #[test]
 fn parser_cases_through_bpf_prog_test_run() {

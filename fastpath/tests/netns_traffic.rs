@@ -25,7 +25,7 @@ use fastpath::{
     stats::StatsSnapshot,
     testkit::netns::{
         Daemon, DaemonConfig, HookedInterface, LbTopology, Netns, PREFIX, TempDir, host_run,
-        lb_topology, prepare_test, run_daemon_to_exit, sweep_stale, unique_pin_dir,
+        prepare_test, run_daemon_to_exit, sweep_stale, test_lb_topology, unique_pin_dir,
     },
 };
 use fastpath_common::{
@@ -34,15 +34,6 @@ use fastpath_common::{
 
 fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
-
-/// Root and tools present, and leftovers of killed earlier runs removed.
-fn setup(tools: &[&str]) {
-    prepare_test(tools);
-}
-
-fn topology(backends: usize) -> LbTopology {
-    lb_topology(backends).unwrap_or_else(|e| panic!("building the lb topology: {e}"))
 }
 
 /// Frame sizes as the hooks count them (Ethernet header included, no FCS).
@@ -125,8 +116,8 @@ fn assert_exact_on_every_hook(delta: &StatsSnapshot, code: u32, packets: u64, fr
 /// so there the count is bounded from both sides.
 #[test]
 fn ping_v4_and_v6_through_fp_is_counted_on_every_hook() {
-    setup(&["ping"]);
-    let lb = topology(2);
+    prepare_test(&["ping"]);
+    let lb = test_lb_topology(2);
     let daemon = Daemon::start(bin(), lb.fp(), &lb.fp_config(&unique_pin_dir("icmp")));
     const N: u32 = 20;
 
@@ -194,8 +185,8 @@ fn payload(len: usize) -> Vec<u8> {
 /// handshake and data packets and at least the payload's bytes under the family's TCP reason.
 #[test]
 fn http_download_v4_and_v6_through_fp_is_counted_as_tcp() {
-    setup(&["curl", "nginx"]);
-    let lb = topology(1);
+    prepare_test(&["curl", "nginx"]);
+    let lb = test_lb_topology(1);
     let daemon = Daemon::start(bin(), lb.fp(), &lb.fp_config(&unique_pin_dir("tcp")));
 
     const PAYLOAD: usize = 256 * 1024;
@@ -276,8 +267,8 @@ fn http_download_v4_and_v6_through_fp_is_counted_as_tcp() {
 /// and at least their bytes.
 #[test]
 fn iperf3_udp_datagrams_are_counted() {
-    setup(&["iperf3"]);
-    let lb = topology(1);
+    prepare_test(&["iperf3"]);
+    let lb = test_lb_topology(1);
     let daemon = Daemon::start(bin(), lb.fp(), &lb.fp_config(&unique_pin_dir("iperf3")));
     let _server = lb
         .backend(0)
@@ -390,8 +381,8 @@ fn offload_on(ns: &Netns, dev: &str, feature: &str) -> bool {
 /// with `-R` data and ACKs swap interfaces. Either way each TC hook sees all data once.
 #[test]
 fn tc_only_gso_superpackets_are_parsed_as_well_formed() {
-    setup(&["iperf3", "ethtool"]);
-    let lb = topology(1);
+    prepare_test(&["iperf3", "ethtool"]);
+    let lb = test_lb_topology(1);
     let pin_dir = unique_pin_dir("gso");
     let config = lb
         .fp_interfaces()
@@ -532,8 +523,8 @@ fn tc_only_gso_superpackets_are_parsed_as_well_formed() {
 /// hook counts exactly that many packets and bytes, for IPv4 and for IPv6.
 #[test]
 fn udp_datagrams_are_counted_exactly() {
-    setup(&[]);
-    let lb = topology(1);
+    prepare_test(&[]);
+    let lb = test_lb_topology(1);
     let daemon = Daemon::start(bin(), lb.fp(), &lb.fp_config(&unique_pin_dir("udp")));
     const N: u64 = 200;
     const LEN: usize = 512;
@@ -788,8 +779,8 @@ fn assert_pings_counted(before: &StatsSnapshot, after: &StatsSnapshot, n: u32, w
 /// stop then removes everything.
 #[test]
 fn kill9_keeps_the_datapath_and_a_restart_continues_its_counters() {
-    setup(&["ping", "bpftool"]);
-    let lb = topology(1);
+    prepare_test(&["ping", "bpftool"]);
+    let lb = test_lb_topology(1);
     let pin_dir = unique_pin_dir("restart");
     let mut daemon = Daemon::start(bin(), lb.fp(), &lb.fp_config(&pin_dir));
     const N: u32 = 10;
@@ -934,8 +925,8 @@ const DUMMY: &str = "dummy0";
 /// the links, and a clean stop removes everything.
 #[test]
 fn failed_restart_keeps_the_running_datapath() {
-    setup(&["ping", "bpftool"]);
-    let lb = topology(1);
+    prepare_test(&["ping", "bpftool"]);
+    let lb = test_lb_topology(1);
     let fp = lb.fp();
     let pin_dir = unique_pin_dir("failed-restart");
     let mut daemon = Daemon::start(bin(), fp, &lb.fp_config(&pin_dir));
@@ -1098,8 +1089,8 @@ fn failed_restart_keeps_the_running_datapath() {
 /// that fails, leave every other pinned link on its old program.
 #[test]
 fn failed_restart_after_a_stale_link_keeps_the_old_programs() {
-    setup(&["bpftool"]);
-    let lb = topology(1);
+    prepare_test(&["bpftool"]);
+    let lb = test_lb_topology(1);
     let fp = lb.fp();
     let pin_dir = unique_pin_dir("stale-restart");
     add_interface_without_native_xdp(fp, DUMMY);
@@ -1153,8 +1144,8 @@ fn failed_restart_after_a_stale_link_keeps_the_old_programs() {
 /// XDP, no TCX or other TC program on any fp interface).
 #[test]
 fn bad_config_exits_2_and_attaches_nothing() {
-    setup(&["bpftool"]);
-    let lb = topology(1);
+    prepare_test(&["bpftool"]);
+    let lb = test_lb_topology(1);
 
     let pin_dir = unique_pin_dir("typo");
     let _guard = DetachOnDrop(pin_dir.clone());
@@ -1243,12 +1234,12 @@ impl Drop for DetachOnDrop {
 /// still leaves no namespace, process or pin behind.
 #[test]
 fn a_panicking_test_leaves_nothing_behind() {
-    setup(&[]);
+    prepare_test(&[]);
     let pin_dir = unique_pin_dir("panic");
     let mut namespaces = Vec::new();
     let mut server_pid = 0;
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let lb = topology(1);
+        let lb = test_lb_topology(1);
         namespaces = lb
             .topo
             .namespaces()
@@ -1287,7 +1278,7 @@ fn a_panicking_test_leaves_nothing_behind() {
 /// `sweep_stale` removes those of dead pids and leaves live runs' alone.
 #[test]
 fn sweep_stale_removes_leftovers_of_dead_runs_only() {
-    setup(&[]);
+    prepare_test(&[]);
     // A pid that is certainly dead: a child started and reaped here.
     let mut child = std::process::Command::new("true")
         .spawn()
@@ -1330,8 +1321,8 @@ fn sweep_stale_removes_leftovers_of_dead_runs_only() {
 /// (Before the fix, a SIGTERM during attach killed it with some links pinned.)
 #[test]
 fn sigterm_during_startup_leaves_nothing_attached() {
-    setup(&["bpftool"]);
-    let lb = topology(1);
+    prepare_test(&["bpftool"]);
+    let lb = test_lb_topology(1);
     let dir = TempDir::new("sigterm").expect("temp dir");
     for delay_ms in (0..=150).step_by(10) {
         let pin_dir = unique_pin_dir("sigterm");

@@ -610,27 +610,6 @@ fn hex_line(bytes: &[u8], range: std::ops::Range<usize>) -> String {
         .join(" ")
 }
 
-/// The check every root-only fixture test starts with: loading programs and mounting a bpffs
-/// need root. It panics, never skips — a test that did not run must not pass: under CI=true
-/// the message says CI must run `test` as root, otherwise it says how to run it as root.
-pub fn require_root(test: &str) {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let euid = unsafe { libc::geteuid() };
-    if euid == 0 {
-        return;
-    }
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
-        panic!(
-            "datapath fixtures need root (euid is {euid}) and CI=true: CI must run the {test} \
-             test as root, it cannot be skipped"
-        );
-    }
-    panic!(
-        "datapath fixtures need root (euid is {euid}): run `sudo -E cargo test -p fastpath --test \
-         {test}` or run the tests as root"
-    );
-}
-
 fn map_error(name: &'static str) -> impl Fn(MapError) -> FixtureError + Copy {
     move |source| FixtureError::Map { name, source }
 }

@@ -7,3 +7,25 @@ pub mod ct_cases;
 pub mod fixture;
 pub mod netns;
 pub mod packet;
+
+/// The check every root-only test (and the demo) starts with. It panics, never skips: a test
+/// that did not run must not pass. Under CI=true the message says the CI job must run as root;
+/// otherwise it says how to run `what` as root.
+pub fn require_root(what: &str) {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if euid == 0 {
+        return;
+    }
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!(
+            "{what} needs root (euid is {euid}) and CI=true: it loads eBPF programs, creates \
+             network namespaces and pins under /sys/fs/bpf; run the CI job as root, it cannot be \
+             skipped"
+        );
+    }
+    panic!(
+        "{what} needs root (euid is {euid}): it loads eBPF programs and creates network \
+         namespaces; run it as root (e.g. `sudo env PATH=\"$PATH\" cargo xtask test`)"
+    );
+}

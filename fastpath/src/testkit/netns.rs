@@ -4,7 +4,7 @@
 //! Contract: everything created here is named `fpt-<pid>-<seq>-<role>` (namespaces, pin
 //! directories, temp directories) and removed in `Drop`, which also runs when a test panics
 //! (unwinding); [`sweep_stale`] removes what a killed run (a dead pid) left behind. Root only:
-//! call [`require_root`] first. Addresses come from 10.200.0.0/16 and fd00:200::/32 only.
+//! call [`prepare_test`] first. Addresses come from 10.200.0.0/16 and fd00:200::/32 only.
 //!
 //! Drop order matters where objects share a namespace: declare a [`Daemon`] or [`Spawned`]
 //! server *after* the [`Topology`] it runs in, so it is dropped (cleanly stopped) first. A
@@ -100,29 +100,10 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> NetnsError {
     move |source| NetnsError::Io { what, source }
 }
 
-/// Panics unless running as root. Namespace tests never skip: under `CI=true` a non-root run
-/// is a misconfigured CI job, and outside CI the developer is told to use root.
-pub fn require_root() {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } == 0 {
-        return;
-    }
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
-        panic!(
-            "CI=true but these tests are not running as root: they create network namespaces, \
-             attach XDP/TC programs and pin under {BPF_FS}. Run the CI job as root; they must \
-             not be skipped"
-        );
-    }
-    panic!(
-        "run as root: these tests create network namespaces and attach XDP/TC programs (e.g. `sudo -E cargo test ...`)"
-    );
-}
-
 /// The preamble of a namespace test: root, `ip`/`ss` and `tools` present, and whatever
 /// killed earlier runs left behind removed.
 pub fn prepare_test(tools: &[&str]) {
-    require_root();
+    super::require_root("this namespace test");
     require_tools(&["ip", "ss"]);
     require_tools(tools);
     match sweep_stale(PREFIX) {
@@ -937,6 +918,11 @@ pub fn lb_topology(backends: usize) -> Result<LbTopology, NetnsError> {
         routes(&LbTopology::backend_role(i), LbTopology::backend_link(i))?;
     }
     Ok(LbTopology { topo, backends })
+}
+
+/// [`lb_topology`] for tests: panics saying why it could not be built.
+pub fn test_lb_topology(backends: usize) -> LbTopology {
+    lb_topology(backends).unwrap_or_else(|e| panic!("building the lb topology: {e}"))
 }
 
 /// What [`lb_topology`] built, with its address plan.
