@@ -152,12 +152,14 @@ pub const TCP_TIMEOUTS_S: [u32; tcp_state::COUNT as usize] = [
     120,     // SYN_SENT2
 ];
 /// Slots of `DatapathConfig::ct_timeouts_s`: TCP states by their value (1..=9, slot 0
-/// unused), then UDP unreplied, UDP assured, ICMP.
+/// unused), then UDP unreplied, UDP assured, ICMP, and the cap for a TCP connection picked up
+/// mid-stream that has not seen a reply yet (Linux's `nf_conntrack_tcp_timeout_unacknowledged`).
 pub mod timeout_slot {
     pub const UDP: usize = 10;
     pub const UDP_STREAM: usize = 11;
     pub const ICMP: usize = 12;
-    pub const COUNT: usize = 13;
+    pub const TCP_UNACKNOWLEDGED: usize = 13;
+    pub const COUNT: usize = 14;
 }
 
 /// The Linux defaults in `DatapathConfig::ct_timeouts_s` layout.
@@ -175,9 +177,12 @@ pub const DEFAULT_TIMEOUTS_S: [u32; timeout_slot::COUNT] = [
     UDP_UNREPLIED_TIMEOUT_S,
     UDP_ASSURED_TIMEOUT_S,
     ICMP_TIMEOUT_S,
+    TCP_UNACKNOWLEDGED_TIMEOUT_S,
 ];
 
-/// Idle timeout of an entry, from a `ct_timeouts_s` table.
+/// Idle timeout of an entry, from a `ct_timeouts_s` table. As in Linux, an ESTABLISHED
+/// connection that has never seen a reply (picked up mid-stream) gets at most the
+/// unacknowledged timeout, not five days.
 pub fn timeout_of(timeouts: &[u32; timeout_slot::COUNT], key: &CtKey, e: &CtEntry) -> u32 {
     let slot = match key.proto {
         6 if e.state >= 1 && (e.state as usize) < timeout_slot::UDP => e.state as usize,
@@ -186,7 +191,12 @@ pub fn timeout_of(timeouts: &[u32; timeout_slot::COUNT], key: &CtKey, e: &CtEntr
         17 => timeout_slot::UDP,
         _ => timeout_slot::ICMP,
     };
-    timeouts[slot]
+    let t = timeouts[slot];
+    if key.proto == 6 && e.state == tcp_state::ESTABLISHED && e.flags & CT_F_SEEN_REPLY == 0 {
+        t.min(timeouts[timeout_slot::TCP_UNACKNOWLEDGED])
+    } else {
+        t
+    }
 }
 
 /// UDP before a reply is seen (`nf_conntrack_udp_timeout`).
@@ -195,6 +205,11 @@ pub const UDP_UNREPLIED_TIMEOUT_S: u32 = 30;
 pub const UDP_ASSURED_TIMEOUT_S: u32 = 120;
 /// ICMP echo (`nf_conntrack_icmp_timeout`).
 pub const ICMP_TIMEOUT_S: u32 = 30;
+/// Cap for TCP picked up mid-stream before any reply (`nf_conntrack_tcp_timeout_unacknowledged`).
+pub const TCP_UNACKNOWLEDGED_TIMEOUT_S: u32 = 300;
+/// A replied UDP flow becomes assured (a "stream", with the longer timeout) on a packet more
+/// than this long after its first one, as in Linux since 5.16.
+pub const UDP_STREAM_AFTER_NS: u64 = 2_000_000_000;
 
 /// A connection key that is the same for both directions: the (address, port) pairs are
 /// ordered, lower first. Addresses as on the wire; IPv4 uses the first 4 bytes. For ICMP echo
@@ -280,7 +295,9 @@ fn cmp_addr(a: &[u8; 16], b: &[u8; 16]) -> core::cmp::Ordering {
 pub const CT_F_ORIG_IS_LO: u8 = 1 << 0;
 /// A packet was seen in the reply direction.
 pub const CT_F_SEEN_REPLY: u8 = 1 << 1;
-/// Assured (Linux's IPS_ASSURED): survives pressure before unassured entries.
+/// Assured (Linux's IPS_ASSURED): TCP established after a reply, UDP replied and still active
+/// after 2 s; never ICMP. When the table is full, unassured entries are dropped to make room
+/// (early drop), assured ones never are.
 pub const CT_F_ASSURED: u8 = 1 << 2;
 
 /// A tracked connection. Append-only layout; `_reserved` holds room for the NAT binding and
@@ -342,7 +359,18 @@ pub mod ct_stat {
     pub const REOPENED: u32 = 9;
     /// Events dropped because the ring buffer was full.
     pub const EVENTS_LOST: u32 = 10;
-    pub const COUNT: u32 = 11;
+    /// ICMP/ICMPv6 errors whose inner header belongs to a tracked connection (Linux's
+    /// RELATED); they do not change or refresh it.
+    pub const RELATED: u32 = 11;
+    /// ICMP/ICMPv6 errors for no tracked connection (or with an unreadable inner header).
+    pub const RELATED_MISS: u32 = 12;
+    /// Unassured entries removed to make room for a new connection when the table was full.
+    pub const EARLY_DROP: u32 = 13;
+    /// Entries removed by a RST before any reply was seen (Linux deletes these at once).
+    pub const KILLED: u32 = 14;
+    /// Packets the stateful firewall dropped (also counted under their reason in FP_STATS).
+    pub const FW_DROPPED: u32 = 15;
+    pub const COUNT: u32 = 16;
     /// Slots in the map (room to append codes without resizing the pinned map).
     pub const SLOTS: u32 = 32;
 
@@ -358,6 +386,11 @@ pub mod ct_stat {
         "closed",
         "reopened",
         "events_lost",
+        "related",
+        "related_miss",
+        "early_drop",
+        "killed",
+        "fw_dropped",
     ];
 }
 
@@ -368,6 +401,10 @@ pub mod ct_event {
     pub const CLOSED: u8 = 3;
     /// Produced by the daemon's expiry, not the datapath.
     pub const EXPIRED: u8 = 4;
+    /// The datapath removed this unassured entry to make room (table full).
+    pub const EARLY_DROP: u8 = 5;
+    /// The datapath removed this entry: a RST before any reply (as Linux does).
+    pub const KILLED: u8 = 6;
 }
 
 /// One conntrack event (ring buffer record). Append-only.
@@ -406,6 +443,11 @@ pub const IFACE_F_CT_XDP: u32 = 1 << 0;
 pub const IFACE_F_CT_TC_INGRESS: u32 = 1 << 1;
 /// Track locally sent connections at this interface's TC egress hook.
 pub const IFACE_F_CT_TC_EGRESS: u32 = 1 << 2;
+/// Stateful firewall on this interface's tracking ingress hook: packets that belong to no
+/// connection and cannot start one, that are invalid for their connection's state, ICMP
+/// errors for no connection, and new connections the full table cannot take are dropped,
+/// each with its reason.
+pub const IFACE_F_FIREWALL: u32 = 1 << 3;
 
 #[cfg(feature = "user")]
 mod pod {

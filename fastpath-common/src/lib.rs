@@ -18,6 +18,8 @@ pub mod map_names {
     pub const CONFIG: &str = "FP_CONFIG";
     /// Conntrack table: [`crate::ct::CtKey`] → [`crate::ct::CtEntry`].
     pub const CT: &str = "FP_CT";
+    /// Queue of [`crate::ct::CtKey`] in creation order: the early-drop candidates.
+    pub const CT_NEW: &str = "FP_CT_NEW";
     /// Per-CPU conntrack counters indexed by [`crate::ct::ct_stat`].
     pub const CT_STATS: &str = "FP_CT_STATS";
     /// Ring buffer of [`crate::ct::CtEvent`].

@@ -78,8 +78,18 @@ pub const HEADERS_TOO_DEEP: u32 = 28;
 /// jumbogram. Well-formed; the kernel handles it.
 pub const GSO_JUMBO: u32 = 29;
 
+// --- Stateful firewall drops (interfaces with `stateful_firewall = true`). ---
+/// No connection, and the packet cannot start one (TCP without SYN, an echo reply, ...).
+pub const FW_NO_CONNECTION: u32 = 30;
+/// A TCP packet that does not fit its connection's state (Linux's conntrack INVALID).
+pub const FW_INVALID_STATE: u32 = 31;
+/// An ICMP/ICMPv6 error whose inner header belongs to no tracked connection.
+pub const FW_ICMP_ERROR_NO_CONNECTION: u32 = 32;
+/// A new connection the table cannot take: full of assured connections (none to drop early).
+pub const FW_TABLE_FULL: u32 = 33;
+
 /// One past the highest code in use. Append new codes above this line and bump it.
-pub const COUNT: u32 = 30;
+pub const COUNT: u32 = 34;
 /// Slots reserved per (hook, verdict) in the stats map; codes must stay below this.
 pub const SLOTS: u32 = 64;
 
@@ -117,6 +127,10 @@ pub const NAMES: [&str; COUNT as usize] = [
     "headers_not_linear",
     "headers_too_deep",
     "gso_jumbo",
+    "fw_no_connection",
+    "fw_invalid_state",
+    "fw_icmp_error_no_connection",
+    "fw_table_full",
 ];
 
 /// Name of a code, or `"unknown"` for a code this build does not know (a newer datapath).

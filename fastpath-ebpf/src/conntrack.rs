@@ -1,152 +1,294 @@
 //! Conntrack stage: finds or creates the connection of each TCP, UDP and ICMP-echo packet
 //! (IPv4 and IPv6) on the hook that tracks for its interface, steps the TCP state machine
-//! (`fastpath_common::ct::tcp_step`, the Linux table), counts, and emits events.
+//! (`fastpath_common::ct::tcp_step`, the Linux table), matches ICMP errors to the connection of
+//! their inner header, counts, and emits events. With the interface's stateful firewall on, it
+//! also says which packets to drop.
 //!
-//! Contract: never changes the packet or the verdict (the stateful firewall and NAT build on
-//! it later); runs at most once per packet per interface (the daemon picks the hook).
+//! Contract: never changes the packet; runs at most once per packet per interface (the daemon
+//! picks the hook). Assured entries are never removed here; when the table is full the oldest
+//! unassured entry makes room (early drop).
 
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use fastpath_common::{
     Hook,
     ct::{
         CT_F_ASSURED, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CtEntry, CtEvent, CtKey, DIR_ORIGINAL,
-        DIR_REPLY, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, TcpStep, ct_event,
-        ct_stat, tcp_state, tcp_step,
+        DIR_REPLY, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL,
+        TcpStep, UDP_STREAM_AFTER_NS, ct_event, ct_stat, tcp_state, tcp_step,
     },
+    reason,
 };
 
 use crate::{
-    maps::{FP_CT, FP_CT_EVENTS, FP_CT_KEY, FP_CT_STATS, FP_IFACE},
+    maps::{FP_CT, FP_CT_EVENTS, FP_CT_KEY, FP_CT_NEW, FP_CT_STATS, FP_IFACE},
     packet::Packet,
-    parse::{FAMILY_IPV4, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, Parsed},
+    parse::{
+        FAMILY_IPV4, FAMILY_IPV6, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, Parsed,
+    },
 };
 
 /// BPF_NOEXIST: create only.
 const BPF_NOEXIST: u64 = 1;
+/// BPF_EXIST on a queue push: when full, overwrite the oldest element.
+const BPF_EXIST: u64 = 2;
+/// Candidate keys an early drop examines before giving up (keys of entries that were assured
+/// or removed since are discarded on the way; bounded for the verifier).
+const EARLY_DROP_TRIES: usize = 8;
+/// The ICMP header before an error's inner packet.
+const ICMP_HDR_LEN: usize = 8;
 
 /// Tracks `p` if `hook` tracks for interface `ifindex`. At egress only packets this node sent
-/// (`local`) are tracked: forwarded ones were tracked where they came in.
+/// (`local`) are tracked: forwarded ones were tracked where they came in. Returns the reason
+/// to drop the packet when the interface's stateful firewall refuses it (never at egress).
 #[inline(always)]
-pub fn track(hook: Hook, ifindex: u32, local: bool, pkt: &Packet, p: &Parsed, len: usize) {
-    if p.fragment != 0 || (hook == Hook::TcEgress && !local) || !hook_tracks(hook, ifindex) {
-        return;
+pub fn track(
+    hook: Hook,
+    ifindex: u32,
+    local: bool,
+    pkt: &Packet,
+    p: &Parsed,
+    len: usize,
+) -> Option<u32> {
+    if p.fragment != 0 || (hook == Hook::TcEgress && !local) {
+        return None;
     }
-    let Some((src_port, dst_port, starts)) = ports_and_start(p) else {
-        return;
+    let flags = iface_flags(ifindex);
+    let bit = match hook {
+        Hook::Xdp => IFACE_F_CT_XDP,
+        Hook::TcIngress => IFACE_F_CT_TC_INGRESS,
+        Hook::TcEgress => IFACE_F_CT_TC_EGRESS,
     };
-    let Some(key) = FP_CT_KEY.get_ptr_mut(0) else {
-        return;
-    };
+    if flags & bit == 0 {
+        return None;
+    }
+    let firewall = hook != Hook::TcEgress && flags & IFACE_F_FIREWALL != 0;
+    let kind = classify(p);
+    if kind == Kind::Untracked {
+        return None;
+    }
+    let key = FP_CT_KEY.get_ptr_mut(0)?;
     // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
     let key = unsafe { &mut *key };
-    if !load_addresses(pkt, p, key) {
-        return;
+    if kind == Kind::IcmpError {
+        return related(pkt, p, key, firewall);
     }
-    key.port_lo = src_port;
-    key.port_hi = dst_port;
-    key.proto = p.l4_proto;
-    key.family = p.family;
-    key._pad = [0; 2];
+    // ICMP echo: both sides of the key carry the identifier (parsed into `src_port`).
+    let is_tcp_udp = p.l4_proto == IPPROTO_TCP || p.l4_proto == IPPROTO_UDP;
+    let dst_port = if is_tcp_udp { p.dst_port } else { p.src_port };
+    let l3_off = p.l3_off as usize;
+    if !load_key(pkt, p.family, l3_off, p.l4_proto, p.src_port, dst_port, key) {
+        return None;
+    }
     let src_is_lo = key.normalize();
     count(ct_stat::LOOKUPS);
     let key: &CtKey = key;
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
-    match FP_CT.get_ptr_mut(&key) {
+    let refused = match FP_CT.get_ptr_mut(&key) {
         Some(e) => {
             count(ct_stat::HITS);
-            // SAFETY: a value pointer of a hash map stays valid for this program run; writes
-            // race only with the same connection's packets on other CPUs (counters may lose an
-            // increment, as with Linux's per-conntrack counters without acct locking).
-            unsafe { update(&key, &mut *e, src_is_lo, p, len, now) };
+            // SAFETY: a value pointer of a hash map stays valid for this program run (deleted
+            // entries are freed after an RCU grace period); writes race only with the same
+            // connection's packets on other CPUs (counters may lose an increment, as with
+            // Linux's per-conntrack counters without acct locking).
+            unsafe { update(key, &mut *e, src_is_lo, p, len, now) }
         }
-        None => create(&key, src_is_lo, starts, p, len, now),
+        None => create(key, src_is_lo, kind == Kind::Starts, firewall, p, len, now),
+    };
+    match refused {
+        Some(code) if firewall => {
+            count(ct_stat::FW_DROPPED);
+            Some(code)
+        }
+        _ => None,
     }
 }
 
-/// Source into `addr_lo`, destination into `addr_hi`, read from the packet (IPv4: first 4
-/// bytes, the rest zero). False if the packet no longer holds them.
 #[inline(always)]
-fn load_addresses(pkt: &Packet, p: &Parsed, key: &mut CtKey) -> bool {
-    let off = p.l3_off as usize;
-    if p.family == FAMILY_IPV4 {
-        let Some(a) = pkt.load::<[u8; 8]>(off + 12) else {
+fn iface_flags(ifindex: u32) -> u32 {
+    match FP_IFACE.get_ptr(ifindex) {
+        // SAFETY: a valid map value pointer for this run.
+        Some(cfg) => unsafe { (*cfg).flags },
+        None => 0,
+    }
+}
+
+/// What conntrack does with a parsed packet.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Not a tracked protocol or ICMP type.
+    Untracked,
+    /// TCP and UDP (TCP's table decides whether it may start a connection), ICMP echo request.
+    Starts,
+    /// ICMP echo reply: joins a connection, never starts one.
+    Echo,
+    /// ICMP/ICMPv6 error: related to the connection of its inner header.
+    IcmpError,
+}
+
+#[inline(always)]
+fn classify(p: &Parsed) -> Kind {
+    let v4 = p.family == FAMILY_IPV4;
+    match p.l4_proto {
+        IPPROTO_TCP | IPPROTO_UDP => Kind::Starts,
+        IPPROTO_ICMP if v4 => match p.icmp_type {
+            8 => Kind::Starts,
+            0 => Kind::Echo,
+            // Destination unreachable, source quench, redirect, time exceeded, parameter
+            // problem: the types Linux relates to a connection.
+            3 | 4 | 5 | 11 | 12 => Kind::IcmpError,
+            _ => Kind::Untracked,
+        },
+        IPPROTO_ICMPV6 if !v4 => match p.icmp_type {
+            128 => Kind::Starts,
+            129 => Kind::Echo,
+            // Destination unreachable, packet too big, time exceeded, parameter problem.
+            1..=4 => Kind::IcmpError,
+            _ => Kind::Untracked,
+        },
+        _ => Kind::Untracked,
+    }
+}
+
+/// Fills `key` (not yet normalized) from the packet's addresses at `l3_off` and the given
+/// ports: source into `lo`, destination into `hi` (IPv4: first 4 bytes, the rest zero). False
+/// if the packet does not hold the addresses.
+#[inline(always)]
+fn load_key(
+    pkt: &Packet,
+    family: u8,
+    l3_off: usize,
+    proto: u8,
+    src_port: u16,
+    dst_port: u16,
+    key: &mut CtKey,
+) -> bool {
+    if family == FAMILY_IPV4 {
+        let Some(a) = pkt.load::<[u8; 8]>(l3_off + 12) else {
             return false;
         };
         key.addr_lo = [0; 16];
         key.addr_hi = [0; 16];
         key.addr_lo[..4].copy_from_slice(&a[..4]);
         key.addr_hi[..4].copy_from_slice(&a[4..]);
-        true
     } else {
         match (
-            pkt.load::<[u8; 16]>(off + 8),
-            pkt.load::<[u8; 16]>(off + 24),
+            pkt.load::<[u8; 16]>(l3_off + 8),
+            pkt.load::<[u8; 16]>(l3_off + 24),
         ) {
             (Some(s), Some(d)) => {
                 key.addr_lo = s;
                 key.addr_hi = d;
-                true
             }
-            _ => false,
+            _ => return false,
         }
     }
+    key.port_lo = src_port;
+    key.port_hi = dst_port;
+    key.proto = proto;
+    key.family = family;
+    key._pad = [0; 2];
+    true
 }
 
-/// Whether this hook is the one tracking for the interface.
+/// An ICMP error: looks up the connection of the packet it quotes (the inner IP header and
+/// the first 8 bytes of its L4 header: ports, or the echo identifier). A match is RELATED and
+/// leaves the connection as it is, as in Linux.
 #[inline(always)]
-fn hook_tracks(hook: Hook, ifindex: u32) -> bool {
-    let Some(cfg) = FP_IFACE.get_ptr(ifindex) else {
+fn related(pkt: &Packet, p: &Parsed, key: &mut CtKey, firewall: bool) -> Option<u32> {
+    let found = inner_key(pkt, p, key) && {
+        key.normalize();
+        let key: &CtKey = key;
+        FP_CT.get_ptr(&key).is_some()
+    };
+    if found {
+        count(ct_stat::RELATED);
+        return None;
+    }
+    count(ct_stat::RELATED_MISS);
+    if firewall {
+        count(ct_stat::FW_DROPPED);
+        return Some(reason::FW_ICMP_ERROR_NO_CONNECTION);
+    }
+    None
+}
+
+/// Fills `key` from an ICMP error's inner packet; false if it is not a tracked packet of the
+/// error's own family, or is cut short before its ports.
+#[inline(always)]
+fn inner_key(pkt: &Packet, p: &Parsed, key: &mut CtKey) -> bool {
+    let inner = p.l4_off as usize + ICMP_HDR_LEN;
+    let end = p.l3_end as usize;
+    let (proto, l4) = if p.family == FAMILY_IPV4 {
+        let Some(h) = pkt.load::<[u8; 20]>(inner) else {
+            return false;
+        };
+        let ihl = (h[0] & 0x0f) as usize;
+        // A quoted fragment other than the first carries no ports.
+        if h[0] >> 4 != 4 || ihl < 5 || u16::from_be_bytes([h[6], h[7]]) & 0x1fff != 0 {
+            return false;
+        }
+        (h[9], inner + ihl * 4)
+    } else {
+        let Some(h) = pkt.load::<[u8; 8]>(inner) else {
+            return false;
+        };
+        if h[0] >> 4 != 6 {
+            return false;
+        }
+        // Extension headers in the quoted packet are not walked: such errors stay unmatched.
+        (h[6], inner + 40)
+    };
+    if l4 + 8 > end {
+        return false;
+    }
+    let Some(l4h) = pkt.load::<[u8; 8]>(l4) else {
         return false;
     };
-    // SAFETY: a valid map value pointer for this run.
-    let flags = unsafe { (*cfg).flags };
-    let bit = match hook {
-        Hook::Xdp => IFACE_F_CT_XDP,
-        Hook::TcIngress => IFACE_F_CT_TC_INGRESS,
-        Hook::TcEgress => IFACE_F_CT_TC_EGRESS,
+    let (sport, dport) = match proto {
+        IPPROTO_TCP | IPPROTO_UDP => (
+            u16::from_be_bytes([l4h[0], l4h[1]]),
+            u16::from_be_bytes([l4h[2], l4h[3]]),
+        ),
+        // Only a quoted echo request names an echo connection (by its identifier).
+        IPPROTO_ICMP if p.family == FAMILY_IPV4 && l4h[0] == 8 => {
+            let id = u16::from_be_bytes([l4h[4], l4h[5]]);
+            (id, id)
+        }
+        IPPROTO_ICMPV6 if p.family == FAMILY_IPV6 && l4h[0] == 128 => {
+            let id = u16::from_be_bytes([l4h[4], l4h[5]]);
+            (id, id)
+        }
+        _ => return false,
     };
-    flags & bit != 0
+    load_key(pkt, p.family, inner, proto, sport, dport, key)
 }
 
-/// Key ports for the packet and whether a packet like it may start a connection; `None` for
-/// protocols (and ICMP types) that are not tracked.
+/// A packet with no connection: creates one if it may start one. Returns the firewall reason
+/// when it is refused.
 #[inline(always)]
-fn ports_and_start(p: &Parsed) -> Option<(u16, u16, bool)> {
-    match p.l4_proto {
-        IPPROTO_TCP | IPPROTO_UDP => Some((p.src_port, p.dst_port, true)),
-        IPPROTO_ICMP if p.family == FAMILY_IPV4 => echo(p, 8, 0),
-        IPPROTO_ICMPV6 if p.family != FAMILY_IPV4 => echo(p, 128, 129),
-        _ => None,
-    }
-}
-
-/// ICMP echo: keyed by identifier on both sides; a request may start a connection.
-#[inline(always)]
-fn echo(p: &Parsed, request: u8, reply: u8) -> Option<(u16, u16, bool)> {
-    if p.icmp_type == request {
-        Some((p.src_port, p.src_port, true))
-    } else if p.icmp_type == reply {
-        Some((p.src_port, p.src_port, false))
-    } else {
-        None
-    }
-}
-
-#[inline(always)]
-fn create(key: &CtKey, src_is_lo: bool, starts: bool, p: &Parsed, len: usize, now: u64) {
+fn create(
+    key: &CtKey,
+    src_is_lo: bool,
+    starts: bool,
+    firewall: bool,
+    p: &Parsed,
+    len: usize,
+    now: u64,
+) -> Option<u32> {
     let mut state = 0;
     if p.l4_proto == IPPROTO_TCP {
         match tcp_step(tcp_state::NONE, DIR_ORIGINAL, p.tcp_flags) {
-            TcpStep::To(s) => state = s,
+            // With the firewall on, only a SYN starts a connection: no mid-stream pickup.
+            TcpStep::To(s) if s == tcp_state::SYN_SENT || !firewall => state = s,
             _ => {
                 count(ct_stat::INVALID_NEW);
-                return;
+                return Some(reason::FW_NO_CONNECTION);
             }
         }
     } else if !starts {
         count(ct_stat::INVALID_NEW);
-        return;
+        return Some(reason::FW_NO_CONNECTION);
     }
     let mut entry = CtEntry {
         created_ns: now,
@@ -157,29 +299,59 @@ fn create(key: &CtKey, src_is_lo: bool, starts: bool, p: &Parsed, len: usize, no
     };
     entry.packets[DIR_ORIGINAL] = 1;
     entry.bytes[DIR_ORIGINAL] = len as u64;
-    if FP_CT.insert(key, &entry, BPF_NOEXIST).is_err() {
+    if FP_CT.insert(key, &entry, BPF_NOEXIST).is_err()
+        && !(early_drop(now) && FP_CT.insert(key, &entry, BPF_NOEXIST).is_ok())
+    {
         count(ct_stat::INSERT_FAILED);
-        return;
+        return Some(reason::FW_TABLE_FULL);
     }
+    // The key joins the early-drop candidates; a full queue forgets its oldest key, whose
+    // entry is then simply never dropped early (it still expires).
+    let _ = FP_CT_NEW.push(key, BPF_EXIST);
     count(ct_stat::NEW);
     emit(key, ct_event::NEW, &entry, now);
-    // A connection picked up mid-stream (loose ACK) is established from the start.
-    if state == tcp_state::ESTABLISHED {
-        entry.flags |= CT_F_ASSURED;
-        if let Some(e) = FP_CT.get_ptr_mut(key) {
-            // SAFETY: valid map value pointer for this run.
-            unsafe { (*e).flags |= CT_F_ASSURED };
-        }
-        count(ct_stat::ASSURED);
-        emit(key, ct_event::ESTABLISHED, &entry, now);
-    }
+    None
 }
 
-/// Steps an existing connection. As in Linux, a packet the state machine rejects (invalid)
-/// or ignores (a retransmission) is not accounted: it neither refreshes the entry nor counts.
+/// Makes room in a full table: removes the oldest entry that is still unassured. False if
+/// none was found within `EARLY_DROP_TRIES` candidates.
 #[inline(always)]
-fn update(key: &CtKey, e: &mut CtEntry, src_is_lo: bool, p: &Parsed, len: usize, now: u64) {
+fn early_drop(now: u64) -> bool {
+    for _ in 0..EARLY_DROP_TRIES {
+        let Ok(Some(victim)) = FP_CT_NEW.pop() else {
+            return false;
+        };
+        let Some(e) = FP_CT.get_ptr(&victim) else {
+            continue;
+        };
+        // SAFETY: a valid map value pointer for this run.
+        let e = unsafe { *e };
+        if e.flags & CT_F_ASSURED != 0 {
+            continue;
+        }
+        if FP_CT.remove(&victim).is_ok() {
+            count(ct_stat::EARLY_DROP);
+            emit(&victim, ct_event::EARLY_DROP, &e, now);
+            return true;
+        }
+    }
+    false
+}
+
+/// Steps an existing connection; returns the firewall reason for a packet that does not fit
+/// its state. As in Linux, a packet the state machine rejects (invalid) or ignores (a
+/// retransmission) is not accounted: it neither refreshes the entry nor counts.
+#[inline(always)]
+fn update(
+    key: &CtKey,
+    e: &mut CtEntry,
+    src_is_lo: bool,
+    p: &Parsed,
+    len: usize,
+    now: u64,
+) -> Option<u32> {
     let mut dir = e.dir(src_is_lo);
+    let seen_reply = e.flags & CT_F_SEEN_REPLY != 0;
     if p.l4_proto == IPPROTO_TCP {
         let closed = |x: u8| x == tcp_state::TIME_WAIT || x == tcp_state::CLOSE;
         match tcp_step(e.state, dir, p.tcp_flags) {
@@ -194,11 +366,26 @@ fn update(key: &CtKey, e: &mut CtEntry, src_is_lo: bool, p: &Parsed, len: usize,
                 dir = DIR_ORIGINAL;
                 count(ct_stat::REOPENED);
                 emit(key, ct_event::NEW, e, now);
+                let _ = FP_CT_NEW.push(key, BPF_EXIST);
             }
             TcpStep::To(s) => {
                 let was = e.state;
                 e.state = s;
-                if s == tcp_state::ESTABLISHED && e.flags & CT_F_ASSURED == 0 {
+                if !seen_reply && p.tcp_flags & fastpath_common::ct::TCP_RST != 0 {
+                    // Linux: "if only reply is a RST, we can consider ourselves not to have an
+                    // established connection" — the entry goes at once.
+                    count(ct_stat::KILLED);
+                    emit(key, ct_event::KILLED, e, now);
+                    let _ = FP_CT.remove(key);
+                    return None;
+                }
+                // Assured, as in Linux: a valid ACK in ESTABLISHED after SYN_RECV, or an
+                // answer to a connection picked up mid-stream — only once a reply was seen.
+                if seen_reply
+                    && s == tcp_state::ESTABLISHED
+                    && (was == tcp_state::SYN_RECV || was == tcp_state::ESTABLISHED)
+                    && e.flags & CT_F_ASSURED == 0
+                {
                     e.flags |= CT_F_ASSURED;
                     count(ct_stat::ASSURED);
                     emit(key, ct_event::ESTABLISHED, e, now);
@@ -214,15 +401,20 @@ fn update(key: &CtKey, e: &mut CtEntry, src_is_lo: bool, p: &Parsed, len: usize,
                 if dir == DIR_REPLY {
                     e.flags |= CT_F_SEEN_REPLY;
                 }
-                return;
+                return None;
             }
             TcpStep::Invalid => {
                 count(ct_stat::INVALID_STATE);
-                return;
+                return Some(reason::FW_INVALID_STATE);
             }
         }
-    } else if dir == DIR_REPLY && e.flags & CT_F_ASSURED == 0 {
-        // UDP and ICMP echo: a reply makes the connection assured.
+    } else if p.l4_proto == IPPROTO_UDP
+        && seen_reply
+        && e.flags & CT_F_ASSURED == 0
+        && now.wrapping_sub(e.created_ns) > UDP_STREAM_AFTER_NS
+    {
+        // UDP, as in Linux: replied and still active 2 s after it began is a stream. ICMP
+        // echo is never assured.
         e.flags |= CT_F_ASSURED;
         count(ct_stat::ASSURED);
         emit(key, ct_event::ESTABLISHED, e, now);
@@ -234,6 +426,7 @@ fn update(key: &CtKey, e: &mut CtEntry, src_is_lo: bool, p: &Parsed, len: usize,
     e.packets[d] += 1;
     e.bytes[d] += len as u64;
     e.last_seen_ns = now;
+    None
 }
 
 /// Writes an event straight into the ring (no stack copy); counts it as lost if full.

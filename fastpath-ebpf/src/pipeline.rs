@@ -36,7 +36,9 @@ pub fn parse(pkt: &Packet) -> Result<&'static mut Parsed, u32> {
 /// (`local`: sent by this node, seen at egress); returns the verdict and its reason code.
 #[inline(always)]
 pub fn process(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32, local: bool) -> (Verdict, u32) {
-    conntrack::track(hook, ifindex, local, pkt, p, pkt.len);
+    if let Some(code) = conntrack::track(hook, ifindex, local, pkt, p, pkt.len) {
+        return (Verdict::Drop, code);
+    }
     (Verdict::Kernel, unhandled_reason(p))
 }
 

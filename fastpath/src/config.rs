@@ -97,6 +97,11 @@ pub struct InterfaceConfig {
     /// ingress). Default true.
     #[serde(default = "default_true")]
     pub conntrack: bool,
+    /// Drop, at the tracking ingress hook, what belongs to no connection and cannot start one,
+    /// TCP invalid for its state, unrelated ICMP errors, and new connections a full table
+    /// cannot take. Default false.
+    #[serde(default)]
+    pub stateful_firewall: bool,
 }
 
 /// Default conntrack table size: 1 Mi connections, like a mid-size Linux box's
@@ -152,6 +157,8 @@ pub struct CtTimeouts {
     pub udp_stream: u32,
     /// ICMP and ICMPv6 echo.
     pub icmp: u32,
+    /// Cap for an ESTABLISHED TCP connection picked up mid-stream that has not seen a reply.
+    pub tcp_unacknowledged: u32,
 }
 
 impl Default for CtTimeouts {
@@ -169,6 +176,7 @@ impl Default for CtTimeouts {
             udp: D[timeout_slot::UDP],
             udp_stream: D[timeout_slot::UDP_STREAM],
             icmp: D[timeout_slot::ICMP],
+            tcp_unacknowledged: D[timeout_slot::TCP_UNACKNOWLEDGED],
         }
     }
 }
@@ -190,6 +198,7 @@ impl CtTimeouts {
             self.udp,
             self.udp_stream,
             self.icmp,
+            self.tcp_unacknowledged,
         ]
     }
 }
@@ -358,6 +367,17 @@ impl Config {
                     key,
                     format!(
                         "interface {name:?} is not an Ethernet device (link type {kind}); the datapath parses Ethernet frames, so attach it to the Ethernet device underneath"
+                    ),
+                ));
+            }
+            if iface.stateful_firewall
+                && (!iface.conntrack || (iface.xdp == XdpMode::Off && !iface.tc_ingress))
+            {
+                return Err(err(
+                    iface.name.span(),
+                    format!("interface[{i}].stateful_firewall"),
+                    format!(
+                        "interface {name:?} has stateful_firewall = true but does not track arriving connections; it needs conntrack = true and an ingress hook (xdp, or tc_ingress = true)"
                     ),
                 ));
             }

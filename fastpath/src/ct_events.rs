@@ -96,7 +96,7 @@ pub fn render(ev: &CtEvent) -> String {
         ct_event::NEW => "NEW",
         ct_event::ESTABLISHED => "UPDATE",
         ct_event::CLOSED => "UPDATE",
-        ct_event::EXPIRED => "DESTROY",
+        ct_event::EXPIRED | ct_event::EARLY_DROP | ct_event::KILLED => "DESTROY",
         _ => "UNKNOWN",
     };
     let entry = CtEntry {

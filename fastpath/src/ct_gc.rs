@@ -83,7 +83,9 @@ pub fn pass(table: &mut CtTable, t: &Timeouts, hub: &EventHub, stats: &GcStats, 
 
 #[cfg(test)]
 mod tests {
-    use fastpath_common::ct::{CT_F_ASSURED, DEFAULT_TIMEOUTS_S, ct_key, tcp_state};
+    use fastpath_common::ct::{
+        CT_F_ASSURED, CT_F_SEEN_REPLY, DEFAULT_TIMEOUTS_S, ct_key, tcp_state,
+    };
 
     use super::*;
     use crate::config::CtTimeouts;
@@ -99,9 +101,11 @@ mod tests {
             ..CtEntry::default()
         };
         assert_eq!(
-            timeout_of(&t, &tcp, &with(tcp_state::ESTABLISHED, 0)),
+            timeout_of(&t, &tcp, &with(tcp_state::ESTABLISHED, CT_F_SEEN_REPLY)),
             432_000
         );
+        // Picked up mid-stream, no reply yet: capped as in Linux (unacknowledged, 300 s).
+        assert_eq!(timeout_of(&t, &tcp, &with(tcp_state::ESTABLISHED, 0)), 300);
         assert_eq!(timeout_of(&t, &tcp, &with(tcp_state::TIME_WAIT, 0)), 120);
         assert_eq!(timeout_of(&t, &tcp, &with(tcp_state::SYN_SENT2, 0)), 120);
         assert_eq!(timeout_of(&t, &udp, &with(0, 0)), 30);

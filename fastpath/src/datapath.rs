@@ -30,8 +30,8 @@ use aya::{
 use fastpath_common::{
     Counter, DatapathConfig,
     ct::{
-        CtEntry, CtKey, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_SLOTS,
-        IfaceConfig, ct_stat,
+        CtEntry, CtKey, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP,
+        IFACE_F_FIREWALL, IFACE_SLOTS, IfaceConfig, ct_stat,
     },
     map_names, program_names,
 };
@@ -192,6 +192,7 @@ impl Datapath {
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(maps_dir)
             .map_max_entries(map_names::CT, ct_capacity)
+            .map_max_entries(map_names::CT_NEW, ct_capacity)
             .load(object)
             .map_err(|source| DatapathError::Load {
                 pin_dir: pin_dir.display().to_string(),
@@ -288,6 +289,9 @@ impl Datapath {
                 }
                 if iface.tc_egress {
                     flags |= IFACE_F_CT_TC_EGRESS;
+                }
+                if iface.stateful_firewall {
+                    flags |= IFACE_F_FIREWALL;
                 }
             }
             wanted.insert(ifindex, flags);

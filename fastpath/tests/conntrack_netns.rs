@@ -665,17 +665,23 @@ fn tcp_exchange_through_fp_matches_kernel_conntrack() {
     );
 }
 
-/// Waits until `flow` has a NEW and an assured UPDATE in the event log; returns its events.
-fn wait_assured_events(events_log: &Path, flow: &Flow) -> Vec<Event> {
+/// Waits until `flow` has a NEW event in the log, then (when `assured`) an assured UPDATE, and
+/// no other event; returns its events.
+fn wait_events(events_log: &Path, flow: &Flow, assured: bool) -> Vec<Event> {
+    let want: &[(&str, bool)] = if assured {
+        &[("NEW", false), ("UPDATE", true)]
+    } else {
+        &[("NEW", false)]
+    };
     poll(SETTLE, || {
         let all = read_events(events_log);
         let mine: Vec<Event> = all.iter().filter(|e| e.flow == *flow).cloned().collect();
         let kinds: Vec<(&str, bool)> = mine.iter().map(|e| (e.kind.as_str(), e.assured)).collect();
-        if kinds.starts_with(&[("NEW", false), ("UPDATE", true)]) {
+        if kinds == want {
             Ok(mine)
         } else {
             Err(format!(
-                "expected NEW then UPDATE [ASSURED] for {flow} within {SETTLE:?}; the log:\n{}",
+                "expected exactly {want:?} for {flow} within {SETTLE:?}; the log:\n{}",
                 render_events(&all)
             ))
         }
@@ -703,28 +709,32 @@ fn ping(ns: &Netns, target: IpAddr, id: u16, count: u32) {
 }
 
 /// Sends one datagram from `ns` (source port `sport`) to the UDP echo server at `target` and
-/// checks the echo.
-fn udp_echo(ns: &Netns, target: IpAddr, port: u16, sport: u16) {
+/// checks the echo; with `again_after`, a second datagram on the same socket that much later.
+fn udp_echo(ns: &Netns, target: IpAddr, port: u16, sport: u16, again_after: Option<f64>) {
     let msg = format!("fastpath-ct-{target}");
     let address = match target {
         IpAddr::V4(a) => format!("UDP4:{a}:{port},sourceport={sport}"),
         IpAddr::V6(a) => format!("UDP6:[{a}]:{port},sourceport={sport}"),
     };
+    let (input, want) = match again_after {
+        None => (format!("echo {msg}"), msg.clone()),
+        Some(s) => (
+            format!("(echo {msg}; sleep {s}; echo again)"),
+            format!("{msg}\nagain"),
+        ),
+    };
     // -t 1: after sending, wait a second for the answer (UDP has no end of stream).
     let out = ns
-        .run(&["sh", "-c", &format!("echo {msg} | socat -t 1 - {address}")])
+        .run(&["sh", "-c", &format!("{input} | socat -t 1 - {address}")])
         .unwrap_or_else(|e| panic!("UDP echo via {address}: {e}"));
-    assert_eq!(out.trim(), msg, "UDP echo via {address}");
+    assert_eq!(out.trim(), want, "UDP echo via {address}");
 }
 
 /// (2) UDP, ICMP echo (v4 and v6) and TCP over IPv6 through fp: each is tracked with the
-/// tuple (and echo identifier) the traffic used, is assured once answered, and counts the
-/// packets the kernel's conntrack counted for it.
-///
-/// Where the kernel is not the reference: it never marks ICMP echo assured, and since Linux
-/// 5.16 marks UDP assured only when the flow is still active 2 s after it began (its "stream"
-/// state). A single request and reply is assured here but not there; the kernel's flags are
-/// printed, not asserted.
+/// tuple (and echo identifier) the traffic used, counts the packets the kernel's conntrack
+/// counted for it, and is assured exactly when the kernel's entry is: TCP once established,
+/// UDP only when answered and still active more than 2 s after it began (a single request
+/// and reply is not), ICMP echo never.
 #[test]
 fn udp_and_icmp_through_fp_are_tracked_and_assured() {
     prepare_test(&["socat", "ping", "curl", "nginx", "nft", "conntrack"]);
@@ -777,23 +787,37 @@ fn udp_and_icmp_through_fp_are_tracked_and_assured() {
     // Each datagram once, each way; each echo request and reply once.
     let udp4 = Flow::new("udp", c4, 40001, b4, UDP_PORT);
     let udp6 = Flow::new("udp", c6, 40002, b6, UDP_PORT);
-    udp_echo(lb.client(), b4, UDP_PORT, udp4.sport);
-    udp_echo(lb.client(), b6, UDP_PORT, udp6.sport);
+    let stream4 = Flow::new("udp", c4, 40003, b4, UDP_PORT);
+    let stream6 = Flow::new("udp", c6, 40004, b6, UDP_PORT);
+    udp_echo(lb.client(), b4, UDP_PORT, udp4.sport, None);
+    udp_echo(lb.client(), b6, UDP_PORT, udp6.sport, None);
+    // Still active 2.5 s after the first datagram: a stream, assured.
+    thread::scope(|scope| {
+        for (flow, target) in [(&stream4, b4), (&stream6, b6)] {
+            let ns = lb.client();
+            scope.spawn(move || udp_echo(ns, target, UDP_PORT, flow.sport, Some(2.5)));
+        }
+    });
     ping(lb.client(), b4, ID4, PINGS);
     ping(lb.client(), b6, ID6, PINGS);
     let url6 = format!("http://[{b6}]:80/index.html");
     let port6 = curl(lb.client(), &url6, &dir.join("page6.html"), PAGE, true);
     let tcp6 = Flow::new("tcp", c6, port6, b6, 80);
 
-    let expected: [(&Flow, Option<u64>); 5] = [
-        (&udp4, Some(1)),
-        (&udp6, Some(1)),
-        (&Flow::echo(c4, b4, ID4), Some(u64::from(PINGS))),
-        (&Flow::echo(c6, b6, ID6), Some(u64::from(PINGS))),
-        (&tcp6, None),
+    // (flow, packets each way, assured as in Linux)
+    let expected: [(&Flow, Option<u64>, bool); 7] = [
+        (&udp4, Some(1), false),
+        (&udp6, Some(1), false),
+        (&stream4, Some(2), true),
+        (&stream6, Some(2), true),
+        (&Flow::echo(c4, b4, ID4), Some(u64::from(PINGS)), false),
+        (&Flow::echo(c6, b6, ID6), Some(u64::from(PINGS)), false),
+        (&tcp6, None, true),
     ];
-    for (flow, _) in &expected {
-        wait_assured_events(&events_log, flow);
+    for (flow, _, assured) in &expected {
+        if flow.proto != "tcp" {
+            wait_events(&events_log, flow, *assured);
+        }
     }
     // The TCP connection's close has reached both tables (so its counts are final).
     let (ours, kernel) = poll(SETTLE, || {
@@ -831,14 +855,14 @@ fn udp_and_icmp_through_fp_are_tracked_and_assured() {
         expected.len()
     );
 
-    for (flow, packets) in expected {
+    for (flow, packets, assured) in expected {
         let row = ours
             .iter()
             .find(|r| r.flow() == *flow)
             .unwrap_or_else(|| panic!("{flow} is not in our table (original tuple); {tables}"));
         assert!(
-            row.assured && row.seen_reply,
-            "{flow}: answered, so expected assured and seen_reply; {tables}"
+            row.seen_reply && row.assured == assured,
+            "{flow}: answered, so expected seen_reply, and assured = {assured}; {tables}"
         );
         assert_eq!(
             (row.original.dst, row.original.sport, row.original.dport),
@@ -859,6 +883,10 @@ fn udp_and_icmp_through_fp_are_tracked_and_assured() {
         assert!(
             !k.unreplied,
             "{flow}: the kernel must have seen the reply too; {tables}"
+        );
+        assert_eq!(
+            k.assured, row.assured,
+            "{flow}: assured must be the kernel's; {tables}"
         );
         for (dir, our, theirs) in [
             ("original", &row.original, &k.original),
@@ -883,7 +911,8 @@ const LINES: usize = 20;
 
 /// (3) `fastpath ct flush` deletes every entry and reports how many; a connection that is in
 /// the middle of its life is picked up again by its next packet (loose pickup, as Linux does:
-/// ESTABLISHED and assured at once), and the connection itself never notices.
+/// ESTABLISHED at once, assured by the first packet after a reply), and the connection itself
+/// never notices.
 #[test]
 fn ct_flush_empties_the_table_and_flows_are_picked_up_again() {
     prepare_test(&["socat"]);

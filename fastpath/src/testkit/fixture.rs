@@ -302,9 +302,16 @@ pub struct Fixture {
 impl Fixture {
     /// Loads [`crate::EBPF_OBJECT`] with fresh maps and loads (verifies) all three programs.
     pub fn new() -> Result<Self, FixtureError> {
+        Fixture::with_ct_capacity(crate::config::DEFAULT_CT_CAPACITY)
+    }
+
+    /// As [`Fixture::new`], with a conntrack table of `capacity` entries.
+    pub fn with_ct_capacity(capacity: u32) -> Result<Self, FixtureError> {
         let pins = PinDir::create()?;
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(&pins.path)
+            .map_max_entries(map_names::CT, capacity)
+            .map_max_entries(map_names::CT_NEW, capacity)
             .load(crate::EBPF_OBJECT)
             .map_err(|source| FixtureError::Load { source })?;
         for name in [program_names::XDP, program_names::BENCH_FLOOR_XDP] {
@@ -681,6 +688,15 @@ impl Fixture {
         for key in &keys {
             table.remove(key).map_err(map_error(name))?;
         }
+        // The early-drop candidates go too: the next sequence starts from nothing.
+        let name = map_names::CT_NEW;
+        let map = self
+            .ebpf
+            .map_mut(name)
+            .ok_or(FixtureError::MissingMap { name })?;
+        let mut queue: aya::maps::Queue<_, CtKey> =
+            aya::maps::Queue::try_from(map).map_err(map_error(name))?;
+        while queue.pop(0).is_ok() {}
         Ok(keys.len())
     }
 
@@ -719,6 +735,25 @@ impl Fixture {
             table.insert(&key, &entry, 0).map_err(map_error(name))?;
         }
         Ok(())
+    }
+
+    /// Moves a connection's creation and last-seen times `ns` back, as if that time passed.
+    pub fn ct_age(&mut self, key: &CtKey, ns: u64) -> Result<(), FixtureError> {
+        let name = map_names::CT;
+        let map = self
+            .ebpf
+            .map_mut(name)
+            .ok_or(FixtureError::MissingMap { name })?;
+        let mut table: BpfHashMap<_, CtKey, CtEntry> =
+            BpfHashMap::try_from(map).map_err(map_error(name))?;
+        let mut e = match table.get(key, 0) {
+            Ok(e) => e,
+            Err(MapError::KeyNotFound) => return Ok(()),
+            Err(source) => return Err(FixtureError::Map { name, source }),
+        };
+        e.created_ns = e.created_ns.saturating_sub(ns);
+        e.last_seen_ns = e.last_seen_ns.saturating_sub(ns);
+        table.insert(key, &e, 0).map_err(map_error(name))
     }
 
     /// `FP_CT_STATS` summed over CPUs.
@@ -771,6 +806,10 @@ impl Fixture {
             .map_err(|e| run_error(0, "clearing FP_CT", e))?;
         self.ct_drain_events()
             .map_err(|e| run_error(0, "draining FP_CT_EVENTS", e))?;
+        if seq.prefill_assured > 0 {
+            self.ct_fill(seq.prefill_assured, 0)
+                .map_err(|e| run_error(0, "pre-filling FP_CT", e))?;
+        }
         for (i, step) in seq.steps.iter().enumerate() {
             let details = self
                 .ct_step(&seq.seed, step)
@@ -802,8 +841,14 @@ impl Fixture {
             );
         }
         seed.apply(&mut self.ebpf)?;
+        if step.age_before_ns > 0
+            && let Some(key) = step.expect.key()
+        {
+            self.ct_age(&key, step.age_before_ns)?;
+        }
         let table_before = self.ct_entries()?;
         let stats_before = self.ct_stats()?;
+        let reasons_before = self.stats()?;
         let ctx = step.skb_ingress_ifindex.map(skb_ctx_forwarded_from);
         let mut out = vec![0u8; step.input.len() + OUTPUT_SLACK];
         let res = self.test_run_program(
@@ -821,6 +866,7 @@ impl Fixture {
             table_before,
             table_after: self.ct_entries()?,
             stats: self.ct_stats()?.delta(&stats_before),
+            reasons: self.stats()?.delta(&reasons_before),
             events: self.ct_drain_events()?,
         };
         Ok(ct_mismatches(step, &got))
@@ -901,6 +947,16 @@ pub struct CtStep {
     /// TC only: run with a context saying the packet arrived on this interface (forwarded);
     /// `None` runs without one, which the datapath sees as sent by this node.
     pub skb_ingress_ifindex: Option<u32>,
+    /// Before the packet, the connection's entry (if any) is made this much older: its
+    /// creation and last-seen times move back, as if that time had passed.
+    pub age_before_ns: u64,
+    /// `Some(reason)`: the stateful firewall drops the packet with this reason code (counted
+    /// once under (hook, drop, reason)); `None`: the kernel gets it, as conntrack alone never
+    /// decides.
+    pub expect_drop: Option<u32>,
+    /// Events this packet emits about other connections (an early drop's victim), as
+    /// (`ct_event::*`, key), in order, after the packet's own.
+    pub expect_other_events: Vec<(u8, CtKey)>,
 }
 
 /// A conntrack fixture: packets run in order against one table (entries persist across
@@ -912,6 +968,8 @@ pub struct CtSequence {
     pub name: String,
     /// Applied before every step (it includes which hooks track on which interface).
     pub seed: Seed,
+    /// Synthetic assured connections put in the table before the first step (`ct_fill`).
+    pub prefill_assured: u32,
     pub steps: Vec<CtStep>,
 }
 
@@ -943,20 +1001,40 @@ struct CtObserved {
     table_before: BTreeMap<CtKey, CtEntry>,
     table_after: BTreeMap<CtKey, CtEntry>,
     stats: Vec<(u32, u64)>,
+    /// FP_STATS moved by the packet.
+    reasons: crate::stats::StatsSnapshot,
     events: Vec<CtEvent>,
 }
 
 /// Every difference between what `step` states and what happened, one paragraph each.
 fn ct_mismatches(step: &CtStep, got: &CtObserved) -> String {
     let mut out = String::new();
-    let want_verdict = raw_verdict(step.hook, Verdict::Kernel);
+    let want_verdict = raw_verdict(
+        step.hook,
+        if step.expect_drop.is_some() {
+            Verdict::Drop
+        } else {
+            Verdict::Kernel
+        },
+    );
     if got.verdict != want_verdict {
         let _ = writeln!(
             out,
-            "  verdict: expected {} got {} (conntrack never decides)",
+            "  verdict: expected {} got {}",
             verdict_name(step.hook, want_verdict),
             verdict_name(step.hook, got.verdict)
         );
+    }
+    if let Some(code) = step.expect_drop {
+        let n = got.reasons.get(step.hook, Verdict::Drop, code).packets;
+        let all = got.reasons.packets_on_hook(step.hook);
+        if n != 1 || all != 1 {
+            let _ = writeln!(
+                out,
+                "  stats: expected the packet counted once as drop/{}, got {n} there ({all} on the hook)",
+                fastpath_common::reason::name(code)
+            );
+        }
     }
     if got.output != step.input {
         let _ = writeln!(
@@ -967,11 +1045,26 @@ fn ct_mismatches(step: &CtStep, got: &CtObserved) -> String {
     }
 
     let key = step.expect.key();
+    let victims: Vec<CtKey> = step
+        .expect_other_events
+        .iter()
+        .filter(|(kind, _)| *kind == ct_event::EARLY_DROP)
+        .map(|(_, k)| *k)
+        .collect();
+    for v in &victims {
+        if got.table_after.contains_key(v) {
+            let _ = writeln!(
+                out,
+                "  table: {} should have been dropped early, but is still there",
+                key_name(v)
+            );
+        }
+    }
     let others: Vec<String> = got
         .table_before
         .keys()
         .chain(got.table_after.keys())
-        .filter(|k| Some(**k) != key)
+        .filter(|k| Some(**k) != key && !victims.contains(k))
         .collect::<std::collections::BTreeSet<_>>()
         .into_iter()
         .filter(|k| got.table_before.get(k) != got.table_after.get(k))
@@ -1053,7 +1146,12 @@ fn ct_mismatches(step: &CtStep, got: &CtObserved) -> String {
         );
     }
 
-    let got_events: Vec<(u8, u8)> = got.events.iter().map(|e| (e.kind, e.state)).collect();
+    let got_events: Vec<(u8, u8)> = got
+        .events
+        .iter()
+        .filter(|e| Some(e.key) == key)
+        .map(|e| (e.kind, e.state))
+        .collect();
     if got_events != step.expect_events {
         let _ = writeln!(
             out,
@@ -1062,12 +1160,27 @@ fn ct_mismatches(step: &CtStep, got: &CtObserved) -> String {
             events_name(&got_events)
         );
     }
-    for e in got.events.iter().filter(|e| Some(e.key) != key) {
+    let got_other: Vec<(u8, CtKey)> = got
+        .events
+        .iter()
+        .filter(|e| Some(e.key) != key)
+        .map(|e| (e.kind, e.key))
+        .collect();
+    if got_other != step.expect_other_events {
+        let name = |v: &[(u8, CtKey)]| {
+            if v.is_empty() {
+                return "(none)".to_owned();
+            }
+            v.iter()
+                .map(|(kind, k)| format!("{} of {}", events_name(&[(*kind, 0)]), key_name(k)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         let _ = writeln!(
             out,
-            "  event {} carries key {}, not the packet's connection",
-            events_name(&[(e.kind, e.state)]),
-            key_name(&e.key)
+            "  events about other connections: expected {} got {}",
+            name(&step.expect_other_events),
+            name(&got_other)
         );
     }
     out
@@ -1187,6 +1300,8 @@ fn events_name(events: &[(u8, u8)]) -> String {
                 ct_event::ESTABLISHED => "ESTABLISHED".to_owned(),
                 ct_event::CLOSED => "CLOSED".to_owned(),
                 ct_event::EXPIRED => "EXPIRED".to_owned(),
+                ct_event::EARLY_DROP => "EARLY_DROP".to_owned(),
+                ct_event::KILLED => "KILLED".to_owned(),
                 k => format!("kind{k}"),
             };
             // Only TCP events carry a state.
