@@ -137,13 +137,63 @@ pub fn monotonic_ns() -> u64 {
     (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// `name value` lines for the counters, in code order.
-pub fn render_stats(sums: &[u64]) -> String {
-    ct_stat::NAMES
-        .iter()
-        .zip(sums)
+/// `name value` lines: the table's occupancy, then the counters in code order.
+pub fn render_stats(entries: u64, capacity: u32, sums: &[u64]) -> String {
+    [("entries", entries), ("capacity", u64::from(capacity))]
+        .into_iter()
+        .chain(ct_stat::NAMES.iter().copied().zip(sums.iter().copied()))
         .map(|(n, v)| format!("{n:<14} {v}\n"))
         .collect()
+}
+
+/// The table key of the connection a `ct get` names, from either direction's tuple. ICMP
+/// with IPv6 addresses is ICMPv6.
+pub fn lookup_key(
+    proto: &str,
+    src: IpAddr,
+    dst: IpAddr,
+    sport: Option<u16>,
+    dport: Option<u16>,
+    id: Option<u16>,
+) -> Result<CtKey, String> {
+    let (family, s, d) = match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let mut a = [0u8; 16];
+            let mut b = [0u8; 16];
+            a[..4].copy_from_slice(&s.octets());
+            b[..4].copy_from_slice(&d.octets());
+            (4u8, a, b)
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => (6u8, s.octets(), d.octets()),
+        _ => {
+            return Err(format!(
+                "--src {src} and --dst {dst} are of different address families; give two IPv4 or two IPv6 addresses"
+            ));
+        }
+    };
+    let (num, sp, dp) = match proto {
+        "tcp" | "udp" => {
+            let (Some(sp), Some(dp)) = (sport, dport) else {
+                return Err(format!("-p {proto} needs --sport and --dport"));
+            };
+            (if proto == "tcp" { 6 } else { 17 }, sp, dp)
+        }
+        "icmp" | "icmpv6" => {
+            let Some(id) = id else {
+                return Err(format!("-p {proto} needs --id (the echo identifier)"));
+            };
+            if proto == "icmpv6" && family == 4 {
+                return Err("-p icmpv6 needs IPv6 addresses".into());
+            }
+            (if family == 4 { 1 } else { 58 }, id, id)
+        }
+        other => {
+            return Err(format!(
+                "unknown protocol {other:?}; use tcp, udp, icmp or icmpv6"
+            ));
+        }
+    };
+    Ok(fastpath_common::ct::ct_key(family, num, &s, sp, &d, dp).0)
 }
 
 #[cfg(test)]
@@ -151,6 +201,30 @@ mod tests {
     use fastpath_common::ct::{DEFAULT_TIMEOUTS_S, ct_key, tcp_state::ESTABLISHED};
 
     use super::*;
+
+    #[test]
+    fn lookup_keys_are_the_same_from_both_directions() {
+        let a: IpAddr = "10.0.0.2".parse().unwrap();
+        let b: IpAddr = "10.0.0.1".parse().unwrap();
+        let fwd = lookup_key("tcp", a, b, Some(40000), Some(80), None);
+        let back = lookup_key("tcp", b, a, Some(80), Some(40000), None);
+        assert_eq!(fwd, back);
+        let k = fwd.unwrap();
+        assert_eq!((k.proto, k.family, k.port_lo, k.port_hi), (6, 4, 80, 40000));
+        let v6: IpAddr = "fd00::1".parse().unwrap();
+        let e = lookup_key("icmp", v6, "fd00::2".parse().unwrap(), None, None, Some(7)).unwrap();
+        assert_eq!((e.proto, e.port_lo, e.port_hi), (58, 7, 7));
+        assert!(
+            lookup_key("udp", a, v6, Some(1), Some(2), None)
+                .unwrap_err()
+                .contains("families")
+        );
+        assert!(
+            lookup_key("udp", a, b, None, Some(2), None)
+                .unwrap_err()
+                .contains("--sport")
+        );
+    }
 
     #[test]
     fn rows_read_like_conntrack_l() {

@@ -140,6 +140,41 @@ fn our_table(daemon: &Daemon) -> Vec<Row> {
         .unwrap_or_else(|e| panic!("`fastpath ct list -o json` is not a list of rows: {e}\n{json}"))
 }
 
+/// `fastpath ct get` for `flow` (either direction), as JSON; `None` when it exits 1 (not
+/// tracked).
+fn our_get(daemon: &Daemon, flow: &Flow) -> Option<Row> {
+    let (sport, dport) = (flow.sport.to_string(), flow.dport.to_string());
+    let (src, dst) = (flow.src.to_string(), flow.dst.to_string());
+    let mut args = vec!["ct", "get", "-p", &flow.proto, "-s", &src, "-d", &dst];
+    if flow.proto.starts_with("icmp") {
+        args.extend(["--id", &sport]);
+    } else {
+        args.extend(["--sport", &sport, "--dport", &dport]);
+    }
+    let pin_dir = daemon.pin_dir().to_str().expect("pin dirs are UTF-8");
+    args.extend(["--pin-dir", pin_dir, "-o", "json"]);
+    let out = std::process::Command::new(bin())
+        .args(&args)
+        .output()
+        .unwrap_or_else(|e| panic!("running fastpath ct get: {e}"));
+    match out.status.code() {
+        Some(0) => Some(serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "`fastpath ct get -o json` printed no row: {e}\n{}",
+                String::from_utf8_lossy(&out.stdout)
+            )
+        })),
+        Some(1) if out.stdout.is_empty() => None,
+        _ => panic!(
+            "fastpath {}: {}\n{}{}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    }
+}
+
 fn render_table(rows: &[Row]) -> String {
     if rows.is_empty() {
         return "  (empty)\n".into();
@@ -855,6 +890,11 @@ fn udp_and_icmp_through_fp_are_tracked_and_assured() {
         expected.len()
     );
 
+    let unknown = Flow::new("udp", c4, 1, b4, 1);
+    assert!(
+        our_get(&daemon, &unknown).is_none(),
+        "`fastpath ct get` must exit 1 for a connection that is not tracked ({unknown})"
+    );
     for (flow, packets, assured) in expected {
         let row = ours
             .iter()
@@ -876,6 +916,18 @@ fn udp_and_icmp_through_fp_are_tracked_and_assured() {
                 "{flow}: expected {n} packets each way; {tables}"
             );
         }
+        // `ct get` finds the same connection from the reply direction's tuple.
+        let got = our_get(&daemon, &flow.reversed()).unwrap_or_else(|| {
+            panic!(
+                "`fastpath ct get` by {} found nothing; {tables}",
+                flow.reversed()
+            )
+        });
+        assert_eq!(
+            (got.flow(), got.packets(), got.assured),
+            (row.flow(), row.packets(), row.assured),
+            "`fastpath ct get` by the reply tuple shows another row than `ct list`; {tables}"
+        );
         let k = kernel
             .iter()
             .find(|e| e.flow() == *flow)
