@@ -1154,3 +1154,202 @@ fn ct_flush_empties_the_table_and_flows_are_picked_up_again() {
         closed.state
     );
 }
+
+/// Long-lived connections kept through the flood, and the lines each sends (one every 250 ms).
+const FLOOD_TALKERS: usize = 16;
+const FLOOD_LINES: usize = 48;
+/// Table size for the flood: small, so a few thousand SYNs overfill it many times over.
+const FLOOD_CAPACITY: u64 = 1024;
+
+/// (4) Table pressure with a real SYN flood: a conntrack table of 1024 entries, the stateful
+/// firewall on (so a connection whose entry went would have its packets dropped), 16
+/// established TCP connections exchanging a line every 250 ms, then `hping3 --flood
+/// --rand-source` SYNs for 5 s. The established connections keep their entries and every
+/// byte of their echo; the table stays exactly full; occupancy and the counters add up
+/// exactly (created − early-dropped − killed = entries); and the daemon answers throughout.
+#[test]
+fn syn_flood_past_capacity_keeps_established_connections() {
+    prepare_test(&["socat", "hping3", "timeout"]);
+    let dir = TempDir::new("ct-flood").expect("temp dir");
+    let lb = test_lb_topology(1);
+    let config = lb
+        .fp_config(&unique_pin_dir("ct-flood"))
+        .conntrack("capacity", FLOOD_CAPACITY)
+        .stateful_firewall();
+    let mut daemon = Daemon::start(bin(), lb.fp(), &config);
+    const PORT: u16 = 7000;
+    let _server = lb
+        .backend(0)
+        .spawn(&[
+            "socat",
+            "TCP4-LISTEN:7000,fork,reuseaddr,backlog=64",
+            "PIPE",
+        ])
+        .expect("starting the TCP echo server");
+    lb.backend(0)
+        .wait_listening("tcp", PORT, Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let backend = LbTopology::backend_v4(0);
+
+    // The long-lived connections: each echoes its lines back into its own file.
+    let expected = |k: usize| -> String {
+        (1..=FLOOD_LINES)
+            .map(|i| format!("c{k}-line{i}\n"))
+            .collect()
+    };
+    let mut talkers: Vec<_> = (0..FLOOD_TALKERS)
+        .map(|k| {
+            let out = dir.join(format!("talker{k}.out"));
+            let script = format!(
+                "for i in $(seq 1 {FLOOD_LINES}); do echo c{k}-line$i; sleep 0.25; done | socat -t 3 - TCP4:{backend}:{PORT} > {}",
+                out.display()
+            );
+            (
+                lb.client()
+                    .spawn(&["sh", "-c", &script])
+                    .expect("starting a socat client"),
+                out,
+            )
+        })
+        .collect();
+    let established = poll(Duration::from_secs(10), || {
+        let rows = our_table(&daemon);
+        let est: Vec<Row> = rows
+            .iter()
+            .filter(|r| r.original.dport == PORT && r.state == "ESTABLISHED" && r.assured)
+            .cloned()
+            .collect();
+        if est.len() == FLOOD_TALKERS {
+            Ok(est)
+        } else {
+            Err(format!(
+                "expected {FLOOD_TALKERS} established, assured connections to port {PORT}; ours:\n{}",
+                render_table(&rows)
+            ))
+        }
+    })
+    .unwrap_or_else(|seen| panic!("{seen}"));
+
+    // The flood, with `fastpath ct stats` timed while it runs.
+    let flood_start = Instant::now();
+    let (flood, stats_latencies) = thread::scope(|scope| {
+        let flood = scope.spawn(|| {
+            lb.client()
+                .exec_timeout(
+                    &[
+                        "timeout",
+                        "-s",
+                        "INT",
+                        "5",
+                        "hping3",
+                        "-S",
+                        "-p",
+                        "7000",
+                        "--flood",
+                        "--rand-source",
+                        "-q",
+                        &backend.to_string(),
+                    ],
+                    Duration::from_secs(20),
+                )
+                .unwrap_or_else(|e| panic!("hping3: {e}"))
+        });
+        let mut latencies = Vec::new();
+        thread::sleep(Duration::from_millis(1000));
+        for _ in 0..3 {
+            let t = Instant::now();
+            let s = our_stats(&daemon);
+            latencies.push((t.elapsed(), stat(&s, "entries")));
+            thread::sleep(Duration::from_millis(1000));
+        }
+        (flood.join().expect("flood thread"), latencies)
+    });
+    let flood_secs = flood_start.elapsed().as_secs_f64();
+    let hping = format!(
+        "{}{}",
+        String::from_utf8_lossy(&flood.stdout),
+        String::from_utf8_lossy(&flood.stderr)
+    );
+    let sent: u64 = hping
+        .lines()
+        .find_map(|l| {
+            l.split(" packets transmitted")
+                .next()
+                .filter(|_| l.contains("packets transmitted"))
+        })
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no hping3 statistics in its output:\n{hping}"));
+    assert!(
+        daemon.is_running(),
+        "the daemon died during the flood; log:\n{}",
+        daemon.log()
+    );
+    thread::sleep(Duration::from_millis(500));
+
+    // Exact accounting once the flood has stopped: nothing expired yet (SYN timeouts are
+    // minutes), nothing flushed, so every entry is a creation not undone.
+    let s = our_stats(&daemon);
+    let (entries, capacity) = (stat(&s, "entries"), stat(&s, "capacity"));
+    let (new, early, killed) = (stat(&s, "new"), stat(&s, "early_drop"), stat(&s, "killed"));
+    eprintln!(
+        "flood: hping3 sent {sent} SYNs in {flood_secs:.1} s; ct stats after: {s:?}; `fastpath ct stats` during the flood took {:?}",
+        stats_latencies
+    );
+    assert_eq!(capacity, FLOOD_CAPACITY, "{s:?}");
+    assert!(
+        new > 4 * FLOOD_CAPACITY && early > 0,
+        "the flood must overfill the table many times (new {new}, early_drop {early}); {s:?}\n{hping}"
+    );
+    assert_eq!(
+        entries, capacity,
+        "a flood of new connections leaves the table exactly full; {s:?}"
+    );
+    assert_eq!(
+        new - early - killed,
+        entries,
+        "occupancy must equal created − early-dropped − killed exactly; {s:?}"
+    );
+    for (took, _) in &stats_latencies {
+        assert!(
+            *took < Duration::from_secs(3),
+            "`fastpath ct stats` took {took:?} during the flood: {stats_latencies:?}"
+        );
+    }
+
+    // Every established connection kept its entry, assured, and every byte of its echo.
+    for row in &established {
+        let now = our_get(&daemon, &row.flow())
+            .unwrap_or_else(|| panic!("{} lost its entry in the flood; {s:?}", row.flow()));
+        assert!(
+            now.state == "ESTABLISHED" && now.assured && now.packets() > row.packets(),
+            "{}: expected still ESTABLISHED, assured and moving; before {row:?}, now {now:?}",
+            row.flow()
+        );
+    }
+    for (k, (talker, out)) in talkers.iter_mut().enumerate() {
+        let status = talker
+            .wait_exit(Duration::from_secs(30))
+            .unwrap_or_else(|| panic!("talker {k} did not finish; {}", talker.log()));
+        let got = fs::read_to_string(&*out).unwrap_or_default();
+        assert!(
+            status.success() && got == expected(k),
+            "talker {k}: {status}, echoed {} of {} bytes; its log: {}",
+            got.len(),
+            expected(k).len(),
+            talker.log()
+        );
+    }
+    let reasons = host_run(&[
+        bin().as_os_str(),
+        "stats".as_ref(),
+        "--pin-dir".as_ref(),
+        daemon.pin_dir().as_os_str(),
+    ])
+    .unwrap_or_else(|e| panic!("fastpath stats: {e}"));
+    eprintln!("fastpath stats after the flood:\n{reasons}");
+    assert!(
+        daemon.stop().success(),
+        "the daemon must stop cleanly after the flood; log:\n{}",
+        daemon.log()
+    );
+}

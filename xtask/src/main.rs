@@ -36,6 +36,7 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "tcpdump",
     "conntrack",
     "nftables",
+    "hping3",
 ];
 
 const USAGE: &str = "\

@@ -1039,6 +1039,11 @@ pub struct DaemonConfig {
     /// `datapath.drop_malformed`; false (the daemon's default) unless set.
     pub drop_malformed: bool,
     pub interfaces: Vec<HookedInterface>,
+    /// `[conntrack]` keys and `[conntrack.timeouts]` keys, as TOML `key = value` lines.
+    pub conntrack: Vec<String>,
+    pub conntrack_timeouts: Vec<String>,
+    /// Interfaces with `stateful_firewall = true`.
+    pub firewall: Vec<String>,
 }
 
 impl DaemonConfig {
@@ -1047,7 +1052,28 @@ impl DaemonConfig {
             pin_dir: pin_dir.to_owned(),
             drop_malformed: false,
             interfaces: Vec::new(),
+            conntrack: Vec::new(),
+            conntrack_timeouts: Vec::new(),
+            firewall: Vec::new(),
         }
+    }
+
+    /// Sets a `[conntrack]` key (`capacity`, `gc_interval_ms`) to a TOML value.
+    pub fn conntrack(mut self, key: &str, value: impl std::fmt::Display) -> DaemonConfig {
+        self.conntrack.push(format!("{key} = {value}"));
+        self
+    }
+
+    /// Sets a `[conntrack.timeouts]` key, in seconds.
+    pub fn ct_timeout(mut self, key: &str, secs: u32) -> DaemonConfig {
+        self.conntrack_timeouts.push(format!("{key} = {secs}"));
+        self
+    }
+
+    /// Turns the stateful firewall on for every interface configured so far.
+    pub fn stateful_firewall(mut self) -> DaemonConfig {
+        self.firewall = self.interfaces.iter().map(|i| i.name.clone()).collect();
+        self
     }
 
     /// Sets `datapath.drop_malformed`.
@@ -1077,10 +1103,23 @@ impl DaemonConfig {
             self.pin_dir.display().to_string(),
             self.drop_malformed
         );
+        if !self.conntrack.is_empty() {
+            s.push_str(&format!("\n[conntrack]\n{}\n", self.conntrack.join("\n")));
+        }
+        if !self.conntrack_timeouts.is_empty() {
+            s.push_str(&format!(
+                "\n[conntrack.timeouts]\n{}\n",
+                self.conntrack_timeouts.join("\n")
+            ));
+        }
         for i in &self.interfaces {
             s.push_str(&format!(
-                "\n[[interface]]\nname = {:?}\nxdp = {:?}\ntc_ingress = {}\ntc_egress = {}\n",
-                i.name, i.xdp, i.tc_ingress, i.tc_egress
+                "\n[[interface]]\nname = {:?}\nxdp = {:?}\ntc_ingress = {}\ntc_egress = {}\nstateful_firewall = {}\n",
+                i.name,
+                i.xdp,
+                i.tc_ingress,
+                i.tc_egress,
+                self.firewall.contains(&i.name)
             ));
         }
         s
