@@ -1353,3 +1353,99 @@ fn syn_flood_past_capacity_keeps_established_connections() {
         daemon.log()
     );
 }
+
+/// Sends `count` bare ACKs (no connection) from the client to `target:port` with hping3 and
+/// returns how many replies came back (the backend answers a stray ACK with a RST).
+fn stray_acks(client: &Netns, target: IpAddr, port: u16, count: u32) -> u64 {
+    let (count_s, port_s, target_s) = (count.to_string(), port.to_string(), target.to_string());
+    let out = client
+        .exec(&[
+            "hping3", "-A", "-p", &port_s, "-c", &count_s, "-i", "u100000", &target_s,
+        ])
+        .unwrap_or_else(|e| panic!("hping3: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text.lines()
+        .find(|l| l.contains("packets received"))
+        .and_then(|l| l.split(", ").nth(1))
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no hping3 statistics in its output:\n{text}"))
+}
+
+/// (5) The stateful firewall with real traffic, next to the same topology without it: curl
+/// works either way; ACKs that belong to no connection reach the backend (which answers with
+/// RSTs) only without the firewall, and are dropped with `fw_no_connection` with it; the ICMP
+/// port unreachable answering a UDP datagram passes the firewall as related, so the client
+/// sees "Connection refused" at once.
+#[test]
+fn stateful_firewall_drops_strays_and_passes_related_errors() {
+    prepare_test(&["curl", "nginx", "hping3", "socat"]);
+    let dir = TempDir::new("ct-firewall").expect("temp dir");
+    let lb = test_lb_topology(1);
+    let server = lb
+        .backend(0)
+        .http_server(80)
+        .unwrap_or_else(|e| panic!("starting nginx: {e}"));
+    fs::write(server.root().join("index.html"), PAGE).expect("writing the page");
+    let backend: IpAddr = LbTopology::backend_v4(0).into();
+    let url = format!("http://{backend}:80/index.html");
+    const ACKS: u32 = 5;
+
+    for firewall in [false, true] {
+        let role = if firewall { "ct-fw-on" } else { "ct-fw-off" };
+        let mut config = lb.fp_config(&unique_pin_dir(role));
+        if firewall {
+            config = config.stateful_firewall();
+        }
+        let mut daemon = Daemon::start(bin(), lb.fp(), &config);
+        curl(
+            lb.client(),
+            &url,
+            &dir.join(format!("{role}.html")),
+            PAGE,
+            false,
+        );
+        let replies = stray_acks(lb.client(), backend, 80, ACKS);
+        let refused = lb
+            .client()
+            .exec(&[
+                "sh",
+                "-c",
+                &format!("echo x | socat -t 2 - UDP4:{backend}:9999"),
+            ])
+            .unwrap_or_else(|e| panic!("socat: {e}"));
+        let refused_text = String::from_utf8_lossy(&refused.stderr).to_string();
+        let stats = fastpath::datapath::pinned_stats(daemon.pin_dir())
+            .unwrap_or_else(|e| panic!("reading stats: {e}"));
+        let ct = our_stats(&daemon);
+        let fw_drops = stats.packets_for_reason(fastpath_common::reason::FW_NO_CONNECTION);
+        eprintln!(
+            "firewall {firewall}: {replies} of {ACKS} stray ACKs answered; fw_no_connection {fw_drops}; related {}; socat: {}",
+            stat(&ct, "related"),
+            refused_text.trim()
+        );
+        assert!(
+            refused_text.contains("Connection refused"),
+            "firewall {firewall}: the port unreachable must reach the client; socat said {refused_text:?}"
+        );
+        assert!(stat(&ct, "related") >= 1, "firewall {firewall}: {ct:?}");
+        if firewall {
+            assert_eq!(
+                (replies, fw_drops),
+                (0, u64::from(ACKS)),
+                "with the firewall, every stray ACK is dropped at fp with fw_no_connection"
+            );
+        } else {
+            assert_eq!(
+                (replies, fw_drops),
+                (u64::from(ACKS), 0),
+                "without the firewall, the stray ACKs reach the backend, which answers each with a RST"
+            );
+        }
+        assert!(daemon.stop().success(), "{}", daemon.log());
+    }
+}
