@@ -15,7 +15,7 @@ use anyhow::{Context as _, Result, bail};
 use fastpath::{
     stats::StatsSnapshot,
     testkit::netns::{
-        Daemon, HttpServer, LbTopology, PREFIX, lb_topology, sweep_stale, unique_pin_dir,
+        Daemon, HttpServer, LbTopology, PREFIX, host_run, lb_topology, sweep_stale, unique_pin_dir,
     },
 };
 use fastpath_common::{Hook, Verdict};
@@ -138,6 +138,46 @@ fn run() -> Result<()> {
     let after_traffic = daemon.stats();
     print_counters("What the datapath did", &after_traffic.delta(&start));
 
+    step("Conntrack: the connections the datapath tracked (fastpath ct list / stats)")?;
+    let pin = daemon.pin_dir().to_string_lossy().into_owned();
+    let list = host_run(&[
+        bin.as_os_str(),
+        "ct".as_ref(),
+        "list".as_ref(),
+        "--pin-dir".as_ref(),
+        pin.as_ref(),
+    ])
+    .context("fastpath ct list")?;
+    println!("{}", indent(&list));
+    let stats = host_run(&[
+        bin.as_os_str(),
+        "ct".as_ref(),
+        "stats".as_ref(),
+        "--pin-dir".as_ref(),
+        pin.as_ref(),
+    ])
+    .context("fastpath ct stats")?;
+    let wanted = [
+        "entries",
+        "capacity",
+        "new",
+        "assured",
+        "closed",
+        "related",
+        "early_drop",
+        "events_lost",
+    ];
+    let shown: Vec<&str> = stats
+        .lines()
+        .filter(|l| {
+            wanted
+                .iter()
+                .any(|w| l.split_whitespace().next() == Some(*w))
+        })
+        .collect();
+    println!("{}", indent(&shown.join("\n")));
+    let tracked = list.lines().count();
+
     step("kill -9 the daemon: the pinned programs keep running")?;
     daemon.kill9();
     let before = daemon.stats();
@@ -173,6 +213,21 @@ fn run() -> Result<()> {
         bail!("counters went back across the restart: {was} packets on xdp before, {now} after");
     }
     println!("  counters continue: {was} packets on xdp before the restart, {now} after");
+    let list = host_run(&[
+        bin.as_os_str(),
+        "ct".as_ref(),
+        "list".as_ref(),
+        "--pin-dir".as_ref(),
+        pin.as_ref(),
+    ])
+    .context("fastpath ct list")?;
+    let kept = list.lines().count();
+    if kept < tracked {
+        bail!(
+            "the conntrack table lost entries across the restart: {tracked} before, {kept} after"
+        );
+    }
+    println!("  conntrack table continues: {tracked} connections before the restart, {kept} after");
 
     step("Clean stop: SIGTERM detaches everything")?;
     let status = daemon.stop();
@@ -230,6 +285,10 @@ fn traffic(lb: &LbTopology) -> Result<()> {
     lb.client().run(&["sh", "-c", &script])?;
     println!("  udp: 20 datagrams to {}:9000", LbTopology::backend_v4(2));
     drop(sink);
+    // One datagram to a closed port: the backend's ICMP port unreachable is related to it.
+    let script = format!("echo probe | socat -u - UDP4-SENDTO:{b0v4}:9999");
+    lb.client().run(&["sh", "-c", &script])?;
+    println!("  udp: 1 datagram to {b0v4}:9999 (closed: answered with ICMP port unreachable)");
     Ok(())
 }
 
@@ -258,7 +317,7 @@ fn print_counters(title: &str, delta: &StatsSnapshot) {
         .map(|r| r.packets)
         .sum();
     println!(
-        "  {total} packet-hook events, {kernel} handed to the kernel (the slow path): no forwarding stage exists yet; conntrack, LB and NAT land next."
+        "  {total} packet-hook events, {kernel} handed to the kernel (the slow path): conntrack tracks them (below); no forwarding stage exists yet: LB and NAT land next."
     );
 }
 
