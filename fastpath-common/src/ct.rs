@@ -213,9 +213,10 @@ pub const UDP_STREAM_AFTER_NS: u64 = 2_000_000_000;
 
 /// A connection key that is the same for both directions: the (address, port) pairs are
 /// ordered, lower first. Addresses as on the wire; IPv4 uses the first 4 bytes. For ICMP echo
-/// both ports hold the echo identifier.
+/// both ports hold the echo identifier. 8-aligned so the datapath can fill it with word
+/// stores.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[repr(C)]
+#[repr(C, align(8))]
 pub struct CtKey {
     pub addr_lo: [u8; 16],
     pub addr_hi: [u8; 16],
@@ -229,6 +230,7 @@ pub struct CtKey {
     pub _pad: [u8; 2],
 }
 const _: () = assert!(core::mem::size_of::<CtKey>() == 40);
+const _: () = assert!(core::mem::align_of::<CtKey>() == 8);
 const _: () = assert!(core::mem::offset_of!(CtKey, port_lo) == 32);
 
 /// `CtKey` for a packet from (src, sport) to (dst, dport), and whether the packet's source is

@@ -167,10 +167,8 @@ fn load_key(
         let Some(a) = pkt.load::<[u8; 8]>(l3_off + 12) else {
             return false;
         };
-        key.addr_lo = [0; 16];
-        key.addr_hi = [0; 16];
-        key.addr_lo[..4].copy_from_slice(&a[..4]);
-        key.addr_hi[..4].copy_from_slice(&a[4..]);
+        store_v4(&mut key.addr_lo, [a[0], a[1], a[2], a[3]]);
+        store_v4(&mut key.addr_hi, [a[4], a[5], a[6], a[7]]);
     } else {
         match (
             pkt.load::<[u8; 16]>(l3_off + 8),
@@ -189,6 +187,23 @@ fn load_key(
     key.family = family;
     key._pad = [0; 2];
     true
+}
+
+/// An IPv4 address into a 16-byte key field, the rest zero, as two word stores.
+/// verifier/perf: `= [0; 16]` compiles to an out-of-line BPF `memset` call, and a BPF-to-BPF
+/// call costs tens of ns where `ret` is mitigated (AMD SRSO "Safe RET").
+#[inline(always)]
+fn store_v4(dst: &mut [u8; 16], a: [u8; 4]) {
+    let words = (dst as *mut [u8; 16]).cast::<u64>();
+    // SAFETY: `dst` is 16 bytes and 8-aligned (CtKey is `align(8)` and both address fields
+    // sit at offsets 0 and 16); any bytes are a valid [u8; 16].
+    unsafe {
+        core::ptr::write_volatile(
+            words,
+            u64::from_ne_bytes([a[0], a[1], a[2], a[3], 0, 0, 0, 0]),
+        );
+        core::ptr::write_volatile(words.add(1), 0);
+    }
 }
 
 /// An ICMP error: looks up the connection of the packet it quotes (the inner IP header and
