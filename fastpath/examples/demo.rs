@@ -140,23 +140,9 @@ fn run() -> Result<()> {
 
     step("Conntrack: the connections the datapath tracked (fastpath ct list / stats)")?;
     let pin = daemon.pin_dir().to_string_lossy().into_owned();
-    let list = host_run(&[
-        bin.as_os_str(),
-        "ct".as_ref(),
-        "list".as_ref(),
-        "--pin-dir".as_ref(),
-        pin.as_ref(),
-    ])
-    .context("fastpath ct list")?;
+    let list = ct(&bin, &pin, "list")?;
     println!("{}", indent(&list));
-    let stats = host_run(&[
-        bin.as_os_str(),
-        "ct".as_ref(),
-        "stats".as_ref(),
-        "--pin-dir".as_ref(),
-        pin.as_ref(),
-    ])
-    .context("fastpath ct stats")?;
+    let stats = ct(&bin, &pin, "stats")?;
     let wanted = [
         "entries",
         "capacity",
@@ -213,14 +199,7 @@ fn run() -> Result<()> {
         bail!("counters went back across the restart: {was} packets on xdp before, {now} after");
     }
     println!("  counters continue: {was} packets on xdp before the restart, {now} after");
-    let list = host_run(&[
-        bin.as_os_str(),
-        "ct".as_ref(),
-        "list".as_ref(),
-        "--pin-dir".as_ref(),
-        pin.as_ref(),
-    ])
-    .context("fastpath ct list")?;
+    let list = ct(&bin, &pin, "list")?;
     let kept = list.lines().count();
     if kept < tracked {
         bail!(
@@ -244,6 +223,18 @@ fn run() -> Result<()> {
     println!("  daemon exited with {status}; no XDP on cl0, pin directory removed");
     drop(servers);
     Ok(())
+}
+
+/// `fastpath ct <command> --pin-dir <pin>`: its output.
+fn ct(bin: &std::path::Path, pin: &str, command: &str) -> Result<String> {
+    host_run(&[
+        bin.as_os_str(),
+        "ct".as_ref(),
+        command.as_ref(),
+        "--pin-dir".as_ref(),
+        pin.as_ref(),
+    ])
+    .with_context(|| format!("fastpath ct {command}"))
 }
 
 fn traffic(lb: &LbTopology) -> Result<()> {

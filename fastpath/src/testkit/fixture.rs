@@ -21,7 +21,7 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap as BpfHashMap, MapError, PerCpuArray, RingBuf},
+    maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray, RingBuf},
     programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions, TestRunResult, Xdp},
 };
 use fastpath_common::{
@@ -671,15 +671,20 @@ impl Fixture {
         }
     }
 
-    /// Deletes every entry of `FP_CT`; returns how many there were.
-    pub fn ct_clear(&mut self) -> Result<usize, FixtureError> {
+    /// `FP_CT`, writable.
+    fn ct_table_mut(&mut self) -> Result<BpfHashMap<&mut MapData, CtKey, CtEntry>, FixtureError> {
         let name = map_names::CT;
         let map = self
             .ebpf
             .map_mut(name)
             .ok_or(FixtureError::MissingMap { name })?;
-        let mut table: BpfHashMap<_, CtKey, CtEntry> =
-            BpfHashMap::try_from(map).map_err(map_error(name))?;
+        BpfHashMap::try_from(map).map_err(map_error(name))
+    }
+
+    /// Deletes every entry of `FP_CT`; returns how many there were.
+    pub fn ct_clear(&mut self) -> Result<usize, FixtureError> {
+        let name = map_names::CT;
+        let mut table = self.ct_table_mut()?;
         // Keys first: deleting while walking would restart the kernel's iteration.
         let keys = table
             .keys()
@@ -704,12 +709,7 @@ impl Fixture {
     /// no fixture packet uses), last seen `now_ns`: table pressure for benchmarks.
     pub fn ct_fill(&mut self, n: u32, now_ns: u64) -> Result<(), FixtureError> {
         let name = map_names::CT;
-        let map = self
-            .ebpf
-            .map_mut(name)
-            .ok_or(FixtureError::MissingMap { name })?;
-        let mut table: BpfHashMap<_, CtKey, CtEntry> =
-            BpfHashMap::try_from(map).map_err(map_error(name))?;
+        let mut table = self.ct_table_mut()?;
         for i in 0..n {
             let b = i.to_be_bytes();
             let mut lo = [0u8; 16];
@@ -740,12 +740,7 @@ impl Fixture {
     /// Moves a connection's creation and last-seen times `ns` back, as if that time passed.
     pub fn ct_age(&mut self, key: &CtKey, ns: u64) -> Result<(), FixtureError> {
         let name = map_names::CT;
-        let map = self
-            .ebpf
-            .map_mut(name)
-            .ok_or(FixtureError::MissingMap { name })?;
-        let mut table: BpfHashMap<_, CtKey, CtEntry> =
-            BpfHashMap::try_from(map).map_err(map_error(name))?;
+        let mut table = self.ct_table_mut()?;
         let mut e = match table.get(key, 0) {
             Ok(e) => e,
             Err(MapError::KeyNotFound) => return Ok(()),
