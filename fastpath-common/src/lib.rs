@@ -4,6 +4,7 @@
 //! append-only: pinned maps survive a daemon upgrade, so a field or code never moves.
 #![no_std]
 
+pub mod csum;
 pub mod ct;
 pub mod reason;
 pub mod stats;
