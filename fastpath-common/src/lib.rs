@@ -37,4 +37,15 @@ pub mod program_names {
     /// Empty programs measured as the benchmark floor; never attached.
     pub const BENCH_FLOOR_XDP: &str = "bench_floor_xdp";
     pub const BENCH_FLOOR_TC: &str = "bench_floor_tc";
+    /// Synthetic conntrack event producer for the ring-drain benchmark; never attached.
+    pub const BENCH_CT_EVENTS: &str = "bench_ct_events";
+}
+
+/// What the benchmark programs do, shared by the programs and the benchmark that drives them.
+pub mod bench {
+    /// Conntrack events one run of `bench_ct_events` emits. Each is a NEW event for a UDP key
+    /// whose ports hold a sequence number (`port_lo` the low 16 bits, `port_hi` the next 16)
+    /// and whose `ts_ns` is the full sequence number: consecutive over every run of one loaded
+    /// object, so a consumer sees any loss or reordering.
+    pub const CT_EVENTS_PER_RUN: u32 = 32;
 }

@@ -446,7 +446,7 @@ fn update(
 
 /// Writes an event straight into the ring (no stack copy); counts it as lost if full.
 #[inline(always)]
-fn emit(key: &CtKey, kind: u8, e: &CtEntry, now: u64) {
+pub(crate) fn emit(key: &CtKey, kind: u8, e: &CtEntry, now: u64) {
     let Some(mut slot) = FP_CT_EVENTS.reserve::<CtEvent>(0) else {
         count(ct_stat::EVENTS_LOST);
         return;

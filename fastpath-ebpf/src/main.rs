@@ -3,6 +3,7 @@
 #![no_std]
 #![no_main]
 
+mod bench;
 mod conntrack;
 mod maps;
 mod packet;
@@ -119,6 +120,14 @@ fn tc_packet(ctx: &TcContext) -> Packet {
 /// Empty XDP program: the floor `cargo xtask bench` measures in the same run. Never attached.
 #[xdp]
 pub fn bench_floor_xdp(_ctx: XdpContext) -> u32 {
+    xdp_action::XDP_PASS
+}
+
+/// Synthetic conntrack event producer for the ring-drain benchmark: each run emits a fixed
+/// batch of numbered events through the conntrack stage's `emit`. Never attached.
+#[xdp]
+pub fn bench_ct_events(_ctx: XdpContext) -> u32 {
+    bench::ct_events();
     xdp_action::XDP_PASS
 }
 

@@ -75,3 +75,10 @@ pub static FP_PKT_CTX: PerCpuArray<Parsed> = PerCpuArray::with_max_entries(1, 0)
 /// copies of 16-byte addresses) and used for the lookup and insert.
 #[map(name = "FP_CT_KEY")]
 pub static FP_CT_KEY: PerCpuArray<CtKey> = PerCpuArray::with_max_entries(1, 0);
+
+/// Next sequence number of `bench_ct_events` (index 0): the benchmark's synthetic producer,
+/// never run on live traffic. Shared by all CPUs, not per-CPU, so the sequence stays one
+/// sequence when the benchmark's single producer thread moves between CPUs. Not pinned: each
+/// load starts at 0.
+#[map(name = "FP_BENCH_SEQ")]
+pub static FP_BENCH_SEQ: Array<u64> = Array::with_max_entries(1, 0);

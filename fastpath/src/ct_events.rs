@@ -80,6 +80,23 @@ impl EventHub {
     }
 }
 
+/// Where raw event records come from: the datapath's ring buffer (`datapath` implements this
+/// for aya's `RingBuf`), or a queue in tests.
+pub trait RecordSource {
+    /// Passes the oldest record to `f`, then consumes it; false when there is none.
+    fn pop_with(&mut self, f: impl FnOnce(&[u8])) -> bool;
+}
+
+/// Publishes every record `ring` holds now, oldest first; returns how many it took (malformed
+/// ones included). Never blocks: a caller waits for the ring's readiness, then drains.
+pub fn drain(ring: &mut impl RecordSource, hub: &EventHub) -> usize {
+    let mut n = 0;
+    while ring.pop_with(|record| hub.publish_record(record)) {
+        n += 1;
+    }
+    n
+}
+
 /// A `CtEvent` from a ring record, if it has exactly the right size.
 pub fn decode(record: &[u8]) -> Option<CtEvent> {
     if record.len() != size_of::<CtEvent>() {
@@ -209,6 +226,45 @@ mod tests {
         );
         assert_eq!(hub.stats.drained.load(Ordering::Relaxed), 1);
         assert_eq!(hub.stats.malformed.load(Ordering::Relaxed), 1);
+    }
+
+    /// A ring stand-in: records in arrival order.
+    impl RecordSource for std::collections::VecDeque<Vec<u8>> {
+        fn pop_with(&mut self, f: impl FnOnce(&[u8])) -> bool {
+            match self.pop_front() {
+                Some(record) => {
+                    f(&record);
+                    true
+                }
+                None => false,
+            }
+        }
+    }
+
+    #[test]
+    fn drain_publishes_every_record_in_order_and_empties_the_ring() {
+        let hub = EventHub::new();
+        let mut rx = hub.subscribe();
+        let evs = [
+            event(ct_event::NEW, tcp_state::SYN_SENT, 0),
+            event(ct_event::ESTABLISHED, tcp_state::ESTABLISHED, CT_F_ASSURED),
+            event(ct_event::CLOSED, tcp_state::TIME_WAIT, CT_F_ASSURED),
+        ];
+        let mut ring: std::collections::VecDeque<Vec<u8>> = evs.iter().map(bytes).collect();
+        ring.insert(1, vec![0u8; 3]);
+        assert_eq!(
+            drain(&mut ring, &hub),
+            4,
+            "every record is taken, malformed too"
+        );
+        assert!(ring.is_empty());
+        for ev in &evs {
+            assert_eq!(rx.try_recv().expect("each event, in ring order"), *ev);
+        }
+        assert!(rx.try_recv().is_err(), "nothing beyond the ring's events");
+        assert_eq!(hub.stats.drained.load(Ordering::Relaxed), 3);
+        assert_eq!(hub.stats.malformed.load(Ordering::Relaxed), 1);
+        assert_eq!(drain(&mut ring, &hub), 0, "an empty ring drains nothing");
     }
 
     #[test]

@@ -148,10 +148,7 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
             _ = sigterm.recv() => { info!("SIGTERM received"); break; }
             ready = ct_ring.readable_mut() => {
                 if let Ok(mut guard) = ready {
-                    let ring = guard.get_inner_mut();
-                    while let Some(record) = ring.next() {
-                        hub.publish_record(&record);
-                    }
+                    ct_events::drain(guard.get_inner_mut(), &hub);
                     guard.clear_ready();
                 }
             }

@@ -39,6 +39,7 @@ use tracing::{info, warn};
 
 use crate::{
     config::{InterfaceConfig, XdpMode},
+    ct_events::RecordSource,
     stats::{StatsError, StatsSnapshot},
 };
 
@@ -240,7 +241,7 @@ impl Datapath {
     }
 
     /// Takes the conntrack event ring so the daemon can drain it.
-    pub fn take_ct_events(&mut self) -> Result<RingBuf<MapData>, DatapathError> {
+    pub fn take_ct_events(&mut self) -> Result<CtEventRing, DatapathError> {
         let map = self
             .ebpf
             .take_map(map_names::CT_EVENTS)
@@ -620,6 +621,46 @@ pub fn remove_pins(pin_dir: &Path) -> Result<(), DatapathError> {
     }
     let _ = fs::remove_dir(pin_dir);
     Ok(())
+}
+
+/// The conntrack event ring (`FP_CT_EVENTS`), opened for draining.
+pub type CtEventRing = RingBuf<MapData>;
+
+/// The conntrack event ring drains through [`crate::ct_events::drain`].
+impl<T> RecordSource for RingBuf<T> {
+    fn pop_with(&mut self, f: impl FnOnce(&[u8])) -> bool {
+        match self.next() {
+            Some(record) => {
+                f(&record);
+                // Dropping the item hands its space back to the kernel.
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// The conntrack event ring pinned at `map_path`, opened for draining, and its size in bytes
+/// (for tools and benchmarks; the daemon takes its own with [`Datapath::take_ct_events`]).
+/// Only one reader may drain a ring at a time.
+pub fn open_ct_events_pin(map_path: &Path) -> Result<(CtEventRing, u32), DatapathError> {
+    let data = MapData::from_pin(map_path).map_err(|source| DatapathError::Map {
+        what: format!("opening {}", map_path.display()),
+        source,
+    })?;
+    let bytes = data
+        .info()
+        .map_err(|source| DatapathError::Map {
+            what: format!("reading the size of {}", map_path.display()),
+            source,
+        })?
+        .max_entries();
+    let ring =
+        RingBuf::try_from(aya::maps::Map::RingBuf(data)).map_err(|source| DatapathError::Map {
+            what: "opening FP_CT_EVENTS".into(),
+            source,
+        })?;
+    Ok((ring, bytes))
 }
 
 /// The conntrack table as the daemon's expiry sees it: walked in batches, deleted by key.

@@ -300,7 +300,8 @@ pub struct Fixture {
 }
 
 impl Fixture {
-    /// Loads [`crate::EBPF_OBJECT`] with fresh maps and loads (verifies) all three programs.
+    /// Loads [`crate::EBPF_OBJECT`] with fresh maps and loads (verifies) every program: the
+    /// three entry points and the benchmark programs.
     pub fn new() -> Result<Self, FixtureError> {
         Fixture::with_ct_capacity(crate::config::DEFAULT_CT_CAPACITY)
     }
@@ -314,7 +315,11 @@ impl Fixture {
             .map_max_entries(map_names::CT_NEW, capacity)
             .load(crate::EBPF_OBJECT)
             .map_err(|source| FixtureError::Load { source })?;
-        for name in [program_names::XDP, program_names::BENCH_FLOOR_XDP] {
+        for name in [
+            program_names::XDP,
+            program_names::BENCH_FLOOR_XDP,
+            program_names::BENCH_CT_EVENTS,
+        ] {
             let xdp: &mut Xdp = program_mut(&mut ebpf, name)?;
             xdp.load()
                 .map_err(|source| FixtureError::Program { name, source })?;
@@ -380,6 +385,28 @@ impl Fixture {
         };
         let mut out = vec![0u8; input.len() + OUTPUT_SLACK];
         let res = self.test_run_program(name, hook, input, &mut out, repeat.max(1), None)?;
+        Ok(RepeatRun {
+            verdict: res.return_value,
+            per_run: res.duration,
+        })
+    }
+
+    /// Runs the synthetic conntrack event producer (`bench_ct_events`) `runs` times: each run
+    /// emits [`fastpath_common::bench::CT_EVENTS_PER_RUN`] numbered events into `FP_CT_EVENTS`.
+    /// For the ring-drain benchmark; `&self`, so it can run while another thread drains. For
+    /// throughput call it with `runs` = 1: with more, the kernel swaps the XDP dispatcher in
+    /// and out around its loop, an RCU grace period per call.
+    pub fn run_ct_event_producer(&self, runs: u32) -> Result<RepeatRun, FixtureError> {
+        let input = [0u8; MIN_INPUT_LEN];
+        let mut out = vec![0u8; MIN_INPUT_LEN + OUTPUT_SLACK];
+        let res = self.test_run_program(
+            program_names::BENCH_CT_EVENTS,
+            Hook::Xdp,
+            &input,
+            &mut out,
+            runs.max(1),
+            None,
+        )?;
         Ok(RepeatRun {
             verdict: res.return_value,
             per_run: res.duration,
