@@ -19,7 +19,10 @@ pub const fn fold(mut sum: u64) -> u16 {
 /// Ones'-complement sum of big-endian 16-bit words of `bytes` (odd length: zero padded).
 pub fn sum_bytes(bytes: &[u8]) -> u64 {
     let (words, rest) = bytes.as_chunks::<2>();
-    let mut sum: u64 = words.iter().map(|w| u64::from(u16::from_be_bytes(*w))).sum();
+    let mut sum: u64 = words
+        .iter()
+        .map(|w| u64::from(u16::from_be_bytes(*w)))
+        .sum();
     if let [last] = rest {
         sum += u64::from(*last) << 8;
     }

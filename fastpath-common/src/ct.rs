@@ -424,6 +424,8 @@ pub struct CtEvent {
     pub _pad: [u8; 5],
 }
 const _: () = assert!(core::mem::size_of::<CtEvent>() == 56);
+const _: () =
+    assert!(core::mem::offset_of!(CtEvent, key) == 8 && core::mem::offset_of!(CtEvent, kind) == 48);
 
 /// Per-interface datapath settings (`FP_IFACE`, keyed by ifindex), written by the daemon.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -451,14 +451,25 @@ pub(crate) fn emit(key: &CtKey, kind: u8, e: &CtEntry, now: u64) {
         count(ct_stat::EVENTS_LOST);
         return;
     };
-    slot.write(CtEvent {
-        ts_ns: now,
-        key: *key,
-        kind,
-        state: e.state,
-        flags: e.flags,
-        _pad: [0; 5],
-    });
+    // perf: word stores into the slot. A struct write zeroes the padding with an out-of-line
+    // BPF `memset` call (tens of ns where `ret` is mitigated).
+    let words = slot.as_mut_ptr().cast::<u64>();
+    let key_words = (key as *const CtKey).cast::<u64>();
+    // SAFETY: the slot is a reserved, 8-aligned CtEvent (7 words: ts, 5 key words, then
+    // kind/state/flags and padding); CtKey is 5 words and 8-aligned. Any bytes are a valid
+    // CtEvent.
+    unsafe {
+        core::ptr::write_volatile(words, now);
+        let mut i = 0;
+        while i < 5 {
+            core::ptr::write_volatile(words.add(1 + i), core::ptr::read_volatile(key_words.add(i)));
+            i += 1;
+        }
+        core::ptr::write_volatile(
+            words.add(6),
+            u64::from_ne_bytes([kind, e.state, e.flags, 0, 0, 0, 0, 0]),
+        );
+    }
     slot.submit(0);
 }
 
