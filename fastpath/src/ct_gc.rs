@@ -16,6 +16,10 @@ use fastpath_common::ct::{CtEntry, CtEvent, CtKey, ct_event, timeout_of, timeout
 
 use crate::{ct_events::EventHub, datapath::CtTable};
 
+/// After a pass, the daemon waits at least this many times the pass's duration (and at least
+/// `gc_interval_ms`) before the next: expiry is bounded to 1/(1+9) = 10% of one CPU.
+pub const REST_FACTOR: u32 = 9;
+
 /// What the expiry has seen, for metrics and the CLI.
 #[derive(Debug, Default)]
 pub struct GcStats {
