@@ -301,8 +301,14 @@ pub const CT_F_SEEN_REPLY: u8 = 1 << 1;
 /// after 2 s; never ICMP. When the table is full, unassured entries are dropped to make room
 /// (early drop), assured ones never are.
 pub const CT_F_ASSURED: u8 = 1 << 2;
+/// A load-balanced connection's entry (client ↔ VIP): client packets are translated to the
+/// backend in `nat`.
+pub const CT_F_LB: u8 = 1 << 3;
+/// The alias entry of a load-balanced connection (client ↔ backend): the backend's replies are
+/// translated back to the VIP in `nat`; the state lives in the `CT_F_LB` entry.
+pub const CT_F_LB_ALIAS: u8 = 1 << 4;
 
-/// A tracked connection. Append-only layout; `_reserved` holds room for the NAT binding and
+/// A tracked connection. Append-only layout; `nat` holds the NAT binding and
 /// chosen backend that later stages share through the entry.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(C)]
@@ -317,9 +323,13 @@ pub struct CtEntry {
     pub state: u8,
     /// `CT_F_*`.
     pub flags: u8,
-    pub _pad: [u8; 6],
-    /// Reserved for NAT binding / backend (later issues); zero.
-    pub _reserved: [u64; 6],
+    /// Padding as naturally aligned words: the datapath builds entries on the BPF stack, where
+    /// the verifier refuses a store that is not aligned to its size.
+    pub _pad: u16,
+    pub _pad2: u32,
+    /// The NAT binding of a load-balanced connection (`CT_F_LB`, `CT_F_LB_ALIAS`); zero
+    /// otherwise.
+    pub nat: crate::lb::CtNat,
 }
 const _: () = assert!(core::mem::size_of::<CtEntry>() == 104);
 const _: () = assert!(core::mem::offset_of!(CtEntry, state) == 48);

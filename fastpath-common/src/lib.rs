@@ -6,6 +6,7 @@
 
 pub mod csum;
 pub mod ct;
+pub mod lb;
 pub mod reason;
 pub mod stats;
 
@@ -27,6 +28,16 @@ pub mod map_names {
     pub const CT_EVENTS: &str = "FP_CT_EVENTS";
     /// ifindex → [`crate::ct::IfaceConfig`].
     pub const IFACE: &str = "FP_IFACE";
+    /// [`crate::lb::SvcKey`] → [`crate::lb::Service`].
+    pub const SVC: &str = "FP_SVC";
+    /// Backend index → [`crate::lb::Backend`].
+    pub const BACKENDS: &str = "FP_BACKENDS";
+    /// Selection tables: backend indexes.
+    pub const LB_SLOTS: &str = "FP_LB_SLOTS";
+    /// Per-CPU [`crate::lb::SvcCounters`] by service id.
+    pub const SVC_STATS: &str = "FP_SVC_STATS";
+    /// Per-CPU [`crate::lb::BackendCounters`] by backend index.
+    pub const BACKEND_STATS: &str = "FP_BACKEND_STATS";
 }
 
 /// Names of the programs in the eBPF object.

@@ -88,8 +88,23 @@ pub const FW_ICMP_ERROR_NO_CONNECTION: u32 = 32;
 /// A new connection the table cannot take: full of assured connections (none to drop early).
 pub const FW_TABLE_FULL: u32 = 33;
 
+// --- Load balancing (XDP). Translated packets are routed by the kernel. ---
+/// A client packet of a load-balanced connection, translated to its backend (DNAT).
+pub const LB_TO_BACKEND: u32 = 34;
+/// A backend's reply, translated back to the service's VIP.
+pub const LB_FROM_BACKEND: u32 = 35;
+/// A new connection to a service with no backend available (dropped or passed untranslated,
+/// as the service says).
+pub const LB_NO_BACKEND: u32 = 36;
+/// A load-balanced packet whose headers could not be rewritten (not in the writable bytes).
+pub const LB_REWRITE_FAILED: u32 = 37;
+
+/// A new load-balanced connection the conntrack table cannot take (full of assured
+/// connections): dropped, since its replies could not be translated back.
+pub const LB_TABLE_FULL: u32 = 38;
+
 /// One past the highest code in use. Append new codes above this line and bump it.
-pub const COUNT: u32 = 34;
+pub const COUNT: u32 = 39;
 /// Slots reserved per (hook, verdict) in the stats map; codes must stay below this.
 pub const SLOTS: u32 = 64;
 
@@ -131,6 +146,11 @@ pub const NAMES: [&str; COUNT as usize] = [
     "fw_invalid_state",
     "fw_icmp_error_no_connection",
     "fw_table_full",
+    "lb_to_backend",
+    "lb_from_backend",
+    "lb_no_backend",
+    "lb_rewrite_failed",
+    "lb_table_full",
 ];
 
 /// Name of a code, or `"unknown"` for a code this build does not know (a newer datapath).

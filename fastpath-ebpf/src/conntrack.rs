@@ -4,23 +4,33 @@
 //! their inner header, counts, and emits events. With the interface's stateful firewall on, it
 //! also says which packets to drop.
 //!
-//! Contract: never changes the packet; runs at most once per packet per interface (the daemon
-//! picks the hook). Assured entries are never removed here; when the table is full the oldest
-//! unassured entry makes room (early drop).
+//! A new connection to a service gets its backend from the LB stage and keeps it as a NAT
+//! binding in two entries (see `fastpath_common::lb::CtNat`); the stage then says how to
+//! translate each of the connection's packets.
+//!
+//! Contract: never changes the packet itself (the pipeline rewrites what it is told to); runs
+//! at most once per packet per interface (the daemon picks the hook). Assured entries are never
+//! removed here; when the table is full the oldest unassured entry makes room (early drop).
 
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use fastpath_common::{
     Hook,
     ct::{
-        CT_F_ASSURED, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CtEntry, CtEvent, CtKey, DIR_ORIGINAL,
-        DIR_REPLY, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL,
-        TcpStep, UDP_STREAM_AFTER_NS, ct_event, ct_stat, tcp_state, tcp_step,
+        CT_F_ASSURED, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CtEntry, CtEvent,
+        CtKey, DIR_ORIGINAL, DIR_REPLY, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS,
+        IFACE_F_CT_XDP, IFACE_F_FIREWALL, TcpStep, UDP_STREAM_AFTER_NS, ct_event, ct_stat,
+        tcp_state, tcp_step,
     },
+    lb::{CtNat, SVC_F_NO_BACKEND_DROP, Service},
     reason,
 };
 
 use crate::{
-    maps::{FP_CT, FP_CT_EVENTS, FP_CT_KEY, FP_CT_NEW, FP_CT_STATS, FP_IFACE},
+    lb,
+    maps::{
+        FP_CT, FP_CT_EVENTS, FP_CT_KEY, FP_CT_KEY2, FP_CT_NEW, FP_CT_STATS, FP_IFACE, FP_SVC_KEY,
+    },
+    nat::End,
     packet::Packet,
     parse::{
         FAMILY_IPV4, FAMILY_IPV6, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, Parsed,
@@ -37,9 +47,29 @@ const EARLY_DROP_TRIES: usize = 8;
 /// The ICMP header before an error's inner packet.
 const ICMP_HDR_LEN: usize = 8;
 
+/// What the pipeline does with a tracked packet.
+pub enum Action {
+    /// Nothing beyond tracking: the packet goes on (to the kernel, for now).
+    Pass,
+    /// Drop it, counted under this reason (stateful firewall; a service without backends
+    /// that drops; a load-balanced connection the full table cannot take).
+    Drop(u32),
+    /// Hand it to the kernel untranslated, counted under this reason.
+    Kernel(u32),
+    /// Rewrite `end`'s address and port to `addr:port`, then hand it on, counted under
+    /// `reason` (`addr` points into a map value, valid for this program run).
+    Nat {
+        end: End,
+        addr: &'static [u8; 16],
+        port: u16,
+        reason: u32,
+    },
+}
+
 /// Tracks `p` if `hook` tracks for interface `ifindex`. At egress only packets this node sent
-/// (`local`) are tracked: forwarded ones were tracked where they came in. Returns the reason
-/// to drop the packet when the interface's stateful firewall refuses it (never at egress).
+/// (`local`) are tracked: forwarded ones were tracked where they came in. Says what to do with
+/// the packet: drop it when the interface's stateful firewall refuses it (never at egress),
+/// translate it when it belongs to a load-balanced connection (XDP only).
 #[inline(always)]
 pub fn track(
     hook: Hook,
@@ -48,9 +78,9 @@ pub fn track(
     pkt: &Packet,
     p: &Parsed,
     len: usize,
-) -> Option<u32> {
+) -> Action {
     if p.fragment != 0 || (hook == Hook::TcEgress && !local) {
-        return None;
+        return Action::Pass;
     }
     let flags = iface_flags(ifindex);
     let bit = match hook {
@@ -59,31 +89,37 @@ pub fn track(
         Hook::TcEgress => IFACE_F_CT_TC_EGRESS,
     };
     if flags & bit == 0 {
-        return None;
+        return Action::Pass;
     }
     let firewall = hook != Hook::TcEgress && flags & IFACE_F_FIREWALL != 0;
     let kind = classify(p);
     if kind == Kind::Untracked {
-        return None;
+        return Action::Pass;
     }
-    let key = FP_CT_KEY.get_ptr_mut(0)?;
+    let Some(key) = FP_CT_KEY.get_ptr_mut(0) else {
+        return Action::Pass;
+    };
     // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
     let key = unsafe { &mut *key };
     if kind == Kind::IcmpError {
-        return related(pkt, p, key, firewall);
+        return match related(pkt, p, key, firewall) {
+            Some(code) => Action::Drop(code),
+            None => Action::Pass,
+        };
     }
     // ICMP echo: both sides of the key carry the identifier (parsed into `src_port`).
     let is_tcp_udp = p.l4_proto == IPPROTO_TCP || p.l4_proto == IPPROTO_UDP;
     let dst_port = if is_tcp_udp { p.dst_port } else { p.src_port };
     let l3_off = p.l3_off as usize;
     if !load_key(pkt, p.family, l3_off, p.l4_proto, p.src_port, dst_port, key) {
-        return None;
+        return Action::Pass;
     }
     let src_is_lo = key.normalize();
     count(ct_stat::LOOKUPS);
     let key: &CtKey = key;
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
+    let lb_here = hook == Hook::Xdp && is_tcp_udp;
     let refused = match FP_CT.get_ptr_mut(&key) {
         Some(e) => {
             count(ct_stat::HITS);
@@ -91,17 +127,239 @@ pub fn track(
             // entries are freed after an RCU grace period); writes race only with the same
             // connection's packets on other CPUs (counters may lose an increment, as with
             // Linux's per-conntrack counters without acct locking).
-            unsafe { update(key, &mut *e, src_is_lo, p, len, now) }
+            let e: &'static mut CtEntry = unsafe { &mut *e };
+            if e.flags & CT_F_LB_ALIAS != 0 {
+                if !lb_here {
+                    return Action::Pass;
+                }
+                return lb_reply(pkt, p, e, firewall, len, now);
+            }
+            let refused = update(key, e, src_is_lo, p, len, now);
+            if lb_here && e.flags & CT_F_LB != 0 && e.dir(src_is_lo) == DIR_ORIGINAL {
+                if let Some(code) = refused
+                    && firewall
+                {
+                    count(ct_stat::FW_DROPPED);
+                    return Action::Drop(code);
+                }
+                lb::count(e.nat.service, e.nat.backend, len, false);
+                return Action::Nat {
+                    end: End::Dst,
+                    addr: &e.nat.addr,
+                    port: e.nat.port,
+                    reason: reason::LB_TO_BACKEND,
+                };
+            }
+            refused
         }
-        None => create(key, src_is_lo, kind == Kind::Starts, firewall, p, len, now),
+        None => {
+            if lb_here
+                && kind == Kind::Starts
+                && let Some(svc) = lb::service(pkt, p)
+            {
+                return lb_create(key, src_is_lo, svc, firewall, pkt, p, len, now);
+            }
+            create(key, src_is_lo, kind == Kind::Starts, firewall, p, len, now)
+        }
     };
     match refused {
         Some(code) if firewall => {
             count(ct_stat::FW_DROPPED);
-            Some(code)
+            Action::Drop(code)
         }
-        _ => None,
+        _ => Action::Pass,
     }
+}
+
+/// Copies 16 address bytes with two word loads and stores (no memcpy call). Both must be
+/// 8-aligned: key fields, `CtNat`/`Backend` addresses, all at multiples of 8 in 8-aligned
+/// structs.
+#[inline(always)]
+fn copy16(dst: &mut [u8; 16], src: &[u8; 16]) {
+    let d = (dst as *mut [u8; 16]).cast::<u64>();
+    let s = (src as *const [u8; 16]).cast::<u64>();
+    // SAFETY: both are 16 bytes and 8-aligned (see above); any bytes are valid.
+    unsafe {
+        core::ptr::write_volatile(d, core::ptr::read_volatile(s));
+        core::ptr::write_volatile(d.add(1), core::ptr::read_volatile(s.add(1)));
+    }
+}
+
+/// A new connection to service `svc`: picks its backend, creates its entry (client ↔ VIP,
+/// holding the state and the binding) and the alias under client ↔ backend (how the
+/// backend's replies find it), and says to translate the packet to the backend.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the stage's state, passed down once"
+)]
+#[inline(always)]
+fn lb_create(
+    key: &CtKey,
+    src_is_lo: bool,
+    svc: &Service,
+    firewall: bool,
+    pkt: &Packet,
+    p: &Parsed,
+    len: usize,
+    now: u64,
+) -> Action {
+    let mut state = 0;
+    if p.l4_proto == IPPROTO_TCP {
+        match tcp_step(tcp_state::NONE, DIR_ORIGINAL, p.tcp_flags) {
+            // Without the firewall, a mid-stream packet is picked up as in conntrack: the
+            // same backend comes out of the same table (Maglev), as on a peer after failover.
+            TcpStep::To(s) if s == tcp_state::SYN_SENT || !firewall => state = s,
+            _ => {
+                count(ct_stat::INVALID_NEW);
+                if firewall {
+                    count(ct_stat::FW_DROPPED);
+                    return Action::Drop(reason::FW_NO_CONNECTION);
+                }
+                return Action::Pass;
+            }
+        }
+    }
+    let Some((idx, backend)) = lb::pick(svc, key) else {
+        lb::count_no_backend(svc.id);
+        return if svc.flags & SVC_F_NO_BACKEND_DROP != 0 {
+            Action::Drop(reason::LB_NO_BACKEND)
+        } else {
+            Action::Kernel(reason::LB_NO_BACKEND)
+        };
+    };
+    let (Some(alias), Some(svc_key)) = (FP_CT_KEY2.get_ptr_mut(0), FP_SVC_KEY.get_ptr(0)) else {
+        return Action::Pass;
+    };
+    // SAFETY: this CPU's slots of per-CPU arrays, used by this program run only.
+    let (alias, svc_key) = unsafe { (&mut *alias, &*svc_key) };
+    // The alias: the client (this packet's source) ↔ the backend.
+    if !load_key(
+        pkt,
+        p.family,
+        p.l3_off as usize,
+        p.l4_proto,
+        p.src_port,
+        backend.port,
+        alias,
+    ) {
+        return Action::Pass;
+    }
+    copy16(&mut alias.addr_hi, &backend.addr);
+    alias.normalize();
+    let alias: &CtKey = alias;
+    let mut entry = CtEntry {
+        created_ns: now,
+        last_seen_ns: now,
+        state,
+        flags: CT_F_LB | if src_is_lo { CT_F_ORIG_IS_LO } else { 0 },
+        nat: CtNat {
+            port: backend.port,
+            backend: idx,
+            service: svc.id,
+            ..CtNat::default()
+        },
+        ..CtEntry::default()
+    };
+    copy16(&mut entry.nat.addr, &backend.addr);
+    entry.packets[DIR_ORIGINAL] = 1;
+    entry.bytes[DIR_ORIGINAL] = len as u64;
+    let mut back = CtEntry {
+        created_ns: now,
+        last_seen_ns: now,
+        flags: CT_F_LB_ALIAS,
+        nat: CtNat {
+            port: svc_key.port,
+            backend: idx,
+            service: svc.id,
+            ..CtNat::default()
+        },
+        ..CtEntry::default()
+    };
+    copy16(&mut back.nat.addr, &svc_key.vip);
+    // The backend's side of the alias key, so the daemon can tell which side is the client.
+    copy16(&mut back.nat.addr2, &backend.addr);
+    back.nat.port2 = backend.port;
+    if !insert(key, &entry, now) {
+        count(ct_stat::INSERT_FAILED);
+        return Action::Drop(reason::LB_TABLE_FULL);
+    }
+    if !insert(alias, &back, now) {
+        // Without the alias the replies could not be translated: no connection at all.
+        let _ = FP_CT.remove(key);
+        count(ct_stat::INSERT_FAILED);
+        return Action::Drop(reason::LB_TABLE_FULL);
+    }
+    let _ = FP_CT_NEW.push(key, BPF_EXIST);
+    count(ct_stat::NEW);
+    emit(key, ct_event::NEW, &entry, now);
+    lb::count(svc.id, idx, len, true);
+    Action::Nat {
+        end: End::Dst,
+        addr: &backend.addr,
+        port: backend.port,
+        reason: reason::LB_TO_BACKEND,
+    }
+}
+
+/// Inserts a new entry, making room by early drop when the table is full.
+#[inline(always)]
+fn insert(key: &CtKey, entry: &CtEntry, now: u64) -> bool {
+    FP_CT.insert(key, entry, BPF_NOEXIST).is_ok()
+        || (early_drop(now) && FP_CT.insert(key, entry, BPF_NOEXIST).is_ok())
+}
+
+/// A backend's reply, found through the alias: steps the connection's own entry (client ↔
+/// VIP) as a reply and says to translate the source back to the VIP. If the entry is gone
+/// (flushed, dropped early) the translation still happens: the alias alone knows the VIP.
+#[inline(always)]
+fn lb_reply(
+    pkt: &Packet,
+    p: &Parsed,
+    alias: &'static CtEntry,
+    firewall: bool,
+    len: usize,
+    now: u64,
+) -> Action {
+    let vip = &alias.nat.addr;
+    let vport = alias.nat.port;
+    let action = Action::Nat {
+        end: End::Src,
+        addr: vip,
+        port: vport,
+        reason: reason::LB_FROM_BACKEND,
+    };
+    let Some(k) = FP_CT_KEY2.get_ptr_mut(0) else {
+        return action;
+    };
+    // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
+    let k = unsafe { &mut *k };
+    // The connection's key: this packet's destination (the client) ↔ the VIP.
+    if !load_key(
+        pkt,
+        p.family,
+        p.l3_off as usize,
+        p.l4_proto,
+        vport,
+        p.dst_port,
+        k,
+    ) {
+        return action;
+    }
+    copy16(&mut k.addr_lo, vip);
+    let src_is_lo = k.normalize();
+    let k: &CtKey = k;
+    if let Some(e) = FP_CT.get_ptr_mut(k) {
+        // SAFETY: as in `track`.
+        let e = unsafe { &mut *e };
+        if let Some(code) = update(k, e, src_is_lo, p, len, now)
+            && firewall
+        {
+            count(ct_stat::FW_DROPPED);
+            return Action::Drop(code);
+        }
+    }
+    lb::count(alias.nat.service, alias.nat.backend, len, false);
+    action
 }
 
 #[inline(always)]
@@ -314,9 +572,7 @@ fn create(
     };
     entry.packets[DIR_ORIGINAL] = 1;
     entry.bytes[DIR_ORIGINAL] = len as u64;
-    if FP_CT.insert(key, &entry, BPF_NOEXIST).is_err()
-        && !(early_drop(now) && FP_CT.insert(key, &entry, BPF_NOEXIST).is_ok())
-    {
+    if !insert(key, &entry, now) {
         count(ct_stat::INSERT_FAILED);
         return Some(reason::FW_TABLE_FULL);
     }
@@ -372,9 +628,13 @@ fn update(
         match tcp_step(e.state, dir, p.tcp_flags) {
             TcpStep::To(tcp_state::SYN_SENT) if closed(e.state) => {
                 // A new connection on the same tuple: start over, its SYN sender as originator.
+                // A load-balanced connection keeps its backend (and its alias).
+                let nat = e.nat;
+                let lb_flag = e.flags & CT_F_LB;
                 *e = CtEntry {
                     created_ns: now,
-                    flags: if src_is_lo { CT_F_ORIG_IS_LO } else { 0 },
+                    flags: lb_flag | if src_is_lo { CT_F_ORIG_IS_LO } else { 0 },
+                    nat,
                     ..CtEntry::default()
                 };
                 e.state = tcp_state::SYN_SENT;

@@ -5,7 +5,9 @@
 
 mod bench;
 mod conntrack;
+mod lb;
 mod maps;
+mod nat;
 mod packet;
 mod parse;
 mod pipeline;

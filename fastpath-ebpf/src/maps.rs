@@ -9,6 +9,10 @@ use aya_ebpf::{
 use fastpath_common::{
     Counter, DatapathConfig,
     ct::{CtEntry, CtKey, IFACE_SLOTS, IfaceConfig, ct_stat},
+    lb::{
+        Backend, BackendCounters, LB_SLOTS, MAX_BACKENDS, MAX_SERVICES, Service, SvcCounters,
+        SvcKey,
+    },
     stats::STATS_ENTRIES,
 };
 
@@ -85,3 +89,31 @@ pub static FP_CT_KEY: PerCpuArray<CtKey> = PerCpuArray::with_max_entries(1, 0);
 /// load starts at 0.
 #[map(name = "FP_BENCH_SEQ")]
 pub static FP_BENCH_SEQ: Array<u64> = Array::with_max_entries(1, 0);
+
+/// Services: (VIP, port, protocol) → `Service`, written by the daemon (one value write
+/// switches a service to its new selection table).
+#[map(name = "FP_SVC")]
+pub static FP_SVC: HashMap<SvcKey, Service> = HashMap::pinned(MAX_SERVICES, 0);
+
+/// Backends by index, written by the daemon before any selection table names them.
+#[map(name = "FP_BACKENDS")]
+pub static FP_BACKENDS: Array<Backend> = Array::pinned(MAX_BACKENDS, 0);
+
+/// Selection tables of all services: backend indexes, one region per service version.
+#[map(name = "FP_LB_SLOTS")]
+pub static FP_LB_SLOTS: Array<u32> = Array::pinned(LB_SLOTS, 0);
+
+/// Per-service and per-backend counters, per CPU.
+#[map(name = "FP_SVC_STATS")]
+pub static FP_SVC_STATS: PerCpuArray<SvcCounters> = PerCpuArray::pinned(MAX_SERVICES, 0);
+#[map(name = "FP_BACKEND_STATS")]
+pub static FP_BACKEND_STATS: PerCpuArray<BackendCounters> = PerCpuArray::pinned(MAX_BACKENDS, 0);
+
+/// This CPU's service key under construction (see `FP_CT_KEY`).
+#[map(name = "FP_SVC_KEY")]
+pub static FP_SVC_KEY: PerCpuArray<SvcKey> = PerCpuArray::with_max_entries(1, 0);
+
+/// This CPU's second conntrack key: the alias (client ↔ backend) of a new load-balanced
+/// connection, built while the first still holds the connection's own key.
+#[map(name = "FP_CT_KEY2")]
+pub static FP_CT_KEY2: PerCpuArray<CtKey> = PerCpuArray::with_max_entries(1, 0);

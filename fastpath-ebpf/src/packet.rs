@@ -35,6 +35,22 @@ impl Packet {
         Some(unsafe { core::ptr::read_unaligned((self.data + off) as *const T) })
     }
 
+    /// Writes `v` at `off`; false (nothing written) if it is not inside the writable bytes.
+    /// XDP only: a TC program must make the skb writable first. `T` is a byte array.
+    #[inline(always)]
+    pub fn store<T: Copy>(&self, off: usize, v: T) -> bool {
+        if off > MAX_HDR_OFF {
+            return false;
+        }
+        if self.data + off + size_of::<T>() > self.data_end {
+            return false;
+        }
+        // SAFETY: the write lies within [data, data_end), checked just above; T is a byte
+        // array, so any alignment is fine; XDP packet memory is writable.
+        unsafe { core::ptr::write_unaligned((self.data + off) as *mut T, v) };
+        true
+    }
+
     /// Whether `need` bytes at `off` are inside the frame at all (possibly beyond the linear
     /// area): tells truncation (malformed) apart from a non-linear skb (kernel).
     #[inline(always)]

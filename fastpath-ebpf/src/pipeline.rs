@@ -5,8 +5,9 @@
 use fastpath_common::{DatapathConfig, Hook, Verdict, reason, stats::CONFIG_F_DROP_MALFORMED};
 
 use crate::{
-    conntrack,
+    conntrack::{self, Action},
     maps::{FP_CONFIG, FP_PKT_CTX},
+    nat,
     packet::Packet,
     parse::{self, FAMILY_IPV4, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, Parsed},
 };
@@ -36,10 +37,24 @@ pub fn parse(pkt: &Packet) -> Result<&'static mut Parsed, u32> {
 /// (`local`: sent by this node, seen at egress); returns the verdict and its reason code.
 #[inline(always)]
 pub fn process(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32, local: bool) -> (Verdict, u32) {
-    if let Some(code) = conntrack::track(hook, ifindex, local, pkt, p, pkt.len) {
-        return (Verdict::Drop, code);
+    match conntrack::track(hook, ifindex, local, pkt, p, pkt.len) {
+        Action::Pass => (Verdict::Kernel, unhandled_reason(p)),
+        Action::Drop(code) => (Verdict::Drop, code),
+        Action::Kernel(code) => (Verdict::Kernel, code),
+        // Translated packets are routed by the kernel (no FIB stage yet).
+        Action::Nat {
+            end,
+            addr,
+            port,
+            reason: code,
+        } => {
+            if nat::rewrite(pkt, p, end, addr, port) {
+                (Verdict::Kernel, code)
+            } else {
+                (Verdict::Drop, reason::LB_REWRITE_FAILED)
+            }
+        }
     }
-    (Verdict::Kernel, unhandled_reason(p))
 }
 
 /// Verdict and reason for a packet the parser refused.

@@ -14,6 +14,9 @@ use std::{
 use serde::Deserialize;
 use toml::Spanned;
 
+/// Backends one service may have.
+pub const MAX_BACKENDS_PER_SERVICE: usize = 4096;
+
 /// Default bpffs directory for pinned maps and links.
 pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/fastpath";
 
@@ -27,6 +30,80 @@ pub struct Config {
     /// Interfaces the datapath attaches to (`[[interface]]` tables).
     #[serde(default, rename = "interface")]
     pub interfaces: Vec<InterfaceConfig>,
+    /// Load-balanced services (`[[service]]` tables).
+    #[serde(default, rename = "service")]
+    pub services: Vec<ServiceConfig>,
+}
+
+/// One load-balanced service: clients connect to `vip:port`; each new connection gets a
+/// backend and keeps it.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceConfig {
+    /// IPv4 or IPv6 address clients connect to.
+    pub vip: Spanned<std::net::IpAddr>,
+    pub port: Spanned<u16>,
+    /// `tcp` or `udp`. Default tcp.
+    #[serde(default)]
+    pub protocol: Protocol,
+    /// How a backend is chosen. Default maglev.
+    #[serde(default)]
+    pub scheduler: Scheduler,
+    /// Maglev table size (a prime up to 131071); default: the smallest of 251, 509, 1021,
+    /// ... with at least 100 slots per backend.
+    pub maglev_table_size: Option<Spanned<u32>>,
+    /// With no backend available: `kernel` (hand the packet on untranslated) or `drop`.
+    #[serde(default)]
+    pub no_backend: NoBackend,
+    #[serde(default, rename = "backend")]
+    pub backends: Vec<BackendConfig>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendConfig {
+    pub address: Spanned<std::net::IpAddr>,
+    pub port: Spanned<u16>,
+    /// Relative share of new connections, 0 (drain: no new connections) ..= 65535. Default 1.
+    #[serde(default = "default_weight")]
+    pub weight: Spanned<u32>,
+}
+
+fn default_weight() -> Spanned<u32> {
+    Spanned::new(0..0, 1)
+}
+
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    #[default]
+    Tcp,
+    Udp,
+}
+
+impl Protocol {
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => 6,
+            Protocol::Udp => 17,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Scheduler {
+    /// Maglev consistent hashing of the connection's addresses and ports.
+    #[default]
+    Maglev,
+}
+
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum NoBackend {
+    #[default]
+    Kernel,
+    Drop,
 }
 
 #[derive(Debug, Deserialize)]
@@ -390,6 +467,138 @@ impl Config {
                     ),
                 ));
             }
+        }
+        for (i, svc) in self.services.iter().enumerate() {
+            let vip = *svc.vip.get_ref();
+            let key = |k: &str| format!("service[{i}].{k}");
+            if vip.is_unspecified() || vip.is_multicast() {
+                return Err(err(
+                    svc.vip.span(),
+                    key("vip"),
+                    format!(
+                        "{vip} cannot be a service address; give the unicast address clients connect to"
+                    ),
+                ));
+            }
+            if *svc.port.get_ref() == 0 {
+                return Err(err(
+                    svc.port.span(),
+                    key("port"),
+                    "port 0 is not a service port; give 1..=65535".into(),
+                ));
+            }
+            if let Some(j) = self.services[..i].iter().position(|o| {
+                o.vip.get_ref() == svc.vip.get_ref()
+                    && o.port.get_ref() == svc.port.get_ref()
+                    && o.protocol == svc.protocol
+            }) {
+                return Err(err(
+                    svc.vip.span(),
+                    key("vip"),
+                    format!(
+                        "service {vip} port {} {:?} is defined twice (also service[{j}]); merge the two",
+                        svc.port.get_ref(),
+                        svc.protocol
+                    ),
+                ));
+            }
+            if let Some(size) = &svc.maglev_table_size {
+                let m = *size.get_ref();
+                if m > crate::maglev::MAX_SIZE || !crate::maglev::is_prime(m) {
+                    return Err(err(
+                        size.span(),
+                        key("maglev_table_size"),
+                        format!(
+                            "{m} is not a prime up to {}; use one of {:?}",
+                            crate::maglev::MAX_SIZE,
+                            crate::maglev::AUTO_SIZES
+                        ),
+                    ));
+                }
+                let weighted = svc
+                    .backends
+                    .iter()
+                    .filter(|b| *b.weight.get_ref() > 0)
+                    .count();
+                if weighted as u64 > u64::from(m) {
+                    return Err(err(
+                        size.span(),
+                        key("maglev_table_size"),
+                        format!(
+                            "{m} slots cannot hold {weighted} backends; use a prime of at least 100 × backends"
+                        ),
+                    ));
+                }
+            }
+            if svc.backends.len() > MAX_BACKENDS_PER_SERVICE {
+                return Err(err(
+                    svc.vip.span(),
+                    key("backend"),
+                    format!(
+                        "{} backends; a service takes at most {MAX_BACKENDS_PER_SERVICE}",
+                        svc.backends.len()
+                    ),
+                ));
+            }
+            for (b_i, b) in svc.backends.iter().enumerate() {
+                let bkey = |k: &str| format!("service[{i}].backend[{b_i}].{k}");
+                let addr = *b.address.get_ref();
+                if addr.is_ipv4() != vip.is_ipv4() {
+                    return Err(err(
+                        b.address.span(),
+                        bkey("address"),
+                        format!(
+                            "backend {addr} is not of the VIP's family ({vip}); the load balancer does not translate between IPv4 and IPv6"
+                        ),
+                    ));
+                }
+                if addr.is_unspecified() || addr.is_multicast() {
+                    return Err(err(
+                        b.address.span(),
+                        bkey("address"),
+                        format!("{addr} cannot be a backend address"),
+                    ));
+                }
+                if *b.port.get_ref() == 0 {
+                    return Err(err(
+                        b.port.span(),
+                        bkey("port"),
+                        "port 0: give the backend's port, 1..=65535".into(),
+                    ));
+                }
+                if *b.weight.get_ref() > 65_535 {
+                    return Err(err(
+                        b.weight.span(),
+                        bkey("weight"),
+                        format!("weight {} is above 65535", b.weight.get_ref()),
+                    ));
+                }
+                if let Some(o) = svc.backends[..b_i].iter().position(|o| {
+                    o.address.get_ref() == b.address.get_ref()
+                        && o.port.get_ref() == b.port.get_ref()
+                }) {
+                    return Err(err(
+                        b.address.span(),
+                        bkey("address"),
+                        format!(
+                            "backend {addr} port {} is listed twice (also backend[{o}]); list it once and set its weight",
+                            b.port.get_ref()
+                        ),
+                    ));
+                }
+            }
+        }
+        if self.services.len() > fastpath_common::lb::MAX_SERVICES as usize / 2 {
+            return Err(ConfigError {
+                path: path.to_owned(),
+                line: None,
+                key: Some("service".into()),
+                message: format!(
+                    "{} services; at most {} fit (the datapath double-buffers them)",
+                    self.services.len(),
+                    fastpath_common::lb::MAX_SERVICES / 2
+                ),
+            });
         }
         Ok(())
     }

@@ -1487,7 +1487,7 @@ mod tests {
             .chain(pressure_sequences().iter())
             .flat_map(|s| s.steps.iter().filter_map(|st| st.expect_drop))
             .collect();
-        for code in reason::FW_NO_CONNECTION..reason::COUNT {
+        for code in reason::FW_NO_CONNECTION..=reason::FW_TABLE_FULL {
             assert!(
                 dropped.contains(&code),
                 "no sequence drops with {}",

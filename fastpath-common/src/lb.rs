@@ -1,0 +1,160 @@
+//! Load balancer map ABI: services (VIP, port, protocol) → a selection table of backend
+//! indexes, swapped atomically by the daemon; backends in one array; the NAT binding each
+//! load-balanced connection keeps in its conntrack entry.
+//!
+//! How an update is atomic: the daemon writes a service's new selection table into a free
+//! region of `FP_LB_SLOTS` and the backends it names into free `FP_BACKENDS` slots first, then
+//! switches the service with one write of its `Service` value (a hash map update replaces the
+//! value in one step); the old region is reused only after a grace period. A packet therefore
+//! sees either the old service or the new one, never a half-written one.
+
+/// `FP_SVC` key: what a client connects to. 8-aligned for word stores.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(C, align(8))]
+pub struct SvcKey {
+    /// VIP as on the wire; IPv4 in the first 4 bytes, the rest zero.
+    pub vip: [u8; 16],
+    /// Port, host byte order.
+    pub port: u16,
+    /// 6 (TCP) or 17 (UDP).
+    pub proto: u8,
+    /// 4 or 6.
+    pub family: u8,
+    pub _pad: [u8; 4],
+}
+const _: () = assert!(core::mem::size_of::<SvcKey>() == 24);
+
+/// `FP_SVC` value: one service as the datapath sees it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct Service {
+    /// Index for per-service counters (`FP_SVC_STATS`), stable for the service's life.
+    pub id: u32,
+    /// `SVC_F_*`.
+    pub flags: u32,
+    /// The selection table: `slots_len` backend indexes at `FP_LB_SLOTS[slots_off..]`. A flow
+    /// takes slot `hash(5-tuple) % slots_len` (Maglev: the Maglev table; round-robin: the
+    /// weighted sequence). 0 slots: no backend is available.
+    pub slots_off: u32,
+    pub slots_len: u32,
+    /// Bumped by every update of this service (visible in events and stats).
+    pub generation: u32,
+    /// The service's backends: `backends_len` entries at `FP_BACKENDS[backends_off..]` (the
+    /// selection table holds indexes into that range).
+    pub backends_off: u32,
+    pub backends_len: u32,
+    pub _reserved: u32,
+}
+const _: () = assert!(core::mem::size_of::<Service>() == 32);
+
+/// Selection by Maglev consistent hashing of the flow's 5-tuple.
+pub const SVC_F_MAGLEV: u32 = 1 << 0;
+/// With no backend available: drop the packet (counted) instead of handing it to the kernel.
+pub const SVC_F_NO_BACKEND_DROP: u32 = 1 << 8;
+
+/// `FP_BACKENDS` value, indexed by backend index.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C, align(8))]
+pub struct Backend {
+    /// Address as on the wire; IPv4 in the first 4 bytes.
+    pub addr: [u8; 16],
+    /// Port, host byte order.
+    pub port: u16,
+    /// 4 or 6: the service's family (no 4↔6 translation).
+    pub family: u8,
+    pub _pad: [u8; 5],
+}
+const _: () = assert!(core::mem::size_of::<Backend>() == 24);
+
+/// The NAT binding of a load-balanced connection, kept in its conntrack entries (the room
+/// `CtEntry` reserved for it). The connection has two entries: the original one under the
+/// client ↔ VIP key (`CT_F_LB`), whose binding says where client packets go (`addr:port` =
+/// the backend), and an alias under the client ↔ backend key (`CT_F_LB_ALIAS`), whose binding
+/// says what the backend's replies must look like (`addr:port` = the VIP) and leads back to the
+/// original entry, which holds the connection's state.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct CtNat {
+    pub addr: [u8; 16],
+    /// On the alias: the backend (its side of the alias key). Reserved for full-NAT on the
+    /// connection's entry.
+    pub addr2: [u8; 16],
+    pub port: u16,
+    pub port2: u16,
+    /// Backend index (`FP_BACKENDS`) and service id the connection was given.
+    pub backend: u32,
+    pub service: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(core::mem::size_of::<CtNat>() == 48);
+
+/// Per-service counters (`FP_SVC_STATS`, per-CPU, indexed by service id).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct SvcCounters {
+    pub packets: u64,
+    pub bytes: u64,
+    /// Connections given a backend.
+    pub connections: u64,
+    /// New connections that found no backend.
+    pub no_backend: u64,
+}
+
+/// Per-backend counters (`FP_BACKEND_STATS`, per-CPU, indexed by backend index).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct BackendCounters {
+    pub packets: u64,
+    pub bytes: u64,
+    /// Connections given this backend.
+    pub connections: u64,
+    pub _reserved: u64,
+}
+
+/// Capacities (entries) of the LB maps.
+pub const MAX_SERVICES: u32 = 65_536;
+pub const MAX_BACKENDS: u32 = 1 << 18;
+/// Selection slots for all services together (4 MiB of u32): e.g. 10k services of 251 slots
+/// with room to double-buffer, or 30 services of 131071.
+pub const LB_SLOTS: u32 = 1 << 22;
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: #[repr(C)], fixed-width fields, explicit padding (sizes asserted above).
+    unsafe impl aya::Pod for super::SvcKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::Service {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::Backend {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::SvcCounters {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::BackendCounters {}
+}
+
+/// The key of the other entry of a load-balanced connection: from the connection's entry
+/// (`CT_F_LB`) its alias (client ↔ backend), from an alias (`CT_F_LB_ALIAS`) the connection's
+/// entry (client ↔ VIP). `None` for other entries.
+pub fn lb_peer_key(key: &crate::ct::CtKey, e: &crate::ct::CtEntry) -> Option<crate::ct::CtKey> {
+    use crate::ct::{CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, ct_key};
+    let lo = (&key.addr_lo, key.port_lo);
+    let hi = (&key.addr_hi, key.port_hi);
+    let (client, other) = if e.flags & CT_F_LB != 0 {
+        // The client is the originator.
+        if e.flags & CT_F_ORIG_IS_LO != 0 {
+            (lo, (&e.nat.addr, e.nat.port))
+        } else {
+            (hi, (&e.nat.addr, e.nat.port))
+        }
+    } else if e.flags & CT_F_LB_ALIAS != 0 {
+        // The client is the side that is not the backend.
+        let backend_is_lo = key.addr_lo == e.nat.addr2 && key.port_lo == e.nat.port2;
+        (
+            if backend_is_lo { hi } else { lo },
+            (&e.nat.addr, e.nat.port),
+        )
+    } else {
+        return None;
+    };
+    Some(ct_key(key.family, key.proto, client.0, client.1, other.0, other.1).0)
+}

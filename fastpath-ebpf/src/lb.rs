@@ -1,0 +1,123 @@
+//! LB stage: finds the service a new connection is for, picks its backend from the service's
+//! selection table, and counts per service and per backend. The conntrack stage calls it for
+//! packets that have no connection yet and keeps the result (the NAT binding) in the entry, so
+//! an established connection stays on its backend whatever happens to the service later.
+
+use fastpath_common::{
+    ct::CtKey,
+    lb::{Backend, Service},
+};
+
+use crate::{
+    maps::{FP_BACKEND_STATS, FP_BACKENDS, FP_LB_SLOTS, FP_SVC, FP_SVC_KEY, FP_SVC_STATS},
+    packet::Packet,
+    parse::{FAMILY_IPV4, Parsed},
+};
+
+/// The service the packet's destination (address, port, protocol) names, if any.
+#[inline(always)]
+pub fn service(pkt: &Packet, p: &Parsed) -> Option<&'static Service> {
+    let key = FP_SVC_KEY.get_ptr_mut(0)?;
+    // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
+    let key = unsafe { &mut *key };
+    let l3 = p.l3_off as usize;
+    let words = (&mut key.vip as *mut [u8; 16]).cast::<u64>();
+    if p.family == FAMILY_IPV4 {
+        let a = pkt.load::<[u8; 4]>(l3 + 16)?;
+        // SAFETY: `vip` is 16 bytes at offset 0 of an 8-aligned SvcKey; word stores (a
+        // `[0; 16]` assignment would be an out-of-line memset call).
+        unsafe {
+            core::ptr::write_volatile(
+                words,
+                u64::from_ne_bytes([a[0], a[1], a[2], a[3], 0, 0, 0, 0]),
+            );
+            core::ptr::write_volatile(words.add(1), 0);
+        }
+    } else {
+        key.vip = pkt.load::<[u8; 16]>(l3 + 24)?;
+    }
+    key.port = p.dst_port;
+    key.proto = p.l4_proto;
+    key.family = p.family;
+    key._pad = [0; 4];
+    let key: &fastpath_common::lb::SvcKey = key;
+    // SAFETY: a hash map value pointer stays valid for this program run.
+    FP_SVC.get_ptr(key).map(|s| unsafe { &*s })
+}
+
+/// The backend for the connection with (normalized) key `key`: slot `hash(key) % slots_len`
+/// of the service's selection table. `None` when the service has no backend.
+#[inline(always)]
+pub fn pick(svc: &Service, key: &CtKey) -> Option<(u32, &'static Backend)> {
+    if svc.slots_len == 0 {
+        return None;
+    }
+    let slot = svc.slots_off.wrapping_add(flow_hash(key) % svc.slots_len);
+    let idx = *FP_LB_SLOTS.get(slot)?;
+    let b = FP_BACKENDS.get_ptr(idx)?;
+    // SAFETY: an array map value pointer stays valid for this program run.
+    Some((idx, unsafe { &*b }))
+}
+
+/// A hash of the connection's key: the same on every node for the same connection (the key is
+/// direction-independent and laid out the same everywhere), so Maglev picks the same backend
+/// on a peer that takes over. murmur3's 32-bit mixing over the key's ten words.
+#[inline(always)]
+fn flow_hash(key: &CtKey) -> u32 {
+    let words = (key as *const CtKey).cast::<u32>();
+    let mut h: u32 = 0x6c62_6631;
+    let mut i = 0;
+    while i < 10 {
+        // SAFETY: CtKey is 40 bytes, 8-aligned: ten u32 words.
+        let mut k = unsafe { core::ptr::read_volatile(words.add(i)) };
+        k = k
+            .wrapping_mul(0xcc9e_2d51)
+            .rotate_left(15)
+            .wrapping_mul(0x1b87_3593);
+        h = (h ^ k)
+            .rotate_left(13)
+            .wrapping_mul(5)
+            .wrapping_add(0xe654_6b64);
+        i += 1;
+    }
+    h ^= 40;
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
+}
+
+/// Counts a packet (and a new connection) for its service and backend.
+#[inline(always)]
+pub fn count(service: u32, backend: u32, len: usize, new_connection: bool) {
+    if let Some(c) = FP_SVC_STATS.get_ptr_mut(service) {
+        // SAFETY: this CPU's slot of a per-CPU array.
+        unsafe {
+            (*c).packets += 1;
+            (*c).bytes += len as u64;
+            if new_connection {
+                (*c).connections += 1;
+            }
+        }
+    }
+    if let Some(c) = FP_BACKEND_STATS.get_ptr_mut(backend) {
+        // SAFETY: as above.
+        unsafe {
+            (*c).packets += 1;
+            (*c).bytes += len as u64;
+            if new_connection {
+                (*c).connections += 1;
+            }
+        }
+    }
+}
+
+/// Counts a new connection to a service that has no backend.
+#[inline(always)]
+pub fn count_no_backend(service: u32) {
+    if let Some(c) = FP_SVC_STATS.get_ptr_mut(service) {
+        // SAFETY: this CPU's slot of a per-CPU array.
+        unsafe { (*c).no_backend += 1 };
+    }
+}

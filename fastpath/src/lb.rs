@@ -1,0 +1,350 @@
+//! Services in the datapath: from the desired services (config) and what the maps hold now,
+//! a plan that writes every new backend range and selection table into space no current
+//! service uses, then switches each service with one write of its value, then removes the
+//! services no longer wanted. Pure: `datapath` applies the plan with batched map writes.
+//!
+//! Contract: applying a plan's steps in order never shows the datapath a service whose
+//! backends or table are half written, and never overwrites what a current service points to.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use fastpath_common::lb::{
+    Backend, LB_SLOTS, MAX_BACKENDS, MAX_SERVICES, SVC_F_MAGLEV, SVC_F_NO_BACKEND_DROP, Service,
+    SvcKey,
+};
+
+use crate::{
+    config::{NoBackend, ServiceConfig},
+    maglev::{self, MaglevBackend},
+};
+
+/// What to write, in order: backends and slots (into free space), then services, then
+/// removals.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// (first index, backends) for `FP_BACKENDS`.
+    pub backends: Vec<(u32, Vec<Backend>)>,
+    /// (first slot, backend indexes) for `FP_LB_SLOTS`.
+    pub slots: Vec<(u32, Vec<u32>)>,
+    /// New values for `FP_SVC`, each switching one service.
+    pub services: Vec<(SvcKey, Service)>,
+    /// Keys to delete from `FP_SVC`.
+    pub remove: Vec<SvcKey>,
+}
+
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error(
+        "no room for {want} more {what} in the datapath ({capacity} in all, {used} in use by the running services); apply fewer or smaller services, or stop the datapath and start again"
+    )]
+    NoRoom {
+        what: &'static str,
+        want: u64,
+        capacity: u32,
+        used: u64,
+    },
+    #[error("service {vip} port {port}: {source}")]
+    Maglev {
+        vip: std::net::IpAddr,
+        port: u16,
+        source: maglev::MaglevError,
+    },
+}
+
+/// The datapath key of a configured service.
+pub fn svc_key(svc: &ServiceConfig) -> SvcKey {
+    let (vip, family) = addr16(*svc.vip.get_ref());
+    SvcKey {
+        vip,
+        port: *svc.port.get_ref(),
+        proto: svc.protocol.number(),
+        family,
+        _pad: [0; 4],
+    }
+}
+
+/// An address as the datapath stores it (IPv4 in the first 4 bytes) and its family.
+pub fn addr16(a: std::net::IpAddr) -> ([u8; 16], u8) {
+    match a {
+        std::net::IpAddr::V4(v4) => {
+            let mut out = [0u8; 16];
+            out[..4].copy_from_slice(&v4.octets());
+            (out, 4)
+        }
+        std::net::IpAddr::V6(v6) => (v6.octets(), 6),
+    }
+}
+
+/// First-fit allocator over `[0, capacity)` minus the ranges in use.
+struct Space {
+    capacity: u32,
+    /// Used ranges, start → end (exclusive).
+    used: BTreeMap<u32, u32>,
+}
+
+impl Space {
+    fn new(capacity: u32, used: impl IntoIterator<Item = (u32, u32)>) -> Space {
+        let mut map = BTreeMap::new();
+        for (off, len) in used {
+            if len > 0 {
+                map.insert(off, off.saturating_add(len));
+            }
+        }
+        Space {
+            capacity,
+            used: map,
+        }
+    }
+
+    fn used_total(&self) -> u64 {
+        self.used.iter().map(|(a, b)| u64::from(b - a)).sum()
+    }
+
+    fn alloc(&mut self, len: u32, what: &'static str) -> Result<u32, PlanError> {
+        if len == 0 {
+            return Ok(0);
+        }
+        let mut start = 0u32;
+        for (&a, &b) in &self.used {
+            if a >= start && a - start >= len {
+                break;
+            }
+            start = start.max(b);
+        }
+        if u64::from(start) + u64::from(len) > u64::from(self.capacity) {
+            return Err(PlanError::NoRoom {
+                what,
+                want: u64::from(len),
+                capacity: self.capacity,
+                used: self.used_total(),
+            });
+        }
+        self.used.insert(start, start + len);
+        Ok(start)
+    }
+}
+
+/// Plans the switch from `current` (what `FP_SVC` holds) to `desired`.
+pub fn plan(current: &[(SvcKey, Service)], desired: &[ServiceConfig]) -> Result<Plan, PlanError> {
+    let mut slots = Space::new(
+        LB_SLOTS,
+        current.iter().map(|(_, s)| (s.slots_off, s.slots_len)),
+    );
+    let mut backends = Space::new(
+        MAX_BACKENDS,
+        current
+            .iter()
+            .map(|(_, s)| (s.backends_off, s.backends_len)),
+    );
+    let existing: BTreeMap<SvcKey, Service> = current.iter().copied().collect();
+    let mut ids_used: BTreeSet<u32> = BTreeSet::new();
+    let wanted: BTreeSet<SvcKey> = desired.iter().map(svc_key).collect();
+    // Services that stay keep their id (their counters continue).
+    for svc in desired {
+        if let Some(s) = existing.get(&svc_key(svc)) {
+            ids_used.insert(s.id);
+        }
+    }
+    let mut next_id = 0u32;
+    let mut plan = Plan::default();
+    for svc in desired {
+        let key = svc_key(svc);
+        let id = match existing.get(&key) {
+            Some(s) => s.id,
+            None => {
+                while ids_used.contains(&next_id) {
+                    next_id += 1;
+                }
+                if next_id >= MAX_SERVICES {
+                    return Err(PlanError::NoRoom {
+                        what: "services",
+                        want: 1,
+                        capacity: MAX_SERVICES,
+                        used: ids_used.len() as u64,
+                    });
+                }
+                ids_used.insert(next_id);
+                next_id
+            }
+        };
+        let list: Vec<Backend> = svc
+            .backends
+            .iter()
+            .map(|b| {
+                let (addr, family) = addr16(*b.address.get_ref());
+                Backend {
+                    addr,
+                    port: *b.port.get_ref(),
+                    family,
+                    _pad: [0; 5],
+                }
+            })
+            .collect();
+        let mag: Vec<MaglevBackend> = svc
+            .backends
+            .iter()
+            .zip(&list)
+            .map(|(b, be)| {
+                let mut ident = [0u8; 18];
+                ident[..16].copy_from_slice(&be.addr);
+                ident[16..].copy_from_slice(&be.port.to_be_bytes());
+                MaglevBackend {
+                    id: ident,
+                    weight: *b.weight.get_ref(),
+                }
+            })
+            .collect();
+        let weighted = mag.iter().filter(|b| b.weight > 0).count();
+        let size = svc
+            .maglev_table_size
+            .as_ref()
+            .map_or_else(|| maglev::auto_size(weighted), |s| *s.get_ref());
+        let table = maglev::build(&mag, size).map_err(|source| PlanError::Maglev {
+            vip: *svc.vip.get_ref(),
+            port: *svc.port.get_ref(),
+            source,
+        })?;
+        let backends_off = backends.alloc(list.len() as u32, "backends")?;
+        let slots_off = slots.alloc(table.len() as u32, "selection slots")?;
+        let generation = existing
+            .get(&key)
+            .map_or(1, |s| s.generation.wrapping_add(1));
+        let mut flags = SVC_F_MAGLEV;
+        if svc.no_backend == NoBackend::Drop {
+            flags |= SVC_F_NO_BACKEND_DROP;
+        }
+        let table: Vec<u32> = table.into_iter().map(|i| backends_off + i).collect();
+        plan.services.push((
+            key,
+            Service {
+                id,
+                flags,
+                slots_off,
+                slots_len: table.len() as u32,
+                generation,
+                backends_off,
+                backends_len: list.len() as u32,
+                _reserved: 0,
+            },
+        ));
+        if !list.is_empty() {
+            plan.backends.push((backends_off, list));
+        }
+        if !table.is_empty() {
+            plan.slots.push((slots_off, table));
+        }
+    }
+    plan.remove = existing
+        .keys()
+        .filter(|k| !wanted.contains(k))
+        .copied()
+        .collect();
+    Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::config::{Config, InterfaceCheck};
+
+    fn services(toml: &str) -> Vec<ServiceConfig> {
+        let text = format!("[[interface]]\nname = \"lo\"\n{toml}");
+        Config::parse_with(Path::new("t.toml"), &text, InterfaceCheck::Skip)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .services
+    }
+
+    const TWO: &str = r#"
+[[service]]
+vip = "10.0.0.100"
+port = 80
+[[service.backend]]
+address = "10.0.1.1"
+port = 8080
+[[service.backend]]
+address = "10.0.1.2"
+port = 8080
+weight = 3
+
+[[service]]
+vip = "fd00::100"
+port = 53
+protocol = "udp"
+no_backend = "drop"
+"#;
+
+    #[test]
+    fn a_first_plan_lays_out_tables_and_ids() {
+        let p = plan(&[], &services(TWO)).unwrap();
+        assert_eq!(p.services.len(), 2);
+        let (k0, s0) = p.services[0];
+        assert_eq!((k0.port, k0.proto, k0.family), (80, 6, 4));
+        assert_eq!((s0.id, s0.slots_len, s0.backends_len), (0, 251, 2));
+        let (_, s1) = p.services[1];
+        assert_eq!(
+            (s1.id, s1.slots_len, s1.flags & SVC_F_NO_BACKEND_DROP != 0),
+            (1, 0, true)
+        );
+        // The table names only the service's own backends, 1:3 by weight.
+        let (off, table) = &p.slots[0];
+        assert_eq!(*off, s0.slots_off);
+        let ones = table.iter().filter(|&&b| b == s0.backends_off).count();
+        assert!(
+            (55..=70).contains(&ones),
+            "{ones} of 251 slots for weight 1 of 4"
+        );
+        assert!(p.remove.is_empty());
+    }
+
+    #[test]
+    fn a_second_plan_writes_beside_the_first_and_keeps_ids() {
+        let first = plan(&[], &services(TWO)).unwrap();
+        let current = first.services.clone();
+        let second = plan(&current, &services(TWO)).unwrap();
+        for ((k1, s1), (k2, s2)) in first.services.iter().zip(&second.services) {
+            assert_eq!(k1, k2);
+            assert_eq!(s1.id, s2.id, "ids stay");
+            assert_eq!(s2.generation, s1.generation + 1);
+            if s1.slots_len > 0 {
+                let a = s1.slots_off..s1.slots_off + s1.slots_len;
+                assert!(
+                    !a.contains(&s2.slots_off),
+                    "new table overlaps the live one"
+                );
+            }
+            if s1.backends_len > 0 {
+                assert_ne!(s1.backends_off, s2.backends_off);
+            }
+        }
+    }
+
+    #[test]
+    fn services_not_wanted_are_removed_and_their_ids_reused_later() {
+        let first = plan(&[], &services(TWO)).unwrap();
+        let only_udp = services(
+            r#"
+[[service]]
+vip = "fd00::100"
+port = 53
+protocol = "udp"
+"#,
+        );
+        let p = plan(&first.services, &only_udp).unwrap();
+        assert_eq!(p.remove, vec![first.services[0].0]);
+        assert_eq!(p.services[0].1.id, 1, "the staying service keeps id 1");
+    }
+
+    #[test]
+    fn space_runs_out_with_a_clear_error() {
+        let mut s = Space::new(10, [(0, 4), (6, 2)]);
+        assert_eq!(s.alloc(2, "x").unwrap(), 4);
+        assert_eq!(s.alloc(2, "x").unwrap(), 8);
+        let e = s.alloc(1, "selection slots").unwrap_err();
+        assert!(
+            e.to_string().contains("no room for 1 more selection slots"),
+            "{e}"
+        );
+    }
+}
