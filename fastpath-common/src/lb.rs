@@ -158,3 +158,35 @@ pub fn lb_peer_key(key: &crate::ct::CtKey, e: &crate::ct::CtEntry) -> Option<cra
     };
     Some(ct_key(key.family, key.proto, client.0, client.1, other.0, other.1).0)
 }
+
+/// The hash that picks a connection's slot in its service's selection table: the same on
+/// every node for the same connection (the key is direction-independent and laid out the
+/// same everywhere), so Maglev sends it to the same backend on a peer that takes over, and the
+/// daemon can tell which backend a connection gets. murmur3's 32-bit mixing over the key's ten
+/// words; no loops over data, no calls (the datapath inlines it).
+#[inline(always)]
+pub fn flow_hash(key: &crate::ct::CtKey) -> u32 {
+    let words = (key as *const crate::ct::CtKey).cast::<u32>();
+    let mut h: u32 = 0x6c62_6631;
+    let mut i = 0;
+    while i < 10 {
+        // SAFETY: CtKey is 40 bytes and 8-aligned: ten u32 words. Volatile keeps the datapath's
+        // compiler from turning the reads into a memcpy call.
+        let mut k = unsafe { core::ptr::read_volatile(words.add(i)) };
+        k = k
+            .wrapping_mul(0xcc9e_2d51)
+            .rotate_left(15)
+            .wrapping_mul(0x1b87_3593);
+        h = (h ^ k)
+            .rotate_left(13)
+            .wrapping_mul(5)
+            .wrapping_add(0xe654_6b64);
+        i += 1;
+    }
+    h ^= 40;
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
+}

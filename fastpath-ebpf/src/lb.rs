@@ -5,7 +5,7 @@
 
 use fastpath_common::{
     ct::CtKey,
-    lb::{Backend, Service},
+    lb::{Backend, Service, flow_hash},
 };
 
 use crate::{
@@ -57,35 +57,6 @@ pub fn pick(svc: &Service, key: &CtKey) -> Option<(u32, &'static Backend)> {
     let b = FP_BACKENDS.get_ptr(idx)?;
     // SAFETY: an array map value pointer stays valid for this program run.
     Some((idx, unsafe { &*b }))
-}
-
-/// A hash of the connection's key: the same on every node for the same connection (the key is
-/// direction-independent and laid out the same everywhere), so Maglev picks the same backend
-/// on a peer that takes over. murmur3's 32-bit mixing over the key's ten words.
-#[inline(always)]
-fn flow_hash(key: &CtKey) -> u32 {
-    let words = (key as *const CtKey).cast::<u32>();
-    let mut h: u32 = 0x6c62_6631;
-    let mut i = 0;
-    while i < 10 {
-        // SAFETY: CtKey is 40 bytes, 8-aligned: ten u32 words.
-        let mut k = unsafe { core::ptr::read_volatile(words.add(i)) };
-        k = k
-            .wrapping_mul(0xcc9e_2d51)
-            .rotate_left(15)
-            .wrapping_mul(0x1b87_3593);
-        h = (h ^ k)
-            .rotate_left(13)
-            .wrapping_mul(5)
-            .wrapping_add(0xe654_6b64);
-        i += 1;
-    }
-    h ^= 40;
-    h ^= h >> 16;
-    h = h.wrapping_mul(0x85eb_ca6b);
-    h ^= h >> 13;
-    h = h.wrapping_mul(0xc2b2_ae35);
-    h ^ (h >> 16)
 }
 
 /// Counts a packet (and a new connection) for its service and backend.

@@ -588,6 +588,44 @@ impl Config {
                 }
             }
         }
+        // New tables are written beside the live ones before the switch: the whole set must
+        // fit in half of each map.
+        let slots: u64 = self
+            .services
+            .iter()
+            .map(|s| {
+                let weighted = s
+                    .backends
+                    .iter()
+                    .filter(|b| *b.weight.get_ref() > 0)
+                    .count();
+                if weighted == 0 {
+                    return 0;
+                }
+                u64::from(
+                    s.maglev_table_size
+                        .as_ref()
+                        .map_or_else(|| crate::maglev::auto_size(weighted), |m| *m.get_ref()),
+                )
+            })
+            .sum();
+        let backends: u64 = self.services.iter().map(|s| s.backends.len() as u64).sum();
+        for (what, used, cap) in [
+            ("Maglev table slots", slots, fastpath_common::lb::LB_SLOTS),
+            ("backends", backends, fastpath_common::lb::MAX_BACKENDS),
+        ] {
+            if used > u64::from(cap / 2) {
+                return Err(ConfigError {
+                    path: path.to_owned(),
+                    line: None,
+                    key: Some("service".into()),
+                    message: format!(
+                        "the services need {used} {what}; at most {} fit (half the datapath's {cap}: updates are written beside the live ones); use smaller maglev_table_size or fewer backends",
+                        cap / 2
+                    ),
+                });
+            }
+        }
         if self.services.len() > fastpath_common::lb::MAX_SERVICES as usize / 2 {
             return Err(ConfigError {
                 path: path.to_owned(),

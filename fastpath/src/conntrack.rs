@@ -4,8 +4,8 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use fastpath_common::ct::{
-    CT_F_ASSURED, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CtEntry, CtKey, DIR_ORIGINAL, DIR_REPLY,
-    ct_stat, tcp_state, timeout_of,
+    CT_F_ASSURED, CT_F_LB, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CtEntry, CtKey, DIR_ORIGINAL,
+    DIR_REPLY, ct_stat, tcp_state, timeout_of,
 };
 use serde::Serialize;
 
@@ -56,6 +56,7 @@ pub fn row(key: &CtKey, e: &CtEntry, now_ns: u64, timeouts: &Timeouts) -> CtRow 
         (hi, lo)
     };
     let idle_s = now_ns.saturating_sub(e.last_seen_ns) / 1_000_000_000;
+    let lb = e.flags & CT_F_LB != 0;
     let proto = match key.proto {
         6 => "tcp",
         17 => "udp",
@@ -83,10 +84,15 @@ pub fn row(key: &CtKey, e: &CtEntry, now_ns: u64, timeouts: &Timeouts) -> CtRow 
             packets: e.packets[DIR_ORIGINAL],
             bytes: e.bytes[DIR_ORIGINAL],
         },
+        // As Linux shows a DNAT'ed connection: the reply comes from the backend.
         reply: Tuple {
-            src: resp.0,
+            src: if lb {
+                addr(key.family, &e.nat.addr)
+            } else {
+                resp.0
+            },
             dst: orig.0,
-            sport: resp.1,
+            sport: if lb { e.nat.port } else { resp.1 },
             dport: orig.1,
             packets: e.packets[DIR_REPLY],
             bytes: e.bytes[DIR_REPLY],

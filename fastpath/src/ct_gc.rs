@@ -12,7 +12,10 @@ use std::{
     time::Instant,
 };
 
-use fastpath_common::ct::{CtEntry, CtEvent, CtKey, ct_event, timeout_of, timeout_slot};
+use fastpath_common::{
+    ct::{CT_F_LB_ALIAS, CtEntry, CtEvent, CtKey, ct_event, timeout_of, timeout_slot},
+    lb::lb_peer_key,
+};
 
 use crate::{ct_events::EventHub, datapath::CtTable};
 
@@ -46,10 +49,14 @@ pub fn pass(table: &mut CtTable, t: &Timeouts, hub: &EventHub, stats: &GcStats, 
     let start = Instant::now();
     let mut occupancy = 0u64;
     let mut candidates: Vec<CtKey> = Vec::new();
+    let mut aliases: Vec<(CtKey, CtEntry)> = Vec::new();
     let walked = table.walk(|keys, values| {
         occupancy += keys.len() as u64;
         for (k, e) in keys.iter().zip(values) {
-            if expired(t, k, e, now_ns) {
+            if e.flags & CT_F_LB_ALIAS != 0 {
+                // An alias lives as long as its connection's entry (checked below).
+                aliases.push((*k, *e));
+            } else if expired(t, k, e, now_ns) {
                 candidates.push(*k);
             }
         }
@@ -58,13 +65,21 @@ pub fn pass(table: &mut CtTable, t: &Timeouts, hub: &EventHub, stats: &GcStats, 
         tracing::warn!(error = %e, "Conntrack expiry could not walk the table; retrying next pass");
         return;
     }
+    // Entries removed (occupancy) and connections expired (aliases are not connections).
     let mut removed = 0u64;
+    let mut expired_conns = 0u64;
     for key in &candidates {
         let Some(entry) = table.get(key) else {
             continue;
         };
         if expired(t, key, &entry, now_ns) && table.remove(key) {
             removed += 1;
+            expired_conns += 1;
+            if let Some(alias) = lb_peer_key(key, &entry)
+                && table.remove(&alias)
+            {
+                removed += 1;
+            }
             hub.publish(CtEvent {
                 ts_ns: now_ns,
                 key: *key,
@@ -75,10 +90,21 @@ pub fn pass(table: &mut CtTable, t: &Timeouts, hub: &EventHub, stats: &GcStats, 
             });
         }
     }
+    // Aliases whose connection is gone (expired above, dropped early, killed, flushed).
+    for (key, alias) in &aliases {
+        if let Some(conn) = lb_peer_key(key, alias)
+            && table.get(&conn).is_none()
+            && table.remove(key)
+        {
+            removed += 1;
+        }
+    }
     stats
         .occupancy
         .store(occupancy.saturating_sub(removed), Ordering::Relaxed);
-    stats.expired_total.fetch_add(removed, Ordering::Relaxed);
+    stats
+        .expired_total
+        .fetch_add(expired_conns, Ordering::Relaxed);
     stats.passes.fetch_add(1, Ordering::Relaxed);
     stats
         .last_pass_us

@@ -75,6 +75,18 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
             })
         })
         .and_then(|()| dp.set_interfaces(&config.interfaces))
+        .and_then(|()| {
+            let applied = dp.set_services(&config.services)?;
+            info!(
+                services = applied.services,
+                removed = applied.removed,
+                backends = applied.backends,
+                slots = applied.slots,
+                took_us = applied.took.as_micros() as u64,
+                "Services applied"
+            );
+            Ok(())
+        })
         .and_then(|()| dp.remove_stale_links());
     let stale = match started {
         Ok(stale) => stale,

@@ -33,6 +33,7 @@ use fastpath_common::{
         CtEntry, CtKey, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP,
         IFACE_F_FIREWALL, IFACE_SLOTS, IfaceConfig, ct_stat,
     },
+    lb::{Service, SvcKey},
     map_names, program_names,
 };
 use tracing::{info, warn};
@@ -111,6 +112,8 @@ pub enum DatapathError {
         #[source]
         source: aya::pin::PinError,
     },
+    #[error("planning the services: {0}")]
+    Plan(crate::lb::PlanError),
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -342,6 +345,14 @@ impl Datapath {
                 what: "writing FP_CONFIG".into(),
                 source,
             })
+    }
+
+    /// Applies the configured services: see [`apply_services`].
+    pub fn set_services(
+        &mut self,
+        services: &[crate::config::ServiceConfig],
+    ) -> Result<ServicesApplied, DatapathError> {
+        apply_services(&mut self.ebpf, services)
     }
 
     /// Attaches every hook the interfaces ask for, as one change. Hooks without a pinned link
@@ -661,6 +672,145 @@ pub fn open_ct_events_pin(map_path: &Path) -> Result<(CtEventRing, u32), Datapat
             source,
         })?;
     Ok((ring, bytes))
+}
+
+/// Applies `services` to a loaded datapath (see [`crate::lb::plan`]): new backend ranges and
+/// selection tables go into space no running service uses, written with batched map updates;
+/// then each service switches with one write of its value; then services no longer wanted are
+/// deleted. A packet sees a service either as it was or as it is now, never half written.
+pub fn apply_services(
+    ebpf: &mut Ebpf,
+    services: &[crate::config::ServiceConfig],
+) -> Result<ServicesApplied, DatapathError> {
+    let started = std::time::Instant::now();
+    let current = current_services(ebpf)?;
+    let plan = crate::lb::plan(&current, services).map_err(DatapathError::Plan)?;
+    for (off, list) in &plan.backends {
+        let keys: Vec<u32> = (*off..*off + list.len() as u32).collect();
+        update_batch(
+            map_fd(ebpf, map_names::BACKENDS)?,
+            &keys,
+            list,
+            "FP_BACKENDS",
+        )?;
+    }
+    for (off, table) in &plan.slots {
+        let keys: Vec<u32> = (*off..*off + table.len() as u32).collect();
+        update_batch(
+            map_fd(ebpf, map_names::LB_SLOTS)?,
+            &keys,
+            table,
+            "FP_LB_SLOTS",
+        )?;
+    }
+    let (keys, values): (Vec<SvcKey>, Vec<Service>) = plan.services.iter().copied().unzip();
+    update_batch(map_fd(ebpf, map_names::SVC)?, &keys, &values, "FP_SVC")?;
+    let mut table: HashMap<&mut MapData, SvcKey, Service> =
+        HashMap::try_from(map_data(ebpf, map_names::SVC)?).map_err(|source| {
+            DatapathError::Map {
+                what: "opening FP_SVC".into(),
+                source,
+            }
+        })?;
+    for k in &plan.remove {
+        table.remove(k).map_err(|source| DatapathError::Map {
+            what: "removing a service from FP_SVC".into(),
+            source,
+        })?;
+    }
+    Ok(ServicesApplied {
+        services: plan.services.len(),
+        removed: plan.remove.len(),
+        backends: plan.backends.iter().map(|(_, l)| l.len()).sum(),
+        slots: plan.slots.iter().map(|(_, t)| t.len()).sum(),
+        took: started.elapsed(),
+    })
+}
+
+/// What `FP_SVC` holds now.
+pub fn current_services(ebpf: &mut Ebpf) -> Result<Vec<(SvcKey, Service)>, DatapathError> {
+    let table: HashMap<&mut MapData, SvcKey, Service> =
+        HashMap::try_from(map_data(ebpf, map_names::SVC)?).map_err(|source| {
+            DatapathError::Map {
+                what: "opening FP_SVC".into(),
+                source,
+            }
+        })?;
+    Ok(table.iter().filter_map(Result::ok).collect())
+}
+
+fn map_data<'a>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<&'a mut aya::maps::Map, DatapathError> {
+    ebpf.map_mut(name).ok_or(DatapathError::MissingMap { name })
+}
+
+/// The fd of a loaded map, for batched syscalls aya does not offer.
+fn map_fd(ebpf: &mut Ebpf, name: &'static str) -> Result<i32, DatapathError> {
+    use std::os::fd::AsFd as _;
+
+    use aya::maps::Map;
+    let data = match map_data(ebpf, name)? {
+        Map::Array(d) | Map::HashMap(d) | Map::PerCpuArray(d) => d,
+        _ => return Err(DatapathError::MissingMap { name }),
+    };
+    Ok(data.fd().as_fd().as_raw_fd())
+}
+
+/// What [`Datapath::set_services`] wrote.
+#[derive(Debug)]
+pub struct ServicesApplied {
+    pub services: usize,
+    pub removed: usize,
+    pub backends: usize,
+    pub slots: usize,
+    pub took: std::time::Duration,
+}
+
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+
+/// Writes `keys[i] → values[i]` with BPF_MAP_UPDATE_BATCH: thousands of elements per syscall
+/// instead of one each.
+fn update_batch<K: Copy, V: Copy>(
+    fd: i32,
+    keys: &[K],
+    values: &[V],
+    what: &str,
+) -> Result<(), DatapathError> {
+    let mut done = 0usize;
+    while done < keys.len() {
+        let chunk = (keys.len() - done).min(1 << 16);
+        // union bpf_attr, batch: in_batch, out_batch, keys, values, count|map_fd, elem_flags,
+        // flags.
+        let mut attr = [0u64; 7];
+        attr[2] = keys[done..].as_ptr() as u64;
+        attr[3] = values[done..].as_ptr() as u64;
+        attr[4] = (chunk as u64) | ((fd as u32 as u64) << 32);
+        // SAFETY: the kernel reads at most `count` keys and values from the slices, which hold
+        // at least `chunk` elements past `done`.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_UPDATE_BATCH,
+                attr.as_mut_ptr(),
+                size_of_val(&attr),
+            )
+        };
+        let written = (attr[4] & 0xffff_ffff) as usize;
+        if rc < 0 {
+            return Err(DatapathError::Io {
+                what: format!(
+                    "writing {what} ({} of {} written)",
+                    done + written,
+                    keys.len()
+                ),
+                source: io::Error::last_os_error(),
+            });
+        }
+        done += chunk;
+    }
+    Ok(())
 }
 
 /// The conntrack table as the daemon's expiry sees it: walked in batches, deleted by key.

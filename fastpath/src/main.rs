@@ -306,8 +306,10 @@ fn ct_command(command: CtCommand) -> ExitCode {
                 .and_then(|cfg| Ok((cfg, datapath::pinned_ct_entries(&pin_dir)?)));
             read.map(|(cfg, entries)| {
                 let now = conntrack::monotonic_ns();
+                // A load-balanced connection's alias entry is shown through the connection.
                 let mut rows: Vec<conntrack::CtRow> = entries
                     .iter()
+                    .filter(|(_, e)| e.flags & fastpath_common::ct::CT_F_LB_ALIAS == 0)
                     .map(|(k, e)| conntrack::row(k, e, now, &cfg.ct_timeouts_s))
                     .collect();
                 rows.sort_by(|a, b| {
@@ -350,10 +352,20 @@ fn ct_command(command: CtCommand) -> ExitCode {
                     return ExitCode::from(EXIT_USAGE);
                 }
             };
-            let read = datapath::pinned_config(&pin_dir)
-                .and_then(|cfg| Ok((cfg, datapath::pinned_ct_get(&pin_dir, &key)?)));
+            let read = datapath::pinned_config(&pin_dir).and_then(|cfg| {
+                let found = datapath::pinned_ct_get(&pin_dir, &key)?;
+                // Asked by the backend's tuple: show the connection the alias belongs to.
+                let found = match found.and_then(|e| {
+                    fastpath_common::lb::lb_peer_key(&key, &e)
+                        .filter(|_| e.flags & fastpath_common::ct::CT_F_LB_ALIAS != 0)
+                }) {
+                    Some(peer) => datapath::pinned_ct_get(&pin_dir, &peer)?.map(|e| (peer, e)),
+                    None => found.map(|e| (key, e)),
+                };
+                Ok((cfg, found))
+            });
             match read {
-                Ok((cfg, Some(entry))) => {
+                Ok((cfg, Some((key, entry)))) => {
                     let r =
                         conntrack::row(&key, &entry, conntrack::monotonic_ns(), &cfg.ct_timeouts_s);
                     if output == Output::Json {

@@ -283,6 +283,11 @@ struct Seq {
     pending_age_ns: u64,
     /// Synthetic assured entries in the table before the first step.
     prefill_assured: u32,
+    /// The seed later steps run with, when it changed mid-sequence (see [`Seq::reseed`]).
+    step_seed: Option<Seed>,
+    /// For load-balanced steps: the backend (address, port) the current flow's connection
+    /// goes to (the flow's server is the VIP).
+    backend: Option<([u8; 16], u16)>,
 }
 
 impl Seq {
@@ -306,7 +311,119 @@ impl Seq {
             model: BTreeMap::new(),
             pending_age_ns: 0,
             prefill_assured: 0,
+            step_seed: None,
+            backend: None,
         }
+    }
+
+    /// A sequence on XDP (tracking on) with these services.
+    fn lb(name: &'static str, flow: Flow, services: &str) -> Self {
+        Seq::new(
+            name,
+            Seed::iface(TEST_RUN_IFINDEX, IFACE_F_CT_XDP).with_services(services),
+            Hook::Xdp,
+            flow,
+        )
+    }
+
+    /// Later steps run with `services` instead (a service changed mid-sequence).
+    fn reseed(mut self, services: &str) -> Self {
+        self.step_seed = Some(self.seed.clone().with_services(services));
+        self
+    }
+
+    /// Later load-balanced steps: the current flow's connection is on this backend.
+    fn via(mut self, backend: [u8; 16], port: u16) -> Self {
+        self.backend = Some((backend, port));
+        self
+    }
+
+    /// A packet of a load-balanced connection: from the client (`O`, to the VIP, translated
+    /// to the backend) or from the backend (`R`, translated back to come from the VIP). The
+    /// translated frame must be byte-exact what the packet builder makes with full checksums.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one table row, read left to right"
+    )]
+    fn lb_packet(
+        mut self,
+        dir: Dir,
+        what: String,
+        input_output: (Vec<u8>, Vec<u8>),
+        state: Option<u8>,
+        ct_flags: u8,
+        stats: &[u32],
+        events: &[(u8, u8)],
+    ) -> Self {
+        let (backend, bport) = self.backend.expect("lb steps need via(backend, port)");
+        let alias = Flow {
+            server: backend,
+            sport: bport,
+            ..self.flow
+        }
+        .key();
+        let expect = self.entry(state, ct_flags);
+        let (input, output) = input_output;
+        self = self.push(what, input, expect, stats, events);
+        let step = self.steps.last_mut().expect("just pushed");
+        step.expect_output = Some(output);
+        step.expect_reason = Some(if dir == O {
+            reason::LB_TO_BACKEND
+        } else {
+            reason::LB_FROM_BACKEND
+        });
+        step.also_changes.push(alias);
+        self
+    }
+
+    /// The flow as the backend sees it: the same client, the backend as the server.
+    fn backend_flow(&self) -> Flow {
+        let (backend, bport) = self.backend.expect("lb steps need via(backend, port)");
+        Flow {
+            server: backend,
+            sport: bport,
+            ..self.flow
+        }
+    }
+
+    /// A TCP packet of a load-balanced connection (see [`Seq::lb_packet`]).
+    fn lb_tcp(
+        mut self,
+        dir: Dir,
+        flags: u8,
+        state: u8,
+        ct_flags: u8,
+        stats: &[u32],
+        events: &[(u8, u8)],
+    ) -> Self {
+        self.check_model(dir, flags, Some(state));
+        let at_backend = self.backend_flow();
+        let io = if dir == O {
+            (self.flow.tcp(O, flags, &[]), at_backend.tcp(O, flags, &[]))
+        } else {
+            (at_backend.tcp(R, flags, &[]), self.flow.tcp(R, flags, &[]))
+        };
+        let what = format!("lb {} {}", dir.name(), flags_name(flags));
+        self.lb_packet(dir, what, io, Some(state), ct_flags, stats, events)
+    }
+
+    /// A UDP datagram of a load-balanced connection (see [`Seq::lb_packet`]).
+    fn lb_udp(
+        self,
+        dir: Dir,
+        payload: &[u8],
+        ct_flags: u8,
+        stats: &[u32],
+        ev: &[(u8, u8)],
+    ) -> Self {
+        let at_backend = self.backend_flow();
+        let io = if dir == O {
+            (self.flow.udp(O, payload), at_backend.udp(O, payload))
+        } else {
+            (at_backend.udp(R, payload), self.flow.udp(R, payload))
+        };
+        let what = format!("lb {} UDP +{}B", dir.name(), payload.len());
+        self.lb_packet(dir, what, io, None, ct_flags, stats, ev)
     }
 
     /// A sequence on XDP with the stateful firewall on for the test-run interface.
@@ -322,6 +439,24 @@ impl Seq {
     /// `secs` pass before the next packet: its connection's entry is aged by that much.
     fn wait(mut self, secs: u64) -> Self {
         self.pending_age_ns += secs * 1_000_000_000;
+        self
+    }
+
+    /// The last step goes to the kernel counted under `code`.
+    fn kernel_reason(mut self, code: u32) -> Self {
+        match self.steps.last_mut() {
+            Some(s) => s.expect_reason = Some(code),
+            None => panic!("{}: kernel_reason() needs a step", self.name),
+        }
+        self
+    }
+
+    /// The last step is dropped with `code` (not by the firewall: no fw_dropped count).
+    fn drop_reason(mut self, code: u32) -> Self {
+        match self.steps.last_mut() {
+            Some(s) => s.expect_drop = Some(code),
+            None => panic!("{}: drop_reason() needs a step", self.name),
+        }
         self
     }
 
@@ -378,6 +513,10 @@ impl Seq {
             age_before_ns: std::mem::take(&mut self.pending_age_ns),
             expect_drop: None,
             expect_other_events: Vec::new(),
+            seed: self.step_seed.clone(),
+            expect_output: None,
+            expect_reason: None,
+            also_changes: Vec::new(),
         });
         self
     }
@@ -1437,6 +1576,216 @@ fn hook_sequences() -> Vec<Seq> {
     ]
 }
 
+const VIP4: [u8; 4] = [10, 0, 0, 100];
+const BE4: [[u8; 4]; 4] = [[10, 0, 1, 1], [10, 0, 1, 2], [10, 0, 1, 3], [10, 0, 1, 4]];
+const VIP6: [u8; 16] = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0];
+const BE6: [u8; 16] = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x10, 1];
+
+/// `[[service]]` TOML: `vip:port` over `protocol` to `backends` (address, port), weight 1.
+fn service_toml(
+    vip: &str,
+    port: u16,
+    protocol: &str,
+    backends: &[(String, u16)],
+    extra: &str,
+) -> String {
+    let mut s = format!(
+        "[[service]]\nvip = \"{vip}\"\nport = {port}\nprotocol = \"{protocol}\"\n{extra}\n"
+    );
+    for (a, p) in backends {
+        s += &format!("[[service.backend]]\naddress = \"{a}\"\nport = {p}\n");
+    }
+    s
+}
+
+fn ip4(a: [u8; 4]) -> String {
+    std::net::Ipv4Addr::from(a).to_string()
+}
+
+fn ip6(a: [u8; 16]) -> String {
+    std::net::Ipv6Addr::from(a).to_string()
+}
+
+/// The backend (address, port) the daemon's own table gives `flow`'s connection for the
+/// service in `services`: what the datapath must pick too.
+fn predicted_backend(services: &str, flow: &Flow) -> ([u8; 16], u16) {
+    let text = format!("[[interface]]\nname = \"lo\"\n{services}");
+    let config = crate::config::Config::parse_with(
+        std::path::Path::new("lb sequence"),
+        &text,
+        crate::config::InterfaceCheck::Skip,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let plan = crate::lb::plan(&[], &config.services).unwrap_or_else(|e| panic!("{e}"));
+    let (_, svc) = plan.services[0];
+    let (_, table) = &plan.slots[0];
+    let slot = fastpath_common::lb::flow_hash(&flow.key()) % svc.slots_len;
+    let local = table[slot as usize] - svc.backends_off;
+    let (_, backends) = &plan.backends[0];
+    let b = backends[local as usize];
+    (b.addr, b.port)
+}
+
+/// Load balancing (NAT mode, XDP): the first packet of a connection to a service picks a
+/// backend and is translated to it; the backend's replies are translated back to the VIP;
+/// the connection's state lives in one entry (client ↔ VIP) with an alias (client ↔ backend).
+/// Every translated frame is compared byte for byte with one the packet builder makes with
+/// fully recomputed checksums.
+fn lb_sequences() -> Vec<Seq> {
+    let one4 = service_toml(&ip4(VIP4), 80, "tcp", &[(ip4(BE4[0]), 8080)], "");
+    let tcp_vip = Flow::v4(proto::TCP, A4, 40000, VIP4, 80);
+    let be0 = v4(BE4[0]);
+    let udp6_svc = service_toml(&ip6(VIP6), 53, "udp", &[(ip6(BE6), 5353)], "");
+    let udp6_vip = Flow::v6(proto::UDP, A6, 33000, VIP6, 53);
+    let udp4_svc = service_toml(&ip4(VIP4), 53, "udp", &[(ip4(BE4[1]), 53)], "");
+    let udp4_vip = Flow::v4(proto::UDP, A4, 33001, VIP4, 53);
+    let tcp6_svc = service_toml(&ip6(VIP6), 443, "tcp", &[(ip6(BE6), 8443)], "");
+    let tcp6_vip = Flow::v6(proto::TCP, A6, 40001, VIP6, 443);
+    let four = service_toml(
+        &ip4(VIP4),
+        80,
+        "tcp",
+        &BE4.iter().map(|b| (ip4(*b), 8080)).collect::<Vec<_>>(),
+        "",
+    );
+    let empty_kernel = service_toml(&ip4(VIP4), 80, "tcp", &[], "");
+    let empty_drop = service_toml(&ip4(VIP4), 80, "tcp", &[], "no_backend = \"drop\"");
+    let moved = service_toml(&ip4(VIP4), 80, "tcp", &[(ip4(BE4[1]), 8080)], "");
+    let udp_zero = |dir: Dir, f: &Flow, payload: &[u8]| -> Vec<u8> {
+        let (sp, dp) = f.ports(dir);
+        f.ip(dir)
+            .udp(sp, dp)
+            .l4_checksum(0)
+            .payload(payload)
+            .build()
+    };
+    let mut predicted = Seq::lb(
+        "lb_maglev_picks_the_backend_the_daemon_predicts",
+        tcp_vip,
+        &four,
+    );
+    for port in 41000..41012u16 {
+        let flow = Flow::v4(proto::TCP, A4, port, VIP4, 80);
+        let (b, p) = predicted_backend(&four, &flow);
+        predicted =
+            predicted
+                .flow(flow)
+                .via(b, p)
+                .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)]);
+    }
+    let zero_in = udp_zero(O, &udp4_vip, b"q");
+    let zero_out = udp_zero(
+        O,
+        &Flow {
+            server: v4(BE4[1]),
+            ..udp4_vip
+        },
+        b"q",
+    );
+    let zero_reply_in = udp_zero(
+        R,
+        &Flow {
+            server: v4(BE4[1]),
+            ..udp4_vip
+        },
+        b"a",
+    );
+    let zero_reply_out = udp_zero(R, &udp4_vip, b"a");
+    vec![
+        Seq::lb(
+            "lb_tcp_v4_whole_connection_through_the_backend",
+            tcp_vip,
+            &one4,
+        )
+        .via(be0, 8080)
+        .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+        .table_len(2)
+        .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[])
+        .lb_tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
+        .lb_tcp(O, FIN, FW, SEEN_ASSURED, HIT, &[])
+        .lb_tcp(R, ACK, CW, SEEN_ASSURED, HIT, &[])
+        .lb_tcp(R, FIN, LA, SEEN_ASSURED, HIT, &[])
+        .lb_tcp(O, ACK, TW, SEEN_ASSURED, HIT_CLOSED, &[(CLOSED_EV, TW)])
+        .counts([4, 3], [4 * 54, 3 * 54])
+        .table_len(2),
+        Seq::lb("lb_tcp_v6_handshake", tcp6_vip, &tcp6_svc)
+            .via(BE6, 8443)
+            .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+            .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[])
+            .lb_tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)]),
+        Seq::lb("lb_udp_v6_query_and_answer", udp6_vip, &udp6_svc)
+            .via(BE6, 5353)
+            .lb_udp(O, b"query", NOFLAGS, CREATED, &[(NEW_EV, 0)])
+            .lb_udp(R, b"answer", SEEN, HIT, &[])
+            .lb_udp(O, b"again", SEEN, HIT, &[])
+            .table_len(2),
+        // UDP over IPv4 may carry no checksum: a translated datagram keeps none.
+        Seq::lb("lb_udp_v4_zero_checksum_stays_zero", udp4_vip, &udp4_svc)
+            .via(v4(BE4[1]), 53)
+            .lb_packet(
+                O,
+                "lb orig UDP without checksum".into(),
+                (zero_in, zero_out),
+                None,
+                NOFLAGS,
+                CREATED,
+                &[(NEW_EV, 0)],
+            )
+            .lb_packet(
+                R,
+                "lb reply UDP without checksum".into(),
+                (zero_reply_in, zero_reply_out),
+                None,
+                SEEN,
+                HIT,
+                &[],
+            ),
+        predicted.table_len(24),
+        // An established connection stays on its backend when the service changes; a new one
+        // goes where the service now says.
+        Seq::lb(
+            "lb_backend_removed_mid_connection_keeps_the_connection",
+            tcp_vip,
+            &one4,
+        )
+        .via(be0, 8080)
+        .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+        .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[])
+        .lb_tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
+        .reseed(&moved)
+        .lb_tcp(O, DATA, ES, SEEN_ASSURED, HIT, &[])
+        .lb_tcp(R, DATA, ES, SEEN_ASSURED, HIT, &[])
+        .flow(Flow::v4(proto::TCP, A4, 40009, VIP4, 80))
+        .via(v4(BE4[1]), 8080)
+        .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+        .table_len(4),
+        Seq::lb(
+            "lb_service_without_backends_hands_to_the_kernel",
+            tcp_vip,
+            &empty_kernel,
+        )
+        .untouched(
+            "SYN to a service with no backend",
+            tcp_vip.tcp(O, SYN, &[]),
+            &[LOOKUPS],
+        )
+        .kernel_reason(reason::LB_NO_BACKEND)
+        .table_len(0),
+        Seq::lb(
+            "lb_service_without_backends_drops_when_told",
+            tcp_vip,
+            &empty_drop,
+        )
+        .untouched(
+            "SYN to a service with no backend",
+            tcp_vip.tcp(O, SYN, &[]),
+            &[LOOKUPS],
+        )
+        .drop_reason(reason::LB_NO_BACKEND)
+        .table_len(0),
+    ]
+}
+
 /// Every conntrack sequence.
 pub fn ct_sequences() -> Vec<CtSequence> {
     [
@@ -1445,6 +1794,7 @@ pub fn ct_sequences() -> Vec<CtSequence> {
         udp_icmp_sequences(),
         related_sequences(),
         firewall_sequences(),
+        lb_sequences(),
         untracked_sequences(),
         hook_sequences(),
     ]

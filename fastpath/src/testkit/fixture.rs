@@ -81,6 +81,9 @@ pub struct Seed {
     /// Written to `FP_IFACE` (ifindex → settings); every interface not listed is removed, so
     /// the default (none) means no hook tracks connections on any interface.
     pub ifaces: Vec<(u32, IfaceConfig)>,
+    /// `[[service]]` tables (TOML, as in the daemon's config), applied with the daemon's own
+    /// code (`datapath::apply_services`); empty: no service.
+    pub services: String,
 }
 
 impl Seed {
@@ -104,6 +107,12 @@ impl Seed {
     /// other interface configured).
     pub fn iface(ifindex: u32, flags: u32) -> Self {
         Seed::default().with_iface(ifindex, flags)
+    }
+
+    /// This seed with these `[[service]]` tables.
+    pub fn with_services(mut self, toml: &str) -> Self {
+        self.services = toml.to_owned();
+        self
     }
 
     /// This seed with interface `ifindex` (also) set to `IFACE_F_*` `flags`.
@@ -158,6 +167,20 @@ impl Seed {
                 .unwrap_or_default();
             ifaces.set(ifindex, &cfg, 0).map_err(map_err)?;
         }
+        let text = format!("[[interface]]\nname = \"lo\"\n{}", self.services);
+        let config = crate::config::Config::parse_with(
+            std::path::Path::new("fixture seed"),
+            &text,
+            crate::config::InterfaceCheck::Skip,
+        )
+        .map_err(|e| FixtureError::Seed {
+            message: e.to_string(),
+        })?;
+        crate::datapath::apply_services(ebpf, &config.services).map_err(|e| {
+            FixtureError::Seed {
+                message: e.to_string(),
+            }
+        })?;
         Ok(())
     }
 }
@@ -230,6 +253,8 @@ pub struct RepeatRun {
 
 #[derive(Debug, thiserror::Error)]
 pub enum FixtureError {
+    #[error("applying the seed's services: {message}")]
+    Seed { message: String },
     #[error(
         "creating the private bpffs pin directory {path}: {source}; fixtures need root \
          (run the tests with sudo or as root)"
@@ -862,7 +887,7 @@ impl Fixture {
                 "  step: skb_ingress_ifindex is a TC context field; XDP has none\n".to_owned(),
             );
         }
-        seed.apply(&mut self.ebpf)?;
+        step.seed.as_ref().unwrap_or(seed).apply(&mut self.ebpf)?;
         if step.age_before_ns > 0
             && let Some(key) = step.expect.key()
         {
@@ -979,6 +1004,15 @@ pub struct CtStep {
     /// Events this packet emits about other connections (an early drop's victim), as
     /// (`ct_event::*`, key), in order, after the packet's own.
     pub expect_other_events: Vec<(u8, CtKey)>,
+    /// The seed for this step, instead of the sequence's (a service changed mid-connection).
+    pub seed: Option<Seed>,
+    /// The frame the program must leave (a translated packet), instead of the input.
+    pub expect_output: Option<Vec<u8>>,
+    /// The reason the packet is counted under, with the kernel verdict (e.g. `lb_to_backend`),
+    /// when the step states one.
+    pub expect_reason: Option<u32>,
+    /// Other entries this step may create or remove (a load-balanced connection's alias).
+    pub also_changes: Vec<CtKey>,
 }
 
 /// A conntrack fixture: packets run in order against one table (entries persist across
@@ -1058,12 +1092,28 @@ fn ct_mismatches(step: &CtStep, got: &CtObserved) -> String {
             );
         }
     }
-    if got.output != step.input {
+    let want_output = step.expect_output.as_ref().unwrap_or(&step.input);
+    if got.output != *want_output {
         let _ = writeln!(
             out,
-            "  output: expected the input unchanged, got ('!' marks differing lines)\n{}",
-            hexdump_diff(&step.input, &got.output)
+            "  output: expected {}, got ('!' marks differing lines)\n{}",
+            if step.expect_output.is_some() {
+                "the translated frame (checksums as a full recomputation gives them)"
+            } else {
+                "the input unchanged"
+            },
+            hexdump_diff(want_output, &got.output)
         );
+    }
+    if let Some(code) = step.expect_reason {
+        let n = got.reasons.get(step.hook, Verdict::Kernel, code).packets;
+        if n != 1 {
+            let _ = writeln!(
+                out,
+                "  stats: expected the packet counted once as kernel/{}, got {n}",
+                fastpath_common::reason::name(code)
+            );
+        }
     }
 
     let key = step.expect.key();
@@ -1086,7 +1136,7 @@ fn ct_mismatches(step: &CtStep, got: &CtObserved) -> String {
         .table_before
         .keys()
         .chain(got.table_after.keys())
-        .filter(|k| Some(**k) != key && !victims.contains(k))
+        .filter(|k| Some(**k) != key && !victims.contains(k) && !step.also_changes.contains(k))
         .collect::<std::collections::BTreeSet<_>>()
         .into_iter()
         .filter(|k| got.table_before.get(k) != got.table_after.get(k))
