@@ -242,6 +242,33 @@ pub fn plan(current: &[(SvcKey, Service)], desired: &[ServiceConfig]) -> Result<
     Ok(plan)
 }
 
+/// The backend the datapath gives the connection with key `key` to service `desired[svc]`:
+/// the same table `plan` builds, the same hash the datapath uses. For tests and tools that
+/// need to know where a connection goes (and for a peer to agree on it).
+pub fn predict(
+    desired: &[ServiceConfig],
+    svc: usize,
+    key: &fastpath_common::ct::CtKey,
+) -> Result<Option<Backend>, PlanError> {
+    let plan = plan(&[], desired)?;
+    let Some((_, s)) = plan.services.get(svc) else {
+        return Ok(None);
+    };
+    if s.slots_len == 0 {
+        return Ok(None);
+    }
+    let slot = (fastpath_common::lb::flow_hash(key) % s.slots_len) as usize;
+    let table = plan.slots.iter().find(|(off, _)| *off == s.slots_off);
+    let backends = plan.backends.iter().find(|(off, _)| *off == s.backends_off);
+    Ok(match (table, backends) {
+        (Some((_, t)), Some((off, list))) => t
+            .get(slot)
+            .and_then(|&i| list.get((i - off) as usize))
+            .copied(),
+        _ => None,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use std::path::Path;

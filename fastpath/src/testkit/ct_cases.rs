@@ -1616,13 +1616,9 @@ fn predicted_backend(services: &str, flow: &Flow) -> ([u8; 16], u16) {
         crate::config::InterfaceCheck::Skip,
     )
     .unwrap_or_else(|e| panic!("{e}"));
-    let plan = crate::lb::plan(&[], &config.services).unwrap_or_else(|e| panic!("{e}"));
-    let (_, svc) = plan.services[0];
-    let (_, table) = &plan.slots[0];
-    let slot = fastpath_common::lb::flow_hash(&flow.key()) % svc.slots_len;
-    let local = table[slot as usize] - svc.backends_off;
-    let (_, backends) = &plan.backends[0];
-    let b = backends[local as usize];
+    let b = crate::lb::predict(&config.services, 0, &flow.key())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .expect("the service has backends");
     (b.addr, b.port)
 }
 

@@ -1044,6 +1044,8 @@ pub struct DaemonConfig {
     pub conntrack_timeouts: Vec<String>,
     /// Interfaces with `stateful_firewall = true`.
     pub firewall: Vec<String>,
+    /// `[[service]]` tables, TOML.
+    pub services: String,
 }
 
 impl DaemonConfig {
@@ -1055,7 +1057,14 @@ impl DaemonConfig {
             conntrack: Vec::new(),
             conntrack_timeouts: Vec::new(),
             firewall: Vec::new(),
+            services: String::new(),
         }
+    }
+
+    /// Adds `[[service]]` tables (TOML).
+    pub fn services(mut self, toml: &str) -> DaemonConfig {
+        self.services.push_str(toml);
+        self
     }
 
     /// Sets a `[conntrack]` key (`capacity`, `gc_interval_ms`) to a TOML value.
@@ -1111,6 +1120,10 @@ impl DaemonConfig {
                 "\n[conntrack.timeouts]\n{}\n",
                 self.conntrack_timeouts.join("\n")
             ));
+        }
+        if !self.services.is_empty() {
+            s.push('\n');
+            s.push_str(&self.services);
         }
         for i in &self.interfaces {
             s.push_str(&format!(

@@ -1,0 +1,248 @@
+//! End to end: the load balancer (NAT mode, XDP) in front of three real nginx backends in the
+//! `fp` node of [`lb_topology`]: curl against the VIP over IPv4 and IPv6 and UDP through
+//! socat, each new connection landing on the backend the daemon's own Maglev table predicts
+//! for its tuple, replies coming back from the VIP.
+//!
+//! Checksums: the client and backends send full checksums and verify what they receive
+//! (`ethtool -K eth0 tx off rx off`), as traffic from a wire does. With offloads on, veth passes
+//! partial checksums that XDP cannot tell apart and the receivers would not verify, which
+//! would hide a wrong checksum.
+//!
+//! Root only (never skipped: without root these tests fail). Debian packages: iproute2,
+//! nginx-light, curl, socat, ethtool.
+
+use std::{collections::BTreeMap, fs, net::IpAddr, path::Path};
+
+use fastpath::{
+    config::{Config, InterfaceCheck},
+    testkit::netns::{
+        Daemon, HttpServer, LbTopology, TempDir, prepare_test, test_lb_topology, unique_pin_dir,
+    },
+};
+use fastpath_common::ct::ct_key;
+
+fn bin() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_fastpath"))
+}
+
+const BACKENDS: usize = 3;
+const VIP4: &str = "10.200.0.100";
+const VIP6: &str = "fd00:200::100";
+
+fn services() -> String {
+    let mut s = String::new();
+    for (vip, backend) in [
+        (
+            VIP4,
+            (0..BACKENDS)
+                .map(|i| LbTopology::backend_v4(i).to_string())
+                .collect::<Vec<_>>(),
+        ),
+        (
+            VIP6,
+            (0..BACKENDS)
+                .map(|i| LbTopology::backend_v6(i).to_string())
+                .collect(),
+        ),
+    ] {
+        s += &format!("[[service]]\nvip = \"{vip}\"\nport = 80\nprotocol = \"tcp\"\n");
+        for b in backend {
+            s += &format!("[[service.backend]]\naddress = \"{b}\"\nport = 80\n");
+        }
+    }
+    s += &format!(
+        "[[service]]\nvip = \"{VIP4}\"\nport = 53\nprotocol = \"udp\"\n[[service.backend]]\naddress = \"{}\"\nport = 9000\n",
+        LbTopology::backend_v4(1)
+    );
+    s
+}
+
+/// The backend the daemon's table gives a connection from `client:port` to `vip:80`.
+fn predicted(svcs: &str, svc: usize, client: IpAddr, port: u16, vip: IpAddr) -> IpAddr {
+    let text = format!("[[interface]]\nname = \"lo\"\n{svcs}");
+    let config = Config::parse_with(Path::new("lb test"), &text, InterfaceCheck::Skip)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (a, family) = fastpath::lb::addr16(client);
+    let (v, _) = fastpath::lb::addr16(vip);
+    let key = ct_key(family, 6, &a, port, &v, 80).0;
+    let b = fastpath::lb::predict(&config.services, svc, &key)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .expect("backends configured");
+    if family == 4 {
+        IpAddr::from([b.addr[0], b.addr[1], b.addr[2], b.addr[3]])
+    } else {
+        IpAddr::from(b.addr)
+    }
+}
+
+#[test]
+fn curl_through_the_vip_reaches_the_predicted_backends() {
+    prepare_test(&["curl", "nginx", "socat", "ethtool"]);
+    let dir = TempDir::new("lb").expect("temp dir");
+    let lb = test_lb_topology(BACKENDS);
+    for ns in std::iter::once(lb.client()).chain((0..BACKENDS).map(|i| lb.backend(i))) {
+        ns.run(&[
+            "ethtool",
+            "-K",
+            LbTopology::HOST_IF,
+            "tx",
+            "off",
+            "rx",
+            "off",
+        ])
+        .unwrap_or_else(|e| panic!("turning checksum offloads off: {e}"));
+    }
+    let servers: Vec<HttpServer> = (0..BACKENDS)
+        .map(|i| {
+            let s = lb
+                .backend(i)
+                .http_server(80)
+                .unwrap_or_else(|e| panic!("starting nginx: {e}"));
+            fs::write(s.root().join("index.html"), format!("backend {i}\n")).expect("page");
+            s
+        })
+        .collect();
+    let _udp = lb
+        .backend(1)
+        .spawn(&["socat", "UDP4-LISTEN:9000,fork", "PIPE"])
+        .expect("UDP echo server");
+    let svcs = services();
+    let config = lb.fp_config(&unique_pin_dir("lb")).services(&svcs);
+    let daemon = Daemon::start(bin(), lb.fp(), &config);
+    assert!(
+        daemon.log().contains("Services applied"),
+        "the daemon did not apply the services; log:\n{}",
+        daemon.log()
+    );
+    lb.backend(1)
+        .wait_listening("udp", 9000, std::time::Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    let backend_of = |body: &str| -> usize {
+        body.trim()
+            .strip_prefix("backend ")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("unexpected page {body:?}"))
+    };
+    let mut hits: BTreeMap<(bool, usize), u32> = BTreeMap::new();
+    for (v6, svc, vip, client, count) in [
+        (
+            false,
+            0,
+            VIP4.parse::<IpAddr>().unwrap(),
+            IpAddr::from(LbTopology::client_v4()),
+            24,
+        ),
+        (
+            true,
+            1,
+            VIP6.parse().unwrap(),
+            LbTopology::client_v6().into(),
+            12,
+        ),
+    ] {
+        for n in 0..count {
+            let url = if v6 {
+                format!("http://[{vip}]:80/")
+            } else {
+                format!("http://{vip}:80/")
+            };
+            let out = dir.join(format!("page-{v6}-{n}"));
+            let port = lb
+                .client()
+                .run(&[
+                    "curl",
+                    "-sS",
+                    "-g",
+                    "--fail",
+                    "--max-time",
+                    "5",
+                    "-o",
+                    out.to_str().expect("utf-8"),
+                    "-w",
+                    "%{local_port}",
+                    &url,
+                ])
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "curl {url} (request {n}): {e}\ndaemon log:\n{}",
+                        daemon.log()
+                    )
+                });
+            let port: u16 = port.trim().parse().expect("curl -w %{local_port}");
+            let body = fs::read_to_string(&out).unwrap_or_default();
+            let got = backend_of(&body);
+            let want_addr = predicted(&svcs, svc, client, port, vip);
+            let want = (0..BACKENDS)
+                .find(|&i| {
+                    let b: IpAddr = if v6 {
+                        LbTopology::backend_v6(i).into()
+                    } else {
+                        LbTopology::backend_v4(i).into()
+                    };
+                    b == want_addr
+                })
+                .expect("the predicted backend is one of ours");
+            assert_eq!(
+                got, want,
+                "{client}:{port} -> {vip}:80 was answered by backend {got}; the daemon's table says {want}"
+            );
+            *hits.entry((v6, got)).or_default() += 1;
+        }
+    }
+    eprintln!("connections per (ipv6, backend): {hits:?}");
+    for v6 in [false, true] {
+        let used = (0..BACKENDS)
+            .filter(|&i| hits.contains_key(&(v6, i)))
+            .count();
+        assert!(
+            used >= 2,
+            "ipv6={v6}: all connections went to {used} backend(s): {hits:?}"
+        );
+    }
+
+    // UDP through the VIP to the echo server on backend 1.
+    let echo = lb
+        .client()
+        .run(&[
+            "sh",
+            "-c",
+            &format!("echo hello-lb | socat -t 2 - UDP4:{VIP4}:53"),
+        ])
+        .unwrap_or_else(|e| panic!("UDP via the VIP: {e}"));
+    assert_eq!(echo.trim(), "hello-lb", "UDP echo through the VIP");
+
+    // The table shows each connection once, its reply coming from the backend.
+    let list = fastpath::testkit::netns::host_run(&[
+        bin().as_os_str(),
+        "ct".as_ref(),
+        "list".as_ref(),
+        "--pin-dir".as_ref(),
+        daemon.pin_dir().as_os_str(),
+    ])
+    .unwrap_or_else(|e| panic!("ct list: {e}"));
+    let to_vip = list
+        .lines()
+        .filter(|l| l.contains(&format!("dst={VIP4} ")))
+        .count();
+    assert!(
+        to_vip >= 24
+            && list.contains(&format!(
+                "src={} dst={}",
+                LbTopology::backend_v4(1),
+                LbTopology::client_v4()
+            )),
+        "expected the 24 IPv4 connections and the UDP flow to the VIP, replies from backends:\n{list}"
+    );
+    let stats = fastpath::datapath::pinned_stats(daemon.pin_dir()).expect("stats");
+    let (to, from) = (
+        stats.packets_for_reason(fastpath_common::reason::LB_TO_BACKEND),
+        stats.packets_for_reason(fastpath_common::reason::LB_FROM_BACKEND),
+    );
+    eprintln!("lb_to_backend {to} packets, lb_from_backend {from} packets");
+    assert!(
+        to >= 36 * 5 && from >= 36 * 4,
+        "every curl exchange was translated both ways: to {to}, from {from}"
+    );
+    drop(servers);
+}
