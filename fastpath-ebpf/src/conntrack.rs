@@ -19,7 +19,7 @@ use fastpath_common::{
         CT_F_ASSURED, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CtEntry, CtEvent,
         CtKey, DIR_ORIGINAL, DIR_REPLY, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS,
         IFACE_F_CT_XDP, IFACE_F_FIREWALL, TcpStep, UDP_STREAM_AFTER_NS, ct_event, ct_stat,
-        tcp_state, tcp_step,
+        tcp_class, tcp_classify, tcp_state, tcp_step,
     },
     lb::{CtNat, SVC_F_NO_BACKEND_DROP, Service},
     reason,
@@ -120,7 +120,21 @@ pub fn track(
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     let lb_here = hook == Hook::Xdp && is_tcp_udp;
-    let refused = match FP_CT.get_ptr_mut(&key) {
+    let mut hit = FP_CT.get_ptr_mut(&key);
+    if lb_here
+        && let Some(e) = hit
+        // SAFETY: as below.
+        && lb_reopens(unsafe { &*e }, src_is_lo, p)
+    {
+        // A new connection on the tuple of a closed load-balanced one: it is balanced
+        // again (the service may have changed), so the old entry and its alias go first.
+        // SAFETY: as below.
+        forget_lb(pkt, p, key, unsafe { &*e });
+        count(ct_stat::HITS);
+        count(ct_stat::REOPENED);
+        hit = None;
+    }
+    let refused = match hit {
         Some(e) => {
             count(ct_stat::HITS);
             // SAFETY: a value pointer of a hash map stays valid for this program run (deleted
@@ -169,6 +183,44 @@ pub fn track(
         }
         _ => Action::Pass,
     }
+}
+
+/// Whether `p` (a SYN in the original direction) re-opens the closed load-balanced
+/// connection `e`.
+#[inline(always)]
+fn lb_reopens(e: &CtEntry, src_is_lo: bool, p: &Parsed) -> bool {
+    // Linux's table: a SYN from the originator in TIME_WAIT or CLOSE goes to SYN_SENT. Spelled
+    // out rather than through `tcp_step`: the verifier loses the bound on the state read here.
+    e.flags & CT_F_LB != 0
+        && p.l4_proto == IPPROTO_TCP
+        && (e.state == tcp_state::TIME_WAIT || e.state == tcp_state::CLOSE)
+        && e.dir(src_is_lo) == DIR_ORIGINAL
+        && tcp_classify(p.tcp_flags) == tcp_class::SYN
+}
+
+/// Removes a load-balanced connection's entry and its alias (client ↔ backend: the client is
+/// this packet's source).
+#[inline(always)]
+fn forget_lb(pkt: &Packet, p: &Parsed, key: &CtKey, e: &CtEntry) {
+    if let Some(alias) = FP_CT_KEY2.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
+        let alias = unsafe { &mut *alias };
+        if load_key(
+            pkt,
+            p.family,
+            p.l3_off as usize,
+            p.l4_proto,
+            p.src_port,
+            e.nat.port,
+            alias,
+        ) {
+            copy16(&mut alias.addr_hi, &e.nat.addr);
+            alias.normalize();
+            let alias: &CtKey = alias;
+            let _ = FP_CT.remove(alias);
+        }
+    }
+    let _ = FP_CT.remove(key);
 }
 
 /// Copies 16 address bytes with two word loads and stores (no memcpy call). Both must be

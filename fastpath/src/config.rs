@@ -37,7 +37,7 @@ pub struct Config {
 
 /// One load-balanced service: clients connect to `vip:port`; each new connection gets a
 /// backend and keeps it.
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServiceConfig {
     /// IPv4 or IPv6 address clients connect to.
@@ -57,9 +57,61 @@ pub struct ServiceConfig {
     pub no_backend: NoBackend,
     #[serde(default, rename = "backend")]
     pub backends: Vec<BackendConfig>,
+    /// Probing of the backends (`[service.health_check]`); none: every backend is up.
+    pub health_check: Option<HealthCheck>,
 }
 
-#[derive(Debug, Deserialize)]
+/// How the daemon probes a service's backends. A backend goes down after `fall` failed
+/// probes in a row (no new connections; existing ones keep it) and up again after `rise`
+/// good ones.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct HealthCheck {
+    /// `tcp` (a connect) or `http` (GET `path`, expecting `expect_status`).
+    pub kind: Spanned<HealthKind>,
+    #[serde(default = "default_interval_ms")]
+    pub interval_ms: Spanned<u64>,
+    #[serde(default = "default_timeout_ms")]
+    pub timeout_ms: Spanned<u64>,
+    #[serde(default = "default_rise")]
+    pub rise: Spanned<u32>,
+    #[serde(default = "default_fall")]
+    pub fall: Spanned<u32>,
+    /// Probe this port instead of the backend's.
+    pub port: Option<u16>,
+    #[serde(default = "default_path")]
+    pub path: String,
+    #[serde(default = "default_status")]
+    pub expect_status: u16,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum HealthKind {
+    Tcp,
+    Http,
+}
+
+fn default_interval_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 1000)
+}
+fn default_timeout_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 500)
+}
+fn default_rise() -> Spanned<u32> {
+    Spanned::new(0..0, 2)
+}
+fn default_fall() -> Spanned<u32> {
+    Spanned::new(0..0, 3)
+}
+fn default_path() -> String {
+    "/".into()
+}
+fn default_status() -> u16 {
+    200
+}
+
+#[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BackendConfig {
     pub address: Spanned<std::net::IpAddr>,
@@ -526,6 +578,42 @@ impl Config {
                         key("maglev_table_size"),
                         format!(
                             "{m} slots cannot hold {weighted} backends; use a prime of at least 100 × backends"
+                        ),
+                    ));
+                }
+            }
+            if let Some(h) = &svc.health_check {
+                let (iv, to) = (*h.interval_ms.get_ref(), *h.timeout_ms.get_ref());
+                if !(10..=3_600_000).contains(&iv) {
+                    return Err(err(
+                        h.interval_ms.span(),
+                        key("health_check.interval_ms"),
+                        format!("{iv} ms; give 10 ..= 3600000"),
+                    ));
+                }
+                if to == 0 || to > iv {
+                    return Err(err(
+                        h.timeout_ms.span(),
+                        key("health_check.timeout_ms"),
+                        format!("{to} ms; give 1 ..= interval_ms ({iv})"),
+                    ));
+                }
+                for (name, v) in [("rise", &h.rise), ("fall", &h.fall)] {
+                    if !(1..=100).contains(v.get_ref()) {
+                        return Err(err(
+                            v.span(),
+                            key(&format!("health_check.{name}")),
+                            format!("{}; give 1 ..= 100", v.get_ref()),
+                        ));
+                    }
+                }
+                if !h.path.starts_with('/') || h.path.contains(char::is_whitespace) {
+                    return Err(err(
+                        h.kind.span(),
+                        key("health_check.path"),
+                        format!(
+                            "{:?} is not an HTTP path; give one like \"/healthz\"",
+                            h.path
                         ),
                     ));
                 }

@@ -148,6 +148,11 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         ))
     });
 
+    // Health checks: a change re-applies the services with down backends at weight 0.
+    let (health_tx, mut health_rx) = tokio::sync::mpsc::channel(256);
+    let probes = crate::health::spawn(&config.services, health_tx);
+    let mut down = std::collections::BTreeSet::new();
+
     info!(
         attachments = dp.attachments.len(),
         pin_dir = %pin_dir.display(),
@@ -158,6 +163,22 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         tokio::select! {
             _ = sigint.recv() => { info!("SIGINT received"); break; }
             _ = sigterm.recv() => { info!("SIGTERM received"); break; }
+            Some(change) = health_rx.recv() => {
+                let at = (change.service, change.backend);
+                if change.up { down.remove(&at); } else { down.insert(at); }
+                let services = crate::health::effective(&config.services, &down);
+                match dp.set_services(&services) {
+                    Ok(applied) => info!(
+                        service = change.service,
+                        backend = change.backend,
+                        up = change.up,
+                        down = down.len(),
+                        took_us = applied.took.as_micros() as u64,
+                        "Services re-applied after a health change"
+                    ),
+                    Err(e) => warn!(error = %e, "Could not re-apply the services after a health change; the datapath keeps the previous ones"),
+                }
+            }
             ready = ct_ring.readable_mut() => {
                 if let Ok(mut guard) = ready {
                     ct_events::drain(guard.get_inner_mut(), &hub);
@@ -178,6 +199,9 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         }
     }
 
+    for p in probes {
+        p.abort();
+    }
     let _ = stop_gc.send(true);
     let _ = gc_task.await;
     // Closing the hub ends the subscribers once they have written what they hold.

@@ -59,20 +59,7 @@ fn services() -> String {
 
 /// The backend the daemon's table gives a connection from `client:port` to `vip:80`.
 fn predicted(svcs: &str, svc: usize, client: IpAddr, port: u16, vip: IpAddr) -> IpAddr {
-    let text = format!("[[interface]]\nname = \"lo\"\n{svcs}");
-    let config = Config::parse_with(Path::new("lb test"), &text, InterfaceCheck::Skip)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let (a, family) = fastpath::lb::addr16(client);
-    let (v, _) = fastpath::lb::addr16(vip);
-    let key = ct_key(family, 6, &a, port, &v, 80).0;
-    let b = fastpath::lb::predict(&config.services, svc, &key)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .expect("backends configured");
-    if family == 4 {
-        IpAddr::from([b.addr[0], b.addr[1], b.addr[2], b.addr[3]])
-    } else {
-        IpAddr::from(b.addr)
-    }
+    predicted_in(svcs, svc, client, port, vip, 80)
 }
 
 #[test]
@@ -245,4 +232,198 @@ fn curl_through_the_vip_reaches_the_predicted_backends() {
         "every curl exchange was translated both ways: to {to}, from {from}"
     );
     drop(servers);
+}
+
+/// Connects from `client` (source port `sport`) to `vip:7000` and returns the banner of the
+/// backend that answered (`backend-N`), sending one line and expecting it back.
+fn banner(lb: &LbTopology, vip: &str, sport: u16) -> Result<String, String> {
+    let out = lb
+        .client()
+        .exec(&[
+            "sh",
+            "-c",
+            &format!("echo ping | socat -t 1 - TCP4:{vip}:7000,sourceport={sport},reuseaddr"),
+        ])
+        .map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let mut lines = text.lines();
+    match (lines.next(), lines.next()) {
+        (Some(b), Some("ping")) if b.starts_with("backend-") => Ok(b.to_owned()),
+        _ => Err(format!(
+            "unexpected answer {text:?} ({}; {})",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )),
+    }
+}
+
+/// Health checks with real servers: a backend whose HTTP health check fails is taken out
+/// within interval × fall — new connections go elsewhere — while a connection it already has
+/// keeps flowing through it to the end; when the check passes again it takes new connections.
+#[test]
+fn a_failing_backend_gets_no_new_connections_and_keeps_its_established_ones() {
+    prepare_test(&["nginx", "socat", "ethtool"]);
+    let dir = TempDir::new("lb-health").expect("temp dir");
+    let lb = test_lb_topology(BACKENDS);
+    let servers: Vec<HttpServer> = (0..BACKENDS)
+        .map(|i| {
+            let s = lb
+                .backend(i)
+                .http_server(80)
+                .unwrap_or_else(|e| panic!("nginx: {e}"));
+            fs::write(s.root().join("health"), "ok\n").expect("health page");
+            s
+        })
+        .collect();
+    let _echo: Vec<_> = (0..BACKENDS)
+        .map(|i| {
+            lb.backend(i)
+                .spawn(&[
+                    "socat",
+                    "TCP4-LISTEN:7000,fork,reuseaddr",
+                    &format!("SYSTEM:echo backend-{i}; cat"),
+                ])
+                .expect("echo server")
+        })
+        .collect();
+    for i in 0..BACKENDS {
+        lb.backend(i)
+            .wait_listening("tcp", 7000, std::time::Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    const INTERVAL_MS: u64 = 100;
+    const FALL: u64 = 2;
+    let mut svc = format!(
+        "[[service]]\nvip = \"{VIP4}\"\nport = 7000\n[service.health_check]\nkind = \"http\"\nport = 80\npath = \"/health\"\ninterval_ms = {INTERVAL_MS}\ntimeout_ms = 50\nrise = 2\nfall = {FALL}\n"
+    );
+    for i in 0..BACKENDS {
+        svc += &format!(
+            "[[service.backend]]\naddress = \"{}\"\nport = 7000\n",
+            LbTopology::backend_v4(i)
+        );
+    }
+    let config = lb.fp_config(&unique_pin_dir("lb-health")).services(&svc);
+    let daemon = Daemon::start(bin(), lb.fp(), &config);
+
+    // Source ports whose connections the full table sends to backend 2.
+    let victim = 2usize;
+    let victim_addr: IpAddr = LbTopology::backend_v4(victim).into();
+    let client: IpAddr = LbTopology::client_v4().into();
+    let vip: IpAddr = VIP4.parse().unwrap();
+    let to_victim: Vec<u16> = (20000..21000u16)
+        .filter(|&p| predicted_in(&svc, 0, client, p, vip, 7000) == victim_addr)
+        .take(6)
+        .collect();
+    assert_eq!(to_victim.len(), 6, "ports mapping to the victim");
+    assert_eq!(banner(&lb, VIP4, to_victim[0]).as_deref(), Ok("backend-2"));
+
+    // A long-lived connection on the victim: a line every 100 ms for 3 s.
+    let long_out = dir.join("long.out");
+    let lines = 30;
+    let script = format!(
+        "for i in $(seq 1 {lines}); do echo line$i; sleep 0.1; done | socat -t 2 - TCP4:{VIP4}:7000,sourceport={},reuseaddr > {}",
+        to_victim[1],
+        long_out.display()
+    );
+    let mut long = lb
+        .client()
+        .spawn(&["sh", "-c", &script])
+        .expect("long client");
+    std::thread::sleep(std::time::Duration::from_millis(500));
+
+    // The victim fails its health check.
+    let failed_at = std::time::Instant::now();
+    fs::remove_file(servers[victim].root().join("health")).expect("removing the health page");
+    let mut moved = None;
+    while failed_at.elapsed() < std::time::Duration::from_secs(3) {
+        if let Ok(b) = banner(&lb, VIP4, to_victim[2]) {
+            if b != "backend-2" {
+                moved = Some(failed_at.elapsed());
+                break;
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let moved = moved.unwrap_or_else(|| {
+        panic!(
+            "backend 2 still takes new connections 3 s after failing; log:\n{}",
+            daemon.log()
+        )
+    });
+    eprintln!(
+        "backend 2 failed its check; new connections avoided it after {moved:?} (interval {INTERVAL_MS} ms × fall {FALL})"
+    );
+    for &p in &to_victim[3..] {
+        let b = banner(&lb, VIP4, p).unwrap_or_else(|e| panic!("{e}"));
+        assert_ne!(
+            b, "backend-2",
+            "a new connection went to the failed backend"
+        );
+    }
+    assert!(
+        moved < std::time::Duration::from_millis(INTERVAL_MS * (FALL + 2) + 200),
+        "took {moved:?} to take the failed backend out"
+    );
+
+    // The established connection kept its backend to the end.
+    let status = long
+        .wait_exit(std::time::Duration::from_secs(15))
+        .expect("long client ends");
+    let got = fs::read_to_string(&long_out).unwrap_or_default();
+    let want: String = std::iter::once("backend-2\n".to_owned())
+        .chain((1..=lines).map(|i| format!("line{i}\n")))
+        .collect();
+    assert!(
+        status.success() && got == want,
+        "the established connection on the failed backend broke: {status}, got {got:?}"
+    );
+
+    // Healthy again: after `rise` good probes it takes new connections.
+    fs::write(servers[victim].root().join("health"), "ok\n").expect("health page back");
+    let back = std::time::Instant::now();
+    let mut returned = false;
+    while back.elapsed() < std::time::Duration::from_secs(3) {
+        if banner(&lb, VIP4, to_victim[4]).as_deref() == Ok("backend-2") {
+            returned = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(
+        returned,
+        "backend 2 did not come back; log:\n{}",
+        daemon.log()
+    );
+    eprintln!("backend 2 back after {:?}", back.elapsed());
+    let log = daemon.log();
+    assert!(
+        log.contains("Services re-applied after a health change"),
+        "{log}"
+    );
+}
+
+/// The backend the daemon's own table (`lb::predict`) gives a TCP connection from
+/// `client:sport` to `vip:vport`, service `svc` of `svcs`.
+fn predicted_in(
+    svcs: &str,
+    svc: usize,
+    client: IpAddr,
+    sport: u16,
+    vip: IpAddr,
+    vport: u16,
+) -> IpAddr {
+    let text = format!("[[interface]]\nname = \"lo\"\n{svcs}");
+    let config = Config::parse_with(Path::new("lb test"), &text, InterfaceCheck::Skip)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (a, family) = fastpath::lb::addr16(client);
+    let (v, _) = fastpath::lb::addr16(vip);
+    let key = ct_key(family, 6, &a, sport, &v, vport).0;
+    let b = fastpath::lb::predict(&config.services, svc, &key)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .expect("backends configured");
+    if family == 4 {
+        IpAddr::from([b.addr[0], b.addr[1], b.addr[2], b.addr[3]])
+    } else {
+        IpAddr::from(b.addr)
+    }
 }

@@ -442,6 +442,15 @@ impl Seq {
         self
     }
 
+    /// The last step may also create or remove the entry under `key`.
+    fn also(mut self, key: CtKey) -> Self {
+        match self.steps.last_mut() {
+            Some(s) => s.also_changes.push(key),
+            None => panic!("{}: also() needs a step", self.name),
+        }
+        self
+    }
+
     /// The last step goes to the kernel counted under `code`.
     fn kernel_reason(mut self, code: u32) -> Self {
         match self.steps.last_mut() {
@@ -1755,6 +1764,39 @@ fn lb_sequences() -> Vec<Seq> {
         .via(v4(BE4[1]), 8080)
         .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
         .table_len(4),
+        // A SYN on the tuple of a closed connection is a new connection: balanced again by
+        // the service as it is now, its old entry and alias replaced.
+        Seq::lb(
+            "lb_syn_on_a_closed_connection_is_balanced_again",
+            tcp_vip,
+            &one4,
+        )
+        .via(be0, 8080)
+        .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+        .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[])
+        .lb_tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
+        .lb_tcp(O, FIN, FW, SEEN_ASSURED, HIT, &[])
+        .lb_tcp(R, FIN, LA, SEEN_ASSURED, HIT, &[])
+        .lb_tcp(O, ACK, TW, SEEN_ASSURED, HIT_CLOSED, &[(CLOSED_EV, TW)])
+        .reseed(&moved)
+        .via(v4(BE4[1]), 8080)
+        .lb_tcp(
+            O,
+            SYN,
+            SS,
+            NOFLAGS,
+            &[LOOKUPS, HITS, REOPENED, NEW],
+            &[(NEW_EV, SS)],
+        )
+        .also(
+            Flow {
+                server: be0,
+                sport: 8080,
+                ..tcp_vip
+            }
+            .key(),
+        )
+        .table_len(2),
         Seq::lb(
             "lb_service_without_backends_hands_to_the_kernel",
             tcp_vip,
