@@ -336,11 +336,11 @@ fn a_failing_backend_gets_no_new_connections_and_keeps_its_established_ones() {
     fs::remove_file(servers[victim].root().join("health")).expect("removing the health page");
     let mut moved = None;
     while failed_at.elapsed() < std::time::Duration::from_secs(3) {
-        if let Ok(b) = banner(&lb, VIP4, to_victim[2]) {
-            if b != "backend-2" {
-                moved = Some(failed_at.elapsed());
-                break;
-            }
+        if let Ok(b) = banner(&lb, VIP4, to_victim[2])
+            && b != "backend-2"
+        {
+            moved = Some(failed_at.elapsed());
+            break;
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
