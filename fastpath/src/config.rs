@@ -842,6 +842,69 @@ mod tests {
     }
 
     #[test]
+    fn bad_services_name_the_key_and_line() {
+        let base = "[[interface]]\nname = \"lo\"\n";
+        let svc = |body: &str| format!("{base}[[service]]\nvip = \"10.0.0.1\"\nport = 80\n{body}");
+        let cases: [(String, &str, usize, &str); 7] = [
+            (
+                format!("{base}[[service]]\nvip = \"10.0.0.x\"\nport = 80\n"),
+                "vip",
+                4,
+                "invalid",
+            ),
+            (
+                svc("[[service.backend]]\naddress = \"fd00::1\"\nport = 80\n"),
+                "service[0].backend[0].address",
+                7,
+                "family",
+            ),
+            (
+                svc("maglev_table_size = 1000\n"),
+                "service[0].maglev_table_size",
+                6,
+                "prime",
+            ),
+            (
+                svc(
+                    "[[service.backend]]\naddress = \"10.0.1.1\"\nport = 80\n[[service.backend]]\naddress = \"10.0.1.1\"\nport = 80\n",
+                ),
+                "service[0].backend[1].address",
+                10,
+                "twice",
+            ),
+            (
+                format!("{}[[service]]\nvip = \"10.0.0.1\"\nport = 80\n", svc("")),
+                "service[1].vip",
+                7,
+                "defined twice",
+            ),
+            (
+                svc(
+                    "[service.health_check]\nkind = \"http\"\ninterval_ms = 100\ntimeout_ms = 200\n",
+                ),
+                "service[0].health_check.timeout_ms",
+                9,
+                "interval_ms",
+            ),
+            (
+                svc("[service.health_check]\nkind = \"icmp\"\n"),
+                "kind",
+                7,
+                "unknown variant",
+            ),
+        ];
+        for (text, key, line, says) in cases {
+            let e = parse(&text).expect_err(&text);
+            assert!(
+                e.key.as_deref().is_some_and(|k| k.ends_with(key))
+                    && e.line == Some(line)
+                    && e.to_string().contains(says),
+                "for\n{text}\nexpected key {key} line {line} saying {says:?}; got {e}"
+            );
+        }
+    }
+
+    #[test]
     fn minimal_config_uses_defaults() {
         let c = parse("[[interface]]\nname = \"lo\"\n").expect("valid");
         assert_eq!(c.datapath.pin_dir.get_ref(), Path::new(DEFAULT_PIN_DIR));
