@@ -43,7 +43,9 @@ pub struct Service {
     /// selection table holds indexes into that range).
     pub backends_off: u32,
     pub backends_len: u32,
-    pub _reserved: u32,
+    /// Hash of the service's definition (backends, weights, table size, flags) when it was
+    /// applied: an update skips services whose definition did not change.
+    pub fingerprint: u32,
 }
 const _: () = assert!(core::mem::size_of::<Service>() == 32);
 
@@ -114,9 +116,9 @@ pub struct BackendCounters {
 /// Capacities (entries) of the LB maps.
 pub const MAX_SERVICES: u32 = 65_536;
 pub const MAX_BACKENDS: u32 = 1 << 18;
-/// Selection slots for all services together (4 MiB of u32): e.g. 10k services of 251 slots
-/// with room to double-buffer, or 30 services of 131071.
-pub const LB_SLOTS: u32 = 1 << 22;
+/// Selection slots for all services together (8 Mi u32, 32 MiB): e.g. 10k services of 251
+/// slots with room to double-buffer, or 30 services of 131071.
+pub const LB_SLOTS: u32 = 1 << 23;
 
 #[cfg(feature = "user")]
 mod pod {

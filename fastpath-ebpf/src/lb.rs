@@ -53,7 +53,8 @@ pub fn pick(svc: &Service, key: &CtKey) -> Option<(u32, &'static Backend)> {
         return None;
     }
     let slot = svc.slots_off.wrapping_add(flow_hash(key) % svc.slots_len);
-    let idx = *FP_LB_SLOTS.get(slot)?;
+    let pair = FP_LB_SLOTS.get(slot >> 1)?;
+    let idx = pair[(slot & 1) as usize];
     let b = FP_BACKENDS.get_ptr(idx)?;
     // SAFETY: an array map value pointer stays valid for this program run.
     Some((idx, unsafe { &*b }))

@@ -96,12 +96,18 @@ pub static FP_BENCH_SEQ: Array<u64> = Array::with_max_entries(1, 0);
 pub static FP_SVC: HashMap<SvcKey, Service> = HashMap::pinned(MAX_SERVICES, 0);
 
 /// Backends by index, written by the daemon before any selection table names them.
+/// Memory-mapped by the daemon (BPF_F_MMAPABLE): it writes new ranges directly, no syscalls.
 #[map(name = "FP_BACKENDS")]
-pub static FP_BACKENDS: Array<Backend> = Array::pinned(MAX_BACKENDS, 0);
+pub static FP_BACKENDS: Array<Backend> = Array::pinned(MAX_BACKENDS, BPF_F_MMAPABLE);
 
-/// Selection tables of all services: backend indexes, one region per service version.
+/// Selection tables of all services: backend indexes, one region per service version, two
+/// per element (array elements are 8-byte aligned, so a u32 array would waste half its
+/// memory and not be one flat u32 array when memory-mapped). Memory-mapped by the daemon.
 #[map(name = "FP_LB_SLOTS")]
-pub static FP_LB_SLOTS: Array<u32> = Array::pinned(LB_SLOTS, 0);
+pub static FP_LB_SLOTS: Array<[u32; 2]> = Array::pinned(LB_SLOTS / 2, BPF_F_MMAPABLE);
+
+/// Map flag: the array can be mmap()ed by userspace.
+const BPF_F_MMAPABLE: u32 = 1 << 10;
 
 /// Per-service and per-backend counters, per CPU.
 #[map(name = "FP_SVC_STATS")]

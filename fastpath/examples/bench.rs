@@ -131,6 +131,21 @@ struct Report {
     conntrack: Vec<CtRow>,
     conntrack_gc: Vec<GcRow>,
     conntrack_drain: DrainReport,
+    service_updates: Vec<UpdateRow>,
+}
+
+/// Time from an `apply_services` call to the datapath using the result (the call returns
+/// after the service's value write, which the next packet sees).
+#[derive(Serialize)]
+struct UpdateRow {
+    what: String,
+    services_in_datapath: usize,
+    samples: usize,
+    p50_us: f64,
+    p99_us: f64,
+    max_us: f64,
+    target_us: f64,
+    met: bool,
 }
 
 #[derive(Serialize)]
@@ -152,6 +167,13 @@ struct Config<'a> {
 fn main() -> Result<()> {
     match std::env::args().nth(1).as_deref() {
         None => {}
+        Some("updates") => {
+            let mut fx = Fixture::new().context("loading the datapath (run as root)")?;
+            let rows = bench_service_updates(&mut fx)?;
+            eprintln!();
+            print!("{}", updates_markdown(&rows));
+            return Ok(());
+        }
         Some("drain") => {
             let fx = Fixture::new().context("loading the datapath (run as root)")?;
             let drain = bench_ct_drain(&fx)?;
@@ -280,6 +302,7 @@ fn main() -> Result<()> {
 
     let (conntrack, conntrack_gc) = bench_conntrack(&mut fx)?;
     let conntrack_drain = bench_ct_drain(&fx)?;
+    let service_updates = bench_service_updates(&mut fx)?;
     eprintln!();
     let report = Report {
         generated_by: "cargo xtask bench",
@@ -291,6 +314,7 @@ fn main() -> Result<()> {
         conntrack,
         conntrack_gc,
         conntrack_drain,
+        service_updates,
     };
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     fs::create_dir_all(root.join("docs/bench"))?;
@@ -859,6 +883,7 @@ fn markdown(r: &Report) -> String {
     }
     let _ = writeln!(md);
     md.push_str(&drain_markdown(&r.conntrack_drain));
+    md.push_str(&updates_markdown(&r.service_updates));
     let _ = writeln!(md, "## Where we lose\n");
     let floor_xdp = r
         .floors
@@ -910,6 +935,151 @@ fn markdown(r: &Report) -> String {
 }
 
 /// The "Conntrack event drain" subsection.
+/// `[[service]]` TOML for `n` services on 10.100.x.y:80, each with `backends` backends.
+fn services_toml(n: usize, backends: usize, weight_of: impl Fn(usize, usize) -> u32) -> String {
+    let mut s = String::from("[[interface]]\nname = \"lo\"\n");
+    for i in 0..n {
+        let _ = write!(
+            s,
+            "[[service]]\nvip = \"10.100.{}.{}\"\nport = 80\n",
+            i / 250,
+            i % 250 + 1
+        );
+        // Every service has backends of its own (no two tables alike).
+        for b in 0..backends {
+            let k = i * backends + b + 1;
+            let _ = write!(
+                s,
+                "[[service.backend]]\naddress = \"10.{}.{}.{}\"\nport = 8080\nweight = {}\n",
+                101 + (k >> 16),
+                (k >> 8) & 255,
+                k & 255,
+                weight_of(i, b)
+            );
+        }
+    }
+    s
+}
+
+fn parse_services(toml: &str) -> Result<Vec<fastpath::config::ServiceConfig>> {
+    Ok(fastpath::config::Config::parse_with(
+        std::path::Path::new("bench"),
+        toml,
+        fastpath::config::InterfaceCheck::Skip,
+    )?
+    .services)
+}
+
+/// Config call → datapath effective: one backend's weight changed (alone, and among 10k
+/// services), and 10k services applied at once.
+fn bench_service_updates(fx: &mut Fixture) -> Result<Vec<UpdateRow>> {
+    const CHANGES: usize = 200;
+    let mut rows = Vec::new();
+    let timed = |what: String, present: usize, samples: Vec<f64>, target_us: f64| {
+        let mut v = samples;
+        v.sort_by(f64::total_cmp);
+        let pct = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+        let (p50, p99, max) = (pct(0.5), pct(0.99), v[v.len() - 1]);
+        UpdateRow {
+            what,
+            services_in_datapath: present,
+            samples: v.len(),
+            p50_us: p50,
+            p99_us: p99,
+            max_us: max,
+            target_us,
+            met: p99 <= target_us,
+        }
+    };
+    // One service of 100 backends: backend 0 drained and back, alternately.
+    let base = parse_services(&services_toml(1, 100, |_, _| 1))?;
+    let drained = parse_services(&services_toml(1, 100, |_, b| u32::from(b != 0)))?;
+    fx.apply_services(&base)?;
+    let mut us = Vec::new();
+    for i in 0..CHANGES {
+        let t = Instant::now();
+        let applied = fx.apply_services(if i % 2 == 0 { &drained } else { &base })?;
+        us.push(t.elapsed().as_secs_f64() * 1e6);
+        if applied.services != 1 {
+            bail!("expected one service written per change, got {applied:?}");
+        }
+    }
+    rows.push(timed(
+        "one backend's weight changed (1 service, 100 backends, Maglev 16381 slots)".into(),
+        1,
+        us,
+        1000.0,
+    ));
+    fx.apply_services(&[])?;
+    eprint!("u");
+
+    // 10k services of 2 backends: all at once, then one change among them.
+    let n = 10_000;
+    let all = parse_services(&services_toml(n, 2, |_, _| 1))?;
+    let all_flipped = parse_services(&services_toml(n, 2, |_, b| 1 + b as u32))?;
+    let mut whole = Vec::new();
+    for round in 0..5 {
+        let t = Instant::now();
+        let applied = fx.apply_services(if round % 2 == 0 { &all } else { &all_flipped })?;
+        whole.push(t.elapsed().as_secs_f64() * 1e6);
+        if applied.services != n {
+            bail!("expected {n} services written, got {applied:?}");
+        }
+    }
+    rows.push(timed(
+        format!("{n} services written at once (2 backends each, Maglev 251 slots)"),
+        n,
+        whole,
+        100_000.0,
+    ));
+    // The last round applied `all`.
+    let mut one_changed = all.clone();
+    one_changed[4321].backends[0].weight = toml::Spanned::new(0..0, 0);
+    let mut us = Vec::new();
+    for i in 0..CHANGES / 4 {
+        let t = Instant::now();
+        let applied = fx.apply_services(if i % 2 == 0 { &one_changed } else { &all })?;
+        us.push(t.elapsed().as_secs_f64() * 1e6);
+        if applied.services != 1 || applied.unchanged != n - 1 {
+            bail!(
+                "expected one service written and {} unchanged, got {applied:?}",
+                n - 1
+            );
+        }
+    }
+    rows.push(timed(
+        format!("one backend's weight changed among {n} services"),
+        n,
+        us,
+        1000.0,
+    ));
+    fx.apply_services(&[])?;
+    eprint!("u");
+    Ok(rows)
+}
+
+fn updates_markdown(rows: &[UpdateRow]) -> String {
+    let mut md = String::from(
+        "## Service updates: config call → datapath effective\n\n`datapath::apply_services` (what the daemon runs at start, on a health change and, later, on API calls), timed from the call to its return: it reads the services the datapath has (batched), plans, writes new backend ranges and Maglev tables beside the live ones (batched `BPF_MAP_UPDATE_BATCH`), then switches each changed service with one value write — the next packet sees it. Unchanged services are not written.\n\n| change | services in the datapath | samples | p50 µs | p99 µs | max µs | target (p99) |\n|---|---:|---:|---:|---:|---:|---|\n",
+    );
+    for r in rows {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {:.0} | {:.0} | {:.0} | ≤ {:.0} µs: {} |",
+            r.what,
+            r.services_in_datapath,
+            r.samples,
+            r.p50_us,
+            r.p99_us,
+            r.max_us,
+            r.target_us,
+            if r.met { "met" } else { "MISSED" }
+        );
+    }
+    md.push('\n');
+    md
+}
+
 fn drain_markdown(d: &DrainReport) -> String {
     let mut md = String::new();
     let _ = writeln!(md, "### Conntrack event drain\n");

@@ -79,6 +79,7 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
             let applied = dp.set_services(&config.services)?;
             info!(
                 services = applied.services,
+                unchanged = applied.unchanged,
                 removed = applied.removed,
                 backends = applied.backends,
                 slots = applied.slots,

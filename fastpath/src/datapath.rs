@@ -33,7 +33,7 @@ use fastpath_common::{
         CtEntry, CtKey, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP,
         IFACE_F_FIREWALL, IFACE_SLOTS, IfaceConfig, ct_stat,
     },
-    lb::{Service, SvcKey},
+    lb::{Backend, Service, SvcKey},
     map_names, program_names,
 };
 use tracing::{info, warn};
@@ -169,6 +169,8 @@ pub struct Datapath {
     /// Whether the maps already existed under the pin directory before this load.
     pub maps_reused: bool,
     pub attachments: Vec<Attachment>,
+    /// The LB arrays, mapped on first use (see [`LbWriter`]).
+    lb_writer: Option<LbWriter>,
 }
 
 impl Datapath {
@@ -225,6 +227,7 @@ impl Datapath {
             pin_dir: pin_dir.to_owned(),
             maps_reused,
             attachments: Vec::new(),
+            lb_writer: None,
         })
     }
 
@@ -352,7 +355,7 @@ impl Datapath {
         &mut self,
         services: &[crate::config::ServiceConfig],
     ) -> Result<ServicesApplied, DatapathError> {
-        apply_services(&mut self.ebpf, services)
+        apply_services(&mut self.ebpf, &mut self.lb_writer, services)
     }
 
     /// Attaches every hook the interfaces ask for, as one change. Hooks without a pinned link
@@ -680,28 +683,30 @@ pub fn open_ct_events_pin(map_path: &Path) -> Result<(CtEventRing, u32), Datapat
 /// deleted. A packet sees a service either as it was or as it is now, never half written.
 pub fn apply_services(
     ebpf: &mut Ebpf,
+    writer: &mut Option<LbWriter>,
     services: &[crate::config::ServiceConfig],
 ) -> Result<ServicesApplied, DatapathError> {
     let started = std::time::Instant::now();
     let current = current_services(ebpf)?;
     let plan = crate::lb::plan(&current, services).map_err(DatapathError::Plan)?;
+    // Tables and backends go straight into the memory-mapped arrays (no syscall per
+    // element); the service switch below is a syscall, which orders these writes before it.
+    if writer.is_none() {
+        *writer = Some(LbWriter {
+            backends: Mapped::array(ebpf, map_names::BACKENDS)?,
+            slots: Mapped::array(ebpf, map_names::LB_SLOTS)?,
+        });
+    }
+    let Some(w) = writer.as_mut() else {
+        return Err(DatapathError::MissingMap {
+            name: map_names::LB_SLOTS,
+        });
+    };
     for (off, list) in &plan.backends {
-        let keys: Vec<u32> = (*off..*off + list.len() as u32).collect();
-        update_batch(
-            map_fd(ebpf, map_names::BACKENDS)?,
-            &keys,
-            list,
-            "FP_BACKENDS",
-        )?;
+        w.backends.write(*off, list)?;
     }
     for (off, table) in &plan.slots {
-        let keys: Vec<u32> = (*off..*off + table.len() as u32).collect();
-        update_batch(
-            map_fd(ebpf, map_names::LB_SLOTS)?,
-            &keys,
-            table,
-            "FP_LB_SLOTS",
-        )?;
+        w.slots.write(*off, table)?;
     }
     let (keys, values): (Vec<SvcKey>, Vec<Service>) = plan.services.iter().copied().unzip();
     update_batch(map_fd(ebpf, map_names::SVC)?, &keys, &values, "FP_SVC")?;
@@ -720,6 +725,7 @@ pub fn apply_services(
     }
     Ok(ServicesApplied {
         services: plan.services.len(),
+        unchanged: plan.unchanged,
         removed: plan.remove.len(),
         backends: plan.backends.iter().map(|(_, l)| l.len()).sum(),
         slots: plan.slots.iter().map(|(_, t)| t.len()).sum(),
@@ -727,16 +733,108 @@ pub fn apply_services(
     })
 }
 
-/// What `FP_SVC` holds now.
-pub fn current_services(ebpf: &mut Ebpf) -> Result<Vec<(SvcKey, Service)>, DatapathError> {
-    let table: HashMap<&mut MapData, SvcKey, Service> =
-        HashMap::try_from(map_data(ebpf, map_names::SVC)?).map_err(|source| {
-            DatapathError::Map {
-                what: "opening FP_SVC".into(),
-                source,
-            }
+/// The LB arrays mapped into this process, kept for the datapath's life: mapping a whole
+/// array costs milliseconds (every page is mapped up front), writing into it microseconds.
+pub struct LbWriter {
+    backends: Mapped<Backend>,
+    slots: Mapped<u32>,
+}
+
+// SAFETY: the mappings are plain shared memory owned by this value; moving the owner to
+// another thread is fine (it is used from one thread at a time, through `&mut`).
+unsafe impl Send for LbWriter {}
+
+/// A BPF array created with BPF_F_MMAPABLE, mapped into this process: element `i` of `T`
+/// at byte `i × size_of::<T>()` (`T` a multiple of 8 bytes; or u32 for an array of `[u32; 2]`
+/// pairs, whose halves are consecutive u32s).
+struct Mapped<T> {
+    ptr: *mut T,
+    /// Elements of `T` in the mapping.
+    len: usize,
+    bytes: usize,
+}
+
+impl<T: Copy> Mapped<T> {
+    fn array(ebpf: &mut Ebpf, name: &'static str) -> Result<Mapped<T>, DatapathError> {
+        use std::os::fd::AsFd as _;
+        let data = match map_data(ebpf, name)? {
+            aya::maps::Map::Array(d) => d,
+            _ => return Err(DatapathError::MissingMap { name }),
+        };
+        let info = data.info().map_err(|source| DatapathError::Map {
+            what: format!("reading {name}'s info"),
+            source,
         })?;
-    Ok(table.iter().filter_map(Result::ok).collect())
+        let bytes = info.max_entries() as usize * (info.value_size() as usize).next_multiple_of(8);
+        let fd = data.fd().as_fd().as_raw_fd();
+        // SAFETY: a fresh shared mapping of the map's memory; the kernel checks the size and
+        // that the map is mmapable.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(DatapathError::Io {
+                what: format!(
+                    "mapping {name} into memory (a datapath pinned by an older fastpath? `fastpath detach`, then start again)"
+                ),
+                source: io::Error::last_os_error(),
+            });
+        }
+        Ok(Mapped {
+            ptr: ptr.cast(),
+            len: bytes / size_of::<T>(),
+            bytes,
+        })
+    }
+
+    /// Copies `values` to elements `off..off + values.len()`.
+    fn write(&mut self, off: u32, values: &[T]) -> Result<(), DatapathError> {
+        let off = off as usize;
+        if off + values.len() > self.len {
+            return Err(DatapathError::Io {
+                what: format!(
+                    "writing {} elements at {off} of a {}-element array",
+                    values.len(),
+                    self.len
+                ),
+                source: io::Error::from(io::ErrorKind::InvalidInput),
+            });
+        }
+        // SAFETY: the range was checked against the mapping; `T` is plain data; the datapath
+        // reads these elements only after the service that names them is switched.
+        unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), self.ptr.add(off), values.len()) };
+        Ok(())
+    }
+}
+
+impl<T> Drop for Mapped<T> {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly what `array` mapped.
+        unsafe { libc::munmap(self.ptr.cast(), self.bytes) };
+    }
+}
+
+/// What `FP_SVC` holds now (read in batches).
+pub fn current_services(ebpf: &mut Ebpf) -> Result<Vec<(SvcKey, Service)>, DatapathError> {
+    let mut out = Vec::new();
+    walk_batches(
+        map_fd(ebpf, map_names::SVC)?,
+        |k: &[SvcKey], v: &[Service]| {
+            out.extend(k.iter().copied().zip(v.iter().copied()));
+        },
+    )
+    .map_err(|source| DatapathError::Io {
+        what: "reading FP_SVC".into(),
+        source,
+    })?;
+    Ok(out)
 }
 
 fn map_data<'a>(
@@ -761,7 +859,10 @@ fn map_fd(ebpf: &mut Ebpf, name: &'static str) -> Result<i32, DatapathError> {
 /// What [`Datapath::set_services`] wrote.
 #[derive(Debug)]
 pub struct ServicesApplied {
+    /// Services written (new or changed).
     pub services: usize,
+    /// Services already as desired: not written.
+    pub unchanged: usize,
     pub removed: usize,
     pub backends: usize,
     pub slots: usize,
@@ -813,6 +914,58 @@ fn update_batch<K: Copy, V: Copy>(
     Ok(())
 }
 
+/// Every entry of the hash map `fd` (keys `K`, values `V`), read with BPF_MAP_LOOKUP_BATCH
+/// (`CT_BATCH` entries per syscall), handed to `visit` chunk by chunk.
+fn walk_batches<K: Copy + Default, V: Copy + Default>(
+    fd: i32,
+    mut visit: impl FnMut(&[K], &[V]),
+) -> io::Result<()> {
+    let mut keys = vec![K::default(); CT_BATCH];
+    let mut values = vec![V::default(); CT_BATCH];
+    // Opaque resume tokens (a bucket index for hash maps).
+    let mut in_batch = [0u64; 8];
+    let mut out_batch = [0u64; 8];
+    let mut first = true;
+    loop {
+        // union bpf_attr, batch: in_batch, out_batch, keys, values, count|map_fd, elem_flags,
+        // flags.
+        let mut attr = [0u64; 7];
+        attr[0] = if first {
+            0
+        } else {
+            in_batch.as_mut_ptr() as u64
+        };
+        attr[1] = out_batch.as_mut_ptr() as u64;
+        attr[2] = keys.as_mut_ptr() as u64;
+        attr[3] = values.as_mut_ptr() as u64;
+        attr[4] = (CT_BATCH as u64) | ((fd as u32 as u64) << 32);
+        // SAFETY: the kernel writes at most `count` keys and values into the buffers, which
+        // hold CT_BATCH of each, and a resume token into `out_batch`.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_LOOKUP_BATCH,
+                attr.as_mut_ptr(),
+                size_of_val(&attr),
+            )
+        };
+        let err = (rc < 0).then(io::Error::last_os_error);
+        let count = ((attr[4] & 0xffff_ffff) as usize).min(CT_BATCH);
+        match err {
+            None => {}
+            // End of the table: the last chunk (possibly empty) is in the buffers.
+            Some(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                visit(&keys[..count], &values[..count]);
+                return Ok(());
+            }
+            Some(e) => return Err(e),
+        }
+        visit(&keys[..count], &values[..count]);
+        in_batch = out_batch;
+        first = false;
+    }
+}
+
 /// The conntrack table as the daemon's expiry sees it: walked in batches, deleted by key.
 pub struct CtTable {
     table: HashMap<MapData, CtKey, CtEntry>,
@@ -841,53 +994,9 @@ impl CtTable {
 
     /// Every entry, read with BPF_MAP_LOOKUP_BATCH (about 4k entries per syscall instead of
     /// two syscalls per entry), handed to `visit` chunk by chunk.
-    pub fn walk(&self, mut visit: impl FnMut(&[CtKey], &[CtEntry])) -> io::Result<()> {
+    pub fn walk(&self, visit: impl FnMut(&[CtKey], &[CtEntry])) -> io::Result<()> {
         use std::os::fd::{AsFd as _, AsRawFd as _};
-        let fd = self.table.map().fd().as_fd().as_raw_fd();
-        let mut keys = vec![CtKey::default(); CT_BATCH];
-        let mut values = vec![CtEntry::default(); CT_BATCH];
-        // Opaque resume tokens (a bucket index for hash maps).
-        let mut in_batch = [0u64; 8];
-        let mut out_batch = [0u64; 8];
-        let mut first = true;
-        loop {
-            // union bpf_attr, batch: in_batch, out_batch, keys, values, count|map_fd,
-            // elem_flags, flags.
-            let mut attr = [0u64; 7];
-            attr[0] = if first {
-                0
-            } else {
-                in_batch.as_mut_ptr() as u64
-            };
-            attr[1] = out_batch.as_mut_ptr() as u64;
-            attr[2] = keys.as_mut_ptr() as u64;
-            attr[3] = values.as_mut_ptr() as u64;
-            attr[4] = (CT_BATCH as u64) | ((fd as u32 as u64) << 32);
-            // SAFETY: the kernel writes at most `count` keys and values into the buffers,
-            // which hold CT_BATCH of each, and a resume token into `out_batch`.
-            let rc = unsafe {
-                libc::syscall(
-                    libc::SYS_bpf,
-                    BPF_MAP_LOOKUP_BATCH,
-                    attr.as_mut_ptr(),
-                    size_of_val(&attr),
-                )
-            };
-            let err = (rc < 0).then(io::Error::last_os_error);
-            let count = (attr[4] & 0xffff_ffff) as usize;
-            match err {
-                None => {}
-                // End of the table: the last chunk (possibly empty) is in the buffers.
-                Some(e) if e.raw_os_error() == Some(libc::ENOENT) => {
-                    visit(&keys[..count.min(CT_BATCH)], &values[..count.min(CT_BATCH)]);
-                    return Ok(());
-                }
-                Some(e) => return Err(e),
-            }
-            visit(&keys[..count.min(CT_BATCH)], &values[..count.min(CT_BATCH)]);
-            in_batch = out_batch;
-            first = false;
-        }
+        walk_batches(self.table.map().fd().as_fd().as_raw_fd(), visit)
     }
 
     /// The table's size limit (max_entries).

@@ -30,6 +30,8 @@ pub struct Plan {
     pub services: Vec<(SvcKey, Service)>,
     /// Keys to delete from `FP_SVC`.
     pub remove: Vec<SvcKey>,
+    /// Services already applied as desired: nothing written for them.
+    pub unchanged: usize,
 }
 
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
@@ -75,52 +77,68 @@ pub fn addr16(a: std::net::IpAddr) -> ([u8; 16], u8) {
     }
 }
 
-/// First-fit allocator over `[0, capacity)` minus the ranges in use.
+/// Next-fit allocator over `[0, capacity)` minus the ranges in use: the free gaps are computed
+/// once, and allocations move forward through them (amortized O(1) each, so a plan of 10k
+/// services does not rescan 10k ranges per service).
 struct Space {
     capacity: u32,
-    /// Used ranges, start → end (exclusive).
-    used: BTreeMap<u32, u32>,
+    used_total: u64,
+    /// Free gaps (start, end exclusive), in order.
+    gaps: Vec<(u32, u32)>,
+    /// The gap allocations continue from.
+    at: usize,
 }
 
 impl Space {
     fn new(capacity: u32, used: impl IntoIterator<Item = (u32, u32)>) -> Space {
-        let mut map = BTreeMap::new();
-        for (off, len) in used {
-            if len > 0 {
-                map.insert(off, off.saturating_add(len));
+        let mut ranges: Vec<(u32, u32)> = used
+            .into_iter()
+            .filter(|&(_, len)| len > 0)
+            .map(|(off, len)| (off, off.saturating_add(len).min(capacity)))
+            .collect();
+        ranges.sort_unstable();
+        let used_total = ranges.iter().map(|&(a, b)| u64::from(b - a)).sum();
+        let mut gaps = Vec::with_capacity(ranges.len() + 1);
+        let mut start = 0u32;
+        for (a, b) in ranges {
+            if a > start {
+                gaps.push((start, a));
             }
+            start = start.max(b);
+        }
+        if start < capacity {
+            gaps.push((start, capacity));
         }
         Space {
             capacity,
-            used: map,
+            used_total,
+            gaps,
+            at: 0,
         }
-    }
-
-    fn used_total(&self) -> u64 {
-        self.used.iter().map(|(a, b)| u64::from(b - a)).sum()
     }
 
     fn alloc(&mut self, len: u32, what: &'static str) -> Result<u32, PlanError> {
         if len == 0 {
             return Ok(0);
         }
-        let mut start = 0u32;
-        for (&a, &b) in &self.used {
-            if a >= start && a - start >= len {
-                break;
+        // Forward from the last gap used, then once around from the start.
+        let n = self.gaps.len();
+        for step in 0..n {
+            let i = (self.at + step) % n;
+            let (a, b) = self.gaps[i];
+            if b - a >= len {
+                self.gaps[i].0 = a + len;
+                self.at = i;
+                self.used_total += u64::from(len);
+                return Ok(a);
             }
-            start = start.max(b);
         }
-        if u64::from(start) + u64::from(len) > u64::from(self.capacity) {
-            return Err(PlanError::NoRoom {
-                what,
-                want: u64::from(len),
-                capacity: self.capacity,
-                used: self.used_total(),
-            });
-        }
-        self.used.insert(start, start + len);
-        Ok(start)
+        Err(PlanError::NoRoom {
+            what,
+            want: u64::from(len),
+            capacity: self.capacity,
+            used: self.used_total,
+        })
     }
 }
 
@@ -147,8 +165,17 @@ pub fn plan(current: &[(SvcKey, Service)], desired: &[ServiceConfig]) -> Result<
     }
     let mut next_id = 0u32;
     let mut plan = Plan::default();
+    let mut unchanged = 0usize;
     for svc in desired {
         let key = svc_key(svc);
+        let fingerprint = fingerprint(svc);
+        if let Some(s) = existing.get(&key)
+            && s.fingerprint == fingerprint
+        {
+            // Unchanged: keep its tables (nothing to write for it).
+            unchanged += 1;
+            continue;
+        }
         let id = match existing.get(&key) {
             Some(s) => s.id,
             None => {
@@ -224,7 +251,7 @@ pub fn plan(current: &[(SvcKey, Service)], desired: &[ServiceConfig]) -> Result<
                 generation,
                 backends_off,
                 backends_len: list.len() as u32,
-                _reserved: 0,
+                fingerprint,
             },
         ));
         if !list.is_empty() {
@@ -239,7 +266,33 @@ pub fn plan(current: &[(SvcKey, Service)], desired: &[ServiceConfig]) -> Result<
         .filter(|k| !wanted.contains(k))
         .copied()
         .collect();
+    plan.unchanged = unchanged;
     Ok(plan)
+}
+
+/// FNV-1a over what defines a service in the datapath: backends (address, port, weight) in
+/// order, table size, no-backend action.
+fn fingerprint(svc: &ServiceConfig) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h ^= u32::from(b);
+            h = h.wrapping_mul(0x0100_0193);
+        }
+    };
+    for b in &svc.backends {
+        eat(&addr16(*b.address.get_ref()).0);
+        eat(&b.port.get_ref().to_be_bytes());
+        eat(&b.weight.get_ref().to_be_bytes());
+    }
+    let size = svc.maglev_table_size.as_ref().map_or(0, |m| *m.get_ref());
+    eat(&size.to_be_bytes());
+    eat(&[
+        u8::from(svc.no_backend == NoBackend::Drop),
+        svc.backends.len() as u8,
+    ]);
+    // 0 never matches: a value written before fingerprints existed is always re-applied.
+    h.max(1)
 }
 
 /// The backend the datapath gives the connection with key `key` to service `desired[svc]`:
@@ -326,10 +379,21 @@ no_backend = "drop"
     }
 
     #[test]
+    fn an_unchanged_service_is_not_written_again() {
+        let first = plan(&[], &services(TWO)).unwrap();
+        let again = plan(&first.services, &services(TWO)).unwrap();
+        assert_eq!((again.services.len(), again.unchanged), (0, 2));
+        assert!(again.backends.is_empty() && again.slots.is_empty() && again.remove.is_empty());
+    }
+
+    #[test]
     fn a_second_plan_writes_beside_the_first_and_keeps_ids() {
         let first = plan(&[], &services(TWO)).unwrap();
         let current = first.services.clone();
-        let second = plan(&current, &services(TWO)).unwrap();
+        let changed = TWO
+            .replace("weight = 3", "weight = 4")
+            .replace("no_backend = \"drop\"", "");
+        let second = plan(&current, &services(&changed)).unwrap();
         for ((k1, s1), (k2, s2)) in first.services.iter().zip(&second.services) {
             assert_eq!(k1, k2);
             assert_eq!(s1.id, s2.id, "ids stay");

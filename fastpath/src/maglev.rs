@@ -140,21 +140,26 @@ pub fn build(backends: &[MaglevBackend], size: u32) -> Result<Vec<u32>, MaglevEr
             (offset, skip)
         })
         .collect();
-    let mut next = vec![0u64; order.len()];
+    // Each backend walks its own permutation of the slots (offset + j × skip mod M, a full
+    // cycle since M is prime) and claims the first free one, `turns` times per round. The
+    // position advances by adding `skip` (no multiplication or division per step).
+    let mut pos: Vec<usize> = perm.iter().map(|&(offset, _)| offset as usize).collect();
+    let skips: Vec<usize> = perm.iter().map(|&(_, skip)| skip as usize).collect();
+    let advance = |p: usize, skip: usize| {
+        let n = p + skip;
+        if n >= m { n - m } else { n }
+    };
     let mut table = vec![u32::MAX; m];
     let mut filled = 0usize;
-    // Each backend walks its own permutation of the slots (offset + j × skip mod M, a full
-    // cycle since M is prime) and claims the first free one, `turns` times per round.
     'rounds: loop {
-        for (k, &(offset, skip)) in perm.iter().enumerate() {
+        for k in 0..perm.len() {
             for _ in 0..turns[k] {
-                let mut c = ((offset + next[k] * skip) % size as u64) as usize;
+                let mut c = pos[k];
                 while table[c] != u32::MAX {
-                    next[k] += 1;
-                    c = ((offset + next[k] * skip) % size as u64) as usize;
+                    c = advance(c, skips[k]);
                 }
                 table[c] = order[k] as u32;
-                next[k] += 1;
+                pos[k] = advance(c, skips[k]);
                 filled += 1;
                 if filled == m {
                     break 'rounds;

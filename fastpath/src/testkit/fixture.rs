@@ -132,7 +132,11 @@ impl Seed {
         self
     }
 
-    fn apply(&self, ebpf: &mut Ebpf) -> Result<(), FixtureError> {
+    fn apply(
+        &self,
+        ebpf: &mut Ebpf,
+        lb_writer: &mut Option<crate::datapath::LbWriter>,
+    ) -> Result<(), FixtureError> {
         let map = ebpf
             .map_mut(map_names::CONFIG)
             .ok_or(FixtureError::MissingMap {
@@ -176,7 +180,7 @@ impl Seed {
         .map_err(|e| FixtureError::Seed {
             message: e.to_string(),
         })?;
-        crate::datapath::apply_services(ebpf, &config.services).map_err(|e| {
+        crate::datapath::apply_services(ebpf, lb_writer, &config.services).map_err(|e| {
             FixtureError::Seed {
                 message: e.to_string(),
             }
@@ -319,6 +323,8 @@ pub enum CaseFailure {
 
 /// The datapath object loaded once, with private maps, ready to run cases on any hook.
 pub struct Fixture {
+    /// The LB arrays mapped into this process (before `ebpf`: unmapped first).
+    lb_writer: Option<crate::datapath::LbWriter>,
     // Declared before `pins` so the program and map fds are closed before the pins go.
     ebpf: Ebpf,
     pins: PinDir,
@@ -358,7 +364,19 @@ impl Fixture {
             tc.load()
                 .map_err(|source| FixtureError::Program { name, source })?;
         }
-        Ok(Fixture { ebpf, pins })
+        Ok(Fixture {
+            lb_writer: None,
+            ebpf,
+            pins,
+        })
+    }
+
+    /// Applies services with the daemon's own code (`datapath::apply_services`).
+    pub fn apply_services(
+        &mut self,
+        services: &[crate::config::ServiceConfig],
+    ) -> Result<crate::datapath::ServicesApplied, crate::datapath::DatapathError> {
+        crate::datapath::apply_services(&mut self.ebpf, &mut self.lb_writer, services)
     }
 
     /// Where this fixture's maps are pinned (removed on drop).
@@ -369,7 +387,7 @@ impl Fixture {
     /// Seeds the maps, runs the case's input once through its hook, and reports what happened.
     pub fn run(&mut self, case: &Case) -> Result<Outcome, FixtureError> {
         check_input(case)?;
-        case.seed.apply(&mut self.ebpf)?;
+        case.seed.apply(&mut self.ebpf, &mut self.lb_writer)?;
         let before = self.stats()?;
         let mut out = vec![0u8; case.input.len() + OUTPUT_SLACK];
         let res = self.test_run(case.hook, &case.input, &mut out, 1)?;
@@ -387,7 +405,7 @@ impl Fixture {
     /// Counters grow by `repeat` packets; nothing is compared.
     pub fn run_repeat(&mut self, case: &Case, repeat: u32) -> Result<RepeatRun, FixtureError> {
         check_input(case)?;
-        case.seed.apply(&mut self.ebpf)?;
+        case.seed.apply(&mut self.ebpf, &mut self.lb_writer)?;
         let mut out = vec![0u8; case.input.len() + OUTPUT_SLACK];
         let res = self.test_run(case.hook, &case.input, &mut out, repeat.max(1))?;
         Ok(RepeatRun {
@@ -887,7 +905,10 @@ impl Fixture {
                 "  step: skb_ingress_ifindex is a TC context field; XDP has none\n".to_owned(),
             );
         }
-        step.seed.as_ref().unwrap_or(seed).apply(&mut self.ebpf)?;
+        step.seed
+            .as_ref()
+            .unwrap_or(seed)
+            .apply(&mut self.ebpf, &mut self.lb_writer)?;
         if step.age_before_ns > 0
             && let Some(key) = step.expect.key()
         {
