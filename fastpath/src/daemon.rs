@@ -152,7 +152,7 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
     // Health checks: a change re-applies the services with down backends at weight 0.
     let (health_tx, mut health_rx) = tokio::sync::mpsc::channel(256);
     let probes = crate::health::spawn(&config.services, health_tx);
-    let mut down = std::collections::BTreeSet::new();
+    let mut effective = config.services.clone();
 
     info!(
         attachments = dp.attachments.len(),
@@ -165,15 +165,12 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
             _ = sigint.recv() => { info!("SIGINT received"); break; }
             _ = sigterm.recv() => { info!("SIGTERM received"); break; }
             Some(change) = health_rx.recv() => {
-                let at = (change.service, change.backend);
-                if change.up { down.remove(&at); } else { down.insert(at); }
-                let services = crate::health::effective(&config.services, &down);
-                match dp.set_services(&services) {
+                crate::health::apply_change(&mut effective, &config.services, &change);
+                match dp.update_services(&effective, &[change.service]) {
                     Ok(applied) => info!(
                         service = change.service,
                         backend = change.backend,
                         up = change.up,
-                        down = down.len(),
                         took_us = applied.took.as_micros() as u64,
                         "Services re-applied after a health change"
                     ),

@@ -355,7 +355,17 @@ impl Datapath {
         &mut self,
         services: &[crate::config::ServiceConfig],
     ) -> Result<ServicesApplied, DatapathError> {
-        apply_services(&mut self.ebpf, &mut self.lb_writer, services)
+        apply_services(&mut self.ebpf, &mut self.lb_writer, services, None)
+    }
+
+    /// Applies `services[i]` for each `i` in `changed` only (a health change, an API call):
+    /// every other service is left as it is.
+    pub fn update_services(
+        &mut self,
+        services: &[crate::config::ServiceConfig],
+        changed: &[usize],
+    ) -> Result<ServicesApplied, DatapathError> {
+        apply_services(&mut self.ebpf, &mut self.lb_writer, services, Some(changed))
     }
 
     /// Attaches every hook the interfaces ask for, as one change. Hooks without a pinned link
@@ -685,16 +695,15 @@ pub fn apply_services(
     ebpf: &mut Ebpf,
     writer: &mut Option<LbWriter>,
     services: &[crate::config::ServiceConfig],
+    only: Option<&[usize]>,
 ) -> Result<ServicesApplied, DatapathError> {
     let started = std::time::Instant::now();
-    let current = current_services(ebpf)?;
-    let plan = crate::lb::plan(&current, services).map_err(DatapathError::Plan)?;
-    // Tables and backends go straight into the memory-mapped arrays (no syscall per
-    // element); the service switch below is a syscall, which orders these writes before it.
     if writer.is_none() {
+        let current = current_services(ebpf)?;
         *writer = Some(LbWriter {
             backends: Mapped::array(ebpf, map_names::BACKENDS)?,
             slots: Mapped::array(ebpf, map_names::LB_SLOTS)?,
+            state: crate::lb::LbState::new(&current),
         });
     }
     let Some(w) = writer.as_mut() else {
@@ -702,6 +711,43 @@ pub fn apply_services(
             name: map_names::LB_SLOTS,
         });
     };
+    let plan = match w.state.plan(services, only) {
+        Ok(p) => p,
+        Err(e) => {
+            // The state handed out space for a plan that will not be written: start again
+            // from the maps next time.
+            *writer = None;
+            return Err(DatapathError::Plan(e));
+        }
+    };
+    if let Err(e) = write_plan(ebpf, w, &plan) {
+        // Written in part (nothing switched yet, or some services switched): the state no
+        // longer matches the maps; read them again next time.
+        *writer = None;
+        return Err(e);
+    }
+    if let Some(w) = writer.as_mut() {
+        w.state.commit(&plan);
+    }
+    Ok(ServicesApplied {
+        services: plan.services.len(),
+        unchanged: plan.unchanged,
+        removed: plan.remove.len(),
+        backends: plan.backends.iter().map(|(_, l)| l.len()).sum(),
+        slots: plan.slots.iter().map(|(_, t)| t.len()).sum(),
+        took: started.elapsed(),
+    })
+}
+
+/// Writes a plan: backends and tables into free space, then the service switches, then the
+/// removals.
+fn write_plan(
+    ebpf: &mut Ebpf,
+    w: &mut LbWriter,
+    plan: &crate::lb::Plan,
+) -> Result<(), DatapathError> {
+    // Tables and backends go straight into the memory-mapped arrays (no syscall per
+    // element); the service switch below is a syscall, which orders these writes before it.
     for (off, list) in &plan.backends {
         w.backends.write(*off, list)?;
     }
@@ -723,14 +769,7 @@ pub fn apply_services(
             source,
         })?;
     }
-    Ok(ServicesApplied {
-        services: plan.services.len(),
-        unchanged: plan.unchanged,
-        removed: plan.remove.len(),
-        backends: plan.backends.iter().map(|(_, l)| l.len()).sum(),
-        slots: plan.slots.iter().map(|(_, t)| t.len()).sum(),
-        took: started.elapsed(),
-    })
+    Ok(())
 }
 
 /// The LB arrays mapped into this process, kept for the datapath's life: mapping a whole
@@ -738,6 +777,8 @@ pub fn apply_services(
 pub struct LbWriter {
     backends: Mapped<Backend>,
     slots: Mapped<u32>,
+    /// What the maps hold (this process is their only writer).
+    state: crate::lb::LbState,
 }
 
 // SAFETY: the mappings are plain shared memory owned by this value; moving the owner to

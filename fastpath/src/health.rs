@@ -157,18 +157,29 @@ pub fn spawn(services: &[ServiceConfig], tx: mpsc::Sender<Change>) -> Vec<JoinHa
     tasks
 }
 
-/// The services as the datapath should have them: backends that are down get weight 0.
-pub fn effective(
-    services: &[ServiceConfig],
-    down: &std::collections::BTreeSet<(usize, usize)>,
-) -> Vec<ServiceConfig> {
-    let mut out = services.to_vec();
-    for &(s, b) in down {
-        if let Some(backend) = out.get_mut(s).and_then(|svc| svc.backends.get_mut(b)) {
-            backend.weight = toml::Spanned::new(0..0, 0);
-        }
+/// Applies a change to `effective` (the services as the datapath should have them): a down
+/// backend gets weight 0, a backend back up its configured weight (from `configured`).
+pub fn apply_change(
+    effective: &mut [ServiceConfig],
+    configured: &[ServiceConfig],
+    change: &Change,
+) {
+    let weight = if change.up {
+        configured
+            .get(change.service)
+            .and_then(|s| s.backends.get(change.backend))
+            .map(|b| b.weight.clone())
+    } else {
+        Some(toml::Spanned::new(0..0, 0))
+    };
+    if let (Some(w), Some(b)) = (
+        weight,
+        effective
+            .get_mut(change.service)
+            .and_then(|s| s.backends.get_mut(change.backend)),
+    ) {
+        b.weight = w;
     }
-    out
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@
 //! Contract: applying a plan's steps in order never shows the datapath a service whose
 //! backends or table are half written, and never overwrites what a current service points to.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeSet, HashMap};
 
 use fastpath_common::lb::{
     Backend, LB_SLOTS, MAX_BACKENDS, MAX_SERVICES, SVC_F_MAGLEV, SVC_F_NO_BACKEND_DROP, Service,
@@ -117,6 +117,35 @@ impl Space {
         }
     }
 
+    /// Returns `[off, off + len)` to the free space, merging it with neighbouring gaps.
+    fn free(&mut self, off: u32, len: u32) {
+        if len == 0 {
+            return;
+        }
+        let end = off + len;
+        let i = self.gaps.partition_point(|&(a, _)| a < off);
+        let merge_prev = i > 0 && self.gaps[i - 1].1 == off;
+        let merge_next = i < self.gaps.len() && self.gaps[i].0 == end;
+        match (merge_prev, merge_next) {
+            (true, true) => {
+                self.gaps[i - 1].1 = self.gaps[i].1;
+                self.gaps.remove(i);
+                if self.at >= i && self.at > 0 {
+                    self.at -= 1;
+                }
+            }
+            (true, false) => self.gaps[i - 1].1 = end,
+            (false, true) => self.gaps[i].0 = off,
+            (false, false) => {
+                self.gaps.insert(i, (off, end));
+                if self.at >= i {
+                    self.at += 1;
+                }
+            }
+        }
+        self.used_total -= u64::from(len);
+    }
+
     fn alloc(&mut self, len: u32, what: &'static str) -> Result<u32, PlanError> {
         if len == 0 {
             return Ok(0);
@@ -142,58 +171,164 @@ impl Space {
     }
 }
 
-/// Plans the switch from `current` (what `FP_SVC` holds) to `desired`.
+/// Plans the switch from `current` (what `FP_SVC` holds) to `desired`, from scratch.
 pub fn plan(current: &[(SvcKey, Service)], desired: &[ServiceConfig]) -> Result<Plan, PlanError> {
-    let mut slots = Space::new(
-        LB_SLOTS,
-        current.iter().map(|(_, s)| (s.slots_off, s.slots_len)),
-    );
-    let mut backends = Space::new(
-        MAX_BACKENDS,
-        current
-            .iter()
-            .map(|(_, s)| (s.backends_off, s.backends_len)),
-    );
-    let existing: BTreeMap<SvcKey, Service> = current.iter().copied().collect();
-    let mut ids_used: BTreeSet<u32> = BTreeSet::new();
-    let wanted: BTreeSet<SvcKey> = desired.iter().map(svc_key).collect();
-    // Services that stay keep their id (their counters continue).
-    for svc in desired {
-        if let Some(s) = existing.get(&svc_key(svc)) {
-            ids_used.insert(s.id);
+    LbState::new(current).plan(desired, None)
+}
+
+/// What the datapath's LB maps hold, as their one writer (the daemon) keeps track of it:
+/// services by key, the free space of both arrays, the service ids in use, and the regions
+/// the last switch left behind. Those are released only at the next plan: a packet that read
+/// a service just before its switch may still be reading the old table, and the next update
+/// comes long after any such packet (BPF programs run for microseconds).
+pub struct LbState {
+    current: HashMap<SvcKey, Service>,
+    slots: Space,
+    backends: Space,
+    ids: BTreeSet<u32>,
+    next_id: u32,
+    /// Regions and ids to release at the next plan.
+    pending: Vec<Released>,
+}
+
+/// What a switched or removed service leaves behind: its slots and backends (offset,
+/// length) and, if it was removed, its id.
+type Released = ((u32, u32), (u32, u32), Option<u32>);
+
+impl LbState {
+    /// The state of maps holding `current`.
+    pub fn new(current: &[(SvcKey, Service)]) -> LbState {
+        LbState {
+            current: current.iter().copied().collect(),
+            slots: Space::new(
+                LB_SLOTS,
+                current.iter().map(|(_, s)| (s.slots_off, s.slots_len)),
+            ),
+            backends: Space::new(
+                MAX_BACKENDS,
+                current
+                    .iter()
+                    .map(|(_, s)| (s.backends_off, s.backends_len)),
+            ),
+            ids: current.iter().map(|(_, s)| s.id).collect(),
+            next_id: 0,
+            pending: Vec::new(),
         }
     }
-    let mut next_id = 0u32;
-    let mut plan = Plan::default();
-    let mut unchanged = 0usize;
-    for svc in desired {
-        let key = svc_key(svc);
-        let fingerprint = fingerprint(svc);
-        if let Some(s) = existing.get(&key)
-            && s.fingerprint == fingerprint
-        {
-            // Unchanged: keep its tables (nothing to write for it).
-            unchanged += 1;
-            continue;
-        }
-        let id = match existing.get(&key) {
-            Some(s) => s.id,
-            None => {
-                while ids_used.contains(&next_id) {
-                    next_id += 1;
-                }
-                if next_id >= MAX_SERVICES {
-                    return Err(PlanError::NoRoom {
-                        what: "services",
-                        want: 1,
-                        capacity: MAX_SERVICES,
-                        used: ids_used.len() as u64,
-                    });
-                }
-                ids_used.insert(next_id);
-                next_id
+
+    /// Plans `desired` — all of it, removing what it does not name; or, with `only`, just
+    /// `desired[i]` for each listed `i`, leaving every other service as it is. Space for new
+    /// tables comes out of this state; after writing the plan, call [`LbState::commit`]; if
+    /// the plan fails or is not written, drop this state and start again from the maps.
+    pub fn plan(
+        &mut self,
+        desired: &[ServiceConfig],
+        only: Option<&[usize]>,
+    ) -> Result<Plan, PlanError> {
+        for ((so, sl), (bo, bl), id) in std::mem::take(&mut self.pending) {
+            self.slots.free(so, sl);
+            self.backends.free(bo, bl);
+            if let Some(id) = id {
+                self.ids.remove(&id);
             }
+        }
+        let mut plan = Plan::default();
+        let picked: Vec<&ServiceConfig> = match only {
+            None => desired.iter().collect(),
+            Some(idx) => idx.iter().filter_map(|&i| desired.get(i)).collect(),
         };
+        for svc in picked {
+            let key = svc_key(svc);
+            let fingerprint = fingerprint(svc);
+            let existing = self.current.get(&key).copied();
+            if existing.is_some_and(|s| s.fingerprint == fingerprint) {
+                // Unchanged: keep its tables (nothing to write for it).
+                plan.unchanged += 1;
+                continue;
+            }
+            let id = match existing {
+                Some(s) => s.id,
+                None => self.new_id()?,
+            };
+            let (service, list, table) = self.layout(
+                svc,
+                id,
+                existing.map_or(1, |s| s.generation.wrapping_add(1)),
+                fingerprint,
+            )?;
+            plan.services.push((key, service));
+            if !list.is_empty() {
+                plan.backends.push((service.backends_off, list));
+            }
+            if !table.is_empty() {
+                plan.slots.push((service.slots_off, table));
+            }
+        }
+        if only.is_none() {
+            let wanted: BTreeSet<SvcKey> = desired.iter().map(svc_key).collect();
+            plan.remove = self
+                .current
+                .keys()
+                .filter(|k| !wanted.contains(k))
+                .copied()
+                .collect();
+            plan.remove.sort_unstable();
+        } else {
+            plan.unchanged += self
+                .current
+                .len()
+                .saturating_sub(plan.services.len() + plan.unchanged);
+        }
+        Ok(plan)
+    }
+
+    /// Records that `plan` is in the maps: switched services' old regions and removed
+    /// services' regions and ids are released at the next plan.
+    pub fn commit(&mut self, plan: &Plan) {
+        for (key, svc) in &plan.services {
+            if let Some(old) = self.current.insert(*key, *svc) {
+                self.pending.push((
+                    (old.slots_off, old.slots_len),
+                    (old.backends_off, old.backends_len),
+                    None,
+                ));
+            }
+        }
+        for key in &plan.remove {
+            if let Some(old) = self.current.remove(key) {
+                self.pending.push((
+                    (old.slots_off, old.slots_len),
+                    (old.backends_off, old.backends_len),
+                    Some(old.id),
+                ));
+            }
+        }
+    }
+
+    fn new_id(&mut self) -> Result<u32, PlanError> {
+        for _ in 0..MAX_SERVICES {
+            let id = self.next_id;
+            self.next_id = (self.next_id + 1) % MAX_SERVICES;
+            if self.ids.insert(id) {
+                return Ok(id);
+            }
+        }
+        Err(PlanError::NoRoom {
+            what: "services",
+            want: 1,
+            capacity: MAX_SERVICES,
+            used: self.ids.len() as u64,
+        })
+    }
+
+    /// The service's backends and Maglev table, placed in free space.
+    fn layout(
+        &mut self,
+        svc: &ServiceConfig,
+        id: u32,
+        generation: u32,
+        fingerprint: u32,
+    ) -> Result<(Service, Vec<Backend>, Vec<u32>), PlanError> {
         let list: Vec<Backend> = svc
             .backends
             .iter()
@@ -231,43 +366,25 @@ pub fn plan(current: &[(SvcKey, Service)], desired: &[ServiceConfig]) -> Result<
             port: *svc.port.get_ref(),
             source,
         })?;
-        let backends_off = backends.alloc(list.len() as u32, "backends")?;
-        let slots_off = slots.alloc(table.len() as u32, "selection slots")?;
-        let generation = existing
-            .get(&key)
-            .map_or(1, |s| s.generation.wrapping_add(1));
+        let backends_off = self.backends.alloc(list.len() as u32, "backends")?;
+        let slots_off = self.slots.alloc(table.len() as u32, "selection slots")?;
         let mut flags = SVC_F_MAGLEV;
         if svc.no_backend == NoBackend::Drop {
             flags |= SVC_F_NO_BACKEND_DROP;
         }
         let table: Vec<u32> = table.into_iter().map(|i| backends_off + i).collect();
-        plan.services.push((
-            key,
-            Service {
-                id,
-                flags,
-                slots_off,
-                slots_len: table.len() as u32,
-                generation,
-                backends_off,
-                backends_len: list.len() as u32,
-                fingerprint,
-            },
-        ));
-        if !list.is_empty() {
-            plan.backends.push((backends_off, list));
-        }
-        if !table.is_empty() {
-            plan.slots.push((slots_off, table));
-        }
+        let service = Service {
+            id,
+            flags,
+            slots_off,
+            slots_len: table.len() as u32,
+            generation,
+            backends_off,
+            backends_len: list.len() as u32,
+            fingerprint,
+        };
+        Ok((service, list, table))
     }
-    plan.remove = existing
-        .keys()
-        .filter(|k| !wanted.contains(k))
-        .copied()
-        .collect();
-    plan.unchanged = unchanged;
-    Ok(plan)
 }
 
 /// FNV-1a over what defines a service in the datapath: backends (address, port, weight) in
@@ -425,6 +542,57 @@ protocol = "udp"
         let p = plan(&first.services, &only_udp).unwrap();
         assert_eq!(p.remove, vec![first.services[0].0]);
         assert_eq!(p.services[0].1.id, 1, "the staying service keeps id 1");
+    }
+
+    #[test]
+    fn a_kept_state_plans_one_service_and_reuses_space_after_a_grace() {
+        let svcs = services(TWO);
+        let mut state = LbState::new(&[]);
+        let first = state.plan(&svcs, None).unwrap();
+        state.commit(&first);
+        let changed = services(&TWO.replace("weight = 3", "weight = 4"));
+        let one = state.plan(&changed, Some(&[0])).unwrap();
+        assert_eq!(
+            (one.services.len(), one.unchanged, one.remove.len()),
+            (1, 1, 0)
+        );
+        let (old, new) = (first.services[0].1, one.services[0].1);
+        assert_ne!(
+            old.slots_off, new.slots_off,
+            "the live table is not overwritten"
+        );
+        state.commit(&one);
+        // At the next plan the first table's space is free again (the grace is over); the
+        // live table's is not.
+        let back = state.plan(&svcs, Some(&[0])).unwrap();
+        let (a, len) = (old.slots_off, old.slots_len);
+        assert!(
+            state
+                .slots
+                .gaps
+                .iter()
+                .any(|&(g0, g1)| g0 <= a && a + len <= g1)
+                || back.services[0].1.slots_off == a,
+            "{:?}",
+            state.slots.gaps
+        );
+        let b = back.services[0].1.slots_off;
+        assert!(
+            b + back.services[0].1.slots_len <= new.slots_off || b >= new.slots_off + new.slots_len
+        );
+    }
+
+    #[test]
+    fn space_frees_merge_with_neighbours() {
+        let mut s = Space::new(100, [(0, 10), (10, 10), (30, 10)]);
+        assert_eq!(s.gaps, vec![(20, 30), (40, 100)]);
+        s.free(10, 10);
+        assert_eq!(s.gaps, vec![(10, 30), (40, 100)]);
+        s.free(30, 10);
+        assert_eq!(s.gaps, vec![(10, 100)]);
+        s.free(0, 10);
+        assert_eq!(s.gaps, vec![(0, 100)]);
+        assert_eq!(s.used_total, 0);
     }
 
     #[test]

@@ -180,7 +180,7 @@ impl Seed {
         .map_err(|e| FixtureError::Seed {
             message: e.to_string(),
         })?;
-        crate::datapath::apply_services(ebpf, lb_writer, &config.services).map_err(|e| {
+        crate::datapath::apply_services(ebpf, lb_writer, &config.services, None).map_err(|e| {
             FixtureError::Seed {
                 message: e.to_string(),
             }
@@ -376,7 +376,21 @@ impl Fixture {
         &mut self,
         services: &[crate::config::ServiceConfig],
     ) -> Result<crate::datapath::ServicesApplied, crate::datapath::DatapathError> {
-        crate::datapath::apply_services(&mut self.ebpf, &mut self.lb_writer, services)
+        crate::datapath::apply_services(&mut self.ebpf, &mut self.lb_writer, services, None)
+    }
+
+    /// Applies `services[i]` for the listed `i` only, as the daemon does on a health change.
+    pub fn update_services(
+        &mut self,
+        services: &[crate::config::ServiceConfig],
+        changed: &[usize],
+    ) -> Result<crate::datapath::ServicesApplied, crate::datapath::DatapathError> {
+        crate::datapath::apply_services(
+            &mut self.ebpf,
+            &mut self.lb_writer,
+            services,
+            Some(changed),
+        )
     }
 
     /// Where this fixture's maps are pinned (removed on drop).
