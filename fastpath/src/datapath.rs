@@ -1156,6 +1156,169 @@ pub fn flush_pinned_ct(pin_dir: &Path) -> Result<usize, DatapathError> {
     Ok(removed)
 }
 
+/// One load-balanced service of a pinned datapath, with its counters (`fastpath service list`).
+#[derive(Debug, serde::Serialize)]
+pub struct ServiceRow {
+    pub vip: std::net::IpAddr,
+    pub port: u16,
+    pub protocol: &'static str,
+    pub id: u32,
+    pub generation: u32,
+    pub packets: u64,
+    pub bytes: u64,
+    pub connections: u64,
+    pub no_backend: u64,
+    pub backends: Vec<BackendRow>,
+}
+
+#[derive(Debug, serde::Serialize)]
+pub struct BackendRow {
+    pub address: std::net::IpAddr,
+    pub port: u16,
+    /// Share of the selection table (new connections), in percent: 0 when drained or down.
+    pub share_pct: f64,
+    pub packets: u64,
+    pub bytes: u64,
+    /// Connections given this backend.
+    pub connections: u64,
+    /// Of those, tracked now and not closed (TIME_WAIT/CLOSE excluded).
+    pub active: u64,
+}
+
+fn ip_of(family: u8, a: &[u8; 16]) -> std::net::IpAddr {
+    if family == 4 {
+        std::net::IpAddr::from([a[0], a[1], a[2], a[3]])
+    } else {
+        std::net::IpAddr::from(*a)
+    }
+}
+
+/// Services, backends and their counters in a pinned datapath; active connections come from
+/// one batched walk of the conntrack table.
+pub fn pinned_services(pin_dir: &Path) -> Result<Vec<ServiceRow>, DatapathError> {
+    use std::os::fd::AsFd as _;
+
+    use fastpath_common::{
+        ct::{CT_F_LB, tcp_state},
+        lb::{BackendCounters, SvcCounters},
+    };
+    let svc_map = pinned_map(pin_dir, map_names::SVC)?;
+    let mut services: Vec<(SvcKey, Service)> = Vec::new();
+    walk_batches(
+        svc_map.fd().as_fd().as_raw_fd(),
+        |k: &[SvcKey], v: &[Service]| {
+            services.extend(k.iter().copied().zip(v.iter().copied()));
+        },
+    )
+    .map_err(|source| DatapathError::Io {
+        what: "reading FP_SVC".into(),
+        source,
+    })?;
+    services.sort_by_key(|(k, _)| (k.family, k.vip, k.port, k.proto));
+    let map_err = |what: &str| {
+        let what = what.to_owned();
+        move |source| DatapathError::Map {
+            what: what.clone(),
+            source,
+        }
+    };
+    let svc_stats: PerCpuArray<MapData, SvcCounters> = PerCpuArray::try_from(
+        aya::maps::Map::PerCpuArray(pinned_map(pin_dir, map_names::SVC_STATS)?),
+    )
+    .map_err(map_err("opening FP_SVC_STATS"))?;
+    let be_stats: PerCpuArray<MapData, BackendCounters> = PerCpuArray::try_from(
+        aya::maps::Map::PerCpuArray(pinned_map(pin_dir, map_names::BACKEND_STATS)?),
+    )
+    .map_err(map_err("opening FP_BACKEND_STATS"))?;
+    let backends: Array<MapData, Backend> = Array::try_from(aya::maps::Map::Array(pinned_map(
+        pin_dir,
+        map_names::BACKENDS,
+    )?))
+    .map_err(map_err("opening FP_BACKENDS"))?;
+    let slots: Array<MapData, [u32; 2]> = Array::try_from(aya::maps::Map::Array(pinned_map(
+        pin_dir,
+        map_names::LB_SLOTS,
+    )?))
+    .map_err(map_err("opening FP_LB_SLOTS"))?;
+    let mut active: std::collections::HashMap<u32, u64> = std::collections::HashMap::new();
+    pinned_ct_table(pin_dir)?
+        .walk(|_, entries| {
+            for e in entries {
+                let closed = e.state == tcp_state::TIME_WAIT || e.state == tcp_state::CLOSE;
+                if e.flags & CT_F_LB != 0 && !closed {
+                    *active.entry(e.nat.backend).or_default() += 1;
+                }
+            }
+        })
+        .map_err(|source| DatapathError::Io {
+            what: "walking FP_CT".into(),
+            source,
+        })?;
+    let mut rows = Vec::new();
+    for (key, svc) in services {
+        let sum = svc_stats
+            .get(&svc.id, 0)
+            .map_err(map_err("reading FP_SVC_STATS"))?
+            .iter()
+            .fold(SvcCounters::default(), |mut a, c| {
+                a.packets += c.packets;
+                a.bytes += c.bytes;
+                a.connections += c.connections;
+                a.no_backend += c.no_backend;
+                a
+            });
+        let mut share: std::collections::HashMap<u32, u64> = std::collections::HashMap::new();
+        for i in svc.slots_off..svc.slots_off + svc.slots_len {
+            let pair = slots
+                .get(&(i / 2), 0)
+                .map_err(map_err("reading FP_LB_SLOTS"))?;
+            *share.entry(pair[(i % 2) as usize]).or_default() += 1;
+        }
+        let mut brows = Vec::new();
+        for idx in svc.backends_off..svc.backends_off + svc.backends_len {
+            let b = backends
+                .get(&idx, 0)
+                .map_err(map_err("reading FP_BACKENDS"))?;
+            let c = be_stats
+                .get(&idx, 0)
+                .map_err(map_err("reading FP_BACKEND_STATS"))?
+                .iter()
+                .fold(BackendCounters::default(), |mut a, c| {
+                    a.packets += c.packets;
+                    a.bytes += c.bytes;
+                    a.connections += c.connections;
+                    a
+                });
+            brows.push(BackendRow {
+                address: ip_of(b.family, &b.addr),
+                port: b.port,
+                share_pct: if svc.slots_len == 0 {
+                    0.0
+                } else {
+                    100.0 * share.get(&idx).copied().unwrap_or(0) as f64 / f64::from(svc.slots_len)
+                },
+                packets: c.packets,
+                bytes: c.bytes,
+                connections: c.connections,
+                active: active.get(&idx).copied().unwrap_or(0),
+            });
+        }
+        rows.push(ServiceRow {
+            vip: ip_of(key.family, &key.vip),
+            port: key.port,
+            protocol: if key.proto == 17 { "udp" } else { "tcp" },
+            id: svc.id,
+            generation: svc.generation,
+            packets: sum.packets,
+            bytes: sum.bytes,
+            connections: sum.connections,
+            no_backend: sum.no_backend,
+            backends: brows,
+        });
+    }
+    Ok(rows)
+}
+
 /// Conntrack counters of a pinned datapath, summed over CPUs, indexed by `ct_stat::*`.
 pub fn pinned_ct_stats(pin_dir: &Path) -> Result<Vec<u64>, DatapathError> {
     let data = pinned_map(pin_dir, map_names::CT_STATS)?;

@@ -32,6 +32,8 @@ pub struct Plan {
     pub remove: Vec<SvcKey>,
     /// Services already applied as desired: nothing written for them.
     pub unchanged: usize,
+    /// For each of `services`, the hash of its backend set (see `LbState::backend_sets`).
+    pub backend_sets: Vec<u64>,
 }
 
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
@@ -189,6 +191,10 @@ pub struct LbState {
     next_id: u32,
     /// Regions and ids to release at the next plan.
     pending: Vec<Released>,
+    /// Per service, a hash of its backends' addresses and ports as last written: an update
+    /// that changes only weights (a health change, a drain) keeps the backends where they are,
+    /// so their indexes — and their counters — carry on.
+    backend_sets: HashMap<SvcKey, u64>,
 }
 
 /// What a switched or removed service leaves behind: its slots and backends (offset,
@@ -213,6 +219,7 @@ impl LbState {
             ids: current.iter().map(|(_, s)| s.id).collect(),
             next_id: 0,
             pending: Vec::new(),
+            backend_sets: HashMap::new(),
         }
     }
 
@@ -250,14 +257,18 @@ impl LbState {
                 Some(s) => s.id,
                 None => self.new_id()?,
             };
+            let set = backend_set(svc);
+            let keep = existing.filter(|_| self.backend_sets.get(&key) == Some(&set));
             let (service, list, table) = self.layout(
                 svc,
                 id,
                 existing.map_or(1, |s| s.generation.wrapping_add(1)),
                 fingerprint,
+                keep.map(|s| (s.backends_off, s.backends_len)),
             )?;
             plan.services.push((key, service));
-            if !list.is_empty() {
+            plan.backend_sets.push(set);
+            if !list.is_empty() && keep.is_none() {
                 plan.backends.push((service.backends_off, list));
             }
             if !table.is_empty() {
@@ -285,16 +296,21 @@ impl LbState {
     /// Records that `plan` is in the maps: switched services' old regions and removed
     /// services' regions and ids are released at the next plan.
     pub fn commit(&mut self, plan: &Plan) {
-        for (key, svc) in &plan.services {
+        for ((key, svc), set) in plan.services.iter().zip(&plan.backend_sets) {
             if let Some(old) = self.current.insert(*key, *svc) {
-                self.pending.push((
-                    (old.slots_off, old.slots_len),
-                    (old.backends_off, old.backends_len),
-                    None,
-                ));
+                // Backends kept in place are not released.
+                let old_backends = if old.backends_off == svc.backends_off && old.backends_len > 0 {
+                    (0, 0)
+                } else {
+                    (old.backends_off, old.backends_len)
+                };
+                self.pending
+                    .push(((old.slots_off, old.slots_len), old_backends, None));
             }
+            self.backend_sets.insert(*key, *set);
         }
         for key in &plan.remove {
+            self.backend_sets.remove(key);
             if let Some(old) = self.current.remove(key) {
                 self.pending.push((
                     (old.slots_off, old.slots_len),
@@ -328,6 +344,7 @@ impl LbState {
         id: u32,
         generation: u32,
         fingerprint: u32,
+        keep_backends: Option<(u32, u32)>,
     ) -> Result<(Service, Vec<Backend>, Vec<u32>), PlanError> {
         let list: Vec<Backend> = svc
             .backends
@@ -366,7 +383,10 @@ impl LbState {
             port: *svc.port.get_ref(),
             source,
         })?;
-        let backends_off = self.backends.alloc(list.len() as u32, "backends")?;
+        let backends_off = match keep_backends {
+            Some((off, _)) => off,
+            None => self.backends.alloc(list.len() as u32, "backends")?,
+        };
         let slots_off = self.slots.alloc(table.len() as u32, "selection slots")?;
         let mut flags = SVC_F_MAGLEV;
         if svc.no_backend == NoBackend::Drop {
@@ -385,6 +405,22 @@ impl LbState {
         };
         Ok((service, list, table))
     }
+}
+
+/// FNV-1a (64) over a service's backends' addresses and ports, in order.
+fn backend_set(svc: &ServiceConfig) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in &svc.backends {
+        for &x in addr16(*b.address.get_ref())
+            .0
+            .iter()
+            .chain(&b.port.get_ref().to_be_bytes())
+        {
+            h ^= u64::from(x);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
 }
 
 /// FNV-1a over what defines a service in the datapath: backends (address, port, weight) in
@@ -580,6 +616,34 @@ protocol = "udp"
         assert!(
             b + back.services[0].1.slots_len <= new.slots_off || b >= new.slots_off + new.slots_len
         );
+    }
+
+    #[test]
+    fn a_weight_change_keeps_the_backends_in_place() {
+        let mut state = LbState::new(&[]);
+        let first = state.plan(&services(TWO), None).unwrap();
+        state.commit(&first);
+        let drained = services(&TWO.replace("weight = 3", "weight = 0"));
+        let p = state.plan(&drained, Some(&[0])).unwrap();
+        let (old, new) = (first.services[0].1, p.services[0].1);
+        assert_eq!(
+            (new.backends_off, new.backends_len),
+            (old.backends_off, old.backends_len)
+        );
+        assert!(p.backends.is_empty(), "no backend written again");
+        assert_ne!(
+            new.slots_off, old.slots_off,
+            "a new table, written beside the live one"
+        );
+        assert!(
+            p.slots[0].1.iter().all(|&b| b == old.backends_off),
+            "all slots to backend 0"
+        );
+        state.commit(&p);
+        // A changed backend set moves the backends.
+        let moved = services(&TWO.replace("10.0.1.2", "10.0.1.3"));
+        let q = state.plan(&moved, Some(&[0])).unwrap();
+        assert_ne!(q.services[0].1.backends_off, old.backends_off);
     }
 
     #[test]

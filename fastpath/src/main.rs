@@ -93,6 +93,12 @@ enum Command {
         #[command(subcommand)]
         command: CtCommand,
     },
+    /// Load-balanced services: what the datapath has, with per-service and per-backend
+    /// counters.
+    Service {
+        #[command(subcommand)]
+        command: ServiceCommand,
+    },
     /// Configuration tools.
     Config {
         #[command(subcommand)]
@@ -163,6 +169,22 @@ enum CtCommand {
         /// Pin directory of the datapath to read.
         #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_DIR)]
         pin_dir: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum ServiceCommand {
+    /// Every service (VIP, port, protocol) with its packets, bytes, connections given a
+    /// backend and new connections that found none; under each, its backends with their share
+    /// of new connections (0% when drained or failing health checks), packets, bytes,
+    /// connections given and connections active now. Read from the pinned maps.
+    List {
+        /// Pin directory of the datapath to read.
+        #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_DIR)]
+        pin_dir: PathBuf,
+        /// Output format.
+        #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
+        output: Output,
     },
 }
 
@@ -238,6 +260,28 @@ fn main() -> ExitCode {
                     }
                 } else {
                     print!("{}", s.render_table());
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {}", error_chain(&e));
+                ExitCode::from(EXIT_FAILURE)
+            }
+        },
+        Command::Service {
+            command: ServiceCommand::List { pin_dir, output },
+        } => match datapath::pinned_services(&pin_dir) {
+            Ok(rows) => {
+                if output == Output::Json {
+                    match serde_json::to_string_pretty(&rows) {
+                        Ok(j) => println!("{j}"),
+                        Err(e) => {
+                            eprintln!("error: encoding JSON: {e}");
+                            return ExitCode::from(EXIT_FAILURE);
+                        }
+                    }
+                } else {
+                    print!("{}", render_services(&rows));
                 }
                 ExitCode::SUCCESS
             }
@@ -403,6 +447,40 @@ fn ct_command(command: CtCommand) -> ExitCode {
             ExitCode::from(EXIT_FAILURE)
         }
     }
+}
+
+/// The `service list` table.
+fn render_services(rows: &[datapath::ServiceRow]) -> String {
+    let mut out = format!(
+        "{:<32} {:>5} {:>12} {:>14} {:>11} {:>10}\n",
+        "SERVICE / BACKEND", "SHARE", "PACKETS", "BYTES", "CONNS", "ACTIVE"
+    );
+    for r in rows {
+        let vip = if r.vip.is_ipv6() {
+            format!("[{}]:{} {}", r.vip, r.port, r.protocol)
+        } else {
+            format!("{}:{} {}", r.vip, r.port, r.protocol)
+        };
+        out += &format!(
+            "{vip:<32} {:>5} {:>12} {:>14} {:>11} {:>10}\n",
+            "", r.packets, r.bytes, r.connections, ""
+        );
+        for b in &r.backends {
+            let addr = if b.address.is_ipv6() {
+                format!("  [{}]:{}", b.address, b.port)
+            } else {
+                format!("  {}:{}", b.address, b.port)
+            };
+            out += &format!(
+                "{addr:<32} {:>4.0}% {:>12} {:>14} {:>11} {:>10}\n",
+                b.share_pct, b.packets, b.bytes, b.connections, b.active
+            );
+        }
+        if r.no_backend > 0 {
+            out += &format!("  (new connections with no backend: {})\n", r.no_backend);
+        }
+    }
+    out
 }
 
 fn init_tracing(format: LogFormat) {

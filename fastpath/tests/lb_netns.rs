@@ -227,6 +227,60 @@ fn curl_through_the_vip_reaches_the_predicted_backends() {
         stats.packets_for_reason(fastpath_common::reason::LB_FROM_BACKEND),
     );
     eprintln!("lb_to_backend {to} packets, lb_from_backend {from} packets");
+
+    // Per-service and per-backend counters: the connections each backend was given are the
+    // ones the curls saw it answer.
+    let json = fastpath::testkit::netns::host_run(&[
+        bin().as_os_str(),
+        "service".as_ref(),
+        "list".as_ref(),
+        "--pin-dir".as_ref(),
+        daemon.pin_dir().as_os_str(),
+        "-o".as_ref(),
+        "json".as_ref(),
+    ])
+    .unwrap_or_else(|e| panic!("service list: {e}"));
+    let rows: serde_json::Value = serde_json::from_str(&json).expect("service list JSON");
+    let rows = rows.as_array().expect("a list of services");
+    assert_eq!(rows.len(), 3, "{json}");
+    for (v6, vip) in [(false, VIP4), (true, VIP6)] {
+        let svc = rows
+            .iter()
+            .find(|r| r["vip"] == vip && r["port"] == 80)
+            .unwrap_or_else(|| panic!("{vip}:80 not listed: {json}"));
+        let mut total = 0;
+        for (i, b) in svc["backends"]
+            .as_array()
+            .expect("backends")
+            .iter()
+            .enumerate()
+        {
+            let want = u64::from(hits.get(&(v6, i)).copied().unwrap_or(0));
+            assert_eq!(b["connections"], want, "{vip} backend {i}: {json}");
+            total += want;
+        }
+        assert_eq!(svc["connections"], total, "{vip}: {json}");
+    }
+    let svc_packets: u64 = rows
+        .iter()
+        .map(|r| r["packets"].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(
+        svc_packets,
+        to + from,
+        "service packet counters vs the lb_* reasons: {json}"
+    );
+    eprintln!(
+        "{}",
+        fastpath::testkit::netns::host_run(&[
+            bin().as_os_str(),
+            "service".as_ref(),
+            "list".as_ref(),
+            "--pin-dir".as_ref(),
+            daemon.pin_dir().as_os_str(),
+        ])
+        .unwrap_or_default()
+    );
     assert!(
         to >= 36 * 5 && from >= 36 * 4,
         "every curl exchange was translated both ways: to {to}, from {from}"
