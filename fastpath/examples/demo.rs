@@ -1,9 +1,11 @@
 //! `cargo xtask demo`: the fast path in a self-contained namespace topology.
 //!
-//! Builds client — fp — 3 backends (nginx on each), starts `fastpath daemon` on fp, sends
-//! real ping, HTTP (IPv4 and IPv6) and UDP traffic, prints what the datapath counted, shows
-//! that a `kill -9` of the daemon leaves the datapath forwarding and that a restart reuses the
-//! pinned maps, then removes everything it created — also on Ctrl-C or failure.
+//! Builds client — fp — 3 backends (nginx on each), starts `fastpath daemon` on fp with a
+//! load-balanced, health-checked service on a VIP, sends real ping, HTTP (IPv4 and IPv6) and UDP
+//! traffic, prints what the datapath counted and tracked, balances HTTP to the VIP and takes a
+//! failed backend out, shows that a `kill -9` of the daemon leaves the datapath forwarding and
+//! that a restart reuses the pinned maps, then removes everything it created — also on Ctrl-C
+//! or failure.
 
 use std::{
     path::PathBuf,
@@ -122,8 +124,12 @@ fn run() -> Result<()> {
         servers.push(server);
     }
 
-    step("fastpath daemon on fp (XDP + TCX ingress/egress on every interface)")?;
-    let config = lb.fp_config(&unique_pin_dir("demo"));
+    step(
+        "fastpath daemon on fp (XDP + TCX ingress/egress on every interface, a service on a VIP)",
+    )?;
+    let config = lb
+        .fp_config(&unique_pin_dir("demo"))
+        .services(&demo_services());
     println!("{}", indent(&config.to_toml()));
     let mut daemon = Daemon::start(&bin, lb.fp(), &config);
     println!(
@@ -163,6 +169,38 @@ fn run() -> Result<()> {
         .collect();
     println!("{}", indent(&shown.join("\n")));
     let tracked = list.lines().count();
+
+    step("Load balancing: HTTP to the VIP, Maglev over 3 backends, health-checked")?;
+    let spread = curl_vip(&lb, 30)?;
+    println!("  30 connections to http://{VIP}/ answered by backends {spread:?} (index: count)");
+    if spread.len() < 2 {
+        bail!("the VIP's connections all went to one backend: {spread:?}");
+    }
+    println!(
+        "{}",
+        indent(&host_run(&[
+            bin.as_os_str(),
+            "service".as_ref(),
+            "list".as_ref(),
+            "--pin-dir".as_ref(),
+            pin.as_ref()
+        ])?)
+    );
+    servers[2].process().kill();
+    println!("  nginx on backend 2 stopped; its HTTP health check fails (interval 200 ms, fall 2)");
+    std::thread::sleep(std::time::Duration::from_millis(800));
+    let after = curl_vip(&lb, 20)?;
+    if after.contains_key(&2) {
+        bail!("backend 2 is down but still got new connections: {after:?}");
+    }
+    println!("  20 new connections: answered by {after:?} — none by backend 2, none failed");
+    let log = daemon.log();
+    if let Some(line) = log
+        .lines()
+        .find(|l| l.contains("Services re-applied after a health change"))
+    {
+        println!("  log: {}", strip_ansi(line));
+    }
 
     step("kill -9 the daemon: the pinned programs keep running")?;
     daemon.kill9();
@@ -223,6 +261,41 @@ fn run() -> Result<()> {
     println!("  daemon exited with {status}; no XDP on cl0, pin directory removed");
     drop(servers);
     Ok(())
+}
+
+const VIP: &str = "10.200.0.100";
+
+/// The demo's service: the three nginx backends behind a VIP, health-checked over HTTP.
+fn demo_services() -> String {
+    let mut s = format!(
+        "[[service]]\nvip = \"{VIP}\"\nport = {HTTP_PORT}\n[service.health_check]\nkind = \"http\"\ninterval_ms = 200\ntimeout_ms = 100\nfall = 2\nrise = 2\n"
+    );
+    for i in 0..BACKENDS {
+        s += &format!(
+            "[[service.backend]]\naddress = \"{}\"\nport = {HTTP_PORT}\n",
+            LbTopology::backend_v4(i)
+        );
+    }
+    s
+}
+
+/// `n` curls to the VIP; how many each backend answered.
+fn curl_vip(lb: &LbTopology, n: usize) -> Result<std::collections::BTreeMap<usize, usize>> {
+    let mut seen = std::collections::BTreeMap::new();
+    for _ in 0..n {
+        let url = format!("http://{VIP}:{HTTP_PORT}/");
+        let body = lb
+            .client()
+            .run(&["curl", "-sS", "--fail", "--max-time", "5", &url])
+            .with_context(|| format!("curl {url}"))?;
+        let backend: usize = body
+            .trim()
+            .strip_prefix("hello from backend ")
+            .and_then(|n| n.parse().ok())
+            .with_context(|| format!("unexpected page {body:?}"))?;
+        *seen.entry(backend).or_default() += 1;
+    }
+    Ok(seen)
 }
 
 /// `fastpath ct <command> --pin-dir <pin>`: its output.
@@ -308,7 +381,7 @@ fn print_counters(title: &str, delta: &StatsSnapshot) {
         .map(|r| r.packets)
         .sum();
     println!(
-        "  {total} packet-hook events, {kernel} handed to the kernel (the slow path): conntrack tracks them (below); no forwarding stage exists yet: LB and NAT land next."
+        "  {total} packet-hook events, {kernel} handed to the kernel (the slow path): conntrack tracks them (below); connections to the VIP are translated to their backend at XDP (lb_to_backend / lb_from_backend); the kernel routes every packet."
     );
 }
 
