@@ -28,7 +28,11 @@ use crate::packet::Packet;
 /// for ordinary packets (Ethernet + 2 VLAN + IPv6 + a few extension headers + TCP).
 const PULL_LEN: u32 = 256;
 
+// perf: `#[xdp]` wraps this body in the program's entry function; `inline(always)` keeps it
+// there. Left to the inliner, a body this large becomes a BPF-to-BPF call on every packet
+// (tens of ns where `ret` is mitigated; measured +10 ns on every path).
 #[xdp]
+#[inline(always)]
 pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
     // verifier: `len` is read from the context a second time, volatile, so LLVM cannot derive
     // one bounds check from another through it (it otherwise drops checks the verifier needs).
@@ -54,11 +58,13 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
 }
 
 #[classifier]
+#[inline(always)]
 pub fn fastpath_tc_ingress(ctx: TcContext) -> i32 {
     tc(ctx, Hook::TcIngress)
 }
 
 #[classifier]
+#[inline(always)]
 pub fn fastpath_tc_egress(ctx: TcContext) -> i32 {
     tc(ctx, Hook::TcEgress)
 }

@@ -424,7 +424,74 @@ fn bench_conntrack(fx: &mut Fixture) -> Result<(Vec<CtRow>, Vec<GcRow>)> {
         eprint!("c");
     }
     fx.ct_clear()?;
+    rows.extend(bench_lb(fx)?);
+    fx.ct_clear()?;
     Ok((rows, gc_rows))
+}
+
+/// Load-balanced packets of an established connection (VIP 10.254.0.100:80 → one backend),
+/// each run once (a translated packet would come back translated on a repeat), against a
+/// floor also run once.
+fn bench_lb(fx: &mut Fixture) -> Result<Vec<CtRow>> {
+    const RUNS: usize = 2000;
+    let (client, vip, backend) = ([10, 253, 0, 1], [10, 254, 0, 100], [10, 254, 1, 1]);
+    let seed = Seed::iface(1, IFACE_F_CT_XDP).with_services(
+        "[[service]]\nvip = \"10.254.0.100\"\nport = 80\n[[service.backend]]\naddress = \"10.254.1.1\"\nport = 8080\n",
+    );
+    let case = |input: Vec<u8>| Case {
+        name: "lb".into(),
+        hook: Hook::Xdp,
+        seed: seed.clone(),
+        input,
+        expect_verdict: raw_verdict(Hook::Xdp, Verdict::Kernel),
+        expect_output: None,
+        expect_counters: vec![],
+    };
+    let to_vip = |flags| case(Pkt::eth().ipv4(client, vip).tcp(40000, 80, flags).build());
+    let from_backend = |flags| {
+        case(
+            Pkt::eth()
+                .ipv4(backend, client)
+                .tcp(8080, 40000, flags)
+                .build(),
+        )
+    };
+    // The connection: handshake through the load balancer.
+    for c in [
+        to_vip(tcp_flags::SYN),
+        from_backend(tcp_flags::SYN | tcp_flags::ACK),
+        to_vip(tcp_flags::ACK),
+    ] {
+        fx.run_repeat(&c, 1)?;
+    }
+    let mut rows = Vec::new();
+    for (path, c) in [
+        (
+            "LB hit: client → VIP, translated to the backend (repeat = 1)",
+            to_vip(tcp_flags::ACK),
+        ),
+        (
+            "LB hit: backend → client, translated back to the VIP (repeat = 1)",
+            from_backend(tcp_flags::ACK),
+        ),
+    ] {
+        let (mut ns, mut floor) = (Vec::with_capacity(RUNS), Vec::with_capacity(RUNS));
+        for _ in 0..RUNS {
+            floor.push(
+                fx.run_floor_repeat(Hook::Xdp, &c.input, 1)?
+                    .per_run
+                    .as_nanos() as f64,
+            );
+            let r = fx.run_repeat(&c, 1)?;
+            if r.verdict != c.expect_verdict {
+                bail!("{path}: verdict {} during the benchmark", r.verdict);
+            }
+            ns.push(r.per_run.as_nanos() as f64);
+        }
+        rows.push(ct_row(path, 1, &ns, &floor));
+    }
+    eprint!("l");
+    Ok(rows)
 }
 
 /// Events per drain round: a whole number of producer calls.
