@@ -51,6 +51,11 @@ const _: () = assert!(core::mem::size_of::<Service>() == 32);
 
 /// Selection by Maglev consistent hashing of the flow's 5-tuple.
 pub const SVC_F_MAGLEV: u32 = 1 << 0;
+/// Selection by weighted round robin: the table is the weighted sequence, walked by a per-CPU
+/// counter per service.
+pub const SVC_F_WRR: u32 = 1 << 1;
+/// Longest weighted round-robin sequence (weights are scaled down to fit).
+pub const WRR_MAX_SLOTS: u32 = 65_536;
 /// With no backend available: drop the packet (counted) instead of handing it to the kernel.
 pub const SVC_F_NO_BACKEND_DROP: u32 = 1 << 8;
 

@@ -5,11 +5,13 @@
 
 use fastpath_common::{
     ct::CtKey,
-    lb::{Backend, Service, flow_hash},
+    lb::{Backend, SVC_F_WRR, Service, flow_hash},
 };
 
 use crate::{
-    maps::{FP_BACKEND_STATS, FP_BACKENDS, FP_LB_SLOTS, FP_SVC, FP_SVC_KEY, FP_SVC_STATS},
+    maps::{
+        FP_BACKEND_STATS, FP_BACKENDS, FP_LB_SLOTS, FP_SVC, FP_SVC_KEY, FP_SVC_RR, FP_SVC_STATS,
+    },
     packet::Packet,
     parse::{FAMILY_IPV4, Parsed},
 };
@@ -52,7 +54,18 @@ pub fn pick(svc: &Service, key: &CtKey) -> Option<(u32, &'static Backend)> {
     if svc.slots_len == 0 {
         return None;
     }
-    let slot = svc.slots_off.wrapping_add(flow_hash(key) % svc.slots_len);
+    let pick = if svc.flags & SVC_F_WRR != 0 {
+        // SAFETY: this CPU's slot of a per-CPU array.
+        let rr = FP_SVC_RR.get_ptr_mut(svc.id)?;
+        unsafe {
+            let n = *rr;
+            *rr = n.wrapping_add(1);
+            n
+        }
+    } else {
+        flow_hash(key)
+    };
+    let slot = svc.slots_off.wrapping_add(pick % svc.slots_len);
     let pair = FP_LB_SLOTS.get(slot >> 1)?;
     let idx = pair[(slot & 1) as usize];
     let b = FP_BACKENDS.get_ptr(idx)?;

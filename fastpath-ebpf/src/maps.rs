@@ -109,6 +109,11 @@ pub static FP_LB_SLOTS: Array<[u32; 2]> = Array::pinned(LB_SLOTS / 2, BPF_F_MMAP
 /// Map flag: the array can be mmap()ed by userspace.
 const BPF_F_MMAPABLE: u32 = 1 << 10;
 
+/// Per-service round-robin positions (weighted round robin), per CPU: each CPU walks the
+/// service's sequence on its own, so no two CPUs contend for one counter.
+#[map(name = "FP_SVC_RR")]
+pub static FP_SVC_RR: PerCpuArray<u32> = PerCpuArray::with_max_entries(MAX_SERVICES, 0);
+
 /// Per-service and per-backend counters, per CPU.
 #[map(name = "FP_SVC_STATS")]
 pub static FP_SVC_STATS: PerCpuArray<SvcCounters> = PerCpuArray::pinned(MAX_SERVICES, 0);

@@ -148,6 +148,9 @@ pub enum Scheduler {
     /// Maglev consistent hashing of the connection's addresses and ports.
     #[default]
     Maglev,
+    /// Weighted round robin: new connections take the backends in turn, each as often as its
+    /// weight says (smoothly interleaved).
+    Wrr,
 }
 
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]

@@ -9,12 +9,12 @@
 use std::collections::{BTreeSet, HashMap};
 
 use fastpath_common::lb::{
-    Backend, LB_SLOTS, MAX_BACKENDS, MAX_SERVICES, SVC_F_MAGLEV, SVC_F_NO_BACKEND_DROP, Service,
-    SvcKey,
+    Backend, LB_SLOTS, MAX_BACKENDS, MAX_SERVICES, SVC_F_MAGLEV, SVC_F_NO_BACKEND_DROP, SVC_F_WRR,
+    Service, SvcKey, WRR_MAX_SLOTS,
 };
 
 use crate::{
-    config::{NoBackend, ServiceConfig},
+    config::{NoBackend, Scheduler, ServiceConfig},
     maglev::{self, MaglevBackend},
 };
 
@@ -373,22 +373,30 @@ impl LbState {
                 }
             })
             .collect();
-        let weighted = mag.iter().filter(|b| b.weight > 0).count();
-        let size = svc
-            .maglev_table_size
-            .as_ref()
-            .map_or_else(|| maglev::auto_size(weighted), |s| *s.get_ref());
-        let table = maglev::build(&mag, size).map_err(|source| PlanError::Maglev {
-            vip: *svc.vip.get_ref(),
-            port: *svc.port.get_ref(),
-            source,
-        })?;
+        let table = match svc.scheduler {
+            Scheduler::Maglev => {
+                let weighted = mag.iter().filter(|b| b.weight > 0).count();
+                let size = svc
+                    .maglev_table_size
+                    .as_ref()
+                    .map_or_else(|| maglev::auto_size(weighted), |s| *s.get_ref());
+                maglev::build(&mag, size).map_err(|source| PlanError::Maglev {
+                    vip: *svc.vip.get_ref(),
+                    port: *svc.port.get_ref(),
+                    source,
+                })?
+            }
+            Scheduler::Wrr => wrr_sequence(&mag.iter().map(|b| b.weight).collect::<Vec<_>>()),
+        };
         let backends_off = match keep_backends {
             Some((off, _)) => off,
             None => self.backends.alloc(list.len() as u32, "backends")?,
         };
         let slots_off = self.slots.alloc(table.len() as u32, "selection slots")?;
-        let mut flags = SVC_F_MAGLEV;
+        let mut flags = match svc.scheduler {
+            Scheduler::Maglev => SVC_F_MAGLEV,
+            Scheduler::Wrr => SVC_F_WRR,
+        };
         if svc.no_backend == NoBackend::Drop {
             flags |= SVC_F_NO_BACKEND_DROP;
         }
@@ -405,6 +413,43 @@ impl LbState {
         };
         Ok((service, list, table))
     }
+}
+
+/// The weighted round-robin sequence for `weights` (indexes into them), smoothly interleaved
+/// (nginx's smooth WRR: each step every backend gains its weight, the richest is picked and pays
+/// the total), one full cycle long: Σ weights / gcd, scaled down to fit [`WRR_MAX_SLOTS`].
+pub fn wrr_sequence(weights: &[u32]) -> Vec<u32> {
+    let g = weights
+        .iter()
+        .copied()
+        .filter(|&w| w > 0)
+        .fold(0, maglev::gcd);
+    if g == 0 {
+        return Vec::new();
+    }
+    let mut w: Vec<u64> = weights.iter().map(|&x| u64::from(x / g)).collect();
+    let total: u64 = w.iter().sum();
+    if total > u64::from(WRR_MAX_SLOTS) {
+        // Scale down, keeping every weighted backend at least once.
+        for x in w.iter_mut().filter(|x| **x > 0) {
+            *x = (*x * u64::from(WRR_MAX_SLOTS) / total).max(1);
+        }
+    }
+    let total: i64 = w.iter().sum::<u64>() as i64;
+    let mut current = vec![0i64; w.len()];
+    let mut seq = Vec::with_capacity(total as usize);
+    for _ in 0..total {
+        let mut best = 0;
+        for i in 0..w.len() {
+            current[i] += w[i] as i64;
+            if current[i] > current[best] {
+                best = i;
+            }
+        }
+        current[best] -= total;
+        seq.push(best as u32);
+    }
+    seq
 }
 
 /// FNV-1a (64) over a service's backends' addresses and ports, in order.
@@ -440,6 +485,7 @@ fn fingerprint(svc: &ServiceConfig) -> u32 {
     }
     let size = svc.maglev_table_size.as_ref().map_or(0, |m| *m.get_ref());
     eat(&size.to_be_bytes());
+    eat(&[svc.scheduler as u8]);
     eat(&[
         u8::from(svc.no_backend == NoBackend::Drop),
         svc.backends.len() as u8,
@@ -644,6 +690,20 @@ protocol = "udp"
         let moved = services(&TWO.replace("10.0.1.2", "10.0.1.3"));
         let q = state.plan(&moved, Some(&[0])).unwrap();
         assert_ne!(q.services[0].1.backends_off, old.backends_off);
+    }
+
+    #[test]
+    fn wrr_sequences_follow_the_weights_smoothly() {
+        assert_eq!(wrr_sequence(&[5, 1, 1]), vec![0, 0, 1, 0, 2, 0, 0]);
+        assert_eq!(wrr_sequence(&[2, 2, 4]), vec![2, 0, 1, 2]);
+        assert_eq!(wrr_sequence(&[1, 0, 1]), vec![0, 2]);
+        assert!(wrr_sequence(&[0, 0]).is_empty());
+        let big = wrr_sequence(&[65_535, 65_535, 1]);
+        assert!(
+            big.len() <= WRR_MAX_SLOTS as usize && big.contains(&2),
+            "{}",
+            big.len()
+        );
     }
 
     #[test]

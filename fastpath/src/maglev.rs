@@ -170,7 +170,8 @@ pub fn build(backends: &[MaglevBackend], size: u32) -> Result<Vec<u32>, MaglevEr
     Ok(table)
 }
 
-fn gcd(a: u32, b: u32) -> u32 {
+/// Greatest common divisor (0 with 0 gives 0).
+pub(crate) fn gcd(a: u32, b: u32) -> u32 {
     if b == 0 { a } else { gcd(b, a % b) }
 }
 

@@ -481,3 +481,62 @@ fn predicted_in(
         IpAddr::from(b.addr)
     }
 }
+
+/// Weighted round robin with real connections: weights 1, 1, 2 over three nginx backends give
+/// new connections in that proportion (each CPU walks the sequence on its own, so over 40
+/// connections a backend is off by at most one cycle per CPU).
+#[test]
+fn weighted_round_robin_spreads_connections_by_weight() {
+    prepare_test(&["curl", "nginx"]);
+    let lb = test_lb_topology(BACKENDS);
+    let servers: Vec<HttpServer> = (0..BACKENDS)
+        .map(|i| {
+            let s = lb
+                .backend(i)
+                .http_server(80)
+                .unwrap_or_else(|e| panic!("nginx: {e}"));
+            fs::write(s.root().join("index.html"), format!("backend {i}\n")).expect("page");
+            s
+        })
+        .collect();
+    let mut svc = format!("[[service]]\nvip = \"{VIP4}\"\nport = 80\nscheduler = \"wrr\"\n");
+    for (i, w) in [1, 1, 2].iter().enumerate() {
+        svc += &format!(
+            "[[service.backend]]\naddress = \"{}\"\nport = 80\nweight = {w}\n",
+            LbTopology::backend_v4(i)
+        );
+    }
+    let config = lb.fp_config(&unique_pin_dir("lb-wrr")).services(&svc);
+    let daemon = Daemon::start(bin(), lb.fp(), &config);
+    let mut seen = [0u32; BACKENDS];
+    const N: u32 = 40;
+    for _ in 0..N {
+        let body = lb
+            .client()
+            .run(&[
+                "curl",
+                "-sS",
+                "--fail",
+                "--max-time",
+                "5",
+                &format!("http://{VIP4}/"),
+            ])
+            .unwrap_or_else(|e| panic!("curl: {e}\n{}", daemon.log()));
+        let i: usize = body
+            .trim()
+            .strip_prefix("backend ")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("page {body:?}"));
+        seen[i] += 1;
+    }
+    eprintln!("wrr 1:1:2 over {N} connections: {seen:?}");
+    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get()) as u32;
+    for (i, want) in [N / 4, N / 4, N / 2].into_iter().enumerate() {
+        assert!(
+            seen[i].abs_diff(want) <= 2 * cpus,
+            "backend {i}: {} connections, expected about {want}: {seen:?}",
+            seen[i]
+        );
+    }
+    drop(servers);
+}
