@@ -46,8 +46,12 @@ pub struct Service {
     /// Hash of the service's definition (backends, weights, table size, flags) when it was
     /// applied: an update skips services whose definition did not change.
     pub fingerprint: u32,
+    /// Source-IP affinity: a client's new connections go to the backend its last one got, for
+    /// this many seconds after that one (0: off).
+    pub affinity_s: u32,
+    pub _pad: u32,
 }
-const _: () = assert!(core::mem::size_of::<Service>() == 32);
+const _: () = assert!(core::mem::size_of::<Service>() == 40);
 
 /// Selection by Maglev consistent hashing of the flow's 5-tuple.
 pub const SVC_F_MAGLEV: u32 = 1 << 0;
@@ -69,7 +73,33 @@ pub struct Backend {
     pub port: u16,
     /// 4 or 6: the service's family (no 4↔6 translation).
     pub family: u8,
-    pub _pad: [u8; 5],
+    /// `BACKEND_F_*`.
+    pub flags: u8,
+    pub _pad: [u8; 4],
+}
+
+/// The backend takes new connections (weight > 0 and not down): what source-IP affinity
+/// checks before sending a client back to it.
+pub const BACKEND_F_ENABLED: u8 = 1 << 0;
+
+/// `FP_AFFINITY` key: a client of a service.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C, align(8))]
+pub struct AffinityKey {
+    pub client: [u8; 16],
+    pub service: u32,
+    pub family: u8,
+    pub _pad: [u8; 3],
+}
+const _: () = assert!(core::mem::size_of::<AffinityKey>() == 24);
+
+/// `FP_AFFINITY` value: the backend the client's last new connection got, and when.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct Affinity {
+    pub backend: u32,
+    pub _pad: u32,
+    pub last_ns: u64,
 }
 const _: () = assert!(core::mem::size_of::<Backend>() == 24);
 
@@ -121,6 +151,8 @@ pub struct BackendCounters {
 /// Capacities (entries) of the LB maps.
 pub const MAX_SERVICES: u32 = 65_536;
 pub const MAX_BACKENDS: u32 = 1 << 18;
+/// Clients remembered for source-IP affinity (an LRU: the least recently seen go first).
+pub const AFFINITY_ENTRIES: u32 = 1 << 18;
 /// Selection slots for all services together (8 Mi u32, 32 MiB): e.g. 10k services of 251
 /// slots with room to double-buffer, or 30 services of 131071.
 pub const LB_SLOTS: u32 = 1 << 23;
@@ -135,6 +167,10 @@ mod pod {
     unsafe impl aya::Pod for super::Backend {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::SvcCounters {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::AffinityKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::Affinity {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::BackendCounters {}
 }

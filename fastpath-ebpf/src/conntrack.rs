@@ -271,7 +271,7 @@ fn lb_create(
             }
         }
     }
-    let Some((idx, backend)) = lb::pick(svc, key) else {
+    let Some((idx, backend)) = lb::pick_for_client(svc, key, pkt, p, now) else {
         lb::count_no_backend(svc.id);
         return if svc.flags & SVC_F_NO_BACKEND_DROP != 0 {
             Action::Drop(reason::LB_NO_BACKEND)

@@ -5,12 +5,13 @@
 
 use fastpath_common::{
     ct::CtKey,
-    lb::{Backend, SVC_F_WRR, Service, flow_hash},
+    lb::{Affinity, AffinityKey, BACKEND_F_ENABLED, Backend, SVC_F_WRR, Service, flow_hash},
 };
 
 use crate::{
     maps::{
-        FP_BACKEND_STATS, FP_BACKENDS, FP_LB_SLOTS, FP_SVC, FP_SVC_KEY, FP_SVC_RR, FP_SVC_STATS,
+        FP_AFF_KEY, FP_AFFINITY, FP_BACKEND_STATS, FP_BACKENDS, FP_LB_SLOTS, FP_SVC, FP_SVC_KEY,
+        FP_SVC_RR, FP_SVC_STATS,
     },
     packet::Packet,
     parse::{FAMILY_IPV4, Parsed},
@@ -71,6 +72,73 @@ pub fn pick(svc: &Service, key: &CtKey) -> Option<(u32, &'static Backend)> {
     let b = FP_BACKENDS.get_ptr(idx)?;
     // SAFETY: an array map value pointer stays valid for this program run.
     Some((idx, unsafe { &*b }))
+}
+
+/// [`pick`], honouring the service's source-IP affinity: a client whose last new connection
+/// to the service was less than `affinity_s` ago goes back to that backend if it still takes
+/// connections; the choice is remembered either way.
+#[inline(always)]
+pub fn pick_for_client(
+    svc: &Service,
+    key: &CtKey,
+    pkt: &Packet,
+    p: &Parsed,
+    now: u64,
+) -> Option<(u32, &'static Backend)> {
+    if svc.affinity_s == 0 {
+        return pick(svc, key);
+    }
+    let ak = FP_AFF_KEY.get_ptr_mut(0)?;
+    // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
+    let ak = unsafe { &mut *ak };
+    let l3 = p.l3_off as usize;
+    let words = (&mut ak.client as *mut [u8; 16]).cast::<u64>();
+    if p.family == FAMILY_IPV4 {
+        let a = pkt.load::<[u8; 4]>(l3 + 12)?;
+        // SAFETY: `client` is 16 bytes at offset 0 of an 8-aligned key.
+        unsafe {
+            core::ptr::write_volatile(
+                words,
+                u64::from_ne_bytes([a[0], a[1], a[2], a[3], 0, 0, 0, 0]),
+            );
+            core::ptr::write_volatile(words.add(1), 0);
+        }
+    } else {
+        ak.client = pkt.load::<[u8; 16]>(l3 + 8)?;
+    }
+    ak.service = svc.id;
+    ak.family = p.family;
+    ak._pad = [0; 3];
+    let ak: &AffinityKey = ak;
+    let window = u64::from(svc.affinity_s) * 1_000_000_000;
+    if let Some(a) = FP_AFFINITY.get_ptr_mut(ak) {
+        // SAFETY: a valid map value pointer for this run.
+        let a = unsafe { &mut *a };
+        let idx = a.backend;
+        let in_range = idx >= svc.backends_off && idx - svc.backends_off < svc.backends_len;
+        if now.wrapping_sub(a.last_ns) <= window
+            && in_range
+            && let Some(b) = FP_BACKENDS.get_ptr(idx)
+        {
+            // SAFETY: an array map value pointer stays valid for this program run.
+            let b = unsafe { &*b };
+            if b.flags & BACKEND_F_ENABLED != 0 {
+                a.last_ns = now;
+                return Some((idx, b));
+            }
+        }
+    }
+    let (idx, b) = pick(svc, key)?;
+    let _ = FP_AFFINITY.insert(
+        ak,
+        &Affinity {
+            backend: idx,
+            _pad: 0,
+            last_ns: now,
+        },
+        0,
+    );
+    Some((idx, b))
 }
 
 /// Counts a packet (and a new connection) for its service and backend.

@@ -4,14 +4,14 @@
 use crate::parse::Parsed;
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, PerCpuArray, Queue, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, Queue, RingBuf},
 };
 use fastpath_common::{
     Counter, DatapathConfig,
     ct::{CtEntry, CtKey, IFACE_SLOTS, IfaceConfig, ct_stat},
     lb::{
-        Backend, BackendCounters, LB_SLOTS, MAX_BACKENDS, MAX_SERVICES, Service, SvcCounters,
-        SvcKey,
+        AFFINITY_ENTRIES, Affinity, AffinityKey, Backend, BackendCounters, LB_SLOTS, MAX_BACKENDS,
+        MAX_SERVICES, Service, SvcCounters, SvcKey,
     },
     stats::STATS_ENTRIES,
 };
@@ -128,3 +128,13 @@ pub static FP_SVC_KEY: PerCpuArray<SvcKey> = PerCpuArray::with_max_entries(1, 0)
 /// connection, built while the first still holds the connection's own key.
 #[map(name = "FP_CT_KEY2")]
 pub static FP_CT_KEY2: PerCpuArray<CtKey> = PerCpuArray::with_max_entries(1, 0);
+
+/// Source-IP affinity: a client of a service → the backend its last new connection got and
+/// when. An LRU (the least recently seen clients go when full): losing one only means its next
+/// connection is balanced afresh.
+#[map(name = "FP_AFFINITY")]
+pub static FP_AFFINITY: LruHashMap<AffinityKey, Affinity> = LruHashMap::pinned(AFFINITY_ENTRIES, 0);
+
+/// This CPU's affinity key under construction.
+#[map(name = "FP_AFF_KEY")]
+pub static FP_AFF_KEY: PerCpuArray<AffinityKey> = PerCpuArray::with_max_entries(1, 0);

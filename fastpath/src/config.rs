@@ -55,6 +55,11 @@ pub struct ServiceConfig {
     /// With no backend available: `kernel` (hand the packet on untranslated) or `drop`.
     #[serde(default)]
     pub no_backend: NoBackend,
+    /// Source-IP affinity: a client's new connections go to the backend of its last one if
+    /// that was less than this many seconds ago (and the backend still takes connections).
+    /// 0: off.
+    #[serde(default)]
+    pub affinity_timeout_s: u32,
     #[serde(default, rename = "backend")]
     pub backends: Vec<BackendConfig>,
     /// Probing of the backends (`[service.health_check]`); none: every backend is up.

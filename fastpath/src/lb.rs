@@ -9,8 +9,8 @@
 use std::collections::{BTreeSet, HashMap};
 
 use fastpath_common::lb::{
-    Backend, LB_SLOTS, MAX_BACKENDS, MAX_SERVICES, SVC_F_MAGLEV, SVC_F_NO_BACKEND_DROP, SVC_F_WRR,
-    Service, SvcKey, WRR_MAX_SLOTS,
+    BACKEND_F_ENABLED, Backend, LB_SLOTS, MAX_BACKENDS, MAX_SERVICES, SVC_F_MAGLEV,
+    SVC_F_NO_BACKEND_DROP, SVC_F_WRR, Service, SvcKey, WRR_MAX_SLOTS,
 };
 
 use crate::{
@@ -268,7 +268,10 @@ impl LbState {
             )?;
             plan.services.push((key, service));
             plan.backend_sets.push(set);
-            if !list.is_empty() && keep.is_none() {
+            // Kept in place, the backends are written again over themselves: the same
+            // addresses, only their enabled flag may change (a byte, read whole by the
+            // datapath).
+            if !list.is_empty() {
                 plan.backends.push((service.backends_off, list));
             }
             if !table.is_empty() {
@@ -355,7 +358,12 @@ impl LbState {
                     addr,
                     port: *b.port.get_ref(),
                     family,
-                    _pad: [0; 5],
+                    flags: if *b.weight.get_ref() > 0 {
+                        BACKEND_F_ENABLED
+                    } else {
+                        0
+                    },
+                    _pad: [0; 4],
                 }
             })
             .collect();
@@ -410,6 +418,8 @@ impl LbState {
             backends_off,
             backends_len: list.len() as u32,
             fingerprint,
+            affinity_s: svc.affinity_timeout_s,
+            _pad: 0,
         };
         Ok((service, list, table))
     }
@@ -486,6 +496,7 @@ fn fingerprint(svc: &ServiceConfig) -> u32 {
     let size = svc.maglev_table_size.as_ref().map_or(0, |m| *m.get_ref());
     eat(&size.to_be_bytes());
     eat(&[svc.scheduler as u8]);
+    eat(&svc.affinity_timeout_s.to_be_bytes());
     eat(&[
         u8::from(svc.no_backend == NoBackend::Drop),
         svc.backends.len() as u8,
@@ -676,7 +687,14 @@ protocol = "udp"
             (new.backends_off, new.backends_len),
             (old.backends_off, old.backends_len)
         );
-        assert!(p.backends.is_empty(), "no backend written again");
+        assert_eq!(
+            p.backends[0].0, old.backends_off,
+            "backends rewritten in place"
+        );
+        assert_eq!(
+            p.backends[0].1[1].flags, 0,
+            "the drained backend is not enabled"
+        );
         assert_ne!(
             new.slots_off, old.slots_off,
             "a new table, written beside the live one"

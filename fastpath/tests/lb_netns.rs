@@ -540,3 +540,68 @@ fn weighted_round_robin_spreads_connections_by_weight() {
     }
     drop(servers);
 }
+
+/// Source-IP affinity: every new connection of a client goes to the backend its first one got
+/// (Maglev alone would spread them by source port); when that backend fails its health check,
+/// the client moves to another one and sticks there.
+#[test]
+fn source_ip_affinity_keeps_a_client_on_one_backend() {
+    prepare_test(&["curl", "nginx"]);
+    let lb = test_lb_topology(BACKENDS);
+    let mut servers: Vec<HttpServer> = (0..BACKENDS)
+        .map(|i| {
+            let s = lb
+                .backend(i)
+                .http_server(80)
+                .unwrap_or_else(|e| panic!("nginx: {e}"));
+            fs::write(s.root().join("index.html"), format!("backend {i}\n")).expect("page");
+            s
+        })
+        .collect();
+    let mut svc = format!(
+        "[[service]]\nvip = \"{VIP4}\"\nport = 80\naffinity_timeout_s = 60\n[service.health_check]\nkind = \"tcp\"\ninterval_ms = 100\ntimeout_ms = 50\nfall = 2\n"
+    );
+    for i in 0..BACKENDS {
+        svc += &format!(
+            "[[service.backend]]\naddress = \"{}\"\nport = 80\n",
+            LbTopology::backend_v4(i)
+        );
+    }
+    let config = lb.fp_config(&unique_pin_dir("lb-aff")).services(&svc);
+    let daemon = Daemon::start(bin(), lb.fp(), &config);
+    let fetch = || -> usize {
+        let body = lb
+            .client()
+            .run(&[
+                "curl",
+                "-sS",
+                "--fail",
+                "--max-time",
+                "5",
+                &format!("http://{VIP4}/"),
+            ])
+            .unwrap_or_else(|e| panic!("curl: {e}\n{}", daemon.log()));
+        body.trim()
+            .strip_prefix("backend ")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("page {body:?}"))
+    };
+    let first = fetch();
+    let rest: Vec<usize> = (0..15).map(|_| fetch()).collect();
+    assert!(
+        rest.iter().all(|&b| b == first),
+        "with affinity every connection goes to backend {first}: {rest:?}"
+    );
+    // Its backend fails: the client moves on, and sticks to the new one.
+    servers[first].process().kill();
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    let moved: Vec<usize> = (0..10).map(|_| fetch()).collect();
+    assert!(
+        moved.iter().all(|&b| b == moved[0] && b != first),
+        "after backend {first} failed: {moved:?}"
+    );
+    eprintln!(
+        "affinity: 16 connections on backend {first}; after it failed, 10 on backend {}",
+        moved[0]
+    );
+}
