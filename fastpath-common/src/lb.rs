@@ -58,6 +58,23 @@ pub const SVC_F_MAGLEV: u32 = 1 << 0;
 /// Selection by weighted round robin: the table is the weighted sequence, walked by a per-CPU
 /// counter per service.
 pub const SVC_F_WRR: u32 = 1 << 1;
+/// Selection by (weighted) least connections: among the service's enabled backends, the one
+/// with the fewest active connections per unit of weight (ties: the first).
+pub const SVC_F_LEASTCONN: u32 = 1 << 2;
+/// Backends a least-connections service may have (the datapath looks at each of them).
+pub const LEASTCONN_MAX_BACKENDS: u32 = 64;
+
+/// Connection counts per backend (`FP_BACKEND_LOAD`), added to atomically by the datapath:
+/// connections given the backend, and those closed (TIME_WAIT/CLOSE, killed, dropped early).
+/// Connections that expire without closing are counted by the daemon in `FP_BACKEND_GONE`;
+/// active = opened − closed − gone.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct BackendLoad {
+    pub opened: u64,
+    pub closed: u64,
+}
+
 /// Longest weighted round-robin sequence (weights are scaled down to fit).
 pub const WRR_MAX_SLOTS: u32 = 65_536;
 /// With no backend available: drop the packet (counted) instead of handing it to the kernel.
@@ -75,7 +92,9 @@ pub struct Backend {
     pub family: u8,
     /// `BACKEND_F_*`.
     pub flags: u8,
-    pub _pad: [u8; 4],
+    /// The configured weight (least-connections weighs the load by it).
+    pub weight: u16,
+    pub _pad: [u8; 2],
 }
 
 /// The backend takes new connections (weight > 0 and not down): what source-IP affinity
@@ -169,6 +188,8 @@ mod pod {
     unsafe impl aya::Pod for super::SvcCounters {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::AffinityKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::BackendLoad {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::Affinity {}
     // SAFETY: as above.

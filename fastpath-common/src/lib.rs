@@ -38,6 +38,8 @@ pub mod map_names {
     pub const SVC_STATS: &str = "FP_SVC_STATS";
     /// Per-CPU [`crate::lb::BackendCounters`] by backend index.
     pub const BACKEND_STATS: &str = "FP_BACKEND_STATS";
+    /// Per backend, load-balanced connections that expired without closing (daemon-written).
+    pub const BACKEND_GONE: &str = "FP_BACKEND_GONE";
 }
 
 /// Names of the programs in the eBPF object.

@@ -21,14 +21,15 @@ use fastpath_common::{
         IFACE_F_CT_XDP, IFACE_F_FIREWALL, TcpStep, UDP_STREAM_AFTER_NS, ct_event, ct_stat,
         tcp_class, tcp_classify, tcp_state, tcp_step,
     },
-    lb::{CtNat, SVC_F_NO_BACKEND_DROP, Service},
+    lb::{SVC_F_NO_BACKEND_DROP, Service},
     reason,
 };
 
 use crate::{
     lb,
     maps::{
-        FP_CT, FP_CT_EVENTS, FP_CT_KEY, FP_CT_KEY2, FP_CT_NEW, FP_CT_STATS, FP_IFACE, FP_SVC_KEY,
+        FP_CT, FP_CT_ENTRY, FP_CT_EVENTS, FP_CT_KEY, FP_CT_KEY2, FP_CT_NEW, FP_CT_STATS, FP_IFACE,
+        FP_SVC_KEY,
     },
     nat::End,
     packet::Packet,
@@ -299,43 +300,37 @@ fn lb_create(
     copy16(&mut alias.addr_hi, &backend.addr);
     alias.normalize();
     let alias: &CtKey = alias;
-    let mut entry = CtEntry {
-        created_ns: now,
-        last_seen_ns: now,
-        state,
-        flags: CT_F_LB | if src_is_lo { CT_F_ORIG_IS_LO } else { 0 },
-        nat: CtNat {
-            port: backend.port,
-            backend: idx,
-            service: svc.id,
-            ..CtNat::default()
-        },
-        ..CtEntry::default()
+    // verifier: both entries are built in per-CPU scratch, not on the 512-byte stack.
+    let (Some(entry), Some(back)) = (scratch_entry(0), scratch_entry(1)) else {
+        return Action::Pass;
     };
+    entry.created_ns = now;
+    entry.last_seen_ns = now;
+    entry.state = state;
+    entry.flags = CT_F_LB | if src_is_lo { CT_F_ORIG_IS_LO } else { 0 };
+    entry.nat.port = backend.port;
+    entry.nat.backend = idx;
+    entry.nat.service = svc.id;
     copy16(&mut entry.nat.addr, &backend.addr);
     entry.packets[DIR_ORIGINAL] = 1;
     entry.bytes[DIR_ORIGINAL] = len as u64;
-    let mut back = CtEntry {
-        created_ns: now,
-        last_seen_ns: now,
-        flags: CT_F_LB_ALIAS,
-        nat: CtNat {
-            port: svc_key.port,
-            backend: idx,
-            service: svc.id,
-            ..CtNat::default()
-        },
-        ..CtEntry::default()
-    };
+    let entry: &CtEntry = entry;
+    back.created_ns = now;
+    back.last_seen_ns = now;
+    back.flags = CT_F_LB_ALIAS;
+    back.nat.port = svc_key.port;
+    back.nat.backend = idx;
+    back.nat.service = svc.id;
     copy16(&mut back.nat.addr, &svc_key.vip);
     // The backend's side of the alias key, so the daemon can tell which side is the client.
     copy16(&mut back.nat.addr2, &backend.addr);
     back.nat.port2 = backend.port;
-    if !insert(key, &entry, now) {
+    let back: &CtEntry = back;
+    if !insert(key, entry, now) {
         count(ct_stat::INSERT_FAILED);
         return Action::Drop(reason::LB_TABLE_FULL);
     }
-    if !insert(alias, &back, now) {
+    if !insert(alias, back, now) {
         // Without the alias the replies could not be translated: no connection at all.
         let _ = FP_CT.remove(key);
         count(ct_stat::INSERT_FAILED);
@@ -343,14 +338,32 @@ fn lb_create(
     }
     let _ = FP_CT_NEW.push(key, BPF_EXIST);
     count(ct_stat::NEW);
-    emit(key, ct_event::NEW, &entry, now);
+    emit(key, ct_event::NEW, entry, now);
     lb::count(svc.id, idx, len, true);
+    lb::opened(idx);
     Action::Nat {
         end: End::Dst,
         addr: &backend.addr,
         port: backend.port,
         reason: reason::LB_TO_BACKEND,
     }
+}
+
+/// Per-CPU scratch entry `i` (0 or 1), zeroed with word stores (a struct assignment would be
+/// a memset call, and a `CtEntry` on the stack is 104 of its 512 bytes).
+#[inline(always)]
+fn scratch_entry(i: u32) -> Option<&'static mut CtEntry> {
+    let e = FP_CT_ENTRY.get_ptr_mut(i)?;
+    let words = e.cast::<u64>();
+    let mut w = 0;
+    while w < core::mem::size_of::<CtEntry>() / 8 {
+        // SAFETY: within this CPU's slot of a per-CPU array (a whole number of 8-aligned
+        // words); all-zero is a valid CtEntry.
+        unsafe { core::ptr::write_volatile(words.add(w), 0) };
+        w += 1;
+    }
+    // SAFETY: this CPU's slot, used by this program run only.
+    Some(unsafe { &mut *e })
 }
 
 /// Inserts a new entry, making room by early drop when the table is full.
@@ -615,16 +628,17 @@ fn create(
         count(ct_stat::INVALID_NEW);
         return Some(reason::FW_NO_CONNECTION);
     }
-    let mut entry = CtEntry {
-        created_ns: now,
-        last_seen_ns: now,
-        state,
-        flags: if src_is_lo { CT_F_ORIG_IS_LO } else { 0 },
-        ..CtEntry::default()
+    let Some(entry) = scratch_entry(0) else {
+        return None;
     };
+    entry.created_ns = now;
+    entry.last_seen_ns = now;
+    entry.state = state;
+    entry.flags = if src_is_lo { CT_F_ORIG_IS_LO } else { 0 };
     entry.packets[DIR_ORIGINAL] = 1;
     entry.bytes[DIR_ORIGINAL] = len as u64;
-    if !insert(key, &entry, now) {
+    let entry: &CtEntry = entry;
+    if !insert(key, entry, now) {
         count(ct_stat::INSERT_FAILED);
         return Some(reason::FW_TABLE_FULL);
     }
@@ -632,7 +646,7 @@ fn create(
     // entry is then simply never dropped early (it still expires).
     let _ = FP_CT_NEW.push(key, BPF_EXIST);
     count(ct_stat::NEW);
-    emit(key, ct_event::NEW, &entry, now);
+    emit(key, ct_event::NEW, entry, now);
     None
 }
 
@@ -653,6 +667,10 @@ fn early_drop(now: u64) -> bool {
             continue;
         }
         if FP_CT.remove(&victim).is_ok() {
+            let ended = e.state == tcp_state::TIME_WAIT || e.state == tcp_state::CLOSE;
+            if e.flags & CT_F_LB != 0 && !ended {
+                lb::closed(e.nat.backend);
+            }
             count(ct_stat::EARLY_DROP);
             emit(&victim, ct_event::EARLY_DROP, &e, now);
             return true;
@@ -703,6 +721,9 @@ fn update(
                     // established connection" — the entry goes at once.
                     count(ct_stat::KILLED);
                     emit(key, ct_event::KILLED, e, now);
+                    if e.flags & CT_F_LB != 0 && !closed(was) {
+                        lb::closed(e.nat.backend);
+                    }
                     let _ = FP_CT.remove(key);
                     return None;
                 }
@@ -720,6 +741,9 @@ fn update(
                 if closed(s) && !closed(was) {
                     count(ct_stat::CLOSED);
                     emit(key, ct_event::CLOSED, e, now);
+                    if e.flags & CT_F_LB != 0 {
+                        lb::closed(e.nat.backend);
+                    }
                 }
             }
             TcpStep::Ignore => {

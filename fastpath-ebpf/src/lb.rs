@@ -5,13 +5,16 @@
 
 use fastpath_common::{
     ct::CtKey,
-    lb::{Affinity, AffinityKey, BACKEND_F_ENABLED, Backend, SVC_F_WRR, Service, flow_hash},
+    lb::{
+        Affinity, AffinityKey, BACKEND_F_ENABLED, Backend, LEASTCONN_MAX_BACKENDS, SVC_F_LEASTCONN,
+        SVC_F_WRR, Service, flow_hash,
+    },
 };
 
 use crate::{
     maps::{
-        FP_AFF_KEY, FP_AFFINITY, FP_BACKEND_STATS, FP_BACKENDS, FP_LB_SLOTS, FP_SVC, FP_SVC_KEY,
-        FP_SVC_RR, FP_SVC_STATS,
+        FP_AFF_KEY, FP_AFFINITY, FP_BACKEND_GONE, FP_BACKEND_LOAD, FP_BACKEND_STATS, FP_BACKENDS,
+        FP_LB_SLOTS, FP_SVC, FP_SVC_KEY, FP_SVC_RR, FP_SVC_STATS,
     },
     packet::Packet,
     parse::{FAMILY_IPV4, Parsed},
@@ -37,7 +40,7 @@ pub fn service(pkt: &Packet, p: &Parsed) -> Option<&'static Service> {
             core::ptr::write_volatile(words.add(1), 0);
         }
     } else {
-        key.vip = pkt.load::<[u8; 16]>(l3 + 24)?;
+        load16(pkt, l3 + 24, words)?;
     }
     key.port = p.dst_port;
     key.proto = p.l4_proto;
@@ -48,12 +51,29 @@ pub fn service(pkt: &Packet, p: &Parsed) -> Option<&'static Service> {
     FP_SVC.get_ptr(key).map(|s| unsafe { &*s })
 }
 
+/// Copies 16 packet bytes at `off` into the two words at `dst` (8-aligned map memory). perf:
+/// a `[u8; 16]` copy compiles to an out-of-line memmove call.
+#[inline(always)]
+fn load16(pkt: &Packet, off: usize, dst: *mut u64) -> Option<()> {
+    let a = pkt.load::<[u8; 8]>(off)?;
+    let b = pkt.load::<[u8; 8]>(off + 8)?;
+    // SAFETY: `dst` points at 16 bytes of 8-aligned map memory (the caller's key field).
+    unsafe {
+        core::ptr::write_volatile(dst, u64::from_ne_bytes(a));
+        core::ptr::write_volatile(dst.add(1), u64::from_ne_bytes(b));
+    }
+    Some(())
+}
+
 /// The backend for the connection with (normalized) key `key`: slot `hash(key) % slots_len`
 /// of the service's selection table. `None` when the service has no backend.
 #[inline(always)]
 pub fn pick(svc: &Service, key: &CtKey) -> Option<(u32, &'static Backend)> {
     if svc.slots_len == 0 {
         return None;
+    }
+    if svc.flags & SVC_F_LEASTCONN != 0 {
+        return least_connections(svc);
     }
     let pick = if svc.flags & SVC_F_WRR != 0 {
         // SAFETY: this CPU's slot of a per-CPU array.
@@ -104,7 +124,7 @@ pub fn pick_for_client(
             core::ptr::write_volatile(words.add(1), 0);
         }
     } else {
-        ak.client = pkt.load::<[u8; 16]>(l3 + 8)?;
+        load16(pkt, l3 + 8, words)?;
     }
     ak.service = svc.id;
     ak.family = p.family;
@@ -139,6 +159,89 @@ pub fn pick_for_client(
         0,
     );
     Some((idx, b))
+}
+
+/// The active connections of backend `idx`: given − closed − expired.
+#[inline(always)]
+fn active(idx: u32) -> u64 {
+    let load = match FP_BACKEND_LOAD.get_ptr(idx) {
+        // SAFETY: an array map value pointer; torn reads of the two counters are harmless
+        // (a momentary ±1).
+        Some(l) => unsafe { ((*l).opened, (*l).closed) },
+        None => return u64::MAX,
+    };
+    let gone = FP_BACKEND_GONE.get(idx).copied().unwrap_or(0);
+    load.0.saturating_sub(load.1).saturating_sub(gone)
+}
+
+/// Weighted least connections over the service's backends (at most
+/// `LEASTCONN_MAX_BACKENDS`, checked by the daemon): the enabled one with the smallest
+/// active / weight; ties go to the first.
+#[inline(always)]
+fn least_connections(svc: &Service) -> Option<(u32, &'static Backend)> {
+    let mut best: Option<(u32, &'static Backend, u64, u64)> = None;
+    let mut i = 0;
+    // verifier: a constant bound.
+    while i < LEASTCONN_MAX_BACKENDS {
+        if i >= svc.backends_len {
+            break;
+        }
+        let idx = svc.backends_off.wrapping_add(i);
+        i += 1;
+        let Some(b) = FP_BACKENDS.get_ptr(idx) else {
+            continue;
+        };
+        // SAFETY: an array map value pointer stays valid for this program run.
+        let b: &'static Backend = unsafe { &*b };
+        if b.flags & BACKEND_F_ENABLED == 0 || b.weight == 0 {
+            continue;
+        }
+        let (a, w) = (active(idx), u64::from(b.weight));
+        // a / w < best_a / best_w, without division.
+        let better = match best {
+            None => true,
+            // Counts stay far below 2^48 and weights below 2^16: no overflow.
+            Some((_, _, ba, bw)) => a.wrapping_mul(bw) < ba.wrapping_mul(w),
+        };
+        if better {
+            best = Some((idx, b, a, w));
+        }
+    }
+    best.map(|(idx, b, _, _)| (idx, b))
+}
+
+/// Adds 1 to `*p` atomically (a BPF atomic add: CPUs do not lose each other's increments).
+/// `core::sync::atomic` has no fetch_add on this target; the intrinsic compiles to BPF's
+/// atomic add instruction.
+///
+/// # Safety
+/// `p` is a valid, 8-aligned pointer into map memory.
+#[inline(always)]
+unsafe fn atomic_add(p: *mut u64) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+            p, 1,
+        );
+    }
+}
+
+/// Records a connection given to backend `idx` (least-connections' count).
+#[inline(always)]
+pub fn opened(idx: u32) {
+    if let Some(l) = FP_BACKEND_LOAD.get_ptr_mut(idx) {
+        // SAFETY: a map value pointer; the add is atomic, so CPUs do not lose each other's.
+        unsafe { atomic_add(&raw mut (*l).opened) };
+    }
+}
+
+/// Records that a connection of backend `idx` closed (or went without closing).
+#[inline(always)]
+pub fn closed(idx: u32) {
+    if let Some(l) = FP_BACKEND_LOAD.get_ptr_mut(idx) {
+        // SAFETY: as in `opened`.
+        unsafe { atomic_add(&raw mut (*l).closed) };
+    }
 }
 
 /// Counts a packet (and a new connection) for its service and backend.

@@ -2,6 +2,9 @@
 //! pipeline, count the outcome once, and translate the verdict for their hook.
 #![no_std]
 #![no_main]
+// `core::intrinsics::atomic_xadd`: the BPF target has no `fetch_add` in `core::sync::atomic`.
+#![allow(internal_features)]
+#![feature(core_intrinsics)]
 
 mod bench;
 mod conntrack;

@@ -10,8 +10,8 @@ use fastpath_common::{
     Counter, DatapathConfig,
     ct::{CtEntry, CtKey, IFACE_SLOTS, IfaceConfig, ct_stat},
     lb::{
-        AFFINITY_ENTRIES, Affinity, AffinityKey, Backend, BackendCounters, LB_SLOTS, MAX_BACKENDS,
-        MAX_SERVICES, Service, SvcCounters, SvcKey,
+        AFFINITY_ENTRIES, Affinity, AffinityKey, Backend, BackendCounters, BackendLoad, LB_SLOTS,
+        MAX_BACKENDS, MAX_SERVICES, Service, SvcCounters, SvcKey,
     },
     stats::STATS_ENTRIES,
 };
@@ -138,3 +138,18 @@ pub static FP_AFFINITY: LruHashMap<AffinityKey, Affinity> = LruHashMap::pinned(A
 /// This CPU's affinity key under construction.
 #[map(name = "FP_AFF_KEY")]
 pub static FP_AFF_KEY: PerCpuArray<AffinityKey> = PerCpuArray::with_max_entries(1, 0);
+
+/// Connections given and closed per backend (`BackendLoad`), atomic adds from the datapath:
+/// what least-connections compares.
+#[map(name = "FP_BACKEND_LOAD")]
+pub static FP_BACKEND_LOAD: Array<BackendLoad> = Array::pinned(MAX_BACKENDS, 0);
+
+/// Per backend, its connections that expired without closing (written by the daemon's expiry
+/// only).
+#[map(name = "FP_BACKEND_GONE")]
+pub static FP_BACKEND_GONE: Array<u64> = Array::pinned(MAX_BACKENDS, 0);
+
+/// This CPU's new conntrack entries under construction (a connection's and its alias), built
+/// here rather than on the 512-byte BPF stack.
+#[map(name = "FP_CT_ENTRY")]
+pub static FP_CT_ENTRY: PerCpuArray<CtEntry> = PerCpuArray::with_max_entries(2, 0);

@@ -51,6 +51,27 @@ impl Packet {
         true
     }
 
+    /// Writes 16 bytes (two words, as they lie in memory) at `off`, with one bounds check;
+    /// false (nothing written) if they are not inside the writable bytes. perf: a `[u8; 16]`
+    /// store from memory compiles to an out-of-line memmove call.
+    #[inline(always)]
+    pub fn store16(&self, off: usize, w0: u64, w1: u64) -> bool {
+        if off > MAX_HDR_OFF {
+            return false;
+        }
+        if self.data + off + 16 > self.data_end {
+            return false;
+        }
+        let p = (self.data + off) as *mut u64;
+        // SAFETY: both 8-byte writes lie within [data, data_end), checked just above; the
+        // target allows unaligned stores (see build.rs); XDP packet memory is writable.
+        unsafe {
+            core::ptr::write_unaligned(p, w0);
+            core::ptr::write_unaligned(p.add(1), w1);
+        }
+        true
+    }
+
     /// Whether `need` bytes at `off` are inside the frame at all (possibly beyond the linear
     /// area): tells truncation (malformed) apart from a non-linear skb (kernel).
     #[inline(always)]

@@ -156,6 +156,10 @@ pub enum Scheduler {
     /// Weighted round robin: new connections take the backends in turn, each as often as its
     /// weight says (smoothly interleaved).
     Wrr,
+    /// Weighted least connections: the enabled backend with the fewest active connections per
+    /// unit of weight (at most 64 backends).
+    #[serde(rename = "least_connections")]
+    LeastConnections,
 }
 
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
@@ -625,6 +629,19 @@ impl Config {
                         ),
                     ));
                 }
+            }
+            if svc.scheduler == Scheduler::LeastConnections
+                && svc.backends.len() > fastpath_common::lb::LEASTCONN_MAX_BACKENDS as usize
+            {
+                return Err(err(
+                    svc.vip.span(),
+                    key("scheduler"),
+                    format!(
+                        "least_connections looks at every backend of a new connection's service, so it takes at most {}; this service has {} — use maglev or wrr",
+                        fastpath_common::lb::LEASTCONN_MAX_BACKENDS,
+                        svc.backends.len()
+                    ),
+                ));
             }
             if svc.backends.len() > MAX_BACKENDS_PER_SERVICE {
                 return Err(err(

@@ -13,7 +13,10 @@ use std::{
 };
 
 use fastpath_common::{
-    ct::{CT_F_LB_ALIAS, CtEntry, CtEvent, CtKey, ct_event, timeout_of, timeout_slot},
+    ct::{
+        CT_F_LB, CT_F_LB_ALIAS, CtEntry, CtEvent, CtKey, ct_event, tcp_state, timeout_of,
+        timeout_slot,
+    },
     lb::lb_peer_key,
 };
 
@@ -75,6 +78,12 @@ pub fn pass(table: &mut CtTable, t: &Timeouts, hub: &EventHub, stats: &GcStats, 
         if expired(t, key, &entry, now_ns) && table.remove(key) {
             removed += 1;
             expired_conns += 1;
+            let ended = key.proto == 6
+                && (entry.state == tcp_state::TIME_WAIT || entry.state == tcp_state::CLOSE);
+            if entry.flags & CT_F_LB != 0 && !ended {
+                // It never closed: least-connections stops counting it now.
+                table.backend_gone(entry.nat.backend);
+            }
             if let Some(alias) = lb_peer_key(key, &entry)
                 && table.remove(&alias)
             {

@@ -243,7 +243,11 @@ impl Datapath {
             what: "opening FP_CT".into(),
             source,
         })?;
-        Ok(CtTable { table })
+        let gone = self
+            .ebpf
+            .take_map(map_names::BACKEND_GONE)
+            .and_then(|m| Array::try_from(m).ok());
+        Ok(CtTable { table, gone })
     }
 
     /// Takes the conntrack event ring so the daemon can drain it.
@@ -1010,6 +1014,9 @@ fn walk_batches<K: Copy + Default, V: Copy + Default>(
 /// The conntrack table as the daemon's expiry sees it: walked in batches, deleted by key.
 pub struct CtTable {
     table: HashMap<MapData, CtKey, CtEntry>,
+    /// `FP_BACKEND_GONE`: the expiry counts load-balanced connections that went without
+    /// closing, for least-connections (the datapath counts the ones that closed).
+    gone: Option<Array<MapData, u64>>,
 }
 
 /// Entries fetched per BPF_MAP_LOOKUP_BATCH call.
@@ -1030,7 +1037,12 @@ impl CtTable {
                 source,
             }
         })?;
-        Ok(CtTable { table })
+        let gone = map_path
+            .parent()
+            .map(|dir| dir.join(map_names::BACKEND_GONE))
+            .and_then(|p| MapData::from_pin(p).ok())
+            .and_then(|d| Array::try_from(aya::maps::Map::Array(d)).ok());
+        Ok(CtTable { table, gone })
     }
 
     /// Every entry, read with BPF_MAP_LOOKUP_BATCH (about 4k entries per syscall instead of
@@ -1059,6 +1071,15 @@ impl CtTable {
 
     pub fn remove(&mut self, key: &CtKey) -> bool {
         self.table.remove(key).is_ok()
+    }
+
+    /// Counts a load-balanced connection of backend `idx` that went without closing (this
+    /// process is the only writer of `FP_BACKEND_GONE`).
+    pub fn backend_gone(&mut self, idx: u32) {
+        if let Some(gone) = self.gone.as_mut() {
+            let n = gone.get(&idx, 0).unwrap_or(0);
+            let _ = gone.set(idx, &(n + 1), 0);
+        }
     }
 }
 

@@ -9,8 +9,8 @@
 use std::collections::{BTreeSet, HashMap};
 
 use fastpath_common::lb::{
-    BACKEND_F_ENABLED, Backend, LB_SLOTS, MAX_BACKENDS, MAX_SERVICES, SVC_F_MAGLEV,
-    SVC_F_NO_BACKEND_DROP, SVC_F_WRR, Service, SvcKey, WRR_MAX_SLOTS,
+    BACKEND_F_ENABLED, Backend, LB_SLOTS, MAX_BACKENDS, MAX_SERVICES, SVC_F_LEASTCONN,
+    SVC_F_MAGLEV, SVC_F_NO_BACKEND_DROP, SVC_F_WRR, Service, SvcKey, WRR_MAX_SLOTS,
 };
 
 use crate::{
@@ -363,7 +363,8 @@ impl LbState {
                     } else {
                         0
                     },
-                    _pad: [0; 4],
+                    weight: (*b.weight.get_ref()).min(65_535) as u16,
+                    _pad: [0; 2],
                 }
             })
             .collect();
@@ -395,6 +396,15 @@ impl LbState {
                 })?
             }
             Scheduler::Wrr => wrr_sequence(&mag.iter().map(|b| b.weight).collect::<Vec<_>>()),
+            // The datapath looks at the backends themselves; a one-slot table says whether
+            // any is enabled (no slot: no backend available).
+            Scheduler::LeastConnections => {
+                if mag.iter().any(|b| b.weight > 0) {
+                    vec![0]
+                } else {
+                    Vec::new()
+                }
+            }
         };
         let backends_off = match keep_backends {
             Some((off, _)) => off,
@@ -404,6 +414,7 @@ impl LbState {
         let mut flags = match svc.scheduler {
             Scheduler::Maglev => SVC_F_MAGLEV,
             Scheduler::Wrr => SVC_F_WRR,
+            Scheduler::LeastConnections => SVC_F_LEASTCONN,
         };
         if svc.no_backend == NoBackend::Drop {
             flags |= SVC_F_NO_BACKEND_DROP;

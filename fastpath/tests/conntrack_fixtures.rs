@@ -53,3 +53,72 @@ fn run_all(mut fixture: Fixture, sequences: &[CtSequence]) {
         sequences.len()
     );
 }
+
+/// Least connections counts a connection until it ends: UDP flows (which never close) stop
+/// counting when the daemon's expiry removes them, so the next flow goes to the backend they
+/// left.
+#[test]
+fn least_connections_forgets_expired_connections() {
+    use fastpath::{
+        conntrack::monotonic_ns,
+        ct_events::EventHub,
+        ct_gc::{self, GcStats},
+        datapath::CtTable,
+        testkit::{
+            fixture::{Case, Seed, raw_verdict},
+            packet::Pkt,
+        },
+    };
+    use fastpath_common::{
+        Hook, Verdict,
+        ct::{DEFAULT_TIMEOUTS_S, IFACE_F_CT_XDP},
+        map_names,
+    };
+    require_root("conntrack_fixtures");
+    let mut fx = Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));
+    let seed = Seed::iface(1, IFACE_F_CT_XDP).with_services(
+        "[[service]]\nvip = \"10.9.0.100\"\nport = 53\nprotocol = \"udp\"\nscheduler = \"least_connections\"\n\
+         [[service.backend]]\naddress = \"10.9.1.1\"\nport = 53\n\
+         [[service.backend]]\naddress = \"10.9.1.2\"\nport = 53\n",
+    );
+    // Which backend a new flow from client port `port` gets (the translated destination).
+    let flow = |fx: &mut Fixture, port: u16| -> u8 {
+        let case = Case {
+            name: "lc".into(),
+            hook: Hook::Xdp,
+            seed: seed.clone(),
+            input: Pkt::eth()
+                .ipv4([10, 9, 2, 1], [10, 9, 0, 100])
+                .udp(port, 53)
+                .payload(b"q")
+                .build(),
+            expect_verdict: raw_verdict(Hook::Xdp, Verdict::Kernel),
+            expect_output: None,
+            expect_counters: vec![],
+        };
+        let out = fx.run(&case).unwrap_or_else(|e| panic!("{e}"));
+        // Ethernet 14 + IPv4 destination at 16: the last byte names the backend.
+        out.output[14 + 19]
+    };
+    let first: Vec<u8> = (1000..1003).map(|p| flow(&mut fx, p)).collect();
+    assert_eq!(first, vec![1, 2, 1], "least connections, ties to the first");
+    // Without expiry, backend 1 has 2 flows and backend 2 one: the next goes to 2.
+    // After the flows expire (aged past the UDP timeout), both are empty: the next goes to 1.
+    for key in fx.ct_entries().unwrap_or_else(|e| panic!("{e}")).keys() {
+        fx.ct_age(key, 60_000_000_000)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    let mut table = CtTable::open_pin(&fx.pin_dir().join(map_names::CT)).expect("FP_CT pinned");
+    ct_gc::pass(
+        &mut table,
+        &DEFAULT_TIMEOUTS_S,
+        &EventHub::new(),
+        &GcStats::default(),
+        monotonic_ns(),
+    );
+    assert!(
+        fx.ct_entries().unwrap_or_else(|e| panic!("{e}")).is_empty(),
+        "all expired"
+    );
+    assert_eq!(flow(&mut fx, 1003), 1, "expired flows no longer count");
+}

@@ -605,3 +605,78 @@ fn source_ip_affinity_keeps_a_client_on_one_backend() {
         moved[0]
     );
 }
+
+/// Least connections with real long-lived connections: each new connection goes to the
+/// backend with the fewest open ones (ties: the first), so 9 connections opened one after the
+/// other land 0, 1, 2, 0, 1, 2, ...; a connection that closes frees its backend's place.
+#[test]
+fn least_connections_fills_the_least_loaded_backend() {
+    prepare_test(&["socat"]);
+    let dir = TempDir::new("lb-lc").expect("temp dir");
+    let lb = test_lb_topology(BACKENDS);
+    let _echo: Vec<_> = (0..BACKENDS)
+        .map(|i| {
+            lb.backend(i)
+                .spawn(&[
+                    "socat",
+                    "TCP4-LISTEN:7000,fork,reuseaddr",
+                    &format!("SYSTEM:echo backend-{i}; cat"),
+                ])
+                .expect("echo server")
+        })
+        .collect();
+    for i in 0..BACKENDS {
+        lb.backend(i)
+            .wait_listening("tcp", 7000, std::time::Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    let mut svc =
+        format!("[[service]]\nvip = \"{VIP4}\"\nport = 7000\nscheduler = \"least_connections\"\n");
+    for i in 0..BACKENDS {
+        svc += &format!(
+            "[[service.backend]]\naddress = \"{}\"\nport = 7000\n",
+            LbTopology::backend_v4(i)
+        );
+    }
+    let config = lb.fp_config(&unique_pin_dir("lb-lc")).services(&svc);
+    let daemon = Daemon::start(bin(), lb.fp(), &config);
+    // Opens a connection that stays open and returns its backend.
+    let open = |n: usize| {
+        let out = dir.join(format!("conn{n}"));
+        // One process holding the connection (reads only, never ends it), so killing it
+        // closes the connection.
+        let script = format!("exec socat -u TCP4:{VIP4}:7000 CREATE:{}", out.display());
+        let child = lb.client().spawn(&["sh", "-c", &script]).expect("client");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let text = fs::read_to_string(&out).unwrap_or_default();
+            if let Some(b) = text.lines().next().and_then(|l| l.strip_prefix("backend-")) {
+                return (child, b.parse::<usize>().expect("backend number"));
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "connection {n} got no banner; log:\n{}",
+                daemon.log()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    let mut conns = Vec::new();
+    for n in 0..9 {
+        conns.push(open(n));
+    }
+    let order: Vec<usize> = conns.iter().map(|(_, b)| *b).collect();
+    eprintln!("least connections, 9 long-lived connections: {order:?}");
+    assert_eq!(order, vec![0, 1, 2, 0, 1, 2, 0, 1, 2]);
+    // Two of backend 1's connections close: the next two go there.
+    for (child, _) in conns.iter_mut().filter(|(_, b)| *b == 1).take(2) {
+        child.kill();
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let next: Vec<usize> = (9..11).map(|n| open(n).1).collect();
+    assert_eq!(
+        next,
+        vec![1, 1],
+        "the freed places of backend 1 are taken first"
+    );
+}
