@@ -256,22 +256,15 @@ fn lb_create(
     len: usize,
     now: u64,
 ) -> Action {
-    let mut state = 0;
-    if p.l4_proto == IPPROTO_TCP {
-        match tcp_step(tcp_state::NONE, DIR_ORIGINAL, p.tcp_flags) {
-            // Without the firewall, a mid-stream packet is picked up as in conntrack: the
-            // same backend comes out of the same table (Maglev), as on a peer after failover.
-            TcpStep::To(s) if s == tcp_state::SYN_SENT || !firewall => state = s,
-            _ => {
-                count(ct_stat::INVALID_NEW);
-                if firewall {
-                    count(ct_stat::FW_DROPPED);
-                    return Action::Drop(reason::FW_NO_CONNECTION);
-                }
-                return Action::Pass;
-            }
+    // Without the firewall, a mid-stream packet is picked up as in conntrack: the same backend
+    // comes out of the same table (Maglev), as on a peer after failover.
+    let Some(state) = start_state(p, true, firewall) else {
+        if firewall {
+            count(ct_stat::FW_DROPPED);
+            return Action::Drop(reason::FW_NO_CONNECTION);
         }
-    }
+        return Action::Pass;
+    };
     let Some((idx, backend)) = lb::pick_for_client(svc, key, pkt, p, now) else {
         lb::count_no_backend(svc.id);
         return if svc.flags & SVC_F_NO_BACKEND_DROP != 0 {
@@ -602,6 +595,27 @@ fn inner_key(pkt: &Packet, p: &Parsed, key: &mut CtKey) -> bool {
     load_key(pkt, p.family, inner, proto, sport, dport, key)
 }
 
+/// The state a new connection starts in, if packet `p` may start one (counted as
+/// `invalid_new` if not): a TCP packet that Linux's table takes from NONE — with the firewall
+/// on, only a SYN, no mid-stream pickup — or another protocol's packet that `starts` one.
+#[inline(always)]
+fn start_state(p: &Parsed, starts: bool, firewall: bool) -> Option<u8> {
+    let state = if p.l4_proto == IPPROTO_TCP {
+        match tcp_step(tcp_state::NONE, DIR_ORIGINAL, p.tcp_flags) {
+            TcpStep::To(s) if s == tcp_state::SYN_SENT || !firewall => Some(s),
+            _ => None,
+        }
+    } else if starts {
+        Some(0)
+    } else {
+        None
+    };
+    if state.is_none() {
+        count(ct_stat::INVALID_NEW);
+    }
+    state
+}
+
 /// A packet with no connection: creates one if it may start one. Returns the firewall reason
 /// when it is refused.
 #[inline(always)]
@@ -614,20 +628,9 @@ fn create(
     len: usize,
     now: u64,
 ) -> Option<u32> {
-    let mut state = 0;
-    if p.l4_proto == IPPROTO_TCP {
-        match tcp_step(tcp_state::NONE, DIR_ORIGINAL, p.tcp_flags) {
-            // With the firewall on, only a SYN starts a connection: no mid-stream pickup.
-            TcpStep::To(s) if s == tcp_state::SYN_SENT || !firewall => state = s,
-            _ => {
-                count(ct_stat::INVALID_NEW);
-                return Some(reason::FW_NO_CONNECTION);
-            }
-        }
-    } else if !starts {
-        count(ct_stat::INVALID_NEW);
+    let Some(state) = start_state(p, starts, firewall) else {
         return Some(reason::FW_NO_CONNECTION);
-    }
+    };
     let Some(entry) = scratch_entry(0) else {
         return None;
     };

@@ -16,6 +16,7 @@ use crate::{
         FP_AFF_KEY, FP_AFFINITY, FP_BACKEND_GONE, FP_BACKEND_LOAD, FP_BACKEND_STATS, FP_BACKENDS,
         FP_LB_SLOTS, FP_SVC, FP_SVC_KEY, FP_SVC_RR, FP_SVC_STATS,
     },
+    nat::End,
     packet::Packet,
     parse::{FAMILY_IPV4, Parsed},
 };
@@ -26,22 +27,7 @@ pub fn service(pkt: &Packet, p: &Parsed) -> Option<&'static Service> {
     let key = FP_SVC_KEY.get_ptr_mut(0)?;
     // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
     let key = unsafe { &mut *key };
-    let l3 = p.l3_off as usize;
-    let words = (&mut key.vip as *mut [u8; 16]).cast::<u64>();
-    if p.family == FAMILY_IPV4 {
-        let a = pkt.load::<[u8; 4]>(l3 + 16)?;
-        // SAFETY: `vip` is 16 bytes at offset 0 of an 8-aligned SvcKey; word stores (a
-        // `[0; 16]` assignment would be an out-of-line memset call).
-        unsafe {
-            core::ptr::write_volatile(
-                words,
-                u64::from_ne_bytes([a[0], a[1], a[2], a[3], 0, 0, 0, 0]),
-            );
-            core::ptr::write_volatile(words.add(1), 0);
-        }
-    } else {
-        load16(pkt, l3 + 24, words)?;
-    }
+    load_addr(pkt, p, End::Dst, &mut key.vip)?;
     key.port = p.dst_port;
     key.proto = p.l4_proto;
     key.family = p.family;
@@ -51,16 +37,28 @@ pub fn service(pkt: &Packet, p: &Parsed) -> Option<&'static Service> {
     FP_SVC.get_ptr(key).map(|s| unsafe { &*s })
 }
 
-/// Copies 16 packet bytes at `off` into the two words at `dst` (8-aligned map memory). perf:
-/// a `[u8; 16]` copy compiles to an out-of-line memmove call.
+/// Copies the packet's source or destination address into a 16-byte key field (IPv4 in the
+/// first 4 bytes, the rest zero) with two word stores. perf: a `[u8; 16]` copy or a `[0; 16]`
+/// assignment compiles to an out-of-line memmove/memset call. `dst` must be 8-aligned (every
+/// address field of the LB keys is, at offset 0 of an `align(8)` struct).
 #[inline(always)]
-fn load16(pkt: &Packet, off: usize, dst: *mut u64) -> Option<()> {
-    let a = pkt.load::<[u8; 8]>(off)?;
-    let b = pkt.load::<[u8; 8]>(off + 8)?;
-    // SAFETY: `dst` points at 16 bytes of 8-aligned map memory (the caller's key field).
+fn load_addr(pkt: &Packet, p: &Parsed, end: End, dst: &mut [u8; 16]) -> Option<()> {
+    let l3 = p.l3_off as usize;
+    let words = (dst as *mut [u8; 16]).cast::<u64>();
+    let (w0, w1) = if p.family == FAMILY_IPV4 {
+        let a = pkt.load::<[u8; 4]>(l3 + if end == End::Dst { 16 } else { 12 })?;
+        (u64::from_ne_bytes([a[0], a[1], a[2], a[3], 0, 0, 0, 0]), 0)
+    } else {
+        let off = l3 + if end == End::Dst { 24 } else { 8 };
+        (
+            u64::from_ne_bytes(pkt.load::<[u8; 8]>(off)?),
+            u64::from_ne_bytes(pkt.load::<[u8; 8]>(off + 8)?),
+        )
+    };
+    // SAFETY: `dst` is 16 bytes and 8-aligned (see above).
     unsafe {
-        core::ptr::write_volatile(dst, u64::from_ne_bytes(a));
-        core::ptr::write_volatile(dst.add(1), u64::from_ne_bytes(b));
+        core::ptr::write_volatile(words, w0);
+        core::ptr::write_volatile(words.add(1), w1);
     }
     Some(())
 }
@@ -111,21 +109,7 @@ pub fn pick_for_client(
     let ak = FP_AFF_KEY.get_ptr_mut(0)?;
     // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
     let ak = unsafe { &mut *ak };
-    let l3 = p.l3_off as usize;
-    let words = (&mut ak.client as *mut [u8; 16]).cast::<u64>();
-    if p.family == FAMILY_IPV4 {
-        let a = pkt.load::<[u8; 4]>(l3 + 12)?;
-        // SAFETY: `client` is 16 bytes at offset 0 of an 8-aligned key.
-        unsafe {
-            core::ptr::write_volatile(
-                words,
-                u64::from_ne_bytes([a[0], a[1], a[2], a[3], 0, 0, 0, 0]),
-            );
-            core::ptr::write_volatile(words.add(1), 0);
-        }
-    } else {
-        load16(pkt, l3 + 8, words)?;
-    }
+    load_addr(pkt, p, End::Src, &mut ak.client)?;
     ak.service = svc.id;
     ak.family = p.family;
     ak._pad = [0; 3];

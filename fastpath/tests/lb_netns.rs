@@ -288,6 +288,59 @@ fn curl_through_the_vip_reaches_the_predicted_backends() {
     drop(servers);
 }
 
+/// GET `http://VIP4/` from the client: which backend answered (its page says `backend N`).
+fn fetch_vip(lb: &LbTopology, daemon: &Daemon) -> usize {
+    let body = lb
+        .client()
+        .run(&[
+            "curl",
+            "-sS",
+            "--fail",
+            "--max-time",
+            "5",
+            &format!("http://{VIP4}/"),
+        ])
+        .unwrap_or_else(|e| panic!("curl: {e}\n{}", daemon.log()));
+    body.trim()
+        .strip_prefix("backend ")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("page {body:?}"))
+}
+
+/// `[[service.backend]]` tables for every backend's IPv4 address, on `port`, weight 1.
+fn backends_v4(port: u16) -> String {
+    (0..BACKENDS)
+        .map(|i| {
+            format!(
+                "[[service.backend]]\naddress = \"{}\"\nport = {port}\n",
+                LbTopology::backend_v4(i)
+            )
+        })
+        .collect()
+}
+
+/// On each backend, a TCP server on port 7000 that greets with `backend-N` and then echoes;
+/// returns once all listen.
+fn banner_servers(lb: &LbTopology) -> Vec<fastpath::testkit::netns::Spawned> {
+    let servers = (0..BACKENDS)
+        .map(|i| {
+            lb.backend(i)
+                .spawn(&[
+                    "socat",
+                    "TCP4-LISTEN:7000,fork,reuseaddr",
+                    &format!("SYSTEM:echo backend-{i}; cat"),
+                ])
+                .expect("echo server")
+        })
+        .collect();
+    for i in 0..BACKENDS {
+        lb.backend(i)
+            .wait_listening("tcp", 7000, std::time::Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    servers
+}
+
 /// Connects from `client` (source port `sport`) to `vip:7000` and returns the banner of the
 /// backend that answered (`backend-N`), sending one line and expecting it back.
 fn banner(lb: &LbTopology, vip: &str, sport: u16) -> Result<String, String> {
@@ -329,33 +382,13 @@ fn a_failing_backend_gets_no_new_connections_and_keeps_its_established_ones() {
             s
         })
         .collect();
-    let _echo: Vec<_> = (0..BACKENDS)
-        .map(|i| {
-            lb.backend(i)
-                .spawn(&[
-                    "socat",
-                    "TCP4-LISTEN:7000,fork,reuseaddr",
-                    &format!("SYSTEM:echo backend-{i}; cat"),
-                ])
-                .expect("echo server")
-        })
-        .collect();
-    for i in 0..BACKENDS {
-        lb.backend(i)
-            .wait_listening("tcp", 7000, std::time::Duration::from_secs(10))
-            .unwrap_or_else(|e| panic!("{e}"));
-    }
+    let _echo = banner_servers(&lb);
     const INTERVAL_MS: u64 = 100;
     const FALL: u64 = 2;
     let mut svc = format!(
         "[[service]]\nvip = \"{VIP4}\"\nport = 7000\n[service.health_check]\nkind = \"http\"\nport = 80\npath = \"/health\"\ninterval_ms = {INTERVAL_MS}\ntimeout_ms = 50\nrise = 2\nfall = {FALL}\n"
     );
-    for i in 0..BACKENDS {
-        svc += &format!(
-            "[[service.backend]]\naddress = \"{}\"\nport = 7000\n",
-            LbTopology::backend_v4(i)
-        );
-    }
+    svc += &backends_v4(7000);
     let config = lb.fp_config(&unique_pin_dir("lb-health")).services(&svc);
     let daemon = Daemon::start(bin(), lb.fp(), &config);
 
@@ -511,23 +544,7 @@ fn weighted_round_robin_spreads_connections_by_weight() {
     let mut seen = [0u32; BACKENDS];
     const N: u32 = 40;
     for _ in 0..N {
-        let body = lb
-            .client()
-            .run(&[
-                "curl",
-                "-sS",
-                "--fail",
-                "--max-time",
-                "5",
-                &format!("http://{VIP4}/"),
-            ])
-            .unwrap_or_else(|e| panic!("curl: {e}\n{}", daemon.log()));
-        let i: usize = body
-            .trim()
-            .strip_prefix("backend ")
-            .and_then(|n| n.parse().ok())
-            .unwrap_or_else(|| panic!("page {body:?}"));
-        seen[i] += 1;
+        seen[fetch_vip(&lb, &daemon)] += 1;
     }
     eprintln!("wrr 1:1:2 over {N} connections: {seen:?}");
     let cpus = std::thread::available_parallelism().map_or(2, |n| n.get()) as u32;
@@ -561,31 +578,10 @@ fn source_ip_affinity_keeps_a_client_on_one_backend() {
     let mut svc = format!(
         "[[service]]\nvip = \"{VIP4}\"\nport = 80\naffinity_timeout_s = 60\n[service.health_check]\nkind = \"tcp\"\ninterval_ms = 100\ntimeout_ms = 50\nfall = 2\n"
     );
-    for i in 0..BACKENDS {
-        svc += &format!(
-            "[[service.backend]]\naddress = \"{}\"\nport = 80\n",
-            LbTopology::backend_v4(i)
-        );
-    }
+    svc += &backends_v4(80);
     let config = lb.fp_config(&unique_pin_dir("lb-aff")).services(&svc);
     let daemon = Daemon::start(bin(), lb.fp(), &config);
-    let fetch = || -> usize {
-        let body = lb
-            .client()
-            .run(&[
-                "curl",
-                "-sS",
-                "--fail",
-                "--max-time",
-                "5",
-                &format!("http://{VIP4}/"),
-            ])
-            .unwrap_or_else(|e| panic!("curl: {e}\n{}", daemon.log()));
-        body.trim()
-            .strip_prefix("backend ")
-            .and_then(|n| n.parse().ok())
-            .unwrap_or_else(|| panic!("page {body:?}"))
-    };
+    let fetch = || fetch_vip(&lb, &daemon);
     let first = fetch();
     let rest: Vec<usize> = (0..15).map(|_| fetch()).collect();
     assert!(
@@ -614,30 +610,10 @@ fn least_connections_fills_the_least_loaded_backend() {
     prepare_test(&["socat"]);
     let dir = TempDir::new("lb-lc").expect("temp dir");
     let lb = test_lb_topology(BACKENDS);
-    let _echo: Vec<_> = (0..BACKENDS)
-        .map(|i| {
-            lb.backend(i)
-                .spawn(&[
-                    "socat",
-                    "TCP4-LISTEN:7000,fork,reuseaddr",
-                    &format!("SYSTEM:echo backend-{i}; cat"),
-                ])
-                .expect("echo server")
-        })
-        .collect();
-    for i in 0..BACKENDS {
-        lb.backend(i)
-            .wait_listening("tcp", 7000, std::time::Duration::from_secs(10))
-            .unwrap_or_else(|e| panic!("{e}"));
-    }
+    let _echo = banner_servers(&lb);
     let mut svc =
         format!("[[service]]\nvip = \"{VIP4}\"\nport = 7000\nscheduler = \"least_connections\"\n");
-    for i in 0..BACKENDS {
-        svc += &format!(
-            "[[service.backend]]\naddress = \"{}\"\nport = 7000\n",
-            LbTopology::backend_v4(i)
-        );
-    }
+    svc += &backends_v4(7000);
     let config = lb.fp_config(&unique_pin_dir("lb-lc")).services(&svc);
     let daemon = Daemon::start(bin(), lb.fp(), &config);
     // Opens a connection that stays open and returns its backend.
