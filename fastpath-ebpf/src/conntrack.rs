@@ -323,7 +323,7 @@ fn lb_create(
         count(ct_stat::INSERT_FAILED);
         return Action::Drop(reason::LB_TABLE_FULL);
     }
-    if !insert(alias, back, now) {
+    if !insert(alias, back, now) && !(replace_ended(alias) && insert(alias, back, now)) {
         // Without the alias the replies could not be translated: no connection at all.
         let _ = FP_CT.remove(key);
         count(ct_stat::INSERT_FAILED);
@@ -340,6 +340,27 @@ fn lb_create(
         port: backend.port,
         reason: reason::LB_TO_BACKEND,
     }
+}
+
+/// The alias key of a new load-balanced connection is taken: if by a TCP connection that has
+/// ended (TIME_WAIT/CLOSE — e.g. the client's earlier direct connection to the backend from the
+/// same port, which Linux may hand out again for another destination), it gives way, as the
+/// backend's own stack lets a new SYN reuse a TIME_WAIT tuple. True if it was removed.
+#[inline(always)]
+fn replace_ended(alias: &CtKey) -> bool {
+    let Some(e) = FP_CT.get_ptr(alias) else {
+        return false;
+    };
+    // SAFETY: a valid map value pointer for this run.
+    let (proto_tcp, state, flags) = (alias.proto == IPPROTO_TCP, unsafe { (*e).state }, unsafe {
+        (*e).flags
+    });
+    let ended = proto_tcp && (state == tcp_state::TIME_WAIT || state == tcp_state::CLOSE);
+    if ended && flags & CT_F_LB_ALIAS == 0 && FP_CT.remove(alias).is_ok() {
+        count(ct_stat::REOPENED);
+        return true;
+    }
+    false
 }
 
 /// Per-CPU scratch entry `i` (0 or 1), zeroed with word stores (a struct assignment would be

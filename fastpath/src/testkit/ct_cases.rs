@@ -1764,6 +1764,26 @@ fn lb_sequences() -> Vec<Seq> {
         .via(v4(BE4[1]), 8080)
         .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
         .table_len(4),
+        // The client talked to the backend directly from the same port before (TIME_WAIT):
+        // that ended connection gives way to the new connection's alias.
+        Seq::lb(
+            "lb_alias_replaces_an_ended_direct_connection",
+            Flow::v4(proto::TCP, A4, 40000, BE4[0], 8080),
+            &one4,
+        )
+        .active_close()
+        .flow(tcp_vip)
+        .via(be0, 8080)
+        .lb_tcp(
+            O,
+            SYN,
+            SS,
+            NOFLAGS,
+            &[LOOKUPS, NEW, REOPENED],
+            &[(NEW_EV, SS)],
+        )
+        .table_len(2)
+        .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[]),
         // A SYN on the tuple of a closed connection is a new connection: balanced again by
         // the service as it is now, its old entry and alias replaced.
         Seq::lb(
