@@ -171,7 +171,7 @@ fn run() -> Result<()> {
     let tracked = list.lines().count();
 
     step("Load balancing: HTTP to the VIP, Maglev over 3 backends, health-checked")?;
-    let spread = curl_vip(&lb, 30)?;
+    let spread = curl_vip(&lb, 30).with_context(|| format!("daemon log:\n{}", daemon.log()))?;
     println!("  30 connections to http://{VIP}/ answered by backends {spread:?} (index: count)");
     if spread.len() < 2 {
         bail!("the VIP's connections all went to one backend: {spread:?}");
@@ -187,9 +187,9 @@ fn run() -> Result<()> {
         ])?)
     );
     servers[2].process().kill();
-    println!("  nginx on backend 2 stopped; its HTTP health check fails (interval 200 ms, fall 2)");
-    std::thread::sleep(std::time::Duration::from_millis(800));
-    let after = curl_vip(&lb, 20)?;
+    println!("  nginx on backend 2 stopped; its HTTP health check fails (interval 300 ms, fall 2)");
+    std::thread::sleep(std::time::Duration::from_millis(1200));
+    let after = curl_vip(&lb, 20).with_context(|| format!("daemon log:\n{}", daemon.log()))?;
     if after.contains_key(&2) {
         bail!("backend 2 is down but still got new connections: {after:?}");
     }
@@ -268,7 +268,7 @@ const VIP: &str = "10.200.0.100";
 /// The demo's service: the three nginx backends behind a VIP, health-checked over HTTP.
 fn demo_services() -> String {
     let mut s = format!(
-        "[[service]]\nvip = \"{VIP}\"\nport = {HTTP_PORT}\n[service.health_check]\nkind = \"http\"\ninterval_ms = 200\ntimeout_ms = 100\nfall = 2\nrise = 2\n"
+        "[[service]]\nvip = \"{VIP}\"\nport = {HTTP_PORT}\n[service.health_check]\nkind = \"http\"\ninterval_ms = 300\ntimeout_ms = 250\nfall = 2\nrise = 2\n"
     );
     for i in 0..BACKENDS {
         s += &format!(
