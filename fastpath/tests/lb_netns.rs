@@ -79,16 +79,7 @@ fn curl_through_the_vip_reaches_the_predicted_backends() {
         ])
         .unwrap_or_else(|e| panic!("turning checksum offloads off: {e}"));
     }
-    let servers: Vec<HttpServer> = (0..BACKENDS)
-        .map(|i| {
-            let s = lb
-                .backend(i)
-                .http_server(80)
-                .unwrap_or_else(|e| panic!("starting nginx: {e}"));
-            fs::write(s.root().join("index.html"), format!("backend {i}\n")).expect("page");
-            s
-        })
-        .collect();
+    let servers: Vec<HttpServer> = nginx_backends(&lb, "index.html", |i| format!("backend {i}\n"));
     let _udp = lb
         .backend(1)
         .spawn(&["socat", "UDP4-LISTEN:9000,fork", "PIPE"])
@@ -288,6 +279,20 @@ fn curl_through_the_vip_reaches_the_predicted_backends() {
     drop(servers);
 }
 
+/// nginx on port 80 of every backend, serving `page(i)` as `name`.
+fn nginx_backends(lb: &LbTopology, name: &str, page: impl Fn(usize) -> String) -> Vec<HttpServer> {
+    (0..BACKENDS)
+        .map(|i| {
+            let s = lb
+                .backend(i)
+                .http_server(80)
+                .unwrap_or_else(|e| panic!("starting nginx: {e}"));
+            fs::write(s.root().join(name), page(i)).expect("writing the page");
+            s
+        })
+        .collect()
+}
+
 /// GET `http://VIP4/` from the client: which backend answered (its page says `backend N`).
 fn fetch_vip(lb: &LbTopology, daemon: &Daemon) -> usize {
     let body = lb
@@ -372,16 +377,7 @@ fn a_failing_backend_gets_no_new_connections_and_keeps_its_established_ones() {
     prepare_test(&["nginx", "socat", "ethtool"]);
     let dir = TempDir::new("lb-health").expect("temp dir");
     let lb = test_lb_topology(BACKENDS);
-    let servers: Vec<HttpServer> = (0..BACKENDS)
-        .map(|i| {
-            let s = lb
-                .backend(i)
-                .http_server(80)
-                .unwrap_or_else(|e| panic!("nginx: {e}"));
-            fs::write(s.root().join("health"), "ok\n").expect("health page");
-            s
-        })
-        .collect();
+    let servers: Vec<HttpServer> = nginx_backends(&lb, "health", |_| "ok\n".to_owned());
     let _echo = banner_servers(&lb);
     const INTERVAL_MS: u64 = 100;
     const FALL: u64 = 2;
@@ -522,16 +518,7 @@ fn predicted_in(
 fn weighted_round_robin_spreads_connections_by_weight() {
     prepare_test(&["curl", "nginx"]);
     let lb = test_lb_topology(BACKENDS);
-    let servers: Vec<HttpServer> = (0..BACKENDS)
-        .map(|i| {
-            let s = lb
-                .backend(i)
-                .http_server(80)
-                .unwrap_or_else(|e| panic!("nginx: {e}"));
-            fs::write(s.root().join("index.html"), format!("backend {i}\n")).expect("page");
-            s
-        })
-        .collect();
+    let servers: Vec<HttpServer> = nginx_backends(&lb, "index.html", |i| format!("backend {i}\n"));
     let mut svc = format!("[[service]]\nvip = \"{VIP4}\"\nport = 80\nscheduler = \"wrr\"\n");
     for (i, w) in [1, 1, 2].iter().enumerate() {
         svc += &format!(
@@ -565,16 +552,8 @@ fn weighted_round_robin_spreads_connections_by_weight() {
 fn source_ip_affinity_keeps_a_client_on_one_backend() {
     prepare_test(&["curl", "nginx"]);
     let lb = test_lb_topology(BACKENDS);
-    let mut servers: Vec<HttpServer> = (0..BACKENDS)
-        .map(|i| {
-            let s = lb
-                .backend(i)
-                .http_server(80)
-                .unwrap_or_else(|e| panic!("nginx: {e}"));
-            fs::write(s.root().join("index.html"), format!("backend {i}\n")).expect("page");
-            s
-        })
-        .collect();
+    let mut servers: Vec<HttpServer> =
+        nginx_backends(&lb, "index.html", |i| format!("backend {i}\n"));
     let mut svc = format!(
         "[[service]]\nvip = \"{VIP4}\"\nport = 80\naffinity_timeout_s = 60\n[service.health_check]\nkind = \"tcp\"\ninterval_ms = 100\ntimeout_ms = 50\nfall = 2\n"
     );
