@@ -40,6 +40,8 @@ pub mod map_names {
     pub const BACKEND_STATS: &str = "FP_BACKEND_STATS";
     /// Per backend, load-balanced connections that expired without closing (daemon-written).
     pub const BACKEND_GONE: &str = "FP_BACKEND_GONE";
+    /// Per backend, [`crate::lb::BackendLoad`]: connections given and closed.
+    pub const BACKEND_LOAD: &str = "FP_BACKEND_LOAD";
 }
 
 /// Names of the programs in the eBPF object.

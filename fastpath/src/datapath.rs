@@ -752,6 +752,23 @@ fn write_plan(
 ) -> Result<(), DatapathError> {
     // Tables and backends go straight into the memory-mapped arrays (no syscall per
     // element); the service switch below is a syscall, which orders these writes before it.
+    // Fresh backend indexes start with no connections counted (least-connections).
+    for &(off, len) in &plan.fresh_backends {
+        let keys: Vec<u32> = (off..off + len).collect();
+        let zero_loads = vec![fastpath_common::lb::BackendLoad::default(); keys.len()];
+        update_batch(
+            map_fd(ebpf, map_names::BACKEND_LOAD)?,
+            &keys,
+            &zero_loads,
+            "FP_BACKEND_LOAD",
+        )?;
+        update_batch(
+            map_fd(ebpf, map_names::BACKEND_GONE)?,
+            &keys,
+            &vec![0u64; keys.len()],
+            "FP_BACKEND_GONE",
+        )?;
+    }
     for (off, list) in &plan.backends {
         w.backends.write(*off, list)?;
     }
@@ -864,6 +881,25 @@ impl<T> Drop for Mapped<T> {
         // SAFETY: unmaps exactly what `array` mapped.
         unsafe { libc::munmap(self.ptr.cast(), self.bytes) };
     }
+}
+
+/// Zeroes the connection counts (`FP_BACKEND_LOAD`, `FP_BACKEND_GONE`) of backend indexes
+/// below `upto`: after the conntrack table was emptied, no connection is left to count.
+pub fn reset_backend_loads(ebpf: &mut Ebpf, upto: u32) -> Result<(), DatapathError> {
+    let keys: Vec<u32> = (0..upto.min(fastpath_common::lb::MAX_BACKENDS)).collect();
+    let loads = vec![fastpath_common::lb::BackendLoad::default(); keys.len()];
+    update_batch(
+        map_fd(ebpf, map_names::BACKEND_LOAD)?,
+        &keys,
+        &loads,
+        "FP_BACKEND_LOAD",
+    )?;
+    update_batch(
+        map_fd(ebpf, map_names::BACKEND_GONE)?,
+        &keys,
+        &vec![0u64; keys.len()],
+        "FP_BACKEND_GONE",
+    )
 }
 
 /// What `FP_SVC` holds now (read in batches).

@@ -34,6 +34,9 @@ pub struct Plan {
     pub unchanged: usize,
     /// For each of `services`, the hash of its backend set (see `LbState::backend_sets`).
     pub backend_sets: Vec<u64>,
+    /// Backend ranges (offset, length) newly given out: their connection counts start again
+    /// from zero (the indexes may have served other backends before).
+    pub fresh_backends: Vec<(u32, u32)>,
 }
 
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
@@ -268,6 +271,10 @@ impl LbState {
             )?;
             plan.services.push((key, service));
             plan.backend_sets.push(set);
+            if keep.is_none() && service.backends_len > 0 {
+                plan.fresh_backends
+                    .push((service.backends_off, service.backends_len));
+            }
             // Kept in place, the backends are written again over themselves: the same
             // addresses, only their enabled flag may change (a byte, read whole by the
             // datapath).

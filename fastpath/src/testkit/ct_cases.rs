@@ -442,6 +442,16 @@ impl Seq {
         self
     }
 
+    /// The last step leaves the connection without an entry (killed).
+    fn gone(mut self) -> Self {
+        let key = self.flow.key();
+        match self.steps.last_mut() {
+            Some(s) => s.expect = CtExpect::Absent(key),
+            None => panic!("{}: gone() needs a step", self.name),
+        }
+        self
+    }
+
     /// The last step may also create or remove the entry under `key`.
     fn also(mut self, key: CtKey) -> Self {
         match self.steps.last_mut() {
@@ -1678,6 +1688,84 @@ fn lb_sequences() -> Vec<Seq> {
                 .via(b, p)
                 .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)]);
     }
+    let three = |extra: &str, weights: [u32; 3]| {
+        let mut t = format!(
+            "[[service]]\nvip = \"{}\"\nport = 80\nprotocol = \"tcp\"\n{extra}\n",
+            ip4(VIP4)
+        );
+        for (b, w) in BE4.iter().take(3).zip(weights) {
+            t += &format!(
+                "[[service.backend]]\naddress = \"{}\"\nport = 8080\nweight = {w}\n",
+                ip4(*b)
+            );
+        }
+        t
+    };
+    let port_flow = |port: u16| Flow::v4(proto::TCP, A4, port, VIP4, 80);
+    let mut wrr = Seq::lb(
+        "lb_weighted_round_robin_follows_the_smooth_sequence",
+        port_flow(42000),
+        &three("scheduler = \"wrr\"", [1, 1, 2]),
+    );
+    for (n, b) in [2usize, 0, 1, 2].into_iter().enumerate() {
+        wrr = wrr
+            .flow(port_flow(42000 + n as u16))
+            .via(v4(BE4[b]), 8080)
+            .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)]);
+    }
+    let lc_svc = three("scheduler = \"least_connections\"", [1, 1, 1]);
+    let mut lc = Seq::lb(
+        "lb_least_connections_fills_the_emptiest_backend",
+        port_flow(43000),
+        &lc_svc,
+    );
+    for (n, b) in [0usize, 1, 2, 0].into_iter().enumerate() {
+        lc = lc
+            .flow(port_flow(43000 + n as u16))
+            .via(v4(BE4[b]), 8080)
+            .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)]);
+    }
+    // Backend 1's connection is refused (RST before any reply): its place is free again.
+    let lc = lc
+        .flow(port_flow(43001))
+        .via(v4(BE4[1]), 8080)
+        .lb_packet(
+            R,
+            "lb reply RST|ACK before any reply".into(),
+            (
+                Flow {
+                    server: v4(BE4[1]),
+                    sport: 8080,
+                    ..port_flow(43001)
+                }
+                .tcp(R, RSTACK, &[]),
+                port_flow(43001).tcp(R, RSTACK, &[]),
+            ),
+            None,
+            NOFLAGS,
+            HIT_KILLED,
+            &[(ct_event::KILLED, CL)],
+        )
+        .gone()
+        .flow(port_flow(43009))
+        .via(v4(BE4[1]), 8080)
+        .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)]);
+    let aff_svc = three("affinity_timeout_s = 60", [1, 1, 1]);
+    let first = predicted_backend(&aff_svc, &port_flow(44000));
+    // A second port that Maglev alone sends to another backend.
+    let other = (44001..45000u16)
+        .find(|&p| predicted_backend(&aff_svc, &port_flow(p)) != first)
+        .expect("a port Maglev sends elsewhere");
+    let affinity = Seq::lb(
+        "lb_source_ip_affinity_keeps_the_client_on_its_backend",
+        port_flow(44000),
+        &aff_svc,
+    )
+    .via(first.0, first.1)
+    .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+    .flow(port_flow(other))
+    .via(first.0, first.1)
+    .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)]);
     let zero_in = udp_zero(O, &udp4_vip, b"q");
     let zero_out = udp_zero(
         O,
@@ -1817,6 +1905,15 @@ fn lb_sequences() -> Vec<Seq> {
             .key(),
         )
         .table_len(2),
+        // Weighted round robin 1:1:2: the smooth sequence 2, 0, 1, 2 (the run stays on one
+        // CPU, whose position for the new service starts at 0).
+        wrr,
+        // Least connections: open connections fill the emptiest backend; a closed one frees
+        // its place.
+        lc,
+        // Source-IP affinity: a second connection of the client goes where its first went,
+        // although Maglev alone would send it elsewhere.
+        affinity,
         Seq::lb(
             "lb_service_without_backends_hands_to_the_kernel",
             tcp_vip,

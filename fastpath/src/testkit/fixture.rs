@@ -777,7 +777,14 @@ impl Fixture {
         for key in &keys {
             table.remove(key).map_err(map_error(name))?;
         }
-        // The early-drop candidates go too: the next sequence starts from nothing.
+        // So do the backends' connection counts (least-connections) and the early-drop
+        // candidates: the next sequence starts from nothing.
+        // (Fixture services use few backends: the indexes stay far below 16384.)
+        crate::datapath::reset_backend_loads(&mut self.ebpf, 1 << 14).map_err(|e| {
+            FixtureError::Seed {
+                message: e.to_string(),
+            }
+        })?;
         let name = map_names::CT_NEW;
         let map = self
             .ebpf
@@ -881,6 +888,9 @@ impl Fixture {
             what: what.to_owned(),
             source: Box::new(source),
         };
+        // Per-CPU state (round-robin positions) must not change CPUs between steps: the whole
+        // sequence runs on the CPU it starts on (BPF_PROG_TEST_RUN runs on the calling CPU).
+        pin_to_current_cpu();
         self.ct_clear()
             .map_err(|e| run_error(0, "clearing FP_CT", e))?;
         self.ct_drain_events()
@@ -952,6 +962,21 @@ impl Fixture {
             events: self.ct_drain_events()?,
         };
         Ok(ct_mismatches(step, &got))
+    }
+}
+
+/// Keeps the calling thread on the CPU it runs on now.
+fn pin_to_current_cpu() {
+    // SAFETY: sched_getcpu has no preconditions; the cpu_set_t is zeroed, then one bit set,
+    // and passed with its size for the calling thread (pid 0).
+    unsafe {
+        let cpu = libc::sched_getcpu();
+        if cpu < 0 {
+            return;
+        }
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu as usize, &mut set);
+        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set);
     }
 }
 
