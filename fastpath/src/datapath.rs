@@ -750,25 +750,12 @@ fn write_plan(
     w: &mut LbWriter,
     plan: &crate::lb::Plan,
 ) -> Result<(), DatapathError> {
-    // Tables and backends go straight into the memory-mapped arrays (no syscall per
-    // element); the service switch below is a syscall, which orders these writes before it.
     // Fresh backend indexes start with no connections counted (least-connections).
     for &(off, len) in &plan.fresh_backends {
-        let keys: Vec<u32> = (off..off + len).collect();
-        let zero_loads = vec![fastpath_common::lb::BackendLoad::default(); keys.len()];
-        update_batch(
-            map_fd(ebpf, map_names::BACKEND_LOAD)?,
-            &keys,
-            &zero_loads,
-            "FP_BACKEND_LOAD",
-        )?;
-        update_batch(
-            map_fd(ebpf, map_names::BACKEND_GONE)?,
-            &keys,
-            &vec![0u64; keys.len()],
-            "FP_BACKEND_GONE",
-        )?;
+        zero_backend_loads(ebpf, off..off + len)?;
     }
+    // Tables and backends go straight into the memory-mapped arrays (no syscall per
+    // element); the service switch below is a syscall, which orders these writes before it.
     for (off, list) in &plan.backends {
         w.backends.write(*off, list)?;
     }
@@ -886,7 +873,12 @@ impl<T> Drop for Mapped<T> {
 /// Zeroes the connection counts (`FP_BACKEND_LOAD`, `FP_BACKEND_GONE`) of backend indexes
 /// below `upto`: after the conntrack table was emptied, no connection is left to count.
 pub fn reset_backend_loads(ebpf: &mut Ebpf, upto: u32) -> Result<(), DatapathError> {
-    let keys: Vec<u32> = (0..upto.min(fastpath_common::lb::MAX_BACKENDS)).collect();
+    zero_backend_loads(ebpf, 0..upto.min(fastpath_common::lb::MAX_BACKENDS))
+}
+
+/// Zeroes the connection counts of the backend indexes in `range`.
+fn zero_backend_loads(ebpf: &mut Ebpf, range: std::ops::Range<u32>) -> Result<(), DatapathError> {
+    let keys: Vec<u32> = range.collect();
     let loads = vec![fastpath_common::lb::BackendLoad::default(); keys.len()];
     update_batch(
         map_fd(ebpf, map_names::BACKEND_LOAD)?,

@@ -727,12 +727,7 @@ impl Fixture {
     /// Every entry of `FP_CT`, in key order.
     pub fn ct_entries(&self) -> Result<BTreeMap<CtKey, CtEntry>, FixtureError> {
         let name = map_names::CT;
-        let map = self
-            .ebpf
-            .map(name)
-            .ok_or(FixtureError::MissingMap { name })?;
-        let table: BpfHashMap<_, CtKey, CtEntry> =
-            BpfHashMap::try_from(map).map_err(map_error(name))?;
+        let table = self.ct_table()?;
         table
             .iter()
             .collect::<Result<_, _>>()
@@ -742,17 +737,22 @@ impl Fixture {
     /// The entry of one connection, if there is one.
     pub fn ct_entry(&self, key: &CtKey) -> Result<Option<CtEntry>, FixtureError> {
         let name = map_names::CT;
-        let map = self
-            .ebpf
-            .map(name)
-            .ok_or(FixtureError::MissingMap { name })?;
-        let table: BpfHashMap<_, CtKey, CtEntry> =
-            BpfHashMap::try_from(map).map_err(map_error(name))?;
+        let table = self.ct_table()?;
         match table.get(key, 0) {
             Ok(entry) => Ok(Some(entry)),
             Err(MapError::KeyNotFound) => Ok(None),
             Err(source) => Err(FixtureError::Map { name, source }),
         }
+    }
+
+    /// `FP_CT`, read-only.
+    fn ct_table(&self) -> Result<BpfHashMap<&MapData, CtKey, CtEntry>, FixtureError> {
+        let name = map_names::CT;
+        let map = self
+            .ebpf
+            .map(name)
+            .ok_or(FixtureError::MissingMap { name })?;
+        BpfHashMap::try_from(map).map_err(map_error(name))
     }
 
     /// `FP_CT`, writable.
