@@ -307,6 +307,8 @@ pub const CT_F_LB: u8 = 1 << 3;
 /// The alias entry of a load-balanced connection (client ↔ backend): the backend's replies are
 /// translated back to the VIP in `nat`; the state lives in the `CT_F_LB` entry.
 pub const CT_F_LB_ALIAS: u8 = 1 << 4;
+/// On both entries of a full-NAT connection (see `lb::CtNat`): the source is translated too.
+pub const CT_F_FULL_NAT: u8 = 1 << 5;
 
 /// A tracked connection. Append-only layout; `nat` holds the NAT binding and
 /// chosen backend that later stages share through the entry.
@@ -382,7 +384,12 @@ pub mod ct_stat {
     pub const KILLED: u32 = 14;
     /// Packets the stateful firewall dropped (also counted under their reason in FP_STATS).
     pub const FW_DROPPED: u32 = 15;
-    pub const COUNT: u32 = 16;
+    /// Source ports a full-NAT allocation found taken (each moved it to the next candidate).
+    pub const SNAT_RETRIES: u32 = 16;
+    /// New full-NAT connections refused because every candidate port was taken (the packet
+    /// is dropped with reason `snat_exhausted`): widen the port range or add an address.
+    pub const SNAT_EXHAUSTED: u32 = 17;
+    pub const COUNT: u32 = 18;
     /// Slots in the map (room to append codes without resizing the pinned map).
     pub const SLOTS: u32 = 32;
 
@@ -403,6 +410,8 @@ pub mod ct_stat {
         "early_drop",
         "killed",
         "fw_dropped",
+        "snat_retries",
+        "snat_exhausted",
     ];
 }
 

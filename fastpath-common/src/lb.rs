@@ -24,9 +24,10 @@ pub struct SvcKey {
 }
 const _: () = assert!(core::mem::size_of::<SvcKey>() == 24);
 
-/// `FP_SVC` value: one service as the datapath sees it.
+/// `FP_SVC` value: one service as the datapath sees it. 8-aligned (word copies of
+/// `snat_addr`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[repr(C)]
+#[repr(C, align(8))]
 pub struct Service {
     /// Index for per-service counters (`FP_SVC_STATS`), stable for the service's life.
     pub id: u32,
@@ -49,9 +50,14 @@ pub struct Service {
     /// Source-IP affinity: a client's new connections go to the backend its last one got, for
     /// this many seconds after that one (0: off).
     pub affinity_s: u32,
-    pub _pad: u32,
+    /// Full-NAT (`SVC_F_FULL_NAT`): the source ports new connections may get, inclusive.
+    pub snat_port_lo: u16,
+    pub snat_port_hi: u16,
+    /// Full-NAT: the source address the backends see (as on the wire; IPv4 in the first 4
+    /// bytes). Zero otherwise.
+    pub snat_addr: [u8; 16],
 }
-const _: () = assert!(core::mem::size_of::<Service>() == 40);
+const _: () = assert!(core::mem::size_of::<Service>() == 56);
 
 /// Selection by Maglev consistent hashing of the flow's 5-tuple.
 pub const SVC_F_MAGLEV: u32 = 1 << 0;
@@ -79,6 +85,14 @@ pub struct BackendLoad {
 pub const WRR_MAX_SLOTS: u32 = 65_536;
 /// With no backend available: drop the packet (counted) instead of handing it to the kernel.
 pub const SVC_F_NO_BACKEND_DROP: u32 = 1 << 8;
+/// Full-NAT: besides the destination (→ backend), the source is translated to `snat_addr`
+/// and a port from `snat_port_lo..=snat_port_hi`, so replies come back to this node whatever
+/// the backends' routing. The port is allocated by inserting the connection's alias
+/// (snat ↔ backend) into the conntrack table: a taken tuple is a collision, and the next
+/// candidate port is tried (`SNAT_TRIES`).
+pub const SVC_F_FULL_NAT: u32 = 1 << 9;
+/// Ports a full-NAT or masquerade allocation tries before giving up (`snat_exhausted`).
+pub const SNAT_TRIES: u32 = 16;
 
 /// `FP_BACKENDS` value, indexed by backend index.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -125,15 +139,20 @@ const _: () = assert!(core::mem::size_of::<Backend>() == 24);
 /// The NAT binding of a load-balanced connection, kept in its conntrack entries (the room
 /// `CtEntry` reserved for it). The connection has two entries: the original one under the
 /// client ↔ VIP key (`CT_F_LB`), whose binding says where client packets go (`addr:port` =
-/// the backend), and an alias under the client ↔ backend key (`CT_F_LB_ALIAS`), whose binding
-/// says what the backend's replies must look like (`addr:port` = the VIP) and leads back to the
-/// original entry, which holds the connection's state.
+/// the backend), and an alias under the key of the backend's side (`CT_F_LB_ALIAS`), whose
+/// binding says what the backend's replies must look like (`addr:port` = the VIP) and leads
+/// back to the original entry, which holds the connection's state.
+///
+/// NAT mode: the alias key is client ↔ backend, and the alias's `addr2:port2` is the backend.
+/// Full-NAT (`CT_F_FULL_NAT` on both): the entry's `addr2:port2` is the source address and
+/// port the connection was given; the alias key is that ↔ backend, and the alias's
+/// `addr2:port2` is the client (where replies go).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(C)]
 pub struct CtNat {
     pub addr: [u8; 16],
-    /// On the alias: the backend (its side of the alias key). Reserved for full-NAT on the
-    /// connection's entry.
+    /// See above: the backend (NAT alias), the allocated source (full-NAT entry), the client
+    /// (full-NAT alias); zero on a NAT entry.
     pub addr2: [u8; 16],
     pub port: u16,
     pub port2: u16,
@@ -200,27 +219,36 @@ mod pod {
 /// (`CT_F_LB`) its alias (client ↔ backend), from an alias (`CT_F_LB_ALIAS`) the connection's
 /// entry (client ↔ VIP). `None` for other entries.
 pub fn lb_peer_key(key: &crate::ct::CtKey, e: &crate::ct::CtEntry) -> Option<crate::ct::CtKey> {
-    use crate::ct::{CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, ct_key};
+    use crate::ct::{CT_F_FULL_NAT, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, ct_key};
     let lo = (&key.addr_lo, key.port_lo);
     let hi = (&key.addr_hi, key.port_hi);
-    let (client, other) = if e.flags & CT_F_LB != 0 {
-        // The client is the originator.
-        if e.flags & CT_F_ORIG_IS_LO != 0 {
+    let full = e.flags & CT_F_FULL_NAT != 0;
+    let (one, other) = if e.flags & CT_F_LB != 0 {
+        if full {
+            // The alias: the allocated source ↔ the backend.
+            ((&e.nat.addr2, e.nat.port2), (&e.nat.addr, e.nat.port))
+        } else if e.flags & CT_F_ORIG_IS_LO != 0 {
+            // The client (the originator) ↔ the backend.
             (lo, (&e.nat.addr, e.nat.port))
         } else {
             (hi, (&e.nat.addr, e.nat.port))
         }
     } else if e.flags & CT_F_LB_ALIAS != 0 {
-        // The client is the side that is not the backend.
-        let backend_is_lo = key.addr_lo == e.nat.addr2 && key.port_lo == e.nat.port2;
-        (
-            if backend_is_lo { hi } else { lo },
-            (&e.nat.addr, e.nat.port),
-        )
+        if full {
+            // The client ↔ the VIP.
+            ((&e.nat.addr2, e.nat.port2), (&e.nat.addr, e.nat.port))
+        } else {
+            // The client is the side that is not the backend.
+            let backend_is_lo = key.addr_lo == e.nat.addr2 && key.port_lo == e.nat.port2;
+            (
+                if backend_is_lo { hi } else { lo },
+                (&e.nat.addr, e.nat.port),
+            )
+        }
     } else {
         return None;
     };
-    Some(ct_key(key.family, key.proto, client.0, client.1, other.0, other.1).0)
+    Some(ct_key(key.family, key.proto, one.0, one.1, other.0, other.1).0)
 }
 
 /// The hash that picks a connection's slot in its service's selection table: the same on
@@ -253,4 +281,64 @@ pub fn flow_hash(key: &crate::ct::CtKey) -> u32 {
     h ^= h >> 13;
     h = h.wrapping_mul(0xc2b2_ae35);
     h ^ (h >> 16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ct::{CT_F_FULL_NAT, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, CtEntry, ct_key};
+
+    fn a4(a: [u8; 4]) -> [u8; 16] {
+        let mut out = [0; 16];
+        out[..4].copy_from_slice(&a);
+        out
+    }
+
+    const TCP: u8 = 6;
+
+    /// Both entries of a connection lead to each other, in NAT and in full-NAT mode.
+    #[test]
+    fn each_entry_of_a_balanced_connection_names_the_other() {
+        let (client, vip, backend, snat) = (
+            a4([10, 0, 0, 1]),
+            a4([10, 0, 0, 100]),
+            a4([10, 0, 1, 1]),
+            a4([10, 0, 2, 1]),
+        );
+        let (conn, client_is_lo) = ct_key(4, TCP, &client, 40000, &vip, 80);
+        for full in [false, true] {
+            let mut e = CtEntry {
+                flags: CT_F_LB | if client_is_lo { CT_F_ORIG_IS_LO } else { 0 },
+                ..CtEntry::default()
+            };
+            e.nat.addr = backend;
+            e.nat.port = 8080;
+            let mut alias = CtEntry {
+                flags: CT_F_LB_ALIAS,
+                ..CtEntry::default()
+            };
+            alias.nat.addr = vip;
+            alias.nat.port = 80;
+            let alias_key = if full {
+                e.flags |= CT_F_FULL_NAT;
+                e.nat.addr2 = snat;
+                e.nat.port2 = 20001;
+                alias.flags |= CT_F_FULL_NAT;
+                alias.nat.addr2 = client;
+                alias.nat.port2 = 40000;
+                ct_key(4, TCP, &snat, 20001, &backend, 8080).0
+            } else {
+                alias.nat.addr2 = backend;
+                alias.nat.port2 = 8080;
+                ct_key(4, TCP, &client, 40000, &backend, 8080).0
+            };
+            assert_eq!(lb_peer_key(&conn, &e), Some(alias_key), "full-NAT {full}");
+            assert_eq!(
+                lb_peer_key(&alias_key, &alias),
+                Some(conn),
+                "full-NAT {full}"
+            );
+        }
+        assert_eq!(lb_peer_key(&conn, &CtEntry::default()), None);
+    }
 }

@@ -102,9 +102,12 @@ pub const LB_REWRITE_FAILED: u32 = 37;
 /// A new load-balanced connection the conntrack table cannot take (full of assured
 /// connections): dropped, since its replies could not be translated back.
 pub const LB_TABLE_FULL: u32 = 38;
+/// A new full-NAT or masqueraded connection for which no source port was free (every
+/// candidate's tuple taken): dropped.
+pub const SNAT_EXHAUSTED: u32 = 39;
 
 /// One past the highest code in use. Append new codes above this line and bump it.
-pub const COUNT: u32 = 39;
+pub const COUNT: u32 = 40;
 /// Slots reserved per (hook, verdict) in the stats map; codes must stay below this.
 pub const SLOTS: u32 = 64;
 
@@ -151,6 +154,7 @@ pub const NAMES: [&str; COUNT as usize] = [
     "lb_no_backend",
     "lb_rewrite_failed",
     "lb_table_full",
+    "snat_exhausted",
 ];
 
 /// Name of a code, or `"unknown"` for a code this build does not know (a newer datapath).

@@ -16,12 +16,12 @@ use aya_ebpf::helpers::bpf_ktime_get_ns;
 use fastpath_common::{
     Hook,
     ct::{
-        CT_F_ASSURED, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CtEntry, CtEvent,
-        CtKey, DIR_ORIGINAL, DIR_REPLY, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS,
-        IFACE_F_CT_XDP, IFACE_F_FIREWALL, TcpStep, UDP_STREAM_AFTER_NS, ct_event, ct_stat,
-        tcp_class, tcp_classify, tcp_state, tcp_step,
+        CT_F_ASSURED, CT_F_FULL_NAT, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY,
+        CtEntry, CtEvent, CtKey, DIR_ORIGINAL, DIR_REPLY, IFACE_F_CT_TC_EGRESS,
+        IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL, TcpStep, UDP_STREAM_AFTER_NS,
+        ct_event, ct_stat, tcp_class, tcp_classify, tcp_state, tcp_step,
     },
-    lb::{SVC_F_NO_BACKEND_DROP, Service},
+    lb::{SNAT_TRIES, SVC_F_FULL_NAT, SVC_F_NO_BACKEND_DROP, Service, flow_hash},
     reason,
 };
 
@@ -29,9 +29,8 @@ use crate::{
     lb,
     maps::{
         FP_CT, FP_CT_ENTRY, FP_CT_EVENTS, FP_CT_KEY, FP_CT_KEY2, FP_CT_NEW, FP_CT_STATS, FP_IFACE,
-        FP_SVC_KEY,
+        FP_NAT, FP_SVC_KEY,
     },
-    nat::End,
     packet::Packet,
     parse::{
         FAMILY_IPV4, FAMILY_IPV6, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, Parsed,
@@ -42,6 +41,8 @@ use crate::{
 const BPF_NOEXIST: u64 = 1;
 /// BPF_EXIST on a queue push: when full, overwrite the oldest element.
 const BPF_EXIST: u64 = 2;
+/// A map insert's error for a key that exists.
+const EEXIST: i32 = 17;
 /// Candidate keys an early drop examines before giving up (keys of entries that were assured
 /// or removed since are discarded on the way; bounded for the verifier).
 const EARLY_DROP_TRIES: usize = 8;
@@ -57,15 +58,53 @@ pub enum Action {
     Drop(u32),
     /// Hand it to the kernel untranslated, counted under this reason.
     Kernel(u32),
-    /// Rewrite `end`'s address and port to `addr:port`, then hand it on, counted under
-    /// `reason` (`addr` points into a map value, valid for this program run).
-    Nat {
-        end: End,
-        addr: &'static [u8; 16],
-        port: u16,
-        reason: u32,
-    },
+    /// Rewrite the packet as this CPU's `FP_NAT` plan says, then hand it on, counted under
+    /// `reason`.
+    Nat(u32),
 }
+
+/// What to rewrite: the destination (`ends & NAT_DST`) and/or the source (`ends &
+/// NAT_SRC`) to these addresses (IPv4: the first 4 bytes) and ports.
+///
+/// verifier: a plan in per-CPU map memory rather than references in the `Action`. Every
+/// translating path then reaches the rewrite in the same shape (no pointers into different
+/// maps, which the verifier never treats as equivalent), so its states are pruned there
+/// instead of multiplied by the rewrite's branches; and no "this pointer or none", which
+/// LLVM turns into a mask on a pointer, which is refused.
+#[repr(C, align(8))]
+pub struct NatPlan {
+    pub dst_addr: [u8; 16],
+    pub src_addr: [u8; 16],
+    pub dst_port: u16,
+    pub src_port: u16,
+    pub ends: u8,
+    pub _pad: [u8; 3],
+}
+
+/// `NatPlan::ends`: rewrite the destination.
+pub const NAT_DST: u8 = 1;
+/// `NatPlan::ends`: rewrite the source.
+pub const NAT_SRC: u8 = 2;
+
+/// Plans the rewrite of the packet's destination to `dst` and, if `ends & NAT_SRC`, its
+/// source to `src` (if `ends & NAT_DST`, likewise), and says to do it under `reason`.
+#[inline(always)]
+fn nat(dst: Endpoint, src: Endpoint, ends: u8, reason: u32) -> Action {
+    let Some(plan) = FP_NAT.get_ptr_mut(0) else {
+        return Action::Drop(reason::LB_REWRITE_FAILED);
+    };
+    // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
+    let plan = unsafe { &mut *plan };
+    copy16(&mut plan.dst_addr, dst.0);
+    copy16(&mut plan.src_addr, src.0);
+    plan.dst_port = dst.1;
+    plan.src_port = src.1;
+    plan.ends = ends;
+    Action::Nat(reason)
+}
+
+/// An address (IPv4 in the first 4 bytes; 8-aligned map memory) and port to translate to.
+type Endpoint<'a> = (&'a [u8; 16], u16);
 
 /// Tracks `p` if `hook` tracks for interface `ifindex`. At egress only packets this node sent
 /// (`local`) are tracked: forwarded ones were tracked where they came in. Says what to do with
@@ -158,12 +197,13 @@ pub fn track(
                     return Action::Drop(code);
                 }
                 lb::count(e.nat.service, e.nat.backend, len, false);
-                return Action::Nat {
-                    end: End::Dst,
-                    addr: &e.nat.addr,
-                    port: e.nat.port,
-                    reason: reason::LB_TO_BACKEND,
-                };
+                let e: &'static CtEntry = e;
+                return nat(
+                    (&e.nat.addr, e.nat.port),
+                    (&e.nat.addr2, e.nat.port2),
+                    NAT_DST | full_nat(e.flags, NAT_SRC),
+                    reason::LB_TO_BACKEND,
+                );
             }
             refused
         }
@@ -199,22 +239,30 @@ fn lb_reopens(e: &CtEntry, src_is_lo: bool, p: &Parsed) -> bool {
         && tcp_classify(p.tcp_flags) == tcp_class::SYN
 }
 
-/// Removes a load-balanced connection's entry and its alias (client ↔ backend: the client is
-/// this packet's source).
+/// Removes a load-balanced connection's entry and its alias (NAT: client ↔ backend, the
+/// client being this packet's source; full-NAT: the allocated source ↔ backend).
 #[inline(always)]
 fn forget_lb(pkt: &Packet, p: &Parsed, key: &CtKey, e: &CtEntry) {
     if let Some(alias) = FP_CT_KEY2.get_ptr_mut(0) {
         // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
         let alias = unsafe { &mut *alias };
+        let (sport, loaded) = if e.flags & CT_F_FULL_NAT != 0 {
+            (e.nat.port2, true)
+        } else {
+            (p.src_port, false)
+        };
         if load_key(
             pkt,
             p.family,
             p.l3_off as usize,
             p.l4_proto,
-            p.src_port,
+            sport,
             e.nat.port,
             alias,
         ) {
+            if loaded {
+                copy16(&mut alias.addr_lo, &e.nat.addr2);
+            }
             copy16(&mut alias.addr_hi, &e.nat.addr);
             alias.normalize();
             let alias: &CtKey = alias;
@@ -222,6 +270,12 @@ fn forget_lb(pkt: &Packet, p: &Parsed, key: &CtKey, e: &CtEntry) {
         }
     }
     let _ = FP_CT.remove(key);
+}
+
+/// `end` if `flags` (an entry's) say full-NAT, else nothing.
+#[inline(always)]
+fn full_nat(flags: u8, end: u8) -> u8 {
+    if flags & CT_F_FULL_NAT != 0 { end } else { 0 }
 }
 
 /// Copies 16 address bytes with two word loads and stores (no memcpy call). Both must be
@@ -249,7 +303,7 @@ fn copy16(dst: &mut [u8; 16], src: &[u8; 16]) {
 fn lb_create(
     key: &CtKey,
     src_is_lo: bool,
-    svc: &Service,
+    svc: &'static Service,
     firewall: bool,
     pkt: &Packet,
     p: &Parsed,
@@ -278,7 +332,9 @@ fn lb_create(
     };
     // SAFETY: this CPU's slots of per-CPU arrays, used by this program run only.
     let (alias, svc_key) = unsafe { (&mut *alias, &*svc_key) };
-    // The alias: the client (this packet's source) ↔ the backend.
+    let full = svc.flags & SVC_F_FULL_NAT != 0;
+    // The alias: the client (this packet's source) or, full-NAT, the service's source
+    // address (its port is allocated below) ↔ the backend.
     if !load_key(
         pkt,
         p.family,
@@ -290,13 +346,54 @@ fn lb_create(
     ) {
         return Action::Pass;
     }
+    if full {
+        copy16(&mut alias.addr_lo, &svc.snat_addr);
+    }
     copy16(&mut alias.addr_hi, &backend.addr);
-    alias.normalize();
-    let alias: &CtKey = alias;
+    let snat_is_lo = alias.normalize();
     // verifier: both entries are built in per-CPU scratch, not on the 512-byte stack.
     let (Some(entry), Some(back)) = (scratch_entry(0), scratch_entry(1)) else {
         return Action::Pass;
     };
+    back.created_ns = now;
+    back.last_seen_ns = now;
+    back.flags = CT_F_LB_ALIAS;
+    back.nat.port = svc_key.port;
+    back.nat.backend = idx;
+    back.nat.service = svc.id;
+    copy16(&mut back.nat.addr, &svc_key.vip);
+    if full {
+        // Where the backend's replies go: the client.
+        back.flags |= CT_F_FULL_NAT;
+        if src_is_lo {
+            copy16(&mut back.nat.addr2, &key.addr_lo);
+            back.nat.port2 = key.port_lo;
+        } else {
+            copy16(&mut back.nat.addr2, &key.addr_hi);
+            back.nat.port2 = key.port_hi;
+        }
+    } else {
+        // The backend's side of the alias key, so the daemon can tell which side is the
+        // client.
+        copy16(&mut back.nat.addr2, &backend.addr);
+        back.nat.port2 = backend.port;
+    }
+    let back: &CtEntry = back;
+    // The alias first: for full-NAT its insertion is the port allocation.
+    let sport = if full {
+        match alloc_port(alias, snat_is_lo, svc, key, back, now) {
+            Ok(port) => port,
+            Err(code) => return Action::Drop(code),
+        }
+    } else {
+        if !insert(alias, back, now) && !(replace_ended(alias) && insert(alias, back, now)) {
+            // Without the alias the replies could not be translated: no connection at all.
+            count(ct_stat::INSERT_FAILED);
+            return Action::Drop(reason::LB_TABLE_FULL);
+        }
+        0
+    };
+    let alias: &CtKey = alias;
     entry.created_ns = now;
     entry.last_seen_ns = now;
     entry.state = state;
@@ -305,27 +402,16 @@ fn lb_create(
     entry.nat.backend = idx;
     entry.nat.service = svc.id;
     copy16(&mut entry.nat.addr, &backend.addr);
+    if full {
+        entry.flags |= CT_F_FULL_NAT;
+        copy16(&mut entry.nat.addr2, &svc.snat_addr);
+        entry.nat.port2 = sport;
+    }
     entry.packets[DIR_ORIGINAL] = 1;
     entry.bytes[DIR_ORIGINAL] = len as u64;
     let entry: &CtEntry = entry;
-    back.created_ns = now;
-    back.last_seen_ns = now;
-    back.flags = CT_F_LB_ALIAS;
-    back.nat.port = svc_key.port;
-    back.nat.backend = idx;
-    back.nat.service = svc.id;
-    copy16(&mut back.nat.addr, &svc_key.vip);
-    // The backend's side of the alias key, so the daemon can tell which side is the client.
-    copy16(&mut back.nat.addr2, &backend.addr);
-    back.nat.port2 = backend.port;
-    let back: &CtEntry = back;
     if !insert(key, entry, now) {
-        count(ct_stat::INSERT_FAILED);
-        return Action::Drop(reason::LB_TABLE_FULL);
-    }
-    if !insert(alias, back, now) && !(replace_ended(alias) && insert(alias, back, now)) {
-        // Without the alias the replies could not be translated: no connection at all.
-        let _ = FP_CT.remove(key);
+        let _ = FP_CT.remove(alias);
         count(ct_stat::INSERT_FAILED);
         return Action::Drop(reason::LB_TABLE_FULL);
     }
@@ -334,12 +420,67 @@ fn lb_create(
     emit(key, ct_event::NEW, entry, now);
     lb::count(svc.id, idx, len, true);
     lb::opened(idx);
-    Action::Nat {
-        end: End::Dst,
-        addr: &backend.addr,
-        port: backend.port,
-        reason: reason::LB_TO_BACKEND,
+    nat(
+        (&backend.addr, backend.port),
+        (&svc.snat_addr, sport),
+        NAT_DST | if full { NAT_SRC } else { 0 },
+        reason::LB_TO_BACKEND,
+    )
+}
+
+/// Full-NAT source port allocation: inserts the alias (`alias`, the service's source address
+/// on its `lo` side if `snat_is_lo`) with candidate ports from the service's range until one
+/// is free — a taken tuple means the port is in use towards that backend, so ports are
+/// shared between backends as in Linux's NAT. Candidates start at the connection's hash and
+/// stride through the range (`SNAT_TRIES` of them). `Err`: the reason to drop with.
+#[inline(always)]
+fn alloc_port(
+    alias: &mut CtKey,
+    snat_is_lo: bool,
+    svc: &Service,
+    key: &CtKey,
+    back: &CtEntry,
+    now: u64,
+) -> Result<u16, u32> {
+    let lo = u32::from(svc.snat_port_lo);
+    if svc.snat_port_hi < svc.snat_port_lo {
+        count(ct_stat::SNAT_EXHAUSTED);
+        return Err(reason::SNAT_EXHAUSTED);
     }
+    let n = u32::from(svc.snat_port_hi) - lo + 1;
+    let start = flow_hash(key);
+    let mut port = 0u16;
+    let mut full = false;
+    let mut i = 0;
+    // verifier: a constant bound.
+    while i < SNAT_TRIES {
+        // A stride coprime with most range sizes scatters the candidates.
+        port = (lo + start.wrapping_add(i.wrapping_mul(40_503)) % n) as u16;
+        if snat_is_lo {
+            alias.port_lo = port;
+        } else {
+            alias.port_hi = port;
+        }
+        match FP_CT.insert(&*alias, back, BPF_NOEXIST) {
+            Ok(()) => return Ok(port),
+            Err(e) if e == -EEXIST => count(ct_stat::SNAT_RETRIES),
+            Err(_) => {
+                full = true;
+                break;
+            }
+        }
+        i += 1;
+    }
+    if full {
+        // The table is full, not the port range: make room once for this port.
+        if early_drop(now) && FP_CT.insert(&*alias, back, BPF_NOEXIST).is_ok() {
+            return Ok(port);
+        }
+        count(ct_stat::INSERT_FAILED);
+        return Err(reason::LB_TABLE_FULL);
+    }
+    count(ct_stat::SNAT_EXHAUSTED);
+    Err(reason::SNAT_EXHAUSTED)
 }
 
 /// The alias key of a new load-balanced connection is taken: if by a TCP connection that has
@@ -401,30 +542,36 @@ fn lb_reply(
 ) -> Action {
     let vip = &alias.nat.addr;
     let vport = alias.nat.port;
-    let action = Action::Nat {
-        end: End::Src,
-        addr: vip,
-        port: vport,
-        reason: reason::LB_FROM_BACKEND,
-    };
+    let full = alias.flags & CT_F_FULL_NAT != 0;
+    let action = nat(
+        (&alias.nat.addr2, alias.nat.port2),
+        (vip, vport),
+        NAT_SRC | full_nat(alias.flags, NAT_DST),
+        reason::LB_FROM_BACKEND,
+    );
     let Some(k) = FP_CT_KEY2.get_ptr_mut(0) else {
         return action;
     };
     // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
     let k = unsafe { &mut *k };
-    // The connection's key: this packet's destination (the client) ↔ the VIP.
+    // The connection's key: the client (NAT: this packet's destination; full-NAT: the one
+    // the alias names) ↔ the VIP.
+    let cport = if full { alias.nat.port2 } else { p.dst_port };
     if !load_key(
         pkt,
         p.family,
         p.l3_off as usize,
         p.l4_proto,
         vport,
-        p.dst_port,
+        cport,
         k,
     ) {
         return action;
     }
     copy16(&mut k.addr_lo, vip);
+    if full {
+        copy16(&mut k.addr_hi, &alias.nat.addr2);
+    }
     let src_is_lo = k.normalize();
     let k: &CtKey = k;
     if let Some(e) = FP_CT.get_ptr_mut(k) {

@@ -1,7 +1,7 @@
 //! Every map of the datapath, in one place. Pinned by name under `<pin_dir>/maps/` by the
 //! daemon, so a daemon restart or crash keeps both the counters and the attached programs.
 
-use crate::parse::Parsed;
+use crate::{conntrack::NatPlan, parse::Parsed};
 use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray, Queue, RingBuf},
@@ -153,3 +153,7 @@ pub static FP_BACKEND_GONE: Array<u64> = Array::pinned(MAX_BACKENDS, 0);
 /// here rather than on the 512-byte BPF stack.
 #[map(name = "FP_CT_ENTRY")]
 pub static FP_CT_ENTRY: PerCpuArray<CtEntry> = PerCpuArray::with_max_entries(2, 0);
+
+/// This CPU's planned rewrite of the packet being processed (see `conntrack::NatPlan`).
+#[map(name = "FP_NAT")]
+pub static FP_NAT: PerCpuArray<NatPlan> = PerCpuArray::with_max_entries(1, 0);

@@ -51,23 +51,25 @@ impl Packet {
         true
     }
 
-    /// Writes 16 bytes (two words, as they lie in memory) at `off`, with one bounds check;
-    /// false (nothing written) if they are not inside the writable bytes. perf: a `[u8; 16]`
-    /// store from memory compiles to an out-of-line memmove call.
+    /// Writes `N` words (as they lie in memory) at `off`, with one bounds check; false
+    /// (nothing written) if they are not inside the writable bytes. perf: a byte-array store
+    /// of 16 or more bytes compiles to an out-of-line memmove call.
     #[inline(always)]
-    pub fn store16(&self, off: usize, w0: u64, w1: u64) -> bool {
+    pub fn store_words<const N: usize>(&self, off: usize, w: [u64; N]) -> bool {
         if off > MAX_HDR_OFF {
             return false;
         }
-        if self.data + off + 16 > self.data_end {
+        if self.data + off + 8 * N > self.data_end {
             return false;
         }
         let p = (self.data + off) as *mut u64;
-        // SAFETY: both 8-byte writes lie within [data, data_end), checked just above; the
-        // target allows unaligned stores (see build.rs); XDP packet memory is writable.
-        unsafe {
-            core::ptr::write_unaligned(p, w0);
-            core::ptr::write_unaligned(p.add(1), w1);
+        let mut i = 0;
+        while i < N {
+            // SAFETY: every 8-byte write lies within [data, data_end), checked just above;
+            // the target allows unaligned stores (see build.rs); XDP packet memory is
+            // writable.
+            unsafe { core::ptr::write_unaligned(p.add(i), w[i]) };
+            i += 1;
         }
         true
     }

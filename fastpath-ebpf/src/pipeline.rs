@@ -42,13 +42,8 @@ pub fn process(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32, local: bool) 
         Action::Drop(code) => (Verdict::Drop, code),
         Action::Kernel(code) => (Verdict::Kernel, code),
         // Translated packets are routed by the kernel (no FIB stage yet).
-        Action::Nat {
-            end,
-            addr,
-            port,
-            reason: code,
-        } => {
-            if nat::rewrite(pkt, p, end, addr, port) {
+        Action::Nat(code) => {
+            if nat::rewrite(pkt, p) {
                 (Verdict::Kernel, code)
             } else {
                 (Verdict::Drop, reason::LB_REWRITE_FAILED)

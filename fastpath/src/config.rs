@@ -60,6 +60,21 @@ pub struct ServiceConfig {
     /// 0: off.
     #[serde(default)]
     pub affinity_timeout_s: u32,
+    /// How packets reach the backends: `nat` (the destination is translated, the client's
+    /// address kept: backends must route their replies through this node) or `full_nat`
+    /// (the source is translated too, to `snat_address`: backends reply to this node
+    /// whatever their routing, and see the load balancer's address, not the client's).
+    #[serde(default)]
+    pub mode: ForwardMode,
+    /// Full-NAT: the source address backends see. The backends must route it to this node;
+    /// it need not be assigned to an interface (if it is, set `accept_local` on the
+    /// interfaces clients come in on, or the kernel drops the translated packets as martians).
+    pub snat_address: Option<Spanned<std::net::IpAddr>>,
+    /// Full-NAT: the source ports connections get, `"FIRST-LAST"`. Default `"1024-32767"`,
+    /// clear of Linux's ephemeral ports (`net.ipv4.ip_local_port_range`, 32768-60999), so
+    /// the node's own connections from the same address never collide. A port is shared by
+    /// connections to different backends.
+    pub snat_ports: Option<Spanned<PortRange>>,
     #[serde(default, rename = "backend")]
     pub backends: Vec<BackendConfig>,
     /// Probing of the backends (`[service.health_check]`); none: every backend is up.
@@ -160,6 +175,57 @@ pub enum Scheduler {
     /// unit of weight (at most 64 backends).
     #[serde(rename = "least_connections")]
     LeastConnections,
+}
+
+/// How a service's packets reach its backends.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ForwardMode {
+    /// Destination NAT: the backend sees the client's address.
+    #[default]
+    Nat,
+    /// Destination and source NAT: the backend sees `snat_address`.
+    FullNat,
+}
+
+/// An inclusive range of ports, written `"FIRST-LAST"` (or one port).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "String")]
+pub struct PortRange {
+    pub first: u16,
+    pub last: u16,
+}
+
+impl PortRange {
+    /// The full-NAT default (see `ServiceConfig::snat_ports`).
+    pub const DEFAULT_SNAT: PortRange = PortRange {
+        first: 1024,
+        last: 32767,
+    };
+}
+
+impl TryFrom<String> for PortRange {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        let bad = || {
+            format!("{s:?} is not a port range; write it as \"FIRST-LAST\", e.g. \"1024-32767\"")
+        };
+        let (a, b) = s.split_once('-').unwrap_or((&s, &s));
+        let first: u16 = a.trim().parse().map_err(|_| bad())?;
+        let last: u16 = b.trim().parse().map_err(|_| bad())?;
+        if first == 0 || first > last {
+            return Err(format!(
+                "{s:?}: give FIRST-LAST with 1 <= FIRST <= LAST <= 65535"
+            ));
+        }
+        Ok(PortRange { first, last })
+    }
+}
+
+impl fmt::Display for PortRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.first, self.last)
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
@@ -630,6 +696,55 @@ impl Config {
                     ));
                 }
             }
+            match (svc.mode, &svc.snat_address) {
+                (ForwardMode::FullNat, None) => {
+                    return Err(err(
+                        svc.vip.span(),
+                        key("snat_address"),
+                        "mode = \"full_nat\" needs snat_address: the source address the backends see (routed to this node)".into(),
+                    ));
+                }
+                (ForwardMode::FullNat, Some(a)) => {
+                    let snat = *a.get_ref();
+                    if snat.is_ipv4() != vip.is_ipv4()
+                        || snat.is_unspecified()
+                        || snat.is_multicast()
+                    {
+                        return Err(err(
+                            a.span(),
+                            key("snat_address"),
+                            format!(
+                                "{snat} cannot be the source for VIP {vip}; give a unicast address of the VIP's family"
+                            ),
+                        ));
+                    }
+                    if let Some(b) = svc.backends.iter().find(|b| *b.address.get_ref() == snat) {
+                        return Err(err(
+                            b.address.span(),
+                            key("snat_address"),
+                            format!(
+                                "{snat} is also a backend's address; the source address must be this node's, not a backend's"
+                            ),
+                        ));
+                    }
+                }
+                (ForwardMode::Nat, _) => {
+                    if let Some(a) = &svc.snat_address {
+                        return Err(err(
+                            a.span(),
+                            key("snat_address"),
+                            "snat_address applies only with mode = \"full_nat\"; set the mode or remove it".into(),
+                        ));
+                    }
+                    if let Some(r) = &svc.snat_ports {
+                        return Err(err(
+                            r.span(),
+                            key("snat_ports"),
+                            "snat_ports applies only with mode = \"full_nat\"; set the mode or remove it".into(),
+                        ));
+                    }
+                }
+            }
             if svc.scheduler == Scheduler::LeastConnections
                 && svc.backends.len() > fastpath_common::lb::LEASTCONN_MAX_BACKENDS as usize
             {
@@ -870,7 +985,7 @@ mod tests {
     fn bad_services_name_the_key_and_line() {
         let base = "[[interface]]\nname = \"lo\"\n";
         let svc = |body: &str| format!("{base}[[service]]\nvip = \"10.0.0.1\"\nport = 80\n{body}");
-        let cases: [(String, &str, usize, &str); 7] = [
+        let cases: [(String, &str, usize, &str); 11] = [
             (
                 format!("{base}[[service]]\nvip = \"10.0.0.x\"\nport = 80\n"),
                 "vip",
@@ -916,6 +1031,32 @@ mod tests {
                 "kind",
                 7,
                 "unknown variant",
+            ),
+            (
+                svc("mode = \"full_nat\"\n"),
+                "service[0].snat_address",
+                4,
+                "needs snat_address",
+            ),
+            (
+                svc("snat_address = \"10.0.2.1\"\n"),
+                "service[0].snat_address",
+                6,
+                "only with mode",
+            ),
+            (
+                svc("mode = \"full_nat\"\nsnat_address = \"fd00::1\"\n"),
+                "service[0].snat_address",
+                7,
+                "family",
+            ),
+            (
+                svc(
+                    "mode = \"full_nat\"\nsnat_address = \"10.0.2.1\"\nsnat_ports = \"30000-20000\"\n",
+                ),
+                "snat_ports",
+                8,
+                "FIRST <= LAST",
             ),
         ];
         for (text, key, line, says) in cases {

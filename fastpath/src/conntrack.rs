@@ -4,8 +4,8 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use fastpath_common::ct::{
-    CT_F_ASSURED, CT_F_LB, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CtEntry, CtKey, DIR_ORIGINAL,
-    DIR_REPLY, ct_stat, tcp_state, timeout_of,
+    CT_F_ASSURED, CT_F_FULL_NAT, CT_F_LB, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CtEntry, CtKey,
+    DIR_ORIGINAL, DIR_REPLY, ct_stat, tcp_state, timeout_of,
 };
 use serde::Serialize;
 
@@ -57,6 +57,7 @@ pub fn row(key: &CtKey, e: &CtEntry, now_ns: u64, timeouts: &Timeouts) -> CtRow 
     };
     let idle_s = now_ns.saturating_sub(e.last_seen_ns) / 1_000_000_000;
     let lb = e.flags & CT_F_LB != 0;
+    let full_nat = lb && e.flags & CT_F_FULL_NAT != 0;
     let proto = match key.proto {
         6 => "tcp",
         17 => "udp",
@@ -84,16 +85,21 @@ pub fn row(key: &CtKey, e: &CtEntry, now_ns: u64, timeouts: &Timeouts) -> CtRow 
             packets: e.packets[DIR_ORIGINAL],
             bytes: e.bytes[DIR_ORIGINAL],
         },
-        // As Linux shows a DNAT'ed connection: the reply comes from the backend.
+        // As Linux shows a DNAT'ed connection: the reply comes from the backend; and a
+        // full-NAT one: to the source address and port it was given.
         reply: Tuple {
             src: if lb {
                 addr(key.family, &e.nat.addr)
             } else {
                 resp.0
             },
-            dst: orig.0,
+            dst: if full_nat {
+                addr(key.family, &e.nat.addr2)
+            } else {
+                orig.0
+            },
             sport: if lb { e.nat.port } else { resp.1 },
-            dport: orig.1,
+            dport: if full_nat { e.nat.port2 } else { orig.1 },
             packets: e.packets[DIR_REPLY],
             bytes: e.bytes[DIR_REPLY],
         },

@@ -1217,6 +1217,10 @@ pub struct ServiceRow {
     pub bytes: u64,
     pub connections: u64,
     pub no_backend: u64,
+    /// `nat` or `full_nat`.
+    pub mode: &'static str,
+    /// Full-NAT: the source address and port range, `10.0.2.1 1024-32767`.
+    pub snat: Option<String>,
     pub backends: Vec<BackendRow>,
 }
 
@@ -1362,6 +1366,19 @@ pub fn pinned_services(pin_dir: &Path) -> Result<Vec<ServiceRow>, DatapathError>
             bytes: sum.bytes,
             connections: sum.connections,
             no_backend: sum.no_backend,
+            mode: if svc.flags & fastpath_common::lb::SVC_F_FULL_NAT != 0 {
+                "full_nat"
+            } else {
+                "nat"
+            },
+            snat: (svc.flags & fastpath_common::lb::SVC_F_FULL_NAT != 0).then(|| {
+                format!(
+                    "{} {}-{}",
+                    ip_of(key.family, &svc.snat_addr),
+                    svc.snat_port_lo,
+                    svc.snat_port_hi
+                )
+            }),
             backends: brows,
         });
     }

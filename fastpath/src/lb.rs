@@ -9,12 +9,13 @@
 use std::collections::{BTreeSet, HashMap};
 
 use fastpath_common::lb::{
-    BACKEND_F_ENABLED, Backend, LB_SLOTS, MAX_BACKENDS, MAX_SERVICES, SVC_F_LEASTCONN,
-    SVC_F_MAGLEV, SVC_F_NO_BACKEND_DROP, SVC_F_WRR, Service, SvcKey, WRR_MAX_SLOTS,
+    BACKEND_F_ENABLED, Backend, LB_SLOTS, MAX_BACKENDS, MAX_SERVICES, SVC_F_FULL_NAT,
+    SVC_F_LEASTCONN, SVC_F_MAGLEV, SVC_F_NO_BACKEND_DROP, SVC_F_WRR, Service, SvcKey,
+    WRR_MAX_SLOTS,
 };
 
 use crate::{
-    config::{NoBackend, Scheduler, ServiceConfig},
+    config::{ForwardMode, NoBackend, PortRange, Scheduler, ServiceConfig},
     maglev::{self, MaglevBackend},
 };
 
@@ -426,6 +427,15 @@ impl LbState {
         if svc.no_backend == NoBackend::Drop {
             flags |= SVC_F_NO_BACKEND_DROP;
         }
+        let (mut snat_addr, mut ports) = ([0; 16], PortRange { first: 0, last: 0 });
+        if let (ForwardMode::FullNat, Some(a)) = (svc.mode, &svc.snat_address) {
+            flags |= SVC_F_FULL_NAT;
+            snat_addr = addr16(*a.get_ref()).0;
+            ports = svc
+                .snat_ports
+                .as_ref()
+                .map_or(PortRange::DEFAULT_SNAT, |r| *r.get_ref());
+        }
         let table: Vec<u32> = table.into_iter().map(|i| backends_off + i).collect();
         let service = Service {
             id,
@@ -437,7 +447,9 @@ impl LbState {
             backends_len: list.len() as u32,
             fingerprint,
             affinity_s: svc.affinity_timeout_s,
-            _pad: 0,
+            snat_port_lo: ports.first,
+            snat_port_hi: ports.last,
+            snat_addr,
         };
         Ok((service, list, table))
     }
@@ -518,7 +530,15 @@ fn fingerprint(svc: &ServiceConfig) -> u32 {
     eat(&[
         u8::from(svc.no_backend == NoBackend::Drop),
         svc.backends.len() as u8,
+        svc.mode as u8,
     ]);
+    if let Some(a) = &svc.snat_address {
+        eat(&addr16(*a.get_ref()).0);
+    }
+    if let Some(r) = &svc.snat_ports {
+        eat(&r.get_ref().first.to_be_bytes());
+        eat(&r.get_ref().last.to_be_bytes());
+    }
     // 0 never matches: a value written before fingerprints existed is always re-applied.
     h.max(1)
 }

@@ -476,6 +476,9 @@ fn render_services(rows: &[datapath::ServiceRow]) -> String {
                 b.share_pct, b.packets, b.bytes, b.connections, b.active
             );
         }
+        if let Some(snat) = &r.snat {
+            out += &format!("  (full-NAT: backends see {snat})\n");
+        }
         if r.no_backend > 0 {
             out += &format!("  (new connections with no backend: {})\n", r.no_backend);
         }

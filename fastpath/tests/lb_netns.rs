@@ -67,18 +67,7 @@ fn curl_through_the_vip_reaches_the_predicted_backends() {
     prepare_test(&["curl", "nginx", "socat", "ethtool"]);
     let dir = TempDir::new("lb").expect("temp dir");
     let lb = test_lb_topology(BACKENDS);
-    for ns in std::iter::once(lb.client()).chain((0..BACKENDS).map(|i| lb.backend(i))) {
-        ns.run(&[
-            "ethtool",
-            "-K",
-            LbTopology::HOST_IF,
-            "tx",
-            "off",
-            "rx",
-            "off",
-        ])
-        .unwrap_or_else(|e| panic!("turning checksum offloads off: {e}"));
-    }
+    checksum_offloads_off(&lb);
     let servers: Vec<HttpServer> = nginx_backends(&lb, "index.html", |i| format!("backend {i}\n"));
     let _udp = lb
         .backend(1)
@@ -191,14 +180,7 @@ fn curl_through_the_vip_reaches_the_predicted_backends() {
     assert_eq!(echo.trim(), "hello-lb", "UDP echo through the VIP");
 
     // The table shows each connection once, its reply coming from the backend.
-    let list = fastpath::testkit::netns::host_run(&[
-        bin().as_os_str(),
-        "ct".as_ref(),
-        "list".as_ref(),
-        "--pin-dir".as_ref(),
-        daemon.pin_dir().as_os_str(),
-    ])
-    .unwrap_or_else(|e| panic!("ct list: {e}"));
+    let list = ct_list(&daemon);
     let to_vip = list
         .lines()
         .filter(|l| l.contains(&format!("dst={VIP4} ")))
@@ -277,6 +259,35 @@ fn curl_through_the_vip_reaches_the_predicted_backends() {
         "every curl exchange was translated both ways: to {to}, from {from}"
     );
     drop(servers);
+}
+
+/// Client and backends send full checksums and verify what they receive (see the module
+/// comment).
+fn checksum_offloads_off(lb: &LbTopology) {
+    for ns in std::iter::once(lb.client()).chain((0..BACKENDS).map(|i| lb.backend(i))) {
+        ns.run(&[
+            "ethtool",
+            "-K",
+            LbTopology::HOST_IF,
+            "tx",
+            "off",
+            "rx",
+            "off",
+        ])
+        .unwrap_or_else(|e| panic!("turning checksum offloads off: {e}"));
+    }
+}
+
+/// `fastpath ct list` of the daemon's datapath.
+fn ct_list(daemon: &Daemon) -> String {
+    fastpath::testkit::netns::host_run(&[
+        bin().as_os_str(),
+        "ct".as_ref(),
+        "list".as_ref(),
+        "--pin-dir".as_ref(),
+        daemon.pin_dir().as_os_str(),
+    ])
+    .unwrap_or_else(|e| panic!("ct list: {e}"))
 }
 
 /// nginx on port 80 of every backend, serving `page(i)` as `name`.
@@ -634,4 +645,85 @@ fn least_connections_fills_the_least_loaded_backend() {
         vec![1, 1],
         "the freed places of backend 1 are taken first"
     );
+}
+
+/// Full-NAT: the backends see the load balancer's source address (`snat_address`, with a port
+/// from the service's range), not the client's, and their replies come back through fp
+/// although they cannot reach the client at all (a blackhole route to the client's network
+/// on every backend). IPv4 and IPv6; every request must succeed.
+#[test]
+fn full_nat_backends_see_the_lb_address() {
+    prepare_test(&["curl", "nginx", "ethtool"]);
+    let lb = test_lb_topology(BACKENDS);
+    checksum_offloads_off(&lb);
+    for i in 0..BACKENDS {
+        for net in ["10.200.1.0/24", "fd00:200:1::/64"] {
+            lb.backend(i)
+                .run(&["ip", "route", "add", "blackhole", net])
+                .unwrap_or_else(|e| panic!("blackholing the client's network: {e}"));
+        }
+    }
+    let servers = nginx_backends(&lb, "index.html", |i| format!("backend {i}\n"));
+    const SNAT4: &str = "10.200.0.1";
+    const SNAT6: &str = "fd00:200::1";
+    let mut svcs = String::new();
+    for (vip, snat, v6) in [(VIP4, SNAT4, false), (VIP6, SNAT6, true)] {
+        svcs += &format!(
+            "[[service]]\nvip = \"{vip}\"\nport = 80\nmode = \"full_nat\"\nsnat_address = \"{snat}\"\nsnat_ports = \"20000-29999\"\n"
+        );
+        for i in 0..BACKENDS {
+            let b: IpAddr = if v6 {
+                LbTopology::backend_v6(i).into()
+            } else {
+                LbTopology::backend_v4(i).into()
+            };
+            svcs += &format!("[[service.backend]]\naddress = \"{b}\"\nport = 80\n");
+        }
+    }
+    let config = lb.fp_config(&unique_pin_dir("fullnat")).services(&svcs);
+    let daemon = Daemon::start(bin(), lb.fp(), &config);
+    let mut ports = std::collections::BTreeSet::new();
+    for (vip, snat, n) in [(VIP4, SNAT4, 30), (VIP6, SNAT6, 10)] {
+        let url = if vip.contains(':') {
+            format!("http://[{vip}]:80/peer")
+        } else {
+            format!("http://{vip}:80/peer")
+        };
+        for req in 0..n {
+            let body = lb
+                .client()
+                .run(&["curl", "-sS", "-g", "--fail", "--max-time", "5", &url])
+                .unwrap_or_else(|e| panic!("curl {url} (request {req}): {e}\n{}", daemon.log()));
+            let (addr, port) = body
+                .trim()
+                .split_once(' ')
+                .unwrap_or_else(|| panic!("unexpected /peer answer {body:?}"));
+            assert_eq!(
+                addr, snat,
+                "request {req} to {vip}: the backend saw {addr}, not the LB address {snat}"
+            );
+            let port: u16 = port.parse().expect("a port");
+            assert!(
+                (20000..=29999).contains(&port),
+                "source port {port} is outside the service's range 20000-29999"
+            );
+            ports.insert((vip, port));
+        }
+    }
+    eprintln!(
+        "40 requests through full-NAT, all seen from the LB address, {} distinct source ports",
+        ports.len()
+    );
+    // The table shows the replies going to the LB address (as `conntrack -L` shows SNAT).
+    let list = ct_list(&daemon);
+    let line = list
+        .lines()
+        .find(|l| l.contains(&format!("dst={VIP4} ")))
+        .unwrap_or_else(|| panic!("no connection to {VIP4}:\n{list}"));
+    assert!(
+        line.contains(&format!("dst={SNAT4} sport=80 dport=2")),
+        "the reply tuple goes to the LB address: {line}"
+    );
+    eprintln!("{line}");
+    drop(servers);
 }

@@ -52,7 +52,8 @@ const CLOSED_EV: u8 = ct_event::CLOSED;
 
 use ct_stat::{
     ASSURED, CLOSED, EARLY_DROP, FW_DROPPED, HITS, IGNORED, INSERT_FAILED, INVALID_NEW,
-    INVALID_STATE, KILLED, LOOKUPS, NEW, RELATED, RELATED_MISS, REOPENED,
+    INVALID_STATE, KILLED, LOOKUPS, NEW, RELATED, RELATED_MISS, REOPENED, SNAT_EXHAUSTED,
+    SNAT_RETRIES,
 };
 /// Counter sets a step moves, each by one.
 const CREATED: &[u32] = &[LOOKUPS, NEW];
@@ -288,6 +289,9 @@ struct Seq {
     /// For load-balanced steps: the backend (address, port) the current flow's connection
     /// goes to (the flow's server is the VIP).
     backend: Option<([u8; 16], u16)>,
+    /// For full-NAT steps: the source (address, port) the current flow's connection was
+    /// given.
+    snat: Option<([u8; 16], u16)>,
 }
 
 impl Seq {
@@ -313,6 +317,7 @@ impl Seq {
             prefill_assured: 0,
             step_seed: None,
             backend: None,
+            snat: None,
         }
     }
 
@@ -338,6 +343,13 @@ impl Seq {
         self
     }
 
+    /// Later load-balanced steps are full-NAT: the connection's source is translated to
+    /// this address and port.
+    fn snat(mut self, addr: [u8; 16], port: u16) -> Self {
+        self.snat = Some((addr, port));
+        self
+    }
+
     /// A packet of a load-balanced connection: from the client (`O`, to the VIP, translated
     /// to the backend) or from the backend (`R`, translated back to come from the VIP). The
     /// translated frame must be byte-exact what the packet builder makes with full checksums.
@@ -355,13 +367,7 @@ impl Seq {
         stats: &[u32],
         events: &[(u8, u8)],
     ) -> Self {
-        let (backend, bport) = self.backend.expect("lb steps need via(backend, port)");
-        let alias = Flow {
-            server: backend,
-            sport: bport,
-            ..self.flow
-        }
-        .key();
+        let alias = self.backend_flow().key();
         let expect = self.entry(state, ct_flags);
         let (input, output) = input_output;
         self = self.push(what, input, expect, stats, events);
@@ -376,12 +382,16 @@ impl Seq {
         self
     }
 
-    /// The flow as the backend sees it: the same client, the backend as the server.
+    /// The flow as the backend sees it: the same client (full-NAT: the translated source),
+    /// the backend as the server.
     fn backend_flow(&self) -> Flow {
         let (backend, bport) = self.backend.expect("lb steps need via(backend, port)");
+        let (client, cport) = self.snat.unwrap_or((self.flow.client, self.flow.cport));
         Flow {
             server: backend,
             sport: bport,
+            client,
+            cport,
             ..self.flow
         }
     }
@@ -1641,6 +1651,128 @@ fn predicted_backend(services: &str, flow: &Flow) -> ([u8; 16], u16) {
     (b.addr, b.port)
 }
 
+/// The first source port a full-NAT allocation tries for `flow` in `first..=last`.
+fn snat_first_port(flow: &Flow, first: u16, last: u16) -> u16 {
+    let n = u32::from(last - first) + 1;
+    first + (fastpath_common::lb::flow_hash(&flow.key()) % n) as u16
+}
+
+/// Full-NAT: the source is translated too (to the service's `snat_address` and a port the
+/// datapath allocates by inserting the alias, snat ↔ backend), so the backend replies to this
+/// node; replies are translated back to VIP → client. A taken port moves the allocation to
+/// the next candidate; with every candidate taken the connection is refused and counted.
+fn full_nat_sequences() -> Vec<Seq> {
+    const SNAT4: [u8; 4] = [10, 0, 2, 1];
+    const SNAT6: [u8; 16] = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x20, 1];
+    let full = |snat: &str, ports: &str| {
+        format!("mode = \"full_nat\"\nsnat_address = \"{snat}\"\nsnat_ports = \"{ports}\"")
+    };
+    let tcp4_svc = service_toml(
+        &ip4(VIP4),
+        80,
+        "tcp",
+        &[(ip4(BE4[0]), 8080)],
+        &full(&ip4(SNAT4), "20000-29999"),
+    );
+    let tcp_vip = Flow::v4(proto::TCP, A4, 40000, VIP4, 80);
+    let sp = snat_first_port(&tcp_vip, 20000, 29999);
+    let udp6_svc = service_toml(
+        &ip6(VIP6),
+        53,
+        "udp",
+        &[(ip6(BE6), 5353)],
+        &full(&ip6(SNAT6), "1024-32767"),
+    );
+    let udp6_vip = Flow::v6(proto::UDP, A6, 33000, VIP6, 53);
+    let sp6 = snat_first_port(&udp6_vip, 1024, 32767);
+    let tcp6_svc = service_toml(
+        &ip6(VIP6),
+        443,
+        "tcp",
+        &[(ip6(BE6), 8443)],
+        &full(&ip6(SNAT6), "1024-32767"),
+    );
+    let tcp6_vip = Flow::v6(proto::TCP, A6, 40001, VIP6, 443);
+    let sp6t = snat_first_port(&tcp6_vip, 1024, 32767);
+    // Two ports only: a second connection whose first candidate is taken gets the other;
+    // a third finds both taken.
+    let two = service_toml(
+        &ip4(VIP4),
+        80,
+        "tcp",
+        &[(ip4(BE4[0]), 8080)],
+        &full(&ip4(SNAT4), "20000-20001"),
+    );
+    let port_flow = |port: u16| Flow::v4(proto::TCP, A4, port, VIP4, 80);
+    let a = port_flow(45000);
+    let a_port = snat_first_port(&a, 20000, 20001);
+    let other = if a_port == 20000 { 20001 } else { 20000 };
+    let b = (45001..46000)
+        .map(port_flow)
+        .find(|f| snat_first_port(f, 20000, 20001) == a_port)
+        .expect("a flow with the same first candidate");
+    let c = (b.cport + 1..47000)
+        .map(port_flow)
+        .next()
+        .expect("a third flow");
+    let mut retried_once = CREATED.to_vec();
+    retried_once.push(SNAT_RETRIES);
+    let mut exhausted = vec![LOOKUPS, SNAT_EXHAUSTED];
+    exhausted.extend(std::iter::repeat_n(
+        SNAT_RETRIES,
+        fastpath_common::lb::SNAT_TRIES as usize,
+    ));
+    vec![
+        Seq::lb("lb_full_nat_tcp_v4_whole_connection", tcp_vip, &tcp4_svc)
+            .via(v4(BE4[0]), 8080)
+            .snat(v4(SNAT4), sp)
+            .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+            .table_len(2)
+            .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[])
+            .lb_tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
+            .lb_tcp(O, DATA, ES, SEEN_ASSURED, HIT, &[])
+            .lb_tcp(R, DATA, ES, SEEN_ASSURED, HIT, &[])
+            .lb_tcp(O, FIN, FW, SEEN_ASSURED, HIT, &[])
+            .lb_tcp(R, FIN, LA, SEEN_ASSURED, HIT, &[])
+            .lb_tcp(O, ACK, TW, SEEN_ASSURED, HIT_CLOSED, &[(CLOSED_EV, TW)])
+            .counts([5, 3], [5 * 54, 3 * 54])
+            .table_len(2),
+        Seq::lb("lb_full_nat_tcp_v6_handshake", tcp6_vip, &tcp6_svc)
+            .via(BE6, 8443)
+            .snat(SNAT6, sp6t)
+            .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+            .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[])
+            .lb_tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)]),
+        Seq::lb("lb_full_nat_udp_v6_query_and_answer", udp6_vip, &udp6_svc)
+            .via(BE6, 5353)
+            .snat(SNAT6, sp6)
+            .lb_udp(O, b"query", NOFLAGS, CREATED, &[(NEW_EV, 0)])
+            .lb_udp(R, b"answer", SEEN, HIT, &[])
+            .lb_udp(O, b"again", SEEN, HIT, &[])
+            .table_len(2),
+        Seq::lb(
+            "lb_full_nat_taken_port_moves_to_the_next_candidate",
+            a,
+            &two,
+        )
+        .via(v4(BE4[0]), 8080)
+        .snat(v4(SNAT4), a_port)
+        .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+        .flow(b)
+        .snat(v4(SNAT4), other)
+        .lb_tcp(O, SYN, SS, NOFLAGS, &retried_once, &[(NEW_EV, SS)])
+        .table_len(4)
+        .flow(c)
+        .untouched(
+            "SYN with every source port taken",
+            c.tcp(O, SYN, &[]),
+            &exhausted,
+        )
+        .drop_reason(reason::SNAT_EXHAUSTED)
+        .table_len(4),
+    ]
+}
+
 /// Load balancing (NAT mode, XDP): the first packet of a connection to a service picks a
 /// backend and is translated to it; the backend's replies are translated back to the VIP;
 /// the connection's state lives in one entry (client ↔ VIP) with an alias (client ↔ backend).
@@ -1950,6 +2082,7 @@ pub fn ct_sequences() -> Vec<CtSequence> {
         related_sequences(),
         firewall_sequences(),
         lb_sequences(),
+        full_nat_sequences(),
         untracked_sequences(),
         hook_sequences(),
     ]

@@ -678,6 +678,8 @@ impl HttpServer {
 
 impl Netns {
     /// Starts nginx on `port` (all addresses, both families) and waits until it listens.
+    /// Besides the files under [`HttpServer::root`], `/peer` answers with the client's address
+    /// and port as the server sees them (`10.0.0.1 40000`).
     pub fn http_server(&self, port: u16) -> Result<HttpServer, NetnsError> {
         let dir = TempDir::new("nginx")?;
         let d = dir.path().display().to_string();
@@ -703,6 +705,10 @@ http {{
         listen {port};
         listen [::]:{port} ipv6only=on;
         root {d}/www;
+        location = /peer {{
+            default_type text/plain;
+            return 200 "$remote_addr $remote_port\n";
+        }}
     }}
 }}
 "#
