@@ -309,6 +309,10 @@ pub const CT_F_LB: u8 = 1 << 3;
 pub const CT_F_LB_ALIAS: u8 = 1 << 4;
 /// On both entries of a full-NAT connection (see `lb::CtNat`): the source is translated too.
 pub const CT_F_FULL_NAT: u8 = 1 << 5;
+/// On both entries of a gateway-SNAT connection (with `CT_F_LB`/`CT_F_LB_ALIAS` and
+/// `CT_F_FULL_NAT`): the "backend" is the destination itself, only the source changes; no
+/// service or backend counters.
+pub const CT_F_SNAT: u8 = 1 << 6;
 
 /// A tracked connection. Append-only layout; `nat` holds the NAT binding and
 /// chosen backend that later stages share through the entry.
@@ -452,7 +456,9 @@ const _: () =
 pub struct IfaceConfig {
     /// `IFACE_F_*`.
     pub flags: u32,
-    pub _reserved: [u32; 3],
+    /// With `IFACE_F_SNAT`: the index of the interface's rule in `FP_SNAT`.
+    pub snat: u32,
+    pub _reserved: [u32; 2],
 }
 const _: () = assert!(core::mem::size_of::<IfaceConfig>() == 16);
 
@@ -471,6 +477,10 @@ pub const IFACE_F_CT_TC_EGRESS: u32 = 1 << 2;
 /// errors for no connection, and new connections the full table cannot take are dropped,
 /// each with its reason.
 pub const IFACE_F_FIREWALL: u32 = 1 << 3;
+/// Gateway SNAT: new connections forwarded out of this interface get their source
+/// translated by the rule `IfaceConfig::snat` (decided at XDP where they come in, from a FIB
+/// lookup of their destination).
+pub const IFACE_F_SNAT: u32 = 1 << 4;
 
 #[cfg(feature = "user")]
 mod pod {

@@ -93,6 +93,30 @@ pub const SVC_F_NO_BACKEND_DROP: u32 = 1 << 8;
 pub const SVC_F_FULL_NAT: u32 = 1 << 9;
 /// Ports a full-NAT or masquerade allocation tries before giving up (`snat_exhausted`).
 pub const SNAT_TRIES: u32 = 16;
+/// A gateway-SNAT connection, balanced by no service: the datapath builds such a `Service`
+/// for itself (id `GATEWAY_ID`, full-NAT to the out interface's rule) with the packet's own
+/// destination as the backend (index `GATEWAY_ID`).
+pub const SVC_F_GATEWAY: u32 = 1 << 10;
+/// Service id and backend index of gateway-SNAT connections (no counters).
+pub const GATEWAY_ID: u32 = u32::MAX;
+
+/// `FP_SNAT` value: a gateway SNAT rule (masquerade), indexed by `IfaceConfig::snat`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C, align(8))]
+pub struct SnatRule {
+    /// The IPv4 source (first 4 bytes) for IPv4 connections; valid if `families & 1`.
+    pub addr4: [u8; 16],
+    /// The IPv6 source for IPv6 connections; valid if `families & 2`.
+    pub addr6: [u8; 16],
+    pub port_lo: u16,
+    pub port_hi: u16,
+    /// Bit 0: IPv4 is translated; bit 1: IPv6.
+    pub families: u8,
+    pub _pad: [u8; 3],
+}
+const _: () = assert!(core::mem::size_of::<SnatRule>() == 40);
+/// Gateway SNAT rules (`FP_SNAT` entries).
+pub const MAX_SNAT_RULES: u32 = 64;
 
 /// `FP_BACKENDS` value, indexed by backend index.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -213,6 +237,8 @@ mod pod {
     unsafe impl aya::Pod for super::Affinity {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::BackendCounters {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::SnatRule {}
 }
 
 /// The key of the other entry of a load-balanced connection: from the connection's entry

@@ -42,6 +42,8 @@ pub mod map_names {
     pub const BACKEND_GONE: &str = "FP_BACKEND_GONE";
     /// Per backend, [`crate::lb::BackendLoad`]: connections given and closed.
     pub const BACKEND_LOAD: &str = "FP_BACKEND_LOAD";
+    /// Gateway SNAT rules ([`crate::lb::SnatRule`]) by `IfaceConfig::snat`.
+    pub const SNAT: &str = "FP_SNAT";
 }
 
 /// Names of the programs in the eBPF object.

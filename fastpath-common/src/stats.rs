@@ -111,6 +111,9 @@ const _: () = assert!(core::mem::offset_of!(DatapathConfig, flags) == 0);
 
 /// Drop malformed packets (with their reason) instead of handing them to the kernel.
 pub const CONFIG_F_DROP_MALFORMED: u32 = 1 << 0;
+/// Some interface has a gateway SNAT rule: new forwarded connections look up their route
+/// (no rule: no lookup).
+pub const CONFIG_F_SNAT: u32 = 1 << 1;
 
 #[cfg(feature = "user")]
 mod pod {

@@ -17,16 +17,16 @@ use fastpath_common::{
     Hook,
     ct::{
         CT_F_ASSURED, CT_F_FULL_NAT, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY,
-        CtEntry, CtEvent, CtKey, DIR_ORIGINAL, DIR_REPLY, IFACE_F_CT_TC_EGRESS,
+        CT_F_SNAT, CtEntry, CtEvent, CtKey, DIR_ORIGINAL, DIR_REPLY, IFACE_F_CT_TC_EGRESS,
         IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL, TcpStep, UDP_STREAM_AFTER_NS,
         ct_event, ct_stat, tcp_class, tcp_classify, tcp_state, tcp_step,
     },
-    lb::{SNAT_TRIES, SVC_F_FULL_NAT, SVC_F_NO_BACKEND_DROP, Service, flow_hash},
+    lb::{SNAT_TRIES, SVC_F_FULL_NAT, SVC_F_GATEWAY, SVC_F_NO_BACKEND_DROP, Service, flow_hash},
     reason,
 };
 
 use crate::{
-    lb,
+    gateway, lb,
     maps::{
         FP_CT, FP_CT_ENTRY, FP_CT_EVENTS, FP_CT_KEY, FP_CT_KEY2, FP_CT_NEW, FP_CT_STATS, FP_IFACE,
         FP_NAT, FP_SVC_KEY,
@@ -210,7 +210,8 @@ pub fn track(
         None => {
             if lb_here
                 && kind == Kind::Starts
-                && let Some(svc) = lb::service(pkt, p)
+                && let Some(svc) =
+                    lb::service(pkt, p).or_else(|| gateway::snat_service(pkt, p, ifindex))
             {
                 return lb_create(key, src_is_lo, svc, firewall, pkt, p, len, now);
             }
@@ -272,6 +273,16 @@ fn forget_lb(pkt: &Packet, p: &Parsed, key: &CtKey, e: &CtEntry) {
     let _ = FP_CT.remove(key);
 }
 
+/// `CT_F_SNAT` for a gateway connection's entries.
+#[inline(always)]
+fn gateway_flag(svc: &Service) -> u8 {
+    if svc.flags & SVC_F_GATEWAY != 0 {
+        CT_F_SNAT
+    } else {
+        0
+    }
+}
+
 /// `end` if `flags` (an entry's) say full-NAT, else nothing.
 #[inline(always)]
 fn full_nat(flags: u8, end: u8) -> u8 {
@@ -282,7 +293,7 @@ fn full_nat(flags: u8, end: u8) -> u8 {
 /// 8-aligned: key fields, `CtNat`/`Backend` addresses, all at multiples of 8 in 8-aligned
 /// structs.
 #[inline(always)]
-fn copy16(dst: &mut [u8; 16], src: &[u8; 16]) {
+pub(crate) fn copy16(dst: &mut [u8; 16], src: &[u8; 16]) {
     let d = (dst as *mut [u8; 16]).cast::<u64>();
     let s = (src as *const [u8; 16]).cast::<u64>();
     // SAFETY: both are 16 bytes and 8-aligned (see above); any bytes are valid.
@@ -357,7 +368,7 @@ fn lb_create(
     };
     back.created_ns = now;
     back.last_seen_ns = now;
-    back.flags = CT_F_LB_ALIAS;
+    back.flags = CT_F_LB_ALIAS | gateway_flag(svc);
     back.nat.port = svc_key.port;
     back.nat.backend = idx;
     back.nat.service = svc.id;
@@ -397,7 +408,7 @@ fn lb_create(
     entry.created_ns = now;
     entry.last_seen_ns = now;
     entry.state = state;
-    entry.flags = CT_F_LB | if src_is_lo { CT_F_ORIG_IS_LO } else { 0 };
+    entry.flags = CT_F_LB | gateway_flag(svc) | if src_is_lo { CT_F_ORIG_IS_LO } else { 0 };
     entry.nat.port = backend.port;
     entry.nat.backend = idx;
     entry.nat.service = svc.id;

@@ -6,15 +6,15 @@
 use fastpath_common::{
     ct::CtKey,
     lb::{
-        Affinity, AffinityKey, BACKEND_F_ENABLED, Backend, LEASTCONN_MAX_BACKENDS, SVC_F_LEASTCONN,
-        SVC_F_WRR, Service, flow_hash,
+        Affinity, AffinityKey, BACKEND_F_ENABLED, Backend, LEASTCONN_MAX_BACKENDS, SVC_F_GATEWAY,
+        SVC_F_LEASTCONN, SVC_F_WRR, Service, flow_hash,
     },
 };
 
 use crate::{
     maps::{
         FP_AFF_KEY, FP_AFFINITY, FP_BACKEND_GONE, FP_BACKEND_LOAD, FP_BACKEND_STATS, FP_BACKENDS,
-        FP_LB_SLOTS, FP_SVC, FP_SVC_KEY, FP_SVC_RR, FP_SVC_STATS,
+        FP_LB_SLOTS, FP_NEW_SVC, FP_SVC, FP_SVC_KEY, FP_SVC_RR, FP_SVC_STATS,
     },
     nat::End,
     packet::Packet,
@@ -33,8 +33,21 @@ pub fn service(pkt: &Packet, p: &Parsed) -> Option<&'static Service> {
     key.family = p.family;
     key._pad = [0; 4];
     let key: &fastpath_common::lb::SvcKey = key;
-    // SAFETY: a hash map value pointer stays valid for this program run.
-    FP_SVC.get_ptr(key).map(|s| unsafe { &*s })
+    let found = FP_SVC.get_ptr(key)?;
+    // verifier: the service is copied to the per-CPU scratch that gateway connections use
+    // too, so the new-connection path after it sees one pointer type, not two: states from
+    // both arrive alike and are pruned instead of doubled.
+    let svc = FP_NEW_SVC.get_ptr_mut(0)?;
+    let (from, to) = (found.cast::<u64>(), svc.cast::<u64>());
+    let mut i = 0;
+    while i < core::mem::size_of::<Service>() / 8 {
+        // SAFETY: both are whole, 8-aligned `Service`s (a map value and this CPU's scratch
+        // slot); any bits of a Service are valid.
+        unsafe { core::ptr::write_volatile(to.add(i), core::ptr::read_volatile(from.add(i))) };
+        i += 1;
+    }
+    // SAFETY: this CPU's slot, used by this program run only.
+    Some(unsafe { &*svc })
 }
 
 /// Copies the packet's source or destination address into a 16-byte key field (IPv4 in the
@@ -103,6 +116,9 @@ pub fn pick_for_client(
     p: &Parsed,
     now: u64,
 ) -> Option<(u32, &'static Backend)> {
+    if svc.flags & SVC_F_GATEWAY != 0 {
+        return crate::gateway::destination();
+    }
     if svc.affinity_s == 0 {
         return pick(svc, key);
     }

@@ -8,6 +8,7 @@
 
 mod bench;
 mod conntrack;
+mod gateway;
 mod lb;
 mod maps;
 mod nat;
@@ -46,6 +47,7 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
         data: ctx.data(),
         data_end: ctx.data_end(),
         len,
+        ctx: ctx.as_ptr(),
     };
     let (verdict, reason) = match pipeline::parse(&pkt) {
         Ok(p) => pipeline::process(&pkt, p, Hook::Xdp, ctx.ingress_ifindex() as u32, false),
@@ -125,6 +127,7 @@ fn tc_packet(ctx: &TcContext) -> Packet {
         data: ctx.data(),
         data_end: ctx.data_end(),
         len: ctx.len() as usize,
+        ctx: ctx.as_ptr(),
     }
 }
 

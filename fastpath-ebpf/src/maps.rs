@@ -1,7 +1,7 @@
 //! Every map of the datapath, in one place. Pinned by name under `<pin_dir>/maps/` by the
 //! daemon, so a daemon restart or crash keeps both the counters and the attached programs.
 
-use crate::{conntrack::NatPlan, parse::Parsed};
+use crate::{conntrack::NatPlan, gateway::FibParams, parse::Parsed};
 use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray, Queue, RingBuf},
@@ -11,7 +11,7 @@ use fastpath_common::{
     ct::{CtEntry, CtKey, IFACE_SLOTS, IfaceConfig, ct_stat},
     lb::{
         AFFINITY_ENTRIES, Affinity, AffinityKey, Backend, BackendCounters, BackendLoad, LB_SLOTS,
-        MAX_BACKENDS, MAX_SERVICES, Service, SvcCounters, SvcKey,
+        MAX_BACKENDS, MAX_SERVICES, MAX_SNAT_RULES, Service, SnatRule, SvcCounters, SvcKey,
     },
     stats::STATS_ENTRIES,
 };
@@ -157,3 +157,19 @@ pub static FP_CT_ENTRY: PerCpuArray<CtEntry> = PerCpuArray::with_max_entries(2, 
 /// This CPU's planned rewrite of the packet being processed (see `conntrack::NatPlan`).
 #[map(name = "FP_NAT")]
 pub static FP_NAT: PerCpuArray<NatPlan> = PerCpuArray::with_max_entries(1, 0);
+
+/// Gateway SNAT rules (`SnatRule`), indexed by `IfaceConfig::snat`; written by the daemon.
+#[map(name = "FP_SNAT")]
+pub static FP_SNAT: Array<SnatRule> = Array::pinned(MAX_SNAT_RULES, 0);
+
+/// This CPU's service of a new connection: a copy of its `FP_SVC` value, or the gateway
+/// "service" of a SNAT connection (see `gateway`).
+#[map(name = "FP_NEW_SVC")]
+pub static FP_NEW_SVC: PerCpuArray<Service> = PerCpuArray::with_max_entries(1, 0);
+/// This CPU's "backend" of a new gateway SNAT connection: its destination.
+#[map(name = "FP_SNAT_DST")]
+pub static FP_SNAT_DST: PerCpuArray<Backend> = PerCpuArray::with_max_entries(1, 0);
+
+/// This CPU's FIB lookup parameters (64 bytes: off the 512-byte stack).
+#[map(name = "FP_FIB")]
+pub static FP_FIB: PerCpuArray<FibParams> = PerCpuArray::with_max_entries(1, 0);

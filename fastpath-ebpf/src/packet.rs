@@ -16,6 +16,8 @@ pub struct Packet {
     pub data_end: usize,
     /// Full frame length (`skb->len` in TC; `data_end - data` in XDP).
     pub len: usize,
+    /// The program's context (for helpers that take it, e.g. `bpf_fib_lookup`).
+    pub ctx: *mut core::ffi::c_void,
 }
 
 impl Packet {

@@ -30,9 +30,30 @@ pub struct Config {
     /// Interfaces the datapath attaches to (`[[interface]]` tables).
     #[serde(default, rename = "interface")]
     pub interfaces: Vec<InterfaceConfig>,
-    /// Load-balanced services (`[[service]]` tables).
+    /// Load-balanced services (`[[service]]` tables), followed, once loaded, by one
+    /// single-backend service per port forward.
     #[serde(default, rename = "service")]
     pub services: Vec<ServiceConfig>,
+    /// Static DNAT port forwards (`[[port_forward]]` tables).
+    #[serde(default, rename = "port_forward")]
+    pub port_forwards: Vec<PortForward>,
+}
+
+/// A static DNAT port forward: connections to `address:port` go to `to:to_port`, the client's
+/// address kept (a NAT-mode service with one backend, without health checks).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PortForward {
+    /// The address clients connect to (typically one of this node's outside addresses).
+    pub address: Spanned<std::net::IpAddr>,
+    pub port: Spanned<u16>,
+    /// `tcp` or `udp`. Default tcp.
+    #[serde(default)]
+    pub protocol: Protocol,
+    /// Where the connections go.
+    pub to: Spanned<std::net::IpAddr>,
+    /// Default: `port`.
+    pub to_port: Option<Spanned<u16>>,
 }
 
 /// One load-balanced service: clients connect to `vip:port`; each new connection gets a
@@ -309,6 +330,15 @@ pub struct InterfaceConfig {
     /// cannot take. Default false.
     #[serde(default)]
     pub stateful_firewall: bool,
+    /// Gateway SNAT (masquerade): connections forwarded out of this interface get their
+    /// source translated to `snat_addresses` (default: the interface's own first global IPv4
+    /// and IPv6 addresses, read at start) and a port of `snat_ports`. Default false.
+    #[serde(default)]
+    pub snat: bool,
+    /// The source addresses for `snat`, at most one per family.
+    pub snat_addresses: Option<Spanned<Vec<std::net::IpAddr>>>,
+    /// The source ports for `snat`, `"FIRST-LAST"`. Default `"1024-32767"`.
+    pub snat_ports: Option<Spanned<PortRange>>,
 }
 
 /// Default conntrack table size: 1 Mi connections, like a mid-size Linux box's
@@ -486,8 +516,83 @@ impl Config {
                 ),
             }
         })?;
+        let mut config = config;
+        config.add_port_forwards(path, text)?;
         config.validate(path, text, interfaces)?;
         Ok(config)
+    }
+
+    /// Checks the port forwards and appends each to `services` as a NAT service with one
+    /// backend (the service checks then apply to them too).
+    fn add_port_forwards(&mut self, path: &Path, text: &str) -> Result<(), ConfigError> {
+        let err = |span: Range<usize>, key: String, message: String| ConfigError {
+            path: path.to_owned(),
+            line: (span.end > 0).then(|| line_of(text, span.start)),
+            key: Some(key),
+            message,
+        };
+        for (i, f) in self.port_forwards.iter().enumerate() {
+            let key = |k: &str| format!("port_forward[{i}].{k}");
+            let (addr, to) = (*f.address.get_ref(), *f.to.get_ref());
+            if addr.is_ipv4() != to.is_ipv4() {
+                return Err(err(
+                    f.to.span(),
+                    key("to"),
+                    format!("{to} is not of {addr}'s family; no IPv4↔IPv6 translation"),
+                ));
+            }
+            let to_port = f.to_port.as_ref().unwrap_or(&f.port);
+            for (k, p) in [("port", &f.port), ("to_port", to_port)] {
+                if *p.get_ref() == 0 {
+                    return Err(err(p.span(), key(k), "port 0; give 1..=65535".into()));
+                }
+            }
+            let same = |vip: &std::net::IpAddr, port: u16, proto: Protocol| {
+                *vip == addr && port == *f.port.get_ref() && proto == f.protocol
+            };
+            if self
+                .services
+                .iter()
+                .any(|s| same(s.vip.get_ref(), *s.port.get_ref(), s.protocol))
+                || self.port_forwards[..i]
+                    .iter()
+                    .any(|o| same(o.address.get_ref(), *o.port.get_ref(), o.protocol))
+            {
+                return Err(err(
+                    f.address.span(),
+                    key("address"),
+                    format!(
+                        "{addr} port {} {:?} is already a service or port forward; keep one",
+                        f.port.get_ref(),
+                        f.protocol
+                    ),
+                ));
+            }
+        }
+        let forwards: Vec<ServiceConfig> = self
+            .port_forwards
+            .iter()
+            .map(|f| ServiceConfig {
+                vip: f.address.clone(),
+                port: f.port.clone(),
+                protocol: f.protocol,
+                scheduler: Scheduler::default(),
+                maglev_table_size: None,
+                no_backend: NoBackend::Kernel,
+                affinity_timeout_s: 0,
+                mode: ForwardMode::Nat,
+                snat_address: None,
+                snat_ports: None,
+                backends: vec![BackendConfig {
+                    address: f.to.clone(),
+                    port: f.to_port.clone().unwrap_or_else(|| f.port.clone()),
+                    weight: default_weight(),
+                }],
+                health_check: None,
+            })
+            .collect();
+        self.services.extend(forwards);
+        Ok(())
     }
 
     fn validate(
@@ -587,6 +692,50 @@ impl Config {
                         "interface {name:?} has stateful_firewall = true but does not track arriving connections; it needs conntrack = true and an ingress hook (xdp, or tc_ingress = true)"
                     ),
                 ));
+            }
+            if !iface.snat {
+                for (k, span) in [
+                    (
+                        "snat_addresses",
+                        iface.snat_addresses.as_ref().map(|a| a.span()),
+                    ),
+                    ("snat_ports", iface.snat_ports.as_ref().map(|r| r.span())),
+                ] {
+                    if let Some(span) = span {
+                        return Err(err(
+                            span,
+                            format!("interface[{i}].{k}"),
+                            format!("{k} applies only with snat = true; set it or remove {k}"),
+                        ));
+                    }
+                }
+            } else if iface.xdp == XdpMode::Off {
+                return Err(err(
+                    iface.name.span(),
+                    format!("interface[{i}].snat"),
+                    format!(
+                        "interface {name:?} has snat = true but no XDP: the replies to translated connections come back here and are translated at XDP; set xdp = \"auto\""
+                    ),
+                ));
+            }
+            if let Some(addrs) = &iface.snat_addresses {
+                let list = addrs.get_ref();
+                let v4 = list.iter().filter(|a| a.is_ipv4()).count();
+                let bad = list.iter().find(|a| a.is_unspecified() || a.is_multicast());
+                if let Some(a) = bad {
+                    return Err(err(
+                        addrs.span(),
+                        format!("interface[{i}].snat_addresses"),
+                        format!("{a} cannot be a source address; give unicast addresses"),
+                    ));
+                }
+                if list.is_empty() || v4 > 1 || list.len() - v4 > 1 {
+                    return Err(err(
+                        addrs.span(),
+                        format!("interface[{i}].snat_addresses"),
+                        "give one or two addresses: at most one IPv4 and one IPv6".into(),
+                    ));
+                }
             }
             if iface.xdp == XdpMode::Off && !iface.tc_ingress && !iface.tc_egress {
                 return Err(err(
@@ -878,6 +1027,48 @@ pub fn ifindex(name: &str) -> Option<u32> {
     (idx != 0).then_some(idx)
 }
 
+/// The addresses of interface `name` in the current network namespace, as `ip addr` lists
+/// them (getifaddrs).
+pub fn interface_addresses(name: &str) -> std::io::Result<Vec<std::net::IpAddr>> {
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list we free below.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut out = Vec::new();
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of the list getifaddrs returned, not freed yet.
+        let ifa = unsafe { &*cur };
+        cur = ifa.ifa_next;
+        if ifa.ifa_addr.is_null() || ifa.ifa_name.is_null() {
+            continue;
+        }
+        // SAFETY: a NUL-terminated interface name owned by the list.
+        let ifname = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) };
+        if ifname.to_bytes() != name.as_bytes() {
+            continue;
+        }
+        // SAFETY: `ifa_addr` points at a sockaddr of the family it states, owned by the list.
+        match i32::from(unsafe { (*ifa.ifa_addr).sa_family }) {
+            libc::AF_INET => {
+                // SAFETY: as above, a sockaddr_in.
+                let sin = unsafe { &*ifa.ifa_addr.cast::<libc::sockaddr_in>() };
+                out.push(std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)).into());
+            }
+            libc::AF_INET6 => {
+                // SAFETY: as above, a sockaddr_in6.
+                let sin6 = unsafe { &*ifa.ifa_addr.cast::<libc::sockaddr_in6>() };
+                out.push(std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr).into());
+            }
+            _ => {}
+        }
+    }
+    // SAFETY: the list getifaddrs returned, freed once.
+    unsafe { libc::freeifaddrs(head) };
+    Ok(out)
+}
+
 /// Link types the datapath can parse: Ethernet, and loopback (which uses Ethernet framing).
 const ARPHRD_ETHER: u16 = 1;
 const ARPHRD_LOOPBACK: u16 = 772;
@@ -985,7 +1176,7 @@ mod tests {
     fn bad_services_name_the_key_and_line() {
         let base = "[[interface]]\nname = \"lo\"\n";
         let svc = |body: &str| format!("{base}[[service]]\nvip = \"10.0.0.1\"\nport = 80\n{body}");
-        let cases: [(String, &str, usize, &str); 11] = [
+        let cases: [(String, &str, usize, &str); 13] = [
             (
                 format!("{base}[[service]]\nvip = \"10.0.0.x\"\nport = 80\n"),
                 "vip",
@@ -1057,6 +1248,20 @@ mod tests {
                 "snat_ports",
                 8,
                 "FIRST <= LAST",
+            ),
+            (
+                "[[interface]]\nname = \"lo\"\nsnat_ports = \"2000-3000\"\n".to_string(),
+                "interface[0].snat_ports",
+                3,
+                "only with snat = true",
+            ),
+            (
+                format!(
+                    "{base}[[port_forward]]\naddress = \"10.0.0.1\"\nport = 80\nto = \"fd00::1\"\n"
+                ),
+                "port_forward[0].to",
+                6,
+                "family",
             ),
         ];
         for (text, key, line, says) in cases {

@@ -14,8 +14,8 @@ use std::{
 
 use fastpath_common::{
     ct::{
-        CT_F_LB, CT_F_LB_ALIAS, CtEntry, CtEvent, CtKey, ct_event, tcp_state, timeout_of,
-        timeout_slot,
+        CT_F_LB, CT_F_LB_ALIAS, CT_F_SNAT, CtEntry, CtEvent, CtKey, ct_event, tcp_state,
+        timeout_of, timeout_slot,
     },
     lb::lb_peer_key,
 };
@@ -80,7 +80,7 @@ pub fn pass(table: &mut CtTable, t: &Timeouts, hub: &EventHub, stats: &GcStats, 
             expired_conns += 1;
             let ended = key.proto == 6
                 && (entry.state == tcp_state::TIME_WAIT || entry.state == tcp_state::CLOSE);
-            if entry.flags & CT_F_LB != 0 && !ended {
+            if entry.flags & CT_F_LB != 0 && entry.flags & CT_F_SNAT == 0 && !ended {
                 // It never closed: least-connections stops counting it now.
                 table.backend_gone(entry.nat.backend);
             }

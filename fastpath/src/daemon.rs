@@ -6,7 +6,10 @@
 
 use std::{io, sync::Arc};
 
-use fastpath_common::{DatapathConfig, stats::CONFIG_F_DROP_MALFORMED};
+use fastpath_common::{
+    DatapathConfig,
+    stats::{CONFIG_F_DROP_MALFORMED, CONFIG_F_SNAT},
+};
 use tokio::{
     io::unix::AsyncFd,
     signal::unix::{SignalKind, signal},
@@ -58,11 +61,14 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
     } else {
         info!(pin_dir = %pin_dir.display(), "Created and pinned maps");
     }
-    let flags = if config.datapath.drop_malformed {
+    let mut flags = if config.datapath.drop_malformed {
         CONFIG_F_DROP_MALFORMED
     } else {
         0
     };
+    if config.interfaces.iter().any(|i| i.snat) {
+        flags |= CONFIG_F_SNAT;
+    }
     // Attach (all or nothing), then the runtime knobs, then drop links the config no longer
     // names: on a restart the old datapath runs untouched until every new hook is in place.
     let started = dp
@@ -75,6 +81,11 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
             })
         })
         .and_then(|()| dp.set_interfaces(&config.interfaces))
+        .map(|()| {
+            if config.interfaces.iter().any(|i| i.snat) || !config.port_forwards.is_empty() {
+                datapath::allow_local_sources(&config.interfaces);
+            }
+        })
         .and_then(|()| {
             let applied = dp.set_services(&config.services)?;
             info!(

@@ -31,15 +31,15 @@ use fastpath_common::{
     Counter, DatapathConfig,
     ct::{
         CtEntry, CtKey, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP,
-        IFACE_F_FIREWALL, IFACE_SLOTS, IfaceConfig, ct_stat,
+        IFACE_F_FIREWALL, IFACE_F_SNAT, IFACE_SLOTS, IfaceConfig, ct_stat,
     },
-    lb::{Backend, Service, SvcKey},
+    lb::{Backend, MAX_SNAT_RULES, Service, SnatRule, SvcKey},
     map_names, program_names,
 };
 use tracing::{info, warn};
 
 use crate::{
-    config::{InterfaceConfig, XdpMode},
+    config::{InterfaceConfig, PortRange, XdpMode},
     ct_events::RecordSource,
     stats::{StatsError, StatsSnapshot},
 };
@@ -88,6 +88,9 @@ pub enum DatapathError {
     Locked { pin_dir: PathBuf },
     #[error("interface name {name:?} contains a NUL byte")]
     BadInterfaceName { name: String },
+    /// A setting that cannot be applied as configured (the message says what to do).
+    #[error("{0}")]
+    Config(String),
     #[error("{what}: {source}")]
     Program {
         what: String,
@@ -273,9 +276,70 @@ impl Datapath {
 
     /// Writes the per-interface settings (FP_IFACE): which hook tracks connections arriving on
     /// each interface — XDP when attached (earliest), else TC ingress — plus TC egress, where
-    /// the datapath tracks only what this node itself sends, so every packet is tracked once.
-    /// Entries of interfaces no longer configured go.
+    /// the datapath tracks only what this node itself sends, so every packet is tracked once;
+    /// and the gateway SNAT rules (FP_SNAT) of interfaces with `snat = true`. Entries of
+    /// interfaces no longer configured go.
     pub fn set_interfaces(&mut self, ifaces: &[InterfaceConfig]) -> Result<(), DatapathError> {
+        let mut wanted = std::collections::BTreeMap::new();
+        let mut rules: Vec<SnatRule> = Vec::new();
+        for iface in ifaces {
+            let name = iface.name.get_ref();
+            let Some(ifindex) = crate::config::ifindex(name) else {
+                continue; // validated at load; gone since: nothing to configure
+            };
+            if ifindex >= IFACE_SLOTS {
+                warn!(iface = %name, ifindex, "Interface index beyond the datapath's per-interface table; its connections are not tracked");
+                continue;
+            }
+            let mut cfg = IfaceConfig::default();
+            if iface.conntrack {
+                if iface.xdp != XdpMode::Off {
+                    cfg.flags |= IFACE_F_CT_XDP;
+                } else if iface.tc_ingress {
+                    cfg.flags |= IFACE_F_CT_TC_INGRESS;
+                }
+                if iface.tc_egress {
+                    cfg.flags |= IFACE_F_CT_TC_EGRESS;
+                }
+                if iface.stateful_firewall {
+                    cfg.flags |= IFACE_F_FIREWALL;
+                }
+            }
+            if iface.snat {
+                let rule = snat_rule(iface)?;
+                cfg.flags |= IFACE_F_SNAT;
+                cfg.snat = rules.len() as u32;
+                rules.push(rule);
+            }
+            wanted.insert(ifindex, cfg);
+        }
+        // The rules first: an interface names its rule only once the rule is in place.
+        if rules.len() > MAX_SNAT_RULES as usize {
+            return Err(DatapathError::Config(format!(
+                "{} interfaces with snat = true; the datapath takes at most {MAX_SNAT_RULES}",
+                rules.len()
+            )));
+        }
+        {
+            let map = self
+                .ebpf
+                .map_mut(map_names::SNAT)
+                .ok_or(DatapathError::MissingMap {
+                    name: map_names::SNAT,
+                })?;
+            let mut snat: Array<&mut MapData, SnatRule> =
+                Array::try_from(map).map_err(|source| DatapathError::Map {
+                    what: "opening FP_SNAT".into(),
+                    source,
+                })?;
+            for (i, rule) in rules.iter().enumerate() {
+                snat.set(i as u32, rule, 0)
+                    .map_err(|source| DatapathError::Map {
+                        what: format!("writing FP_SNAT[{i}]"),
+                        source,
+                    })?;
+            }
+        }
         let map = self
             .ebpf
             .map_mut(map_names::IFACE)
@@ -287,41 +351,11 @@ impl Datapath {
                 what: "opening FP_IFACE".into(),
                 source,
             })?;
-        let mut wanted = std::collections::BTreeMap::new();
-        for iface in ifaces {
-            let name = iface.name.get_ref();
-            let Some(ifindex) = crate::config::ifindex(name) else {
-                continue; // validated at load; gone since: nothing to configure
-            };
-            if ifindex >= IFACE_SLOTS {
-                warn!(iface = %name, ifindex, "Interface index beyond the datapath's per-interface table; its connections are not tracked");
-                continue;
-            }
-            let mut flags = 0;
-            if iface.conntrack {
-                if iface.xdp != XdpMode::Off {
-                    flags |= IFACE_F_CT_XDP;
-                } else if iface.tc_ingress {
-                    flags |= IFACE_F_CT_TC_INGRESS;
-                }
-                if iface.tc_egress {
-                    flags |= IFACE_F_CT_TC_EGRESS;
-                }
-                if iface.stateful_firewall {
-                    flags |= IFACE_F_FIREWALL;
-                }
-            }
-            wanted.insert(ifindex, flags);
-        }
         // Every slot: set the configured ones, clear whatever an earlier config left.
         for ifindex in 0..IFACE_SLOTS {
-            let flags = wanted.get(&ifindex).copied().unwrap_or(0);
-            let current = table.get(&ifindex, 0).map(|c| c.flags).unwrap_or(0);
-            if current != flags {
-                let cfg = IfaceConfig {
-                    flags,
-                    ..IfaceConfig::default()
-                };
+            let cfg = wanted.get(&ifindex).copied().unwrap_or_default();
+            let current = table.get(&ifindex, 0).unwrap_or_default();
+            if current != cfg {
                 table
                     .set(ifindex, &cfg, 0)
                     .map_err(|source| DatapathError::Map {
@@ -1236,6 +1270,76 @@ pub struct BackendRow {
     pub connections: u64,
     /// Of those, tracked now and not closed (TIME_WAIT/CLOSE excluded).
     pub active: u64,
+}
+
+/// The SNAT rule of an interface with `snat = true`: its configured addresses, or its own
+/// first global IPv4 and IPv6 addresses (masquerade).
+fn snat_rule(iface: &InterfaceConfig) -> Result<SnatRule, DatapathError> {
+    let name = iface.name.get_ref();
+    let addrs = match &iface.snat_addresses {
+        Some(a) => a.get_ref().clone(),
+        None => {
+            let own = crate::config::interface_addresses(name).map_err(|e| {
+                DatapathError::Config(format!("reading the addresses of {name}: {e}"))
+            })?;
+            let global = |a: &&std::net::IpAddr| match a {
+                std::net::IpAddr::V4(v4) => !v4.is_loopback() && !v4.is_link_local(),
+                std::net::IpAddr::V6(v6) => !v6.is_loopback() && !v6.is_unicast_link_local(),
+            };
+            let v4 = own.iter().filter(global).find(|a| a.is_ipv4()).copied();
+            let v6 = own.iter().filter(global).find(|a| a.is_ipv6()).copied();
+            let list: Vec<_> = v4.into_iter().chain(v6).collect();
+            if list.is_empty() {
+                return Err(DatapathError::Config(format!(
+                    "interface {name} has snat = true but no global address to masquerade as; add one (ip addr add) or give snat_addresses"
+                )));
+            }
+            list
+        }
+    };
+    let ports = iface
+        .snat_ports
+        .as_ref()
+        .map_or(PortRange::DEFAULT_SNAT, |r| *r.get_ref());
+    let mut rule = SnatRule {
+        port_lo: ports.first,
+        port_hi: ports.last,
+        ..SnatRule::default()
+    };
+    for a in addrs {
+        let (bytes, family) = crate::lb::addr16(a);
+        if family == 4 {
+            rule.addr4 = bytes;
+            rule.families |= 1;
+        } else {
+            rule.addr6 = bytes;
+            rule.families |= 2;
+        }
+    }
+    info!(iface = %name, v4 = %ip_of(4, &rule.addr4), v6 = %ip_of(6, &rule.addr6), families = rule.families, ports = %ports, "Gateway SNAT on");
+    Ok(rule)
+}
+
+/// Translated packets can carry a source address of this node when the kernel forwards them
+/// (a gateway SNAT address; a port forward's address on replies); Linux drops such packets as
+/// martians unless `accept_local` is set on the interface they arrive on. Sets it on every
+/// attached interface (logged); a strict `rp_filter` would still drop them: warned about.
+pub fn allow_local_sources(ifaces: &[InterfaceConfig]) {
+    for iface in ifaces {
+        let name = iface.name.get_ref();
+        let dir = std::path::Path::new("/proc/sys/net/ipv4/conf").join(name);
+        match std::fs::write(dir.join("accept_local"), "1") {
+            Ok(()) => {
+                info!(iface = %name, "Set accept_local = 1 (translated packets may come from this node's addresses)")
+            }
+            Err(e) => {
+                warn!(iface = %name, error = %e, "Could not set accept_local; translated IPv4 packets arriving here may be dropped as martians")
+            }
+        }
+        if std::fs::read_to_string(dir.join("rp_filter")).is_ok_and(|v| v.trim() == "1") {
+            warn!(iface = %name, "rp_filter is strict (1) here; set it to 2 (loose) or 0, or gateway SNAT traffic arriving here is dropped");
+        }
+    }
 }
 
 fn ip_of(family: u8, a: &[u8; 16]) -> std::net::IpAddr {

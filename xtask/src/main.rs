@@ -37,6 +37,7 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "conntrack",
     "nftables",
     "hping3",
+    "python3",
 ];
 
 const USAGE: &str = "\

@@ -1052,6 +1052,8 @@ pub struct DaemonConfig {
     pub firewall: Vec<String>,
     /// `[[service]]` tables, TOML.
     pub services: String,
+    /// More `key = value` lines for an interface's table, by interface name.
+    pub interface_keys: Vec<(String, String)>,
 }
 
 impl DaemonConfig {
@@ -1064,7 +1066,14 @@ impl DaemonConfig {
             conntrack_timeouts: Vec::new(),
             firewall: Vec::new(),
             services: String::new(),
+            interface_keys: Vec::new(),
         }
+    }
+
+    /// Adds `line` (`key = value`) to interface `name`'s table.
+    pub fn interface_key(mut self, name: &str, line: &str) -> DaemonConfig {
+        self.interface_keys.push((name.into(), line.into()));
+        self
     }
 
     /// Adds `[[service]]` tables (TOML).
@@ -1140,6 +1149,10 @@ impl DaemonConfig {
                 i.tc_egress,
                 self.firewall.contains(&i.name)
             ));
+            for (_, line) in self.interface_keys.iter().filter(|(n, _)| *n == i.name) {
+                s.push_str(line);
+                s.push('\n');
+            }
         }
         s
     }
