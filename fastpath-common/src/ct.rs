@@ -313,6 +313,9 @@ pub const CT_F_FULL_NAT: u8 = 1 << 5;
 /// `CT_F_FULL_NAT`): the "backend" is the destination itself, only the source changes; no
 /// service or backend counters.
 pub const CT_F_SNAT: u8 = 1 << 6;
+/// A direct-server-return connection's entry (with `CT_F_LB`): client packets are sent to the
+/// backend unchanged but for the MAC addresses; no alias (replies need no translation).
+pub const CT_F_DSR: u8 = 1 << 7;
 
 /// A tracked connection. Append-only layout; `nat` holds the NAT binding and
 /// chosen backend that later stages share through the entry.

@@ -97,6 +97,10 @@ pub const SNAT_TRIES: u32 = 16;
 /// for itself (id `GATEWAY_ID`, full-NAT to the out interface's rule) with the packet's own
 /// destination as the backend (index `GATEWAY_ID`).
 pub const SVC_F_GATEWAY: u32 = 1 << 10;
+/// Direct server return at L2: new connections' packets keep their addresses and ports and
+/// go to the backend's MAC address (the backend holds the VIP itself and replies to the
+/// client directly). Backends listen on the service port.
+pub const SVC_F_DSR: u32 = 1 << 11;
 /// Service id and backend index of gateway-SNAT connections (no counters).
 pub const GATEWAY_ID: u32 = u32::MAX;
 
@@ -245,7 +249,10 @@ mod pod {
 /// (`CT_F_LB`) its alias (client ↔ backend), from an alias (`CT_F_LB_ALIAS`) the connection's
 /// entry (client ↔ VIP). `None` for other entries.
 pub fn lb_peer_key(key: &crate::ct::CtKey, e: &crate::ct::CtEntry) -> Option<crate::ct::CtKey> {
-    use crate::ct::{CT_F_FULL_NAT, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, ct_key};
+    use crate::ct::{CT_F_DSR, CT_F_FULL_NAT, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, ct_key};
+    if e.flags & CT_F_DSR != 0 {
+        return None;
+    }
     let lo = (&key.addr_lo, key.port_lo);
     let hi = (&key.addr_hi, key.port_hi);
     let full = e.flags & CT_F_FULL_NAT != 0;

@@ -105,9 +105,14 @@ pub const LB_TABLE_FULL: u32 = 38;
 /// A new full-NAT or masqueraded connection for which no source port was free (every
 /// candidate's tuple taken): dropped.
 pub const SNAT_EXHAUSTED: u32 = 39;
+/// A direct-server-return packet sent to its backend's MAC address (forward verdict).
+pub const LB_DSR: u32 = 40;
+/// A direct-server-return packet whose backend has no route or no resolved neighbour
+/// (MAC address) yet: dropped (the client retransmits; the daemon resolves the backends).
+pub const LB_DSR_NO_NEIGHBOR: u32 = 41;
 
 /// One past the highest code in use. Append new codes above this line and bump it.
-pub const COUNT: u32 = 40;
+pub const COUNT: u32 = 42;
 /// Slots reserved per (hook, verdict) in the stats map; codes must stay below this.
 pub const SLOTS: u32 = 64;
 
@@ -155,6 +160,8 @@ pub const NAMES: [&str; COUNT as usize] = [
     "lb_rewrite_failed",
     "lb_table_full",
     "snat_exhausted",
+    "lb_dsr",
+    "lb_dsr_no_neighbor",
 ];
 
 /// Name of a code, or `"unknown"` for a code this build does not know (a newer datapath).

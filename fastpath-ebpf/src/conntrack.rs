@@ -16,12 +16,15 @@ use aya_ebpf::helpers::bpf_ktime_get_ns;
 use fastpath_common::{
     Hook,
     ct::{
-        CT_F_ASSURED, CT_F_FULL_NAT, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY,
-        CT_F_SNAT, CtEntry, CtEvent, CtKey, DIR_ORIGINAL, DIR_REPLY, IFACE_F_CT_TC_EGRESS,
-        IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL, TcpStep, UDP_STREAM_AFTER_NS,
-        ct_event, ct_stat, tcp_class, tcp_classify, tcp_state, tcp_step,
+        CT_F_ASSURED, CT_F_DSR, CT_F_FULL_NAT, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO,
+        CT_F_SEEN_REPLY, CT_F_SNAT, CtEntry, CtEvent, CtKey, DIR_ORIGINAL, DIR_REPLY,
+        IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL, TcpStep,
+        UDP_STREAM_AFTER_NS, ct_event, ct_stat, tcp_class, tcp_classify, tcp_state, tcp_step,
     },
-    lb::{SNAT_TRIES, SVC_F_FULL_NAT, SVC_F_GATEWAY, SVC_F_NO_BACKEND_DROP, Service, flow_hash},
+    lb::{
+        SNAT_TRIES, SVC_F_DSR, SVC_F_FULL_NAT, SVC_F_GATEWAY, SVC_F_NO_BACKEND_DROP, Service,
+        flow_hash,
+    },
     reason,
 };
 
@@ -79,12 +82,17 @@ pub struct NatPlan {
     pub src_port: u16,
     pub ends: u8,
     pub _pad: [u8; 3],
+    /// `NAT_DSR`: the interface the packet leaves through (set by `dsr::forward`).
+    pub out_ifindex: u32,
 }
 
 /// `NatPlan::ends`: rewrite the destination.
 pub const NAT_DST: u8 = 1;
 /// `NatPlan::ends`: rewrite the source.
 pub const NAT_SRC: u8 = 2;
+/// `NatPlan::ends`: direct server return — no rewrite; send the packet to the MAC address of
+/// `dst_addr` (the backend).
+pub const NAT_DSR: u8 = 4;
 
 /// Plans the rewrite of the packet's destination to `dst` and, if `ends & NAT_SRC`, its
 /// source to `src` (if `ends & NAT_DST`, likewise), and says to do it under `reason`.
@@ -198,11 +206,20 @@ pub fn track(
                 }
                 lb::count(e.nat.service, e.nat.backend, len, false);
                 let e: &'static CtEntry = e;
+                let dsr = e.flags & CT_F_DSR != 0;
                 return nat(
                     (&e.nat.addr, e.nat.port),
                     (&e.nat.addr2, e.nat.port2),
-                    NAT_DST | full_nat(e.flags, NAT_SRC),
-                    reason::LB_TO_BACKEND,
+                    if dsr {
+                        NAT_DSR
+                    } else {
+                        NAT_DST | full_nat(e.flags, NAT_SRC)
+                    },
+                    if dsr {
+                        reason::LB_DSR
+                    } else {
+                        reason::LB_TO_BACKEND
+                    },
                 );
             }
             refused
@@ -244,7 +261,9 @@ fn lb_reopens(e: &CtEntry, src_is_lo: bool, p: &Parsed) -> bool {
 /// client being this packet's source; full-NAT: the allocated source ↔ backend).
 #[inline(always)]
 fn forget_lb(pkt: &Packet, p: &Parsed, key: &CtKey, e: &CtEntry) {
-    if let Some(alias) = FP_CT_KEY2.get_ptr_mut(0) {
+    if e.flags & CT_F_DSR == 0
+        && let Some(alias) = FP_CT_KEY2.get_ptr_mut(0)
+    {
         // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
         let alias = unsafe { &mut *alias };
         let (sport, loaded) = if e.flags & CT_F_FULL_NAT != 0 {
@@ -344,6 +363,7 @@ fn lb_create(
     // SAFETY: this CPU's slots of per-CPU arrays, used by this program run only.
     let (alias, svc_key) = unsafe { (&mut *alias, &*svc_key) };
     let full = svc.flags & SVC_F_FULL_NAT != 0;
+    let dsr = svc.flags & SVC_F_DSR != 0;
     // The alias: the client (this packet's source) or, full-NAT, the service's source
     // address (its port is allocated below) ↔ the backend.
     if !load_key(
@@ -390,8 +410,11 @@ fn lb_create(
         back.nat.port2 = backend.port;
     }
     let back: &CtEntry = back;
-    // The alias first: for full-NAT its insertion is the port allocation.
-    let sport = if full {
+    // The alias first: for full-NAT its insertion is the port allocation. Direct server
+    // return has none (the backend's replies need no translation).
+    let sport = if dsr {
+        0
+    } else if full {
         match alloc_port(alias, snat_is_lo, svc, key, back, now) {
             Ok(port) => port,
             Err(code) => return Action::Drop(code),
@@ -413,6 +436,9 @@ fn lb_create(
     entry.nat.backend = idx;
     entry.nat.service = svc.id;
     copy16(&mut entry.nat.addr, &backend.addr);
+    if dsr {
+        entry.flags |= CT_F_DSR;
+    }
     if full {
         entry.flags |= CT_F_FULL_NAT;
         copy16(&mut entry.nat.addr2, &svc.snat_addr);
@@ -422,7 +448,9 @@ fn lb_create(
     entry.bytes[DIR_ORIGINAL] = len as u64;
     let entry: &CtEntry = entry;
     if !insert(key, entry, now) {
-        let _ = FP_CT.remove(alias);
+        if !dsr {
+            let _ = FP_CT.remove(alias);
+        }
         count(ct_stat::INSERT_FAILED);
         return Action::Drop(reason::LB_TABLE_FULL);
     }
@@ -434,8 +462,16 @@ fn lb_create(
     nat(
         (&backend.addr, backend.port),
         (&svc.snat_addr, sport),
-        NAT_DST | if full { NAT_SRC } else { 0 },
-        reason::LB_TO_BACKEND,
+        if dsr {
+            NAT_DSR
+        } else {
+            NAT_DST | if full { NAT_SRC } else { 0 }
+        },
+        if dsr {
+            reason::LB_DSR
+        } else {
+            reason::LB_TO_BACKEND
+        },
     )
 }
 

@@ -14,7 +14,7 @@ use fastpath_common::{
 };
 
 use crate::{
-    maps::{FP_CONFIG, FP_FIB, FP_IFACE, FP_NEW_SVC, FP_SNAT, FP_SNAT_DST, FP_SVC_KEY},
+    maps::{FP_CONFIG, FP_FIB, FP_IFACE, FP_NAT, FP_NEW_SVC, FP_SNAT, FP_SNAT_DST, FP_SVC_KEY},
     packet::Packet,
     parse::{FAMILY_IPV4, Parsed},
 };
@@ -27,7 +27,7 @@ pub struct FibParams {
     sport: u16,
     dport: u16,
     tot_len: u16,
-    ifindex: u32,
+    pub ifindex: u32,
     flowinfo: u32,
     src: [u64; 2],
     dst: [u64; 2],
@@ -50,7 +50,7 @@ pub fn snat_service(pkt: &Packet, p: &Parsed, ifindex: u32) -> Option<&'static S
     if cfg.flags & CONFIG_F_SNAT == 0 {
         return None;
     }
-    let out = egress_ifindex(pkt, p, ifindex)?;
+    let out = fib_lookup(pkt, p, ifindex, false, BPF_FIB_LOOKUP_SKIP_NEIGH)?.ifindex;
     let iface = FP_IFACE.get(out)?;
     if iface.flags & IFACE_F_SNAT == 0 {
         return None;
@@ -89,9 +89,18 @@ pub fn destination() -> Option<(u32, &'static Backend)> {
     Some((GATEWAY_ID, b))
 }
 
-/// The interface the kernel would forward the packet out of.
+/// The kernel's route for the packet that arrived on `ifindex` — to its own destination, or
+/// (`to_planned`) to the address of this CPU's NAT plan (`FP_NAT`) — as `bpf_fib_lookup`
+/// fills it in (`ifindex` out, and the MAC addresses unless `flags` skip the neighbour);
+/// `None` if it has no route (or neighbour).
 #[inline(always)]
-fn egress_ifindex(pkt: &Packet, p: &Parsed, ifindex: u32) -> Option<u32> {
+pub fn fib_lookup(
+    pkt: &Packet,
+    p: &Parsed,
+    ifindex: u32,
+    to_planned: bool,
+    flags: u32,
+) -> Option<&'static FibParams> {
     let f = FP_FIB.get_ptr_mut(0)?;
     // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
     let f = unsafe { &mut *f };
@@ -119,6 +128,18 @@ fn egress_ifindex(pkt: &Packet, p: &Parsed, ifindex: u32) -> Option<u32> {
         f.src = [a[0], a[1]];
         f.dst = [a[2], a[3]];
     }
+    if to_planned {
+        let plan = FP_NAT.get_ptr(0)?;
+        let words = plan.cast::<u64>();
+        // SAFETY: `dst_addr` is the first 16 bytes of this CPU's 8-aligned plan (IPv4 in
+        // the first 4, the rest zero, as the lookup's IPv4 field wants).
+        f.dst = unsafe {
+            [
+                core::ptr::read_volatile(words),
+                core::ptr::read_volatile(words.add(1)),
+            ]
+        };
+    }
     // SAFETY: the helper reads and writes the 64-byte parameter block (map memory) and reads
     // the context the packet came with.
     let rc = unsafe {
@@ -126,8 +147,22 @@ fn egress_ifindex(pkt: &Packet, p: &Parsed, ifindex: u32) -> Option<u32> {
             pkt.ctx,
             (f as *mut FibParams).cast::<FibLookup>(),
             core::mem::size_of::<FibParams>() as i32,
-            BPF_FIB_LOOKUP_SKIP_NEIGH,
+            flags,
         )
     };
-    (rc == 0).then_some(f.ifindex)
+    (rc == 0).then_some(f)
+}
+
+impl FibParams {
+    /// After a successful lookup without `BPF_FIB_LOOKUP_SKIP_NEIGH`: the next hop's MAC
+    /// address, then the egress interface's, as an Ethernet header starts.
+    #[inline(always)]
+    pub fn macs(&self) -> [u8; 12] {
+        // SAFETY: two u64 are 16 bytes; any bits are valid.
+        let t = unsafe { core::mem::transmute::<[u64; 2], [u8; 16]>(self.tail) };
+        // The kernel's layout from byte 48: VLAN protocol and TCI (4), smac (6), dmac (6).
+        [
+            t[10], t[11], t[12], t[13], t[14], t[15], t[4], t[5], t[6], t[7], t[8], t[9],
+        ]
+    }
 }

@@ -8,6 +8,7 @@
 
 mod bench;
 mod conntrack;
+mod dsr;
 mod gateway;
 mod lb;
 mod maps;
@@ -21,6 +22,7 @@ mod stats;
 use aya_ebpf::{
     EbpfContext as _,
     bindings::{__sk_buff, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, xdp_action},
+    helpers::bpf_redirect,
     macros::{classifier, xdp},
     programs::{TcContext, XdpContext},
 };
@@ -56,9 +58,11 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
     stats::count(Hook::Xdp, verdict, reason, len);
     match verdict {
         Verdict::Drop => xdp_action::XDP_DROP,
-        // No stage forwards yet; a forward verdict without a rewrite would be a bug, so it
-        // goes to the kernel like everything unhandled.
-        Verdict::Kernel | Verdict::Forward => xdp_action::XDP_PASS,
+        Verdict::Kernel => xdp_action::XDP_PASS,
+        // Direct server return: out of the interface `dsr::forward` chose (its MAC addresses
+        // are in place).
+        // SAFETY: bpf_redirect has no preconditions; it returns the XDP action to take.
+        Verdict::Forward => unsafe { bpf_redirect(dsr::out_ifindex(), 0) as u32 },
     }
 }
 

@@ -13,7 +13,7 @@
 use fastpath_common::csum;
 
 use crate::{
-    conntrack::{NAT_DST, NAT_SRC},
+    conntrack::{NAT_DSR, NAT_DST, NAT_SRC},
     maps::FP_NAT,
     packet::{Packet, be16},
     parse::{FAMILY_IPV4, IPPROTO_TCP, IPPROTO_UDP, Parsed},
@@ -24,6 +24,12 @@ use crate::{
 pub enum End {
     Src,
     Dst,
+}
+
+/// Whether this CPU's `FP_NAT` plan is direct server return (no rewrite; see `dsr`).
+#[inline(always)]
+pub fn dsr_planned() -> bool {
+    FP_NAT.get(0).is_some_and(|plan| plan.ends & NAT_DSR != 0)
 }
 
 /// Rewrites the packet as this CPU's `FP_NAT` plan says (see `conntrack::NatPlan`).

@@ -6,6 +6,7 @@ use fastpath_common::{DatapathConfig, Hook, Verdict, reason, stats::CONFIG_F_DRO
 
 use crate::{
     conntrack::{self, Action},
+    dsr,
     maps::{FP_CONFIG, FP_PKT_CTX},
     nat,
     packet::Packet,
@@ -42,6 +43,13 @@ pub fn process(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32, local: bool) 
         Action::Drop(code) => (Verdict::Drop, code),
         Action::Kernel(code) => (Verdict::Kernel, code),
         // Translated packets are routed by the kernel (no FIB stage yet).
+        Action::Nat(code) if nat::dsr_planned() => {
+            if dsr::forward(pkt, p, ifindex) {
+                (Verdict::Forward, code)
+            } else {
+                (Verdict::Drop, reason::LB_DSR_NO_NEIGHBOR)
+            }
+        }
         Action::Nat(code) => {
             if nat::rewrite(pkt, p) {
                 (Verdict::Kernel, code)

@@ -207,6 +207,9 @@ pub enum ForwardMode {
     Nat,
     /// Destination and source NAT: the backend sees `snat_address`.
     FullNat,
+    /// Direct server return at L2: only the MAC addresses change; the backend holds the VIP
+    /// and replies to the client directly.
+    Dsr,
 }
 
 /// An inclusive range of ports, written `"FIRST-LAST"` (or one port).
@@ -877,7 +880,7 @@ impl Config {
                         ));
                     }
                 }
-                (ForwardMode::Nat, _) => {
+                (ForwardMode::Nat | ForwardMode::Dsr, _) => {
                     if let Some(a) = &svc.snat_address {
                         return Err(err(
                             a.span(),
@@ -893,6 +896,22 @@ impl Config {
                         ));
                     }
                 }
+            }
+            if svc.mode == ForwardMode::Dsr
+                && let Some(b) = svc
+                    .backends
+                    .iter()
+                    .find(|b| b.port.get_ref() != svc.port.get_ref())
+            {
+                return Err(err(
+                    b.port.span(),
+                    key("backend"),
+                    format!(
+                        "mode = \"dsr\" sends packets to the backend unchanged, so backends listen on the service port {}; this one has port {}",
+                        svc.port.get_ref(),
+                        b.port.get_ref()
+                    ),
+                ));
             }
             if svc.scheduler == Scheduler::LeastConnections
                 && svc.backends.len() > fastpath_common::lb::LEASTCONN_MAX_BACKENDS as usize

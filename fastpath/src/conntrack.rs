@@ -4,8 +4,8 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use fastpath_common::ct::{
-    CT_F_ASSURED, CT_F_FULL_NAT, CT_F_LB, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CtEntry, CtKey,
-    DIR_ORIGINAL, DIR_REPLY, ct_stat, tcp_state, timeout_of,
+    CT_F_ASSURED, CT_F_DSR, CT_F_FULL_NAT, CT_F_LB, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CtEntry,
+    CtKey, DIR_ORIGINAL, DIR_REPLY, ct_stat, tcp_state, timeout_of,
 };
 use serde::Serialize;
 
@@ -56,7 +56,8 @@ pub fn row(key: &CtKey, e: &CtEntry, now_ns: u64, timeouts: &Timeouts) -> CtRow 
         (hi, lo)
     };
     let idle_s = now_ns.saturating_sub(e.last_seen_ns) / 1_000_000_000;
-    let lb = e.flags & CT_F_LB != 0;
+    // A DSR connection's replies come from the VIP itself, untranslated.
+    let lb = e.flags & CT_F_LB != 0 && e.flags & CT_F_DSR == 0;
     let full_nat = lb && e.flags & CT_F_FULL_NAT != 0;
     let proto = match key.proto {
         6 => "tcp",

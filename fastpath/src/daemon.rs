@@ -88,6 +88,7 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         })
         .and_then(|()| {
             let applied = dp.set_services(&config.services)?;
+            crate::lb::resolve_dsr_backends(&config.services);
             info!(
                 services = applied.services,
                 unchanged = applied.unchanged,

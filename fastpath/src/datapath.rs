@@ -1251,7 +1251,7 @@ pub struct ServiceRow {
     pub bytes: u64,
     pub connections: u64,
     pub no_backend: u64,
-    /// `nat` or `full_nat`.
+    /// `nat`, `full_nat` or `dsr`.
     pub mode: &'static str,
     /// Full-NAT: the source address and port range, `10.0.2.1 1024-32767`.
     pub snat: Option<String>,
@@ -1472,6 +1472,8 @@ pub fn pinned_services(pin_dir: &Path) -> Result<Vec<ServiceRow>, DatapathError>
             no_backend: sum.no_backend,
             mode: if svc.flags & fastpath_common::lb::SVC_F_FULL_NAT != 0 {
                 "full_nat"
+            } else if svc.flags & fastpath_common::lb::SVC_F_DSR != 0 {
+                "dsr"
             } else {
                 "nat"
             },

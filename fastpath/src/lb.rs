@@ -9,7 +9,7 @@
 use std::collections::{BTreeSet, HashMap};
 
 use fastpath_common::lb::{
-    BACKEND_F_ENABLED, Backend, LB_SLOTS, MAX_BACKENDS, MAX_SERVICES, SVC_F_FULL_NAT,
+    BACKEND_F_ENABLED, Backend, LB_SLOTS, MAX_BACKENDS, MAX_SERVICES, SVC_F_DSR, SVC_F_FULL_NAT,
     SVC_F_LEASTCONN, SVC_F_MAGLEV, SVC_F_NO_BACKEND_DROP, SVC_F_WRR, Service, SvcKey,
     WRR_MAX_SLOTS,
 };
@@ -427,6 +427,9 @@ impl LbState {
         if svc.no_backend == NoBackend::Drop {
             flags |= SVC_F_NO_BACKEND_DROP;
         }
+        if svc.mode == ForwardMode::Dsr {
+            flags |= SVC_F_DSR;
+        }
         let (mut snat_addr, mut ports) = ([0; 16], PortRange { first: 0, last: 0 });
         if let (ForwardMode::FullNat, Some(a)) = (svc.mode, &svc.snat_address) {
             flags |= SVC_F_FULL_NAT;
@@ -452,6 +455,26 @@ impl LbState {
             snat_addr,
         };
         Ok((service, list, table))
+    }
+}
+
+/// Direct server return sends packets to the backends' MAC addresses, which the datapath
+/// takes from the kernel's neighbour table; a backend this node never talked to has no entry
+/// yet. One UDP datagram to each DSR backend's discard port makes the kernel resolve it
+/// (errors are of no interest: the datagram itself is not).
+pub fn resolve_dsr_backends(services: &[ServiceConfig]) {
+    for svc in services.iter().filter(|s| s.mode == ForwardMode::Dsr) {
+        for b in &svc.backends {
+            let addr = *b.address.get_ref();
+            let local: std::net::SocketAddr = if addr.is_ipv4() {
+                (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+            } else {
+                (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+            };
+            if let Ok(sock) = std::net::UdpSocket::bind(local) {
+                let _ = sock.send_to(b"", (addr, 9));
+            }
+        }
     }
 }
 

@@ -264,18 +264,7 @@ fn curl_through_the_vip_reaches_the_predicted_backends() {
 /// Client and backends send full checksums and verify what they receive (see the module
 /// comment).
 fn checksum_offloads_off(lb: &LbTopology) {
-    for ns in std::iter::once(lb.client()).chain((0..BACKENDS).map(|i| lb.backend(i))) {
-        ns.run(&[
-            "ethtool",
-            "-K",
-            LbTopology::HOST_IF,
-            "tx",
-            "off",
-            "rx",
-            "off",
-        ])
-        .unwrap_or_else(|e| panic!("turning checksum offloads off: {e}"));
-    }
+    lb.checksum_offloads_off();
 }
 
 /// `fastpath ct list` of the daemon's datapath.
@@ -694,10 +683,10 @@ fn full_nat_backends_see_the_lb_address() {
                 .client()
                 .run(&["curl", "-sS", "-g", "--fail", "--max-time", "5", &url])
                 .unwrap_or_else(|e| panic!("curl {url} (request {req}): {e}\n{}", daemon.log()));
-            let (addr, port) = body
-                .trim()
-                .split_once(' ')
-                .unwrap_or_else(|| panic!("unexpected /peer answer {body:?}"));
+            let mut words = body.split_whitespace();
+            let (Some(addr), Some(port)) = (words.next(), words.next()) else {
+                panic!("unexpected /peer answer {body:?}");
+            };
             assert_eq!(
                 addr, snat,
                 "request {req} to {vip}: the backend saw {addr}, not the LB address {snat}"

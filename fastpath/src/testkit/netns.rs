@@ -679,7 +679,8 @@ impl HttpServer {
 impl Netns {
     /// Starts nginx on `port` (all addresses, both families) and waits until it listens.
     /// Besides the files under [`HttpServer::root`], `/peer` answers with the client's address
-    /// and port as the server sees them (`10.0.0.1 40000`).
+    /// and port and the address it connected to, as the server sees them
+    /// (`10.0.0.1 40000 10.0.0.2`).
     pub fn http_server(&self, port: u16) -> Result<HttpServer, NetnsError> {
         let dir = TempDir::new("nginx")?;
         let d = dir.path().display().to_string();
@@ -707,7 +708,7 @@ http {{
         root {d}/www;
         location = /peer {{
             default_type text/plain;
-            return 200 "$remote_addr $remote_port\n";
+            return 200 "$remote_addr $remote_port $server_addr\n";
         }}
     }}
 }}
@@ -931,6 +932,37 @@ pub fn test_lb_topology(backends: usize) -> LbTopology {
     lb_topology(backends).unwrap_or_else(|e| panic!("building the lb topology: {e}"))
 }
 
+/// The backend the daemon's table gives a TCP connection from `client:sport` to
+/// `vip:vport`, for service number `svc` of the `[[service]]` tables `services` (the same
+/// table and hash the datapath uses).
+pub fn predicted_backend(
+    services: &str,
+    svc: usize,
+    client: std::net::IpAddr,
+    sport: u16,
+    vip: std::net::IpAddr,
+    vport: u16,
+) -> std::net::IpAddr {
+    let text = format!("[[interface]]\nname = \"lo\"\n{services}");
+    let config = crate::config::Config::parse_with(
+        Path::new("lb test"),
+        &text,
+        crate::config::InterfaceCheck::Skip,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let (a, family) = crate::lb::addr16(client);
+    let (v, _) = crate::lb::addr16(vip);
+    let key = fastpath_common::ct::ct_key(family, 6, &a, sport, &v, vport).0;
+    let b = crate::lb::predict(&config.services, svc, &key)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .expect("backends configured");
+    if family == 4 {
+        std::net::IpAddr::from([b.addr[0], b.addr[1], b.addr[2], b.addr[3]])
+    } else {
+        std::net::IpAddr::from(b.addr)
+    }
+}
+
 /// What [`lb_topology`] built, with its address plan.
 #[derive(Debug)]
 pub struct LbTopology {
@@ -1010,6 +1042,17 @@ impl LbTopology {
 
     /// A daemon config attaching every hook (XDP auto, TC ingress and egress) to every fp
     /// interface.
+    /// The client and the backends send full checksums and verify what they receive
+    /// (`ethtool -K eth0 tx off rx off`), as traffic from a wire does: with offloads on, veth
+    /// passes partial checksums that XDP cannot tell apart and receivers would not verify.
+    pub fn checksum_offloads_off(&self) {
+        for ns in std::iter::once(self.client()).chain((0..self.backends).map(|i| self.backend(i)))
+        {
+            ns.run(&["ethtool", "-K", Self::HOST_IF, "tx", "off", "rx", "off"])
+                .unwrap_or_else(|e| panic!("turning checksum offloads off: {e}"));
+        }
+    }
+
     pub fn fp_config(&self, pin_dir: &Path) -> DaemonConfig {
         self.fp_interfaces()
             .iter()
