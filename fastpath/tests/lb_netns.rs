@@ -1,7 +1,11 @@
 //! End to end: the load balancer (NAT mode, XDP) in front of three real nginx backends in the
 //! `fp` node of [`lb_topology`]: curl against the VIP over IPv4 and IPv6 and UDP through
 //! socat, each new connection landing on the backend the daemon's own Maglev table predicts
-//! for its tuple, replies coming back from the VIP.
+//! for its tuple, replies coming back from the VIP. Then the acceptance checks of the
+//! schedulers and of service changes, each request a new connection: 3000 connections split
+//! by weight (Maglev, WRR); removing one of 10 backends moves few other flows (Maglev); 10 000
+//! service updates under traffic fail no connection; a stopped backend fails no connection
+//! once its health check has taken it out.
 //!
 //! Checksums: the client and backends send full checksums and verify what they receive
 //! (`ethtool -K eth0 tx off rx off`), as traffic from a wire does. With offloads on, veth passes
@@ -339,7 +343,7 @@ fn backends_v4(port: u16) -> String {
 
 /// On each backend, a TCP server on port 7000 that greets with `backend-N` and then echoes;
 /// returns once all listen.
-fn banner_servers(lb: &LbTopology) -> Vec<fastpath::testkit::netns::Spawned> {
+fn banner_servers(lb: &LbTopology) -> Vec<Spawned> {
     let servers = (0..BACKENDS)
         .map(|i| {
             lb.backend(i)
