@@ -10,8 +10,8 @@
 use std::{net::IpAddr, path::Path, time::Duration};
 
 use fastpath::testkit::netns::{
-    Daemon, HttpServer, LbTopology, predicted_backend, prepare_test, test_lb_topology,
-    unique_pin_dir,
+    Daemon, HttpServer, LbTopology, parse_services, predicted_backend, prepare_test,
+    test_lb_topology, unique_pin_dir,
 };
 
 fn bin() -> &'static Path {
@@ -64,6 +64,7 @@ fn dsr_sends_each_connection_to_its_backend_unchanged() {
             );
         }
     }
+    let parsed = parse_services(&svcs);
     let config = lb.fp_config(&unique_pin_dir("dsr")).services(&svcs);
     let daemon = Daemon::start(bin(), lb.fp(), &config);
     // The daemon made fp resolve every backend's MAC address; wait until the kernel has.
@@ -116,7 +117,7 @@ fn dsr_sends_each_connection_to_its_backend_unchanged() {
             );
             let port: u16 = port.parse().expect("a port");
             let vip_ip: IpAddr = vip.parse().expect("VIP");
-            let want = predicted_backend(&svcs, svc, client, port, vip_ip, 80);
+            let want = predicted_backend(&parsed, svc, client, port, vip_ip, 80);
             *expected.entry((svc, want)).or_insert(0u64) += 1;
             used.insert(want);
             requests += 1;

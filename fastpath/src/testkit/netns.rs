@@ -932,28 +932,33 @@ pub fn test_lb_topology(backends: usize) -> LbTopology {
     lb_topology(backends).unwrap_or_else(|e| panic!("building the lb topology: {e}"))
 }
 
+/// The `[[service]]` tables `services` (TOML), parsed and checked as the daemon does.
+pub fn parse_services(services: &str) -> Vec<crate::config::ServiceConfig> {
+    let text = format!("[[interface]]\nname = \"lo\"\n{services}");
+    crate::config::Config::parse_with(
+        Path::new("lb test"),
+        &text,
+        crate::config::InterfaceCheck::Skip,
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+    .services
+}
+
 /// The backend the daemon's table gives a TCP connection from `client:sport` to
-/// `vip:vport`, for service number `svc` of the `[[service]]` tables `services` (the same
-/// table and hash the datapath uses).
+/// `vip:vport`, for service number `svc` of `services` (the same table and hash the
+/// datapath uses).
 pub fn predicted_backend(
-    services: &str,
+    services: &[crate::config::ServiceConfig],
     svc: usize,
     client: std::net::IpAddr,
     sport: u16,
     vip: std::net::IpAddr,
     vport: u16,
 ) -> std::net::IpAddr {
-    let text = format!("[[interface]]\nname = \"lo\"\n{services}");
-    let config = crate::config::Config::parse_with(
-        Path::new("lb test"),
-        &text,
-        crate::config::InterfaceCheck::Skip,
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
     let (a, family) = crate::lb::addr16(client);
     let (v, _) = crate::lb::addr16(vip);
     let key = fastpath_common::ct::ct_key(family, 6, &a, sport, &v, vport).0;
-    let b = crate::lb::predict(&config.services, svc, &key)
+    let b = crate::lb::predict(services, svc, &key)
         .unwrap_or_else(|e| panic!("{e}"))
         .expect("backends configured");
     if family == 4 {
