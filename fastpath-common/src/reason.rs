@@ -108,7 +108,8 @@ pub const SNAT_EXHAUSTED: u32 = 39;
 /// A direct-server-return packet sent to its backend's MAC address (forward verdict).
 pub const LB_DSR: u32 = 40;
 /// A direct-server-return packet whose backend has no route or no resolved neighbour
-/// (MAC address) yet: dropped (the client retransmits; the daemon resolves the backends).
+/// (MAC address) yet, or arriving where forwarding is off: dropped (the client retransmits;
+/// the daemon resolves the backends).
 pub const LB_DSR_NO_NEIGHBOR: u32 = 41;
 
 /// One past the highest code in use. Append new codes above this line and bump it.

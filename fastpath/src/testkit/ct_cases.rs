@@ -546,6 +546,7 @@ impl Seq {
             expect_output: None,
             expect_reason: None,
             also_changes: Vec::new(),
+            expect_forward: false,
         });
         self
     }
@@ -2072,6 +2073,145 @@ fn lb_sequences() -> Vec<Seq> {
         .table_len(0),
     ]
 }
+
+/// Direct server return, against a FIB prepared by [`DSR_NETNS_SETUP`] (the test runs it in a
+/// network namespace of its own): the packets of a connection to a DSR service leave by
+/// redirect, unchanged but for the MAC addresses (the backend's, then the egress
+/// interface's); replies pass untouched; no alias entry. A backend without a resolved
+/// neighbour is refused (dropped, counted), its connection's entry kept for the
+/// retransmission.
+pub fn dsr_sequences() -> Vec<CtSequence> {
+    let svc = |backend: String, vip: &str| {
+        format!(
+            "[[service]]\nvip = \"{vip}\"\nport = 80\nmode = \"dsr\"\n[[service.backend]]\naddress = \"{backend}\"\nport = 80\n"
+        )
+    };
+    let with_macs = |frame: Vec<u8>, dst: [u8; 6]| {
+        let mut out = frame;
+        out[..6].copy_from_slice(&dst);
+        out[6..12].copy_from_slice(&DSR_EGRESS_MAC);
+        out
+    };
+    let v4 = Flow::v4(proto::TCP, A4, 40000, VIP4, 80);
+    let v6 = Flow::v6(proto::TCP, A6, 40001, VIP6, 80);
+    let mut seqs = Vec::new();
+    for (name, flow, svcs, mac) in [
+        (
+            "dsr_tcp_v4_packets_go_to_the_backend_mac",
+            v4,
+            svc(ip4(BE4[0]), &ip4(VIP4)),
+            DSR_BACKEND_MAC,
+        ),
+        (
+            "dsr_tcp_v6_packets_go_to_the_backend_mac",
+            v6,
+            svc(ip6(BE6), &ip6(VIP6)),
+            DSR_BACKEND6_MAC,
+        ),
+    ] {
+        let mut s = Seq::lb(name, flow, &svcs);
+        for (dir, flags, state, ct_flags, stats, events) in [
+            (O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)][..]),
+            (R, SYNACK, SR, SEEN, HIT, &[][..]),
+            (O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)][..]),
+            (O, DATA, ES, SEEN_ASSURED, HIT, &[][..]),
+        ] {
+            s.check_model(dir, flags, Some(state));
+            let input = flow.tcp(dir, flags, &[]);
+            let expect = s.entry(Some(state), ct_flags);
+            s = s.push(
+                format!("dsr {} {}", dir.name(), flags_name(flags)),
+                input.clone(),
+                expect,
+                stats,
+                events,
+            );
+            if dir == O {
+                let step = s.steps.last_mut().expect("just pushed");
+                step.expect_output = Some(with_macs(input, mac));
+                step.expect_forward = true;
+                step.expect_reason = Some(reason::LB_DSR);
+            }
+        }
+        seqs.push(s.table_len(1));
+    }
+    let unresolved = Seq::lb(
+        "dsr_backend_without_neighbour_is_refused",
+        v4,
+        &svc(ip4(BE4[1]), &ip4(VIP4)),
+    )
+    .tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+    .drop_reason(reason::LB_DSR_NO_NEIGHBOR)
+    .table_len(1);
+    seqs.push(unresolved);
+    seqs.into_iter().map(Seq::build).collect()
+}
+
+/// The egress interface of the DSR sequences' routes and its MAC address.
+pub const DSR_EGRESS_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0xfe];
+/// The MAC addresses of the DSR sequences' resolved backends (`BE4[0]`, `BE6`).
+pub const DSR_BACKEND_MAC: [u8; 6] = [0x02, 0, 0, 0, 1, 1];
+pub const DSR_BACKEND6_MAC: [u8; 6] = [0x02, 0, 0, 0, 1, 6];
+/// Commands (`ip ...`) that give a fresh network namespace the routes and neighbours the DSR
+/// sequences expect: an interface `d0` (a veth, its peer up) on the backends' networks, `BE4[0]` and `BE6`
+/// resolved, `BE4[1]` routed but not resolved.
+pub const DSR_NETNS_SETUP: &[&[&str]] = &[
+    &["ip", "link", "set", "lo", "up"],
+    // The FIB answers forwarding lookups only where forwarding is on.
+    &["sysctl", "-qw", "net.ipv4.ip_forward=1"],
+    &["sysctl", "-qw", "net.ipv6.conf.all.forwarding=1"],
+    &[
+        "ip",
+        "link",
+        "add",
+        "d0",
+        "address",
+        "02:00:00:00:00:fe",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "d1",
+    ],
+    &["ip", "link", "set", "d1", "up"],
+    &["ip", "link", "set", "d0", "up"],
+    &["ip", "addr", "add", "10.0.1.254/24", "dev", "d0"],
+    &[
+        "ip",
+        "-6",
+        "addr",
+        "add",
+        "fd00::fe/64",
+        "dev",
+        "d0",
+        "nodad",
+    ],
+    &[
+        "ip",
+        "neigh",
+        "add",
+        "10.0.1.1",
+        "lladdr",
+        "02:00:00:00:01:01",
+        "dev",
+        "d0",
+        "nud",
+        "permanent",
+    ],
+    &[
+        "ip",
+        "-6",
+        "neigh",
+        "add",
+        "fd00::1001",
+        "lladdr",
+        "02:00:00:00:01:06",
+        "dev",
+        "d0",
+        "nud",
+        "permanent",
+    ],
+];
 
 /// Every conntrack sequence.
 pub fn ct_sequences() -> Vec<CtSequence> {

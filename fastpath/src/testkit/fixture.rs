@@ -64,7 +64,9 @@ const OUTPUT_SLACK: usize = 512;
 pub const fn raw_verdict(hook: Hook, verdict: Verdict) -> u32 {
     match (hook, verdict) {
         (Hook::Xdp, Verdict::Drop) => XDP_DROP,
-        (Hook::Xdp, Verdict::Kernel | Verdict::Forward) => XDP_PASS,
+        (Hook::Xdp, Verdict::Kernel) => XDP_PASS,
+        // The only forward at XDP so far: a redirect (direct server return).
+        (Hook::Xdp, Verdict::Forward) => XDP_REDIRECT,
         (Hook::TcIngress | Hook::TcEgress, Verdict::Drop) => TC_ACT_SHOT,
         (Hook::TcIngress | Hook::TcEgress, Verdict::Kernel) => TC_ACT_UNSPEC,
         (Hook::TcIngress | Hook::TcEgress, Verdict::Forward) => TC_ACT_OK,
@@ -1073,6 +1075,9 @@ pub struct CtStep {
     pub expect_reason: Option<u32>,
     /// Other entries this step may create or remove (a load-balanced connection's alias).
     pub also_changes: Vec<CtKey>,
+    /// The fast path forwards the packet itself (XDP: a redirect), counted under
+    /// `expect_reason` with the forward verdict.
+    pub expect_forward: bool,
 }
 
 /// A conntrack fixture: packets run in order against one table (entries persist across
@@ -1125,14 +1130,14 @@ struct CtObserved {
 /// Every difference between what `step` states and what happened, one paragraph each.
 fn ct_mismatches(step: &CtStep, got: &CtObserved) -> String {
     let mut out = String::new();
-    let want_verdict = raw_verdict(
-        step.hook,
-        if step.expect_drop.is_some() {
-            Verdict::Drop
-        } else {
-            Verdict::Kernel
-        },
-    );
+    let verdict = if step.expect_drop.is_some() {
+        Verdict::Drop
+    } else if step.expect_forward {
+        Verdict::Forward
+    } else {
+        Verdict::Kernel
+    };
+    let want_verdict = raw_verdict(step.hook, verdict);
     if got.verdict != want_verdict {
         let _ = writeln!(
             out,
@@ -1166,11 +1171,12 @@ fn ct_mismatches(step: &CtStep, got: &CtObserved) -> String {
         );
     }
     if let Some(code) = step.expect_reason {
-        let n = got.reasons.get(step.hook, Verdict::Kernel, code).packets;
+        let n = got.reasons.get(step.hook, verdict, code).packets;
         if n != 1 {
             let _ = writeln!(
                 out,
-                "  stats: expected the packet counted once as kernel/{}, got {n}",
+                "  stats: expected the packet counted once as {}/{}, got {n}",
+                verdict.name(),
                 fastpath_common::reason::name(code)
             );
         }

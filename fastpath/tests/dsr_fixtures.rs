@@ -1,0 +1,54 @@
+//! Direct server return through the real XDP entry point with BPF_PROG_TEST_RUN. The
+//! datapath asks the kernel's FIB for the backend's route and MAC address, so the test runs in
+//! a network namespace of its own with the routes and neighbours the sequences expect
+//! (`DSR_NETNS_SETUP`). Needs root; without it the test fails (never skips).
+
+use fastpath::testkit::{
+    ct_cases::{DSR_NETNS_SETUP, dsr_sequences},
+    fixture::Fixture,
+    require_root,
+};
+
+#[test]
+fn dsr_sequences_through_bpf_prog_test_run() {
+    require_root("dsr_fixtures");
+    // This thread (and the commands it starts) moves to a fresh network namespace; the
+    // datapath's test runs see its FIB.
+    // SAFETY: unshare has no memory-safety preconditions.
+    let rc = unsafe { libc::unshare(libc::CLONE_NEWNET) };
+    assert_eq!(
+        rc,
+        0,
+        "unshare(CLONE_NEWNET): {}",
+        std::io::Error::last_os_error()
+    );
+    for cmd in DSR_NETNS_SETUP {
+        let out = std::process::Command::new(cmd[0])
+            .args(&cmd[1..])
+            .output()
+            .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
+        assert!(
+            out.status.success(),
+            "{cmd:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let sequences = dsr_sequences();
+    let mut fixture =
+        Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));
+    let mut failures = Vec::new();
+    for seq in &sequences {
+        if let Err(f) = fixture.run_ct_sequence(seq) {
+            failures.push(f.to_string());
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} DSR sequences failed:\n\n{}",
+        failures.len(),
+        sequences.len(),
+        failures.join("\n")
+    );
+    let steps: usize = sequences.iter().map(|s| s.steps.len()).sum();
+    eprintln!("{} DSR sequences ({steps} steps) passed", sequences.len());
+}
