@@ -910,11 +910,25 @@ fn update(
     now: u64,
 ) -> Option<u32> {
     let mut dir = e.dir(src_is_lo);
-    let seen_reply = e.flags & CT_F_SEEN_REPLY != 0;
+    let mut seen_reply = e.flags & CT_F_SEEN_REPLY != 0;
     if p.l4_proto == IPPROTO_TCP {
         let closed = |x: u8| x == tcp_state::TIME_WAIT || x == tcp_state::CLOSE;
-        match tcp_step(e.state, dir, p.tcp_flags) {
-            TcpStep::To(tcp_state::SYN_SENT) if closed(e.state) => {
+        // The two ends' packets of one connection (say, both FINs) may be handled on two CPUs
+        // at once: the state moves by compare-and-swap, so neither move is lost (a plain
+        // read-modify-write left connections stuck in CLOSE_WAIT). A CPU whose swap failed
+        // steps once more from what the other left; its events and counters follow only its
+        // own successful swap.
+        let claim = match claim_tcp_step(e, dir, p.tcp_flags) {
+            Some(c) => c,
+            None => claim_tcp_step(e, dir, p.tcp_flags).unwrap_or(Claim {
+                to: STEP_IGNORE,
+                was: e.state,
+                seen_reply,
+            }),
+        };
+        seen_reply = claim.seen_reply;
+        match claim.step() {
+            TcpStep::To(tcp_state::SYN_SENT) if closed(claim.was) => {
                 // A new connection on the same tuple: start over, its SYN sender as originator.
                 // A load-balanced connection keeps its backend (and its alias).
                 let nat = e.nat;
@@ -932,8 +946,7 @@ fn update(
                 let _ = FP_CT_NEW.push(key, BPF_EXIST);
             }
             TcpStep::To(s) => {
-                let was = e.state;
-                e.state = s;
+                let was = claim.was;
                 if !seen_reply && p.tcp_flags & fastpath_common::ct::TCP_RST != 0 {
                     // Linux: "if only reply is a RST, we can consider ourselves not to have an
                     // established connection" — the entry goes at once.
@@ -950,9 +963,8 @@ fn update(
                 if seen_reply
                     && s == tcp_state::ESTABLISHED
                     && (was == tcp_state::SYN_RECV || was == tcp_state::ESTABLISHED)
-                    && e.flags & CT_F_ASSURED == 0
+                    && set_flag(e, CT_F_ASSURED)
                 {
-                    e.flags |= CT_F_ASSURED;
                     count(ct_stat::ASSURED);
                     emit(key, ct_event::ESTABLISHED, e, now);
                 }
@@ -967,8 +979,8 @@ fn update(
             TcpStep::Ignore => {
                 // Accepted, so a reply still counts as seen (as in Linux), but not accounted.
                 count(ct_stat::IGNORED);
-                if dir == DIR_REPLY {
-                    e.flags |= CT_F_SEEN_REPLY;
+                if dir == DIR_REPLY && e.flags & CT_F_SEEN_REPLY == 0 {
+                    set_flag(e, CT_F_SEEN_REPLY);
                 }
                 return None;
             }
@@ -981,21 +993,121 @@ fn update(
         && seen_reply
         && e.flags & CT_F_ASSURED == 0
         && now.wrapping_sub(e.created_ns) > UDP_STREAM_AFTER_NS
+        && set_flag(e, CT_F_ASSURED)
     {
         // UDP, as in Linux: replied and still active 2 s after it began is a stream. ICMP
         // echo is never assured.
-        e.flags |= CT_F_ASSURED;
         count(ct_stat::ASSURED);
         emit(key, ct_event::ESTABLISHED, e, now);
     }
-    if dir == DIR_REPLY {
-        e.flags |= CT_F_SEEN_REPLY;
+    // perf: an atomic or only the first time (a plain read first).
+    if dir == DIR_REPLY && e.flags & CT_F_SEEN_REPLY == 0 {
+        set_flag(e, CT_F_SEEN_REPLY);
     }
     let d = dir & 1;
     e.packets[d] += 1;
     e.bytes[d] += len as u64;
     e.last_seen_ns = now;
     None
+}
+
+/// A TCP state move this CPU made (see `claim_tcp_step`).
+struct Claim {
+    /// The new state, or `STEP_IGNORE` / `STEP_INVALID`. verifier: a plain byte, not a
+    /// `TcpStep` — an enum's payload is undefined for its other variants, and LLVM copies
+    /// such undefined registers, which the verifier refuses to read.
+    to: u8,
+    /// The state it moved from.
+    was: u8,
+    /// Whether a reply had been seen then.
+    seen_reply: bool,
+}
+
+/// `Claim::to` for `TcpStep::Ignore` and `TcpStep::Invalid` (no state is this large).
+const STEP_IGNORE: u8 = 0xfe;
+const STEP_INVALID: u8 = 0xff;
+
+impl Claim {
+    #[inline(always)]
+    fn step(&self) -> TcpStep {
+        match self.to {
+            STEP_IGNORE => TcpStep::Ignore,
+            STEP_INVALID => TcpStep::Invalid,
+            s => TcpStep::To(s),
+        }
+    }
+}
+
+/// The entry's state, flags and padding: one 8-aligned word (state in its low byte, flags in
+/// the next), swapped and or-ed atomically.
+#[inline(always)]
+fn state_word(e: &mut CtEntry) -> *mut u64 {
+    const _: () = assert!(core::mem::offset_of!(CtEntry, state) % 8 == 0);
+    const _: () =
+        assert!(core::mem::offset_of!(CtEntry, flags) == core::mem::offset_of!(CtEntry, state) + 1);
+    (&raw mut e.state).cast::<u64>()
+}
+
+/// Steps the TCP state machine from the entry's current state and, for a move, swaps the
+/// new state in if nobody changed the word since it was read. `None`: another CPU did (step
+/// again). The reopening of a closed connection (SYN in TIME_WAIT/CLOSE) is not swapped: the
+/// caller rewrites the entry.
+#[inline(always)]
+fn claim_tcp_step(e: &mut CtEntry, dir: usize, tcp_flags: u8) -> Option<Claim> {
+    let word = state_word(e);
+    // SAFETY: an 8-aligned word of a map value (see `state_word`).
+    let old = unsafe { core::ptr::read_volatile(word) };
+    let (was, flags) = (old as u8, (old >> 8) as u8);
+    // verifier: the state indexes the transition table; passed through a volatile stack
+    // slot, so the table's bounds check is made on the register the access uses (LLVM would
+    // otherwise check a value derived from `old` and index with another).
+    let slot = was;
+    // SAFETY: a read of a local.
+    let indexed = unsafe { core::ptr::read_volatile(&slot) };
+    let to = match tcp_step(indexed, dir, tcp_flags) {
+        TcpStep::To(s) => s,
+        TcpStep::Ignore => STEP_IGNORE,
+        TcpStep::Invalid => STEP_INVALID,
+    };
+    let claim = Claim {
+        to,
+        was,
+        seen_reply: flags & CT_F_SEEN_REPLY != 0,
+    };
+    if to == STEP_IGNORE || to == STEP_INVALID {
+        return Some(claim);
+    }
+    let s = to;
+    let reopen =
+        s == tcp_state::SYN_SENT && (was == tcp_state::TIME_WAIT || was == tcp_state::CLOSE);
+    if reopen || s == was {
+        return Some(claim);
+    }
+    let new = (old & !0xff) | u64::from(s);
+    // SAFETY: as above; BPF's compare-and-swap on map memory.
+    let (_, swapped) = unsafe {
+        core::intrinsics::atomic_cxchg::<
+            u64,
+            { core::intrinsics::AtomicOrdering::Relaxed },
+            { core::intrinsics::AtomicOrdering::Relaxed },
+        >(word, old, new)
+    };
+    swapped.then_some(claim)
+}
+
+/// Sets an entry flag atomically (BPF atomic or on the state word); true if this call set it
+/// (it was clear), so what follows from it happens once.
+#[inline(always)]
+fn set_flag(e: &mut CtEntry, flag: u8) -> bool {
+    let word = state_word(e);
+    // SAFETY: an 8-aligned word of a map value (see `state_word`).
+    let old = unsafe {
+        core::intrinsics::atomic_or::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+            word,
+            u64::from(flag) << 8,
+        )
+    };
+    (old >> 8) as u8 & flag == 0
 }
 
 /// Writes an event straight into the ring (no stack copy); counts it as lost if full.
