@@ -44,6 +44,8 @@ pub mod map_names {
     pub const BACKEND_LOAD: &str = "FP_BACKEND_LOAD";
     /// Gateway SNAT rules ([`crate::lb::SnatRule`]) by `IfaceConfig::snat`.
     pub const SNAT: &str = "FP_SNAT";
+    /// XDP tail programs (`program_names::XDP_TAILS`), filled by the loader.
+    pub const TAILS: &str = "FP_TAILS";
 }
 
 /// Names of the programs in the eBPF object.
@@ -56,7 +58,15 @@ pub mod program_names {
     pub const BENCH_FLOOR_TC: &str = "bench_floor_tc";
     /// Synthetic conntrack event producer for the ring-drain benchmark; never attached.
     pub const BENCH_CT_EVENTS: &str = "bench_ct_events";
+    /// XDP programs the main one tail-calls (`FP_TAILS`), by index: rare paths whose stack
+    /// would not fit beside the main program's.
+    pub const XDP_TAILS: [&str; 2] = ["fastpath_xdp_icmp_error", "fastpath_xdp_icmp6_error"];
 }
+
+/// `FP_TAILS` indexes of the XDP tail programs that translate ICMP (IPv4) and ICMPv6 errors
+/// of load-balanced connections.
+pub const TAIL_ICMP_ERROR: u32 = 0;
+pub const TAIL_ICMP6_ERROR: u32 = 1;
 
 /// What the benchmark programs do, shared by the programs and the benchmark that drives them.
 pub mod bench {

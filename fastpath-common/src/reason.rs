@@ -111,9 +111,13 @@ pub const LB_DSR: u32 = 40;
 /// (MAC address) yet, or arriving where forwarding is off: dropped (the client retransmits;
 /// the daemon resolves the backends).
 pub const LB_DSR_NO_NEIGHBOR: u32 = 41;
+/// An ICMP/ICMPv6 error about a packet a backend was sent (port unreachable, fragmentation
+/// needed / packet too big, ...), translated for the client: the quoted packet as the client
+/// sent it, the error from the VIP.
+pub const LB_ICMP_ERROR: u32 = 42;
 
 /// One past the highest code in use. Append new codes above this line and bump it.
-pub const COUNT: u32 = 42;
+pub const COUNT: u32 = 43;
 /// Slots reserved per (hook, verdict) in the stats map; codes must stay below this.
 pub const SLOTS: u32 = 64;
 
@@ -163,6 +167,7 @@ pub const NAMES: [&str; COUNT as usize] = [
     "snat_exhausted",
     "lb_dsr",
     "lb_dsr_no_neighbor",
+    "lb_icmp_error",
 ];
 
 /// Name of a code, or `"unknown"` for a code this build does not know (a newer datapath).

@@ -93,6 +93,13 @@ pub const NAT_SRC: u8 = 2;
 /// `NatPlan::ends`: direct server return — no rewrite; send the packet to the MAC address of
 /// `dst_addr` (the backend).
 pub const NAT_DSR: u8 = 4;
+/// `NatPlan::ends`: an ICMP error about a packet a backend was sent (done by the tail program
+/// `fastpath_xdp_icmp_error`). The quoted packet's destination becomes `src_addr:src_port`
+/// (the VIP) and, with `NAT_DST`, its source `dst_addr:dst_port` (full-NAT: the client); the
+/// error then comes from the VIP (unless `NAT_ICMP_KEEP_SOURCE`) and, with `NAT_DST`, goes
+/// to the client.
+pub const NAT_ICMP_ERROR: u8 = 8;
+pub const NAT_ICMP_KEEP_SOURCE: u8 = 16;
 
 /// Plans the rewrite of the packet's destination to `dst` and, if `ends & NAT_SRC`, its
 /// source to `src` (if `ends & NAT_DST`, likewise), and says to do it under `reason`.
@@ -150,10 +157,7 @@ pub fn track(
     // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
     let key = unsafe { &mut *key };
     if kind == Kind::IcmpError {
-        return match related(pkt, p, key, firewall) {
-            Some(code) => Action::Drop(code),
-            None => Action::Pass,
-        };
+        return related(pkt, p, key, firewall, hook == Hook::Xdp);
     }
     // ICMP echo: both sides of the key carry the identifier (parsed into `src_port`).
     let is_tcp_udp = p.l4_proto == IPPROTO_TCP || p.l4_proto == IPPROTO_UDP;
@@ -741,22 +745,46 @@ fn store_v4(dst: &mut [u8; 16], a: [u8; 4]) {
 /// the first 8 bytes of its L4 header: ports, or the echo identifier). A match is RELATED and
 /// leaves the connection as it is, as in Linux.
 #[inline(always)]
-fn related(pkt: &Packet, p: &Parsed, key: &mut CtKey, firewall: bool) -> Option<u32> {
-    let found = inner_key(pkt, p, key) && {
+fn related(pkt: &Packet, p: &Parsed, key: &mut CtKey, firewall: bool, xdp: bool) -> Action {
+    let found = if inner_key(pkt, p, key) {
         key.normalize();
         let key: &CtKey = key;
-        FP_CT.get_ptr(&key).is_some()
+        FP_CT.get_ptr(&key)
+    } else {
+        None
     };
-    if found {
-        count(ct_stat::RELATED);
-        return None;
+    let Some(e) = found else {
+        count(ct_stat::RELATED_MISS);
+        if firewall {
+            count(ct_stat::FW_DROPPED);
+            return Action::Drop(reason::FW_ICMP_ERROR_NO_CONNECTION);
+        }
+        return Action::Pass;
+    };
+    count(ct_stat::RELATED);
+    // SAFETY: a hash map value pointer stays valid for this program run.
+    let e: &'static CtEntry = unsafe { &*e };
+    let inner_tcp_udp = key.proto == IPPROTO_TCP || key.proto == IPPROTO_UDP;
+    if xdp && inner_tcp_udp && e.flags & CT_F_LB_ALIAS != 0 {
+        // About a packet a backend was sent (the quote matches the backend-side alias): the
+        // client must see it about its own packet to the VIP, from the VIP; with full-NAT
+        // also its own address and port, and addressed to it.
+        let mut ends = NAT_ICMP_ERROR | NAT_SRC;
+        if e.flags & CT_F_FULL_NAT != 0 {
+            ends |= NAT_DST;
+        }
+        if e.flags & CT_F_SNAT != 0 {
+            // Gateway SNAT: the error still comes from whoever sent it.
+            ends |= NAT_ICMP_KEEP_SOURCE;
+        }
+        return nat(
+            (&e.nat.addr2, e.nat.port2),
+            (&e.nat.addr, e.nat.port),
+            ends,
+            reason::LB_ICMP_ERROR,
+        );
     }
-    count(ct_stat::RELATED_MISS);
-    if firewall {
-        count(ct_stat::FW_DROPPED);
-        return Some(reason::FW_ICMP_ERROR_NO_CONNECTION);
-    }
-    None
+    Action::Pass
 }
 
 /// Fills `key` from an ICMP error's inner packet; false if it is not a tracked packet of the

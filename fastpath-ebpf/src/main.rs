@@ -51,10 +51,21 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
         len,
         ctx: ctx.as_ptr(),
     };
-    let (verdict, reason) = match pipeline::parse(&pkt) {
+    let (verdict, mut reason) = match pipeline::parse(&pkt) {
         Ok(p) => pipeline::process(&pkt, p, Hook::Xdp, ctx.ingress_ifindex() as u32, false),
         Err(code) => pipeline::unparsed(code),
     };
+    if reason == fastpath_common::reason::LB_ICMP_ERROR {
+        // SAFETY: the tail program takes the same context; it does not return here.
+        let tail = if pipeline::is_ipv4() {
+            fastpath_common::TAIL_ICMP_ERROR
+        } else {
+            fastpath_common::TAIL_ICMP6_ERROR
+        };
+        unsafe { maps::FP_TAILS.tail_call(&ctx, tail) };
+        // The tail program is missing: the error goes on untranslated.
+        reason = fastpath_common::reason::LB_REWRITE_FAILED;
+    }
     stats::count(Hook::Xdp, verdict, reason, len);
     match verdict {
         Verdict::Drop => xdp_action::XDP_DROP,
@@ -132,6 +143,55 @@ fn tc_packet(ctx: &TcContext) -> Packet {
         data_end: ctx.data_end(),
         len: ctx.len() as usize,
         ctx: ctx.as_ptr(),
+    }
+}
+
+/// Tail programs of `fastpath_xdp` (`FP_TAILS[TAIL_ICMP_ERROR]` for IPv4,
+/// `[TAIL_ICMP6_ERROR]` for IPv6): translate an ICMP error about a load-balanced connection
+/// as the conntrack stage planned it (`FP_NAT`), from the packet context the main program
+/// parsed (`FP_PKT_CTX`, this CPU's), and count the packet. Programs of their own: the
+/// rewrite's stack does not fit beside the main program's (nor both families in one).
+#[xdp]
+pub fn fastpath_xdp_icmp_error(ctx: XdpContext) -> u32 {
+    icmp_error_tail(&ctx, true)
+}
+
+#[xdp]
+pub fn fastpath_xdp_icmp6_error(ctx: XdpContext) -> u32 {
+    icmp_error_tail(&ctx, false)
+}
+
+#[inline(always)]
+fn icmp_error_tail(ctx: &XdpContext, v4: bool) -> u32 {
+    // SAFETY: as in fastpath_xdp.
+    let end = unsafe { core::ptr::read_volatile(&(*ctx.ctx).data_end) } as usize;
+    let len = end.saturating_sub(ctx.data());
+    let pkt = Packet {
+        data: ctx.data(),
+        data_end: ctx.data_end(),
+        len,
+        ctx: ctx.as_ptr(),
+    };
+    let ok = match maps::FP_PKT_CTX.get(0) {
+        Some(p) => nat::icmp_error(&pkt, p, v4),
+        None => false,
+    };
+    if ok {
+        stats::count(
+            Hook::Xdp,
+            Verdict::Kernel,
+            fastpath_common::reason::LB_ICMP_ERROR,
+            len,
+        );
+        xdp_action::XDP_PASS
+    } else {
+        stats::count(
+            Hook::Xdp,
+            Verdict::Drop,
+            fastpath_common::reason::LB_REWRITE_FAILED,
+            len,
+        );
+        xdp_action::XDP_DROP
     }
 }
 

@@ -4,7 +4,7 @@
 use crate::{conntrack::NatPlan, gateway::FibParams, parse::Parsed};
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, Queue, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray, Queue, RingBuf},
 };
 use fastpath_common::{
     Counter, DatapathConfig,
@@ -173,3 +173,8 @@ pub static FP_SNAT_DST: PerCpuArray<Backend> = PerCpuArray::with_max_entries(1, 
 /// This CPU's FIB lookup parameters (64 bytes: off the 512-byte stack).
 #[map(name = "FP_FIB")]
 pub static FP_FIB: PerCpuArray<FibParams> = PerCpuArray::with_max_entries(1, 0);
+
+/// XDP tail programs (`program_names::XDP_TAILS`), filled by the loader before the main
+/// program is attached. Not pinned: each load brings its own programs.
+#[map(name = "FP_TAILS")]
+pub static FP_TAILS: ProgramArray = ProgramArray::with_max_entries(4, 0);

@@ -13,7 +13,7 @@
 use fastpath_common::csum;
 
 use crate::{
-    conntrack::{NAT_DSR, NAT_DST, NAT_SRC},
+    conntrack::{NAT_DSR, NAT_DST, NAT_ICMP_ERROR, NAT_ICMP_KEEP_SOURCE, NAT_SRC},
     maps::FP_NAT,
     packet::{Packet, be16},
     parse::{FAMILY_IPV4, IPPROTO_TCP, IPPROTO_UDP, Parsed},
@@ -24,6 +24,14 @@ use crate::{
 pub enum End {
     Src,
     Dst,
+}
+
+/// Whether this CPU's `FP_NAT` plan is an ICMP error's translation (see `icmp_error`).
+#[inline(always)]
+pub fn icmp_error_planned() -> bool {
+    FP_NAT
+        .get(0)
+        .is_some_and(|plan| plan.ends & NAT_ICMP_ERROR != 0)
 }
 
 /// Whether this CPU's `FP_NAT` plan is direct server return (no rewrite; see `dsr`).
@@ -131,6 +139,221 @@ pub fn rewrite(pkt: &Packet, p: &Parsed) -> bool {
         pkt.store_words(l3 + 8, new)
             && pkt.store(l4, new_ports)
             && pkt.store(csum_off, l4c.to_be_bytes())
+    }
+}
+
+/// Translates an ICMP/ICMPv6 error about a packet a backend was sent, as this CPU's `FP_NAT`
+/// plan says (see `NAT_ICMP_ERROR`): the quoted packet's destination becomes the VIP and, with
+/// `NAT_DST`, its source the client; the error's own source becomes the VIP (unless
+/// `NAT_ICMP_KEEP_SOURCE`) and, with `NAT_DST`, its destination the client. Every checksum
+/// follows incrementally: the quoted IPv4 header's, the quoted TCP/UDP checksum when it is
+/// in the quote (UDP without one keeps none), the ICMP checksum over all of it (ICMPv6: with
+/// its pseudo-header) and the outer IPv4 header's. Quoted TCP/UDP only (the conntrack stage
+/// checked the quote reaches the ports). All reads before the first write.
+///
+/// `v4` says which of the two tail programs runs this (each has its own stack: both
+/// variants in one do not fit 512 bytes); a packet of the other family is refused.
+#[inline(always)]
+pub fn icmp_error(pkt: &Packet, p: &Parsed, v4: bool) -> bool {
+    if (p.family == FAMILY_IPV4) != v4 {
+        return false;
+    }
+    let Some(plan) = FP_NAT.get(0) else {
+        return false;
+    };
+    let to_client = plan.ends & NAT_DST != 0;
+    let from_vip = plan.ends & NAT_ICMP_KEEP_SOURCE == 0;
+    let end = p.l3_end as usize;
+    // verifier: each region's offset is read afresh (volatile), so LLVM cannot derive one
+    // region's bounds check from another's and drop it; within a region, one load and one
+    // store share one checked pointer.
+    let off = |f: &u32| {
+        // SAFETY: a read of this CPU's packet context.
+        unsafe { core::ptr::read_volatile(f) as usize }
+    };
+    let icmp = off(&p.l4_off);
+    let Some(ih) = pkt.load_now::<[u8; 4]>(icmp) else {
+        return false;
+    };
+    let inner = off(&p.l4_off) + 8;
+    let mut ic = be16([ih[2], ih[3]]);
+    if v4 {
+        let Some(q) = pkt.load_now::<[u8; 20]>(inner) else {
+            return false;
+        };
+        let i4 = off(&p.l4_off) + 8 + ((q[0] & 0x0f) as usize) * 4;
+        let udp = q[9] == IPPROTO_UDP;
+        let Some(l4) = pkt.load_now::<[u8; 8]>(i4) else {
+            return false;
+        };
+        let o3 = off(&p.l3_off);
+        let Some(o) = pkt.load_now::<[u8; 12]>(o3 + 8) else {
+            return false;
+        };
+        let tcp_c_off = opaque(i4 + 16);
+        let tcp_c = if udp {
+            None
+        } else {
+            pkt.load_now::<[u8; 2]>(tcp_c_off)
+                .filter(|_| tcp_c_off + 2 <= end)
+                .map(be16)
+        };
+        let v = [
+            plan.src_addr[0],
+            plan.src_addr[1],
+            plan.src_addr[2],
+            plan.src_addr[3],
+        ];
+        let c = [
+            plan.dst_addr[0],
+            plan.dst_addr[1],
+            plan.dst_addr[2],
+            plan.dst_addr[3],
+        ];
+        let old_isrc = [q[12], q[13], q[14], q[15]];
+        let old_idst = [q[16], q[17], q[18], q[19]];
+        let new_isrc = if to_client { c } else { old_isrc };
+        let (sp0, dp0) = (be16([l4[0], l4[1]]), be16([l4[2], l4[3]]));
+        let sp1 = if to_client { plan.dst_port } else { sp0 };
+        let dp1 = plan.src_port;
+        // The quoted L4 checksum: UDP's in the first 8 bytes (0: none), TCP's at 16 if quoted.
+        let udp_c = be16([l4[6], l4[7]]);
+        let old_l4c = if udp {
+            (udp_c != 0).then_some(udp_c)
+        } else {
+            tcp_c
+        };
+        let new_l4c = old_l4c.map(|old| {
+            let mut n = csum::replace4(csum::replace4(old, old_idst, v), old_isrc, new_isrc);
+            n = csum::replace2(csum::replace2(n, sp0, sp1), dp0, dp1);
+            if udp { csum::udp_fixup(old, n) } else { n }
+        });
+        let old_ic3 = be16([q[10], q[11]]);
+        let new_ic3 = csum::replace4(csum::replace4(old_ic3, old_idst, v), old_isrc, new_isrc);
+        ic = csum::replace4(csum::replace4(ic, old_idst, v), old_isrc, new_isrc);
+        ic = csum::replace2(ic, old_ic3, new_ic3);
+        ic = csum::replace2(csum::replace2(ic, sp0, sp1), dp0, dp1);
+        if let (Some(old), Some(new)) = (old_l4c, new_l4c) {
+            ic = csum::replace2(ic, old, new);
+        }
+        let old_osrc = [o[4], o[5], o[6], o[7]];
+        let old_odst = [o[8], o[9], o[10], o[11]];
+        let new_osrc = if from_vip { v } else { old_osrc };
+        let new_odst = if to_client { c } else { old_odst };
+        let oc = csum::replace4(
+            csum::replace4(be16([o[2], o[3]]), old_osrc, new_osrc),
+            old_odst,
+            new_odst,
+        );
+        // Outer: checksum and addresses (bytes 10..20 of the header).
+        let mut out = [0u8; 10];
+        out[..2].copy_from_slice(&oc.to_be_bytes());
+        out[2..6].copy_from_slice(&new_osrc);
+        out[6..].copy_from_slice(&new_odst);
+        // Quoted header: checksum and addresses.
+        let mut qh = [0u8; 10];
+        qh[..2].copy_from_slice(&new_ic3.to_be_bytes());
+        qh[2..6].copy_from_slice(&new_isrc);
+        qh[6..].copy_from_slice(&v);
+        // Quoted L4: ports, and UDP's checksum.
+        let mut ql4 = l4;
+        ql4[..2].copy_from_slice(&sp1.to_be_bytes());
+        ql4[2..4].copy_from_slice(&dp1.to_be_bytes());
+        if udp && let Some(n) = new_l4c {
+            ql4[6..].copy_from_slice(&n.to_be_bytes());
+        }
+        pkt.store(opaque(o3 + 10), out)
+            && pkt.store(opaque(inner + 10), qh)
+            && pkt.store(opaque(i4), ql4)
+            && (udp || new_l4c.is_none_or(|n| pkt.store(opaque(tcp_c_off), n.to_be_bytes())))
+            && pkt.store(opaque(icmp + 2), ic.to_be_bytes())
+    } else {
+        // verifier/stack: addresses as pairs of words, never 16-byte arrays (see
+        // `csum::replace8`).
+        let Some(q) = pkt.load_now::<[u64; 4]>(inner + 8) else {
+            return false;
+        };
+        // verifier: 8 bytes, not the 1 needed (LLVM turns a 1-byte check into `p >= end`,
+        // from which the verifier learns no readable length).
+        let Some(h) = pkt.load_now::<[u8; 8]>(off(&p.l4_off) + 8) else {
+            return false;
+        };
+        let udp = h[6] == IPPROTO_UDP;
+        let i4 = off(&p.l4_off) + 8 + 40;
+        let Some(l4) = pkt.load_now::<[u8; 8]>(i4) else {
+            return false;
+        };
+        let o3 = off(&p.l3_off);
+        let Some(o) = pkt.load_now::<[u64; 4]>(o3 + 8) else {
+            return false;
+        };
+        let tcp_c_off = opaque(i4 + 16);
+        let tcp_c = if udp {
+            None
+        } else {
+            pkt.load_now::<[u8; 2]>(tcp_c_off)
+                .filter(|_| tcp_c_off + 2 <= end)
+                .map(be16)
+        };
+        let (v, c) = (words(&plan.src_addr), words(&plan.dst_addr));
+        let isrc = if to_client { c } else { [q[0], q[1]] };
+        let osrc = if from_vip { v } else { [o[0], o[1]] };
+        let odst = if to_client { c } else { [o[2], o[3]] };
+        let new_outer = [osrc[0], osrc[1], odst[0], odst[1]];
+        let new_inner = [isrc[0], isrc[1], v[0], v[1]];
+        let (sp0, dp0) = (be16([l4[0], l4[1]]), be16([l4[2], l4[3]]));
+        let sp1 = if to_client { plan.dst_port } else { sp0 };
+        let dp1 = plan.src_port;
+        let udp_c = be16([l4[6], l4[7]]);
+        // UDP over IPv6 always has a checksum.
+        let old_l4c = if udp { Some(udp_c) } else { tcp_c };
+        let mut new_l4c = old_l4c;
+        let mut k = 0;
+        while k < 4 {
+            // The ICMPv6 checksum covers its pseudo-header (the outer addresses) too.
+            ic = csum::replace8(ic, o[k], new_outer[k]);
+            ic = csum::replace8(ic, q[k], new_inner[k]);
+            new_l4c = new_l4c.map(|l| csum::replace8(l, q[k], new_inner[k]));
+            k += 1;
+        }
+        new_l4c = new_l4c.map(|l| csum::replace2(csum::replace2(l, sp0, sp1), dp0, dp1));
+        ic = csum::replace2(csum::replace2(ic, sp0, sp1), dp0, dp1);
+        if let (Some(old), Some(new)) = (old_l4c, new_l4c) {
+            ic = csum::replace2(ic, old, new);
+        }
+        let mut ql4 = l4;
+        ql4[..2].copy_from_slice(&sp1.to_be_bytes());
+        ql4[2..4].copy_from_slice(&dp1.to_be_bytes());
+        if udp && let Some(n) = new_l4c {
+            ql4[6..].copy_from_slice(&n.to_be_bytes());
+        }
+        pkt.store_words(opaque(o3 + 8), new_outer)
+            && pkt.store_words(opaque(inner + 8), new_inner)
+            && pkt.store(opaque(i4), ql4)
+            && (udp || new_l4c.is_none_or(|n| pkt.store(opaque(tcp_c_off), n.to_be_bytes())))
+            && pkt.store(opaque(icmp + 2), ic.to_be_bytes())
+    }
+}
+
+/// `x`, through a volatile stack slot: LLVM no longer knows how it relates to the values it
+/// came from, so it keeps the bounds checks made on it (verifier).
+#[inline(always)]
+fn opaque(x: usize) -> usize {
+    let slot = x;
+    // SAFETY: a read of a local.
+    unsafe { core::ptr::read_volatile(&slot) }
+}
+
+/// 16 address bytes of 8-aligned map memory as two words (as they lie in memory).
+#[inline(always)]
+fn words(addr: &[u8; 16]) -> [u64; 2] {
+    let w = (addr as *const [u8; 16]).cast::<u64>();
+    // SAFETY: 16 bytes of 8-aligned map memory.
+    unsafe {
+        [
+            core::ptr::read_volatile(w),
+            core::ptr::read_volatile(w.add(1)),
+        ]
     }
 }
 

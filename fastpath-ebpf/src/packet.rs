@@ -37,6 +37,21 @@ impl Packet {
         Some(unsafe { core::ptr::read_unaligned((self.data + off) as *const T) })
     }
 
+    /// [`Packet::load`], read where it stands: volatile, so LLVM cannot sink the read below
+    /// later code, away from its bounds check (the verifier then sees a packet pointer that
+    /// was never checked). For functions with many loads whose values are used late.
+    #[inline(always)]
+    pub fn load_now<T: Copy>(&self, off: usize) -> Option<T> {
+        if off > MAX_HDR_OFF {
+            return None;
+        }
+        if self.data + off + size_of::<T>() > self.data_end {
+            return None;
+        }
+        // SAFETY: as in `load`; a volatile read of the same bytes.
+        Some(unsafe { core::ptr::read_volatile((self.data + off) as *const T) })
+    }
+
     /// Writes `v` at `off`; false (nothing written) if it is not inside the writable bytes.
     /// XDP only: a TC program must make the skb writable first. `T` is a byte array.
     #[inline(always)]

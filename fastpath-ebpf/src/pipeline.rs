@@ -43,6 +43,8 @@ pub fn process(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32, local: bool) 
         Action::Drop(code) => (Verdict::Drop, code),
         Action::Kernel(code) => (Verdict::Kernel, code),
         // Translated packets are routed by the kernel (no FIB stage yet).
+        // Translated by the tail program the entry point calls for this reason.
+        Action::Nat(code) if nat::icmp_error_planned() => (Verdict::Kernel, code),
         Action::Nat(code) if nat::dsr_planned() => {
             if dsr::forward(pkt, p, ifindex) {
                 (Verdict::Forward, code)
@@ -58,6 +60,12 @@ pub fn process(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32, local: bool) 
             }
         }
     }
+}
+
+/// Whether this CPU's parsed packet is IPv4.
+#[inline(always)]
+pub fn is_ipv4() -> bool {
+    FP_PKT_CTX.get(0).is_some_and(|p| p.family == FAMILY_IPV4)
 }
 
 /// Verdict and reason for a packet the parser refused.

@@ -225,6 +225,8 @@ impl Datapath {
             what: format!("loading {}", program_names::XDP),
             source,
         })?;
+        // Before anything is attached: the main program tail-calls these.
+        install_xdp_tails(&mut ebpf)?;
         Ok(Datapath {
             ebpf,
             pin_dir: pin_dir.to_owned(),
@@ -1681,6 +1683,42 @@ fn tc_program_name(hook: HookKind) -> &'static str {
         HookKind::TcEgress => program_names::TC_EGRESS,
         _ => program_names::TC_INGRESS,
     }
+}
+
+/// Loads the XDP tail programs (`program_names::XDP_TAILS`) and puts each in `FP_TAILS` at
+/// its index, where the main XDP program finds them.
+pub fn install_xdp_tails(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
+    for (index, name) in program_names::XDP_TAILS.into_iter().enumerate() {
+        let prog: &mut Xdp = program(ebpf, name)?;
+        prog.load().map_err(|source| DatapathError::Program {
+            what: format!("loading {name}"),
+            source,
+        })?;
+        let fd = prog
+            .fd()
+            .and_then(|fd| fd.try_clone().map_err(ProgramError::from))
+            .map_err(|source| DatapathError::Program {
+                what: format!("the fd of {name}"),
+                source,
+            })?;
+        let map = ebpf
+            .map_mut(map_names::TAILS)
+            .ok_or(DatapathError::MissingMap {
+                name: map_names::TAILS,
+            })?;
+        let mut tails =
+            aya::maps::ProgramArray::try_from(map).map_err(|source| DatapathError::Map {
+                what: "opening FP_TAILS".into(),
+                source,
+            })?;
+        tails
+            .set(index as u32, &fd, 0)
+            .map_err(|source| DatapathError::Map {
+                what: format!("FP_TAILS[{index}] = {name}"),
+                source,
+            })?;
+    }
+    Ok(())
 }
 
 fn program<'a, T>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut T, DatapathError>

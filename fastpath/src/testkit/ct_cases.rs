@@ -648,6 +648,20 @@ impl Seq {
         self.push(what, input, CtExpect::Untouched, stats, &[])
     }
 
+    /// An ICMP error the backend side sends about the connection's packet to the backend
+    /// (`icmp_type`/`code`): it must reach the client translated — about the client's own
+    /// packet to the VIP, from the VIP (byte-exact, full checksums), counted `lb_icmp_error`.
+    fn lb_icmp_error(self, icmp_type: u8, code: u8) -> Self {
+        let what = format!("lb icmp error type {icmp_type} code {code} from the backend side");
+        let input = self.backend_flow().icmp_error(O, icmp_type, code);
+        let output = self.flow.icmp_error(O, icmp_type, code);
+        let mut s = self.push(what, input, CtExpect::Untouched, &[RELATED], &[]);
+        let step = s.steps.last_mut().expect("just pushed");
+        step.expect_output = Some(output);
+        step.expect_reason = Some(reason::LB_ICMP_ERROR);
+        s
+    }
+
     /// A TCP packet the current hook must not track.
     fn tcp_untracked(self, dir: Dir, flags: u8) -> Self {
         let what = format!("{} {} (not tracked here)", dir.name(), flags_name(flags));
@@ -1723,7 +1737,29 @@ fn full_nat_sequences() -> Vec<Seq> {
         SNAT_RETRIES,
         fastpath_common::lb::SNAT_TRIES as usize,
     ));
+    let icmp_errors = Seq::lb(
+        "lb_full_nat_icmp_errors_reach_the_client",
+        tcp_vip,
+        &tcp4_svc,
+    )
+    .via(v4(BE4[0]), 8080)
+    .snat(v4(SNAT4), sp)
+    .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+    .lb_icmp_error(3, 4)
+    .lb_icmp_error(11, 0);
+    let icmp6_errors = Seq::lb(
+        "lb_full_nat_icmpv6_packet_too_big_reaches_the_client",
+        udp6_vip,
+        &udp6_svc,
+    )
+    .via(BE6, 5353)
+    .snat(SNAT6, sp6)
+    .lb_udp(O, b"query", NOFLAGS, CREATED, &[(NEW_EV, 0)])
+    .lb_icmp_error(2, 0)
+    .lb_icmp_error(1, 4);
     vec![
+        icmp_errors,
+        icmp6_errors,
         Seq::lb("lb_full_nat_tcp_v4_whole_connection", tcp_vip, &tcp4_svc)
             .via(v4(BE4[0]), 8080)
             .snat(v4(SNAT4), sp)
@@ -1918,6 +1954,38 @@ fn lb_sequences() -> Vec<Seq> {
     );
     let zero_reply_out = udp_zero(R, &udp4_vip, b"a");
     vec![
+        // ICMP errors from the backend side about the client's packets (fragmentation needed,
+        // port unreachable; packet too big): the client sees them about its own packets to
+        // the VIP, from the VIP, every checksum as a full recomputation gives it.
+        Seq::lb("lb_icmp_frag_needed_reaches_the_client", tcp_vip, &one4)
+            .via(be0, 8080)
+            .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+            .lb_icmp_error(3, 4)
+            .table_len(2),
+        Seq::lb(
+            "lb_icmp_port_unreachable_reaches_the_client",
+            udp4_vip,
+            &udp4_svc,
+        )
+        .via(v4(BE4[1]), 53)
+        .lb_udp(O, b"query", NOFLAGS, CREATED, &[(NEW_EV, 0)])
+        .lb_icmp_error(3, 3),
+        Seq::lb(
+            "lb_icmpv6_packet_too_big_reaches_the_client",
+            tcp6_vip,
+            &tcp6_svc,
+        )
+        .via(BE6, 8443)
+        .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+        .lb_icmp_error(2, 0),
+        Seq::lb(
+            "lb_icmpv6_unreachable_about_udp_reaches_the_client",
+            udp6_vip,
+            &udp6_svc,
+        )
+        .via(BE6, 5353)
+        .lb_udp(O, b"query", NOFLAGS, CREATED, &[(NEW_EV, 0)])
+        .lb_icmp_error(1, 4),
         Seq::lb(
             "lb_tcp_v4_whole_connection_through_the_backend",
             tcp_vip,

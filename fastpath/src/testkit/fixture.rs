@@ -285,6 +285,11 @@ pub enum FixtureError {
     },
     #[error("the datapath object has no map `{name}`; was fastpath-ebpf rebuilt?")]
     MissingMap { name: &'static str },
+    #[error("installing the XDP tail programs: {source}")]
+    Tails {
+        #[source]
+        source: crate::datapath::DatapathError,
+    },
     #[error("map `{name}`: {source}")]
     Map {
         name: &'static str,
@@ -366,6 +371,8 @@ impl Fixture {
             tc.load()
                 .map_err(|source| FixtureError::Program { name, source })?;
         }
+        crate::datapath::install_xdp_tails(&mut ebpf)
+            .map_err(|source| FixtureError::Tails { source })?;
         Ok(Fixture {
             lb_writer: None,
             ebpf,
