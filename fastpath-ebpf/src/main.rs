@@ -40,17 +40,8 @@ const PULL_LEN: u32 = 256;
 #[xdp]
 #[inline(always)]
 pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
-    // verifier: `len` is read from the context a second time, volatile, so LLVM cannot derive
-    // one bounds check from another through it (it otherwise drops checks the verifier needs).
-    // SAFETY: `ctx.ctx` points at the kernel's xdp_md for the duration of the program.
-    let end = unsafe { core::ptr::read_volatile(&(*ctx.ctx).data_end) } as usize;
-    let len = end.saturating_sub(ctx.data());
-    let pkt = Packet {
-        data: ctx.data(),
-        data_end: ctx.data_end(),
-        len,
-        ctx: ctx.as_ptr(),
-    };
+    let pkt = xdp_packet(&ctx);
+    let len = pkt.len;
     let (verdict, mut reason) = match pipeline::parse(&pkt) {
         Ok(p) => pipeline::process(&pkt, p, Hook::Xdp, ctx.ingress_ifindex() as u32, false),
         Err(code) => pipeline::unparsed(code),
@@ -74,6 +65,21 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
         // are in place).
         // SAFETY: bpf_redirect has no preconditions; it returns the XDP action to take.
         Verdict::Forward => unsafe { bpf_redirect(dsr::out_ifindex(), 0) as u32 },
+    }
+}
+
+/// The packet an XDP program sees.
+#[inline(always)]
+fn xdp_packet(ctx: &XdpContext) -> Packet {
+    // verifier: `len` is read from the context a second time, volatile, so LLVM cannot derive
+    // one bounds check from another through it (it otherwise drops checks the verifier needs).
+    // SAFETY: `ctx.ctx` points at the kernel's xdp_md for the duration of the program.
+    let end = unsafe { core::ptr::read_volatile(&(*ctx.ctx).data_end) } as usize;
+    Packet {
+        data: ctx.data(),
+        data_end: ctx.data_end(),
+        len: end.saturating_sub(ctx.data()),
+        ctx: ctx.as_ptr(),
     }
 }
 
@@ -163,15 +169,8 @@ pub fn fastpath_xdp_icmp6_error(ctx: XdpContext) -> u32 {
 
 #[inline(always)]
 fn icmp_error_tail(ctx: &XdpContext, v4: bool) -> u32 {
-    // SAFETY: as in fastpath_xdp.
-    let end = unsafe { core::ptr::read_volatile(&(*ctx.ctx).data_end) } as usize;
-    let len = end.saturating_sub(ctx.data());
-    let pkt = Packet {
-        data: ctx.data(),
-        data_end: ctx.data_end(),
-        len,
-        ctx: ctx.as_ptr(),
-    };
+    let pkt = xdp_packet(ctx);
+    let len = pkt.len;
     let ok = match maps::FP_PKT_CTX.get(0) {
         Some(p) => nat::icmp_error(&pkt, p, v4),
         None => false,

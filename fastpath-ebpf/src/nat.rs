@@ -190,14 +190,7 @@ pub fn icmp_error(pkt: &Packet, p: &Parsed, v4: bool) -> bool {
         let Some(o) = pkt.load_now::<[u8; 12]>(o3 + 8) else {
             return false;
         };
-        let tcp_c_off = opaque(i4 + 16);
-        let tcp_c = if udp {
-            None
-        } else {
-            pkt.load_now::<[u8; 2]>(tcp_c_off)
-                .filter(|_| tcp_c_off + 2 <= end)
-                .map(be16)
-        };
+        let (tcp_c_off, tcp_c) = quoted_tcp_checksum(pkt, i4, udp, end);
         let v = [
             plan.src_addr[0],
             plan.src_addr[1],
@@ -287,14 +280,7 @@ pub fn icmp_error(pkt: &Packet, p: &Parsed, v4: bool) -> bool {
         let Some(o) = pkt.load_now::<[u64; 4]>(o3 + 8) else {
             return false;
         };
-        let tcp_c_off = opaque(i4 + 16);
-        let tcp_c = if udp {
-            None
-        } else {
-            pkt.load_now::<[u8; 2]>(tcp_c_off)
-                .filter(|_| tcp_c_off + 2 <= end)
-                .map(be16)
-        };
+        let (tcp_c_off, tcp_c) = quoted_tcp_checksum(pkt, i4, udp, end);
         let (v, c) = (words(&plan.src_addr), words(&plan.dst_addr));
         let isrc = if to_client { c } else { [q[0], q[1]] };
         let osrc = if from_vip { v } else { [o[0], o[1]] };
@@ -333,6 +319,21 @@ pub fn icmp_error(pkt: &Packet, p: &Parsed, v4: bool) -> bool {
             && (udp || new_l4c.is_none_or(|n| pkt.store(opaque(tcp_c_off), n.to_be_bytes())))
             && pkt.store(opaque(icmp + 2), ic.to_be_bytes())
     }
+}
+
+/// Where a quoted TCP header's checksum lies (`i4 + 16`) and its value, if the quote (ending at
+/// `end`) includes it; nothing for UDP.
+#[inline(always)]
+fn quoted_tcp_checksum(pkt: &Packet, i4: usize, udp: bool, end: usize) -> (usize, Option<u16>) {
+    let off = opaque(i4 + 16);
+    if udp {
+        return (off, None);
+    }
+    let c = pkt
+        .load_now::<[u8; 2]>(off)
+        .filter(|_| off + 2 <= end)
+        .map(be16);
+    (off, c)
 }
 
 /// `x`, through a volatile stack slot: LLVM no longer knows how it relates to the values it
