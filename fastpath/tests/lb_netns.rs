@@ -264,18 +264,8 @@ fn curl_through_the_vip_reaches_the_predicted_backends() {
 /// Client and backends send full checksums and verify what they receive (see the module
 /// comment).
 fn checksum_offloads_off(lb: &LbTopology) {
-    for ns in std::iter::once(lb.client()).chain((0..BACKENDS).map(|i| lb.backend(i))) {
-        ns.run(&[
-            "ethtool",
-            "-K",
-            LbTopology::HOST_IF,
-            "tx",
-            "off",
-            "rx",
-            "off",
-        ])
+    lb.checksum_offloads_off()
         .unwrap_or_else(|e| panic!("turning checksum offloads off: {e}"));
-    }
 }
 
 /// `fastpath ct list` of the daemon's datapath.
