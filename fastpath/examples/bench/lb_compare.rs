@@ -810,7 +810,7 @@ pub fn markdown(r: &CompareReport) -> String {
     );
     let _ = writeln!(
         md,
-        "Load: `{}`, one thread, in the client namespace, for {} s per run after a {} s warm-up following each setup. Requests/s with a new connection per request: {} connections, `-H 'Connection: close'` (nginx closes each connection after its response, so the client reuses ports without TIME_WAIT). Keep-alive: {} connections, wrk's default persistent connections (nginx closes one every 1000 requests). Throughput: a {} MiB file over {} keep-alive connections, bytes received ÷ time — HTTP rather than iperf3 because iperf3's control and data connections must reach the same server, which a per-connection random pick does not guarantee. {} rounds, interleaved (every contender once per round, the first one rotating); the table gives medians (min–max over rounds) and ratios of medians. Every run must answer at least 100 requests (3 files), with no non-2xx response and socket errors at most {:.1}% of requests; its packets must reach the backends — each of the three at least {:.0}% of them in the new-connection runs of the load balancers — and the contender's own counter (fastpath's datapath counters, the rules' packet counters) must have seen the traffic; otherwise the benchmark fails.\n",
+        "Load: `{}`, one thread, in the client namespace, for {} s per run after a {} s warm-up following each setup. Requests/s with a new connection per request: {} connections, `-H 'Connection: close'` (nginx closes each connection after its response, so the client reuses ports without TIME_WAIT). Keep-alive: {} connections, wrk's default persistent connections (nginx closes one every 1000 requests). Throughput: a {} MiB file over {} keep-alive connections, bytes received ÷ time — HTTP rather than iperf3 because iperf3's control and data connections must reach the same server, which a per-connection random pick does not guarantee. {} rounds, interleaved (every contender once per round, the first one rotating); the table gives medians (min–max over rounds) and ratios of medians. Every run must answer at least 100 requests (3 files), with no non-2xx response and socket errors at most {:.1}% of requests; its packets must reach the backends — each of the three at least {:.0}% of them in the new-connection runs of the load balancers — and the contender's own counter (fastpath's datapath counters, the rules' packet counters) must have seen the traffic; otherwise the benchmark fails. The baseline reaches one nginx (one process, so at most one CPU) where the load balancers spread the load over three, so a load balancer's ratio to it can exceed 1. fastpath runs as the tests and the demo configure it: XDP (native on veth) and TC ingress and egress programs on every fp interface, one service in NAT mode.\n",
         r.load_generator,
         r.duration_s,
         r.warmup_s,
@@ -866,6 +866,30 @@ pub fn markdown(r: &CompareReport) -> String {
         r.haproxy, r.iptables
     );
     md
+}
+
+/// The comparison's lines of "Where we lose": every measurement where another contender's
+/// median beats fastpath's by more than 2%, and what this topology charges XDP.
+pub fn where_we_lose(r: &CompareReport) -> String {
+    let mut lost = Vec::new();
+    for c in r.contenders.iter().filter(|c| c.contender != "fastpath") {
+        for (what, m) in [
+            ("new-connection req/s", &c.new_connection_rps),
+            ("keep-alive req/s", &c.keep_alive_rps),
+            ("throughput", &c.throughput_gbit_s),
+        ] {
+            if m.vs_fastpath > 1.02 {
+                lost.push(format!("{} {what} {:.2}×", c.contender, m.vs_fastpath));
+            }
+        }
+    }
+    if lost.is_empty() {
+        return "Load balancers compared: no contender beat fastpath by more than 2% on any measurement in this run.\n\n".into();
+    }
+    format!(
+        "Load balancers compared, where another contender's median beat fastpath's (its median ÷ fastpath's): {}. Part of it is the topology: on a veth, a native XDP program gets each packet by turning the sender's skb into an XDP buffer and back — copying it when it is a clone (as every TCP segment is: the sender keeps it for retransmission) or lacks XDP's 256 bytes of headroom — where a NIC runs XDP before any skb exists; and attaching XDP to a veth turns software GSO off on its peer. The daemon also runs its TC ingress and egress programs on every fp interface. The kernel contenders pay none of that here.\n\n",
+        lost.join("; ")
+    )
 }
 
 #[cfg(test)]

@@ -1086,7 +1086,7 @@ fn markdown(r: &Report) -> String {
     );
     let _ = writeln!(
         md,
-        "LB rows: one service on a VIP (NAT mode, Maglev, table auto-sized) with {} backends. LB hit: the packets of one established connection, each way, each run once {LB_RUNS} times (repeat = 1; a repeat would see its own translated packet), against the floor also run once; each is first checked to come out translated. The hit path does not depend on the backend count (the connection's entry holds its backend); the new-connection row, {LB_RUNS} SYNs from new source ports each run once, is where the service lookup, the Maglev pick and the conntrack insert happen. Table entries: the count when the measurement starts.\n",
+        "LB rows: one service on a VIP (NAT mode, Maglev, table auto-sized) with {} backends. LB hit: the packets of one established connection, each way, {LB_RUNS} calls of one run each (repeat = 1: a repeat would see its own translated packet), each right after the floor also run once; each packet is first checked to come out translated (to the backend Maglev picked, back from the VIP). The hit path does not depend on the backend count (the connection's entry holds its backend); the new-connection rows, {LB_RUNS} SYNs from new source ports each run once, are where the service lookup, the Maglev pick and the conntrack insert happen. The maps are seeded once per backend count, not between the timed calls (re-applying a thousand backends between them would time a datapath whose caches the seeding just evicted). Table entries: the count when the measurement starts.\n",
         LB_BACKENDS
             .iter()
             .map(|n| n.to_string())
@@ -1153,6 +1153,7 @@ fn markdown(r: &Report) -> String {
             mega(d.target_events_per_s)
         );
     }
+    md.push_str(&lb_compare::where_we_lose(&r.lb_compare));
     if missed.is_empty() {
         let _ = writeln!(
             md,
