@@ -214,6 +214,7 @@ pub struct CompareReport {
     load_generator: String,
     haproxy: String,
     iptables: String,
+    nftables: String,
     contenders: Vec<ContenderRow>,
 }
 
@@ -229,7 +230,7 @@ struct Samples {
     requests: u64,
 }
 
-/// What is running on fp for one contender; [`teardown`] removes it.
+/// What is running on fp for one contender; [`Bench::teardown`] removes it.
 enum Running {
     Nothing,
     Daemon(Daemon),
@@ -292,9 +293,10 @@ pub fn run(bin: &Path) -> Result<CompareReport> {
             kernel_conntrack_entries: crate::stats(&s.conntrack).0,
         })
         .collect();
-    let version = |args: &[&str]| {
-        std::process::Command::new(args[0])
-            .args(&args[1..])
+    // The first line a tool prints about its version (some print it on stderr).
+    let version = |prog: &str, flag: &str| {
+        std::process::Command::new(prog)
+            .arg(flag)
             .output()
             .ok()
             .map(|o| {
@@ -316,9 +318,10 @@ pub fn run(bin: &Path) -> Result<CompareReport> {
         connections: CONNECTIONS,
         bulk_connections: BULK_CONNECTIONS,
         bulk_file_bytes: BULK_BYTES,
-        load_generator: version(&["wrk", "-v"]),
-        haproxy: version(&["haproxy", "-v"]),
-        iptables: version(&["iptables", "-V"]),
+        load_generator: version("wrk", "-v"),
+        haproxy: version("haproxy", "-v"),
+        iptables: version("iptables", "-V"),
+        nftables: version("nft", "-v"),
         contenders,
     })
 }
@@ -862,8 +865,8 @@ pub fn markdown(r: &CompareReport) -> String {
     let _ = writeln!(md);
     let _ = writeln!(
         md,
-        "Kernel conntrack is part of what is compared: iptables and nftables DNAT need nf_conntrack in fp (the NAT binding lives in the connection's conntrack entry; the last column counts fp's entries right after a new-connection run), fastpath keeps its own connection table in a BPF map and leaves nf_conntrack unused in fp, and HAProxy terminates the client's connection in fp's TCP stack and opens its own to the backend (no NAT, no conntrack, but two TCP connections per request). Versions: {}; {}; nftables from Debian. The machine's 2 CPUs run everything — wrk, the three nginx, HAProxy's threads (its default: one per CPU) and the kernel's packet processing in every namespace — so these numbers compare the contenders' CPU cost per request on one box rather than what each could do on its own hardware; another engineer's tests may share the machine during a run.\n",
-        r.haproxy, r.iptables
+        "Kernel conntrack is part of what is compared: iptables and nftables DNAT need nf_conntrack in fp (the NAT binding lives in the connection's conntrack entry; the last column counts fp's entries right after a new-connection run), fastpath keeps its own connection table in a BPF map and leaves nf_conntrack unused in fp, and HAProxy terminates the client's connection in fp's TCP stack and opens its own to the backend (no NAT, no conntrack, but two TCP connections per request). Versions: {}; {}; {}. The machine's 2 CPUs run everything — wrk, the three nginx, HAProxy's threads (its default: one per CPU) and the kernel's packet processing in every namespace — so these numbers compare the contenders' CPU cost per request on one box rather than what each could do on its own hardware; another engineer's tests may share the machine during a run.\n",
+        r.haproxy, r.iptables, r.nftables
     );
     md
 }
