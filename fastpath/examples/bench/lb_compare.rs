@@ -199,6 +199,10 @@ pub struct ContenderRow {
     requests: u64,
     /// Median over rounds of fp's kernel conntrack entries right after the new-connection run.
     kernel_conntrack_entries: f64,
+    /// Medians over rounds of the CPU the contender's own process (the fastpath daemon,
+    /// HAProxy) took during the new-connection, keep-alive and throughput runs, in % of one
+    /// CPU; `None` where no process of its own runs (the kernel does the work).
+    process_cpu_percent: Option<[f64; 3]>,
 }
 
 /// The comparison's results and method.
@@ -225,6 +229,8 @@ struct Samples {
     keep_alive: Vec<f64>,
     throughput: Vec<f64>,
     conntrack: Vec<f64>,
+    /// CPU of the contender's process (daemon, HAProxy) per run, in % of one CPU, by [`Mode`].
+    process_cpu: [Vec<f64>; 3],
     socket_errors: u64,
     non_2xx: u64,
     requests: u64,
@@ -235,6 +241,41 @@ enum Running {
     Nothing,
     Daemon(Daemon),
     Haproxy(Spawned, TempDir),
+}
+
+impl Running {
+    /// The contender's own process, if it has one.
+    fn pid(&self) -> Option<u32> {
+        match self {
+            Running::Nothing => None,
+            Running::Daemon(d) => d.pid(),
+            Running::Haproxy(p, _) => Some(p.pid()),
+        }
+    }
+}
+
+/// CPU seconds (user + system, all threads) process `pid` has used, from /proc/PID/stat.
+fn process_cpu_s(pid: u32) -> Result<f64> {
+    let path = format!("/proc/{pid}/stat");
+    let stat = fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+    // Fields after the command name (which may hold spaces, so split after its ')'): state
+    // is field 3, utime and stime fields 14 and 15, in clock ticks.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| -> Result<u64> {
+        fields
+            .get(i)
+            .and_then(|f| f.parse().ok())
+            .with_context(|| format!("no field {} in {path}: {stat:?}", i + 3))
+    };
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if hz <= 0 {
+        bail!("sysconf(_SC_CLK_TCK) returned {hz}");
+    }
+    Ok((ticks(11)? + ticks(12)?) as f64 / hz as f64)
 }
 
 /// The topology, the backends' servers and the files the runs need.
@@ -291,6 +332,8 @@ pub fn run(bin: &Path) -> Result<CompareReport> {
             non_2xx: s.non_2xx,
             requests: s.requests,
             kernel_conntrack_entries: crate::stats(&s.conntrack).0,
+            process_cpu_percent: (!s.process_cpu[0].is_empty())
+                .then(|| s.process_cpu.each_ref().map(|v| crate::stats(v).0)),
         })
         .collect();
     // The first line a tool prints about its version (some print it on stderr).
@@ -327,16 +370,22 @@ pub fn run(bin: &Path) -> Result<CompareReport> {
 }
 
 impl Bench {
-    /// The topology with checksum offloads off on the client and the backends, nginx on every
-    /// backend serving [`PAGE`] and [`BULK`], and wrk's script.
+    /// The topology with checksum offloads off on every interface, nginx on every backend
+    /// serving [`PAGE`] and [`BULK`], and wrk's script.
     fn new(bin: &Path) -> Result<Bench> {
         let lb = lb_topology(BACKENDS).context("building the namespace topology")?;
-        // Full checksums on every packet, as from a wire, for every contender alike: with
-        // offloads on, veth hands over partial checksums and 64 KiB GSO packets, and attaching
-        // XDP to a veth turns GSO off on its peer, so the contenders would not see the same
-        // packets.
+        // MTU-sized packets with full checksums on every link, as on a wire, for every
+        // contender alike: with offloads on, veth hands over partial checksums and 64 KiB GSO
+        // packets — the kernel contenders would forward one packet where fastpath, whose XDP
+        // turns GSO off on the veth's peer, sees 45, and HAProxy (sending from fp itself)
+        // would hand the client 64 KiB packets.
         lb.checksum_offloads_off()
             .context("turning checksum offloads off")?;
+        for iface in lb.fp_interfaces() {
+            lb.fp()
+                .run(&["ethtool", "-K", &iface, "tx", "off", "rx", "off"])
+                .context("turning checksum offloads off on fp")?;
+        }
         let mut servers = Vec::new();
         let bulk: Vec<u8> = (0..BULK_BYTES).map(|i| (i * 7 + i / 4096) as u8).collect();
         for i in 0..BACKENDS {
@@ -385,7 +434,8 @@ impl Bench {
                 )
             })?;
         self.wrk(&url(PAGE), CONNECTIONS, WARMUP_S, true)?;
-        for mode in Mode::ALL {
+        for (m, mode) in Mode::ALL.into_iter().enumerate() {
+            let cpu_before = running.pid().map(process_cpu_s).transpose()?;
             let before = self.counters(c, running)?;
             let run = match mode {
                 Mode::NewConnection => self.wrk(&url(PAGE), CONNECTIONS, DURATION_S, true)?,
@@ -393,6 +443,9 @@ impl Bench {
                 Mode::Throughput => self.wrk(&url(BULK), BULK_CONNECTIONS, DURATION_S, false)?,
             };
             let after = self.counters(c, running)?;
+            if let (Some(b), Some(pid)) = (cpu_before, running.pid()) {
+                s.process_cpu[m].push((process_cpu_s(pid)? - b) / run.duration_s * 100.0);
+            }
             check_run(c, mode, &run, &before, &after)
                 .with_context(|| format!("{} run{}", mode.name(), daemon_log(running)))?;
             s.requests += run.requests;
@@ -474,6 +527,16 @@ impl Bench {
                         daemon.log()
                     );
                 }
+                // The report describes native XDP: `auto` must not have fallen back.
+                for iface in self.lb.fp_interfaces() {
+                    let link = fp.link_show(&iface)?;
+                    if !link.contains("prog/xdp") || link.contains("xdpgeneric") {
+                        bail!(
+                            "fastpath did not attach native XDP on fp's {iface}:\n{link}\ndaemon log:\n{}",
+                            daemon.log()
+                        );
+                    }
+                }
                 Ok(Running::Daemon(daemon))
             }
             Contender::Iptables => {
@@ -508,6 +571,7 @@ impl Bench {
                     rule.extend(["-p", "tcp", "-j", "DNAT", "--to-destination", &to]);
                     ipt(&rule)?;
                 }
+                conntrack_checksum_off(fp)?;
                 Ok(Running::Nothing)
             }
             Contender::Nftables => {
@@ -524,6 +588,7 @@ impl Bench {
                 fs::write(&path, ruleset).context("writing the nftables ruleset")?;
                 fp.run(&["nft", "-f", path.to_str().context("non-UTF-8 temp path")?])
                     .context("loading the nftables ruleset")?;
+                conntrack_checksum_off(fp)?;
                 Ok(Running::Nothing)
             }
             Contender::Haproxy => {
@@ -644,6 +709,15 @@ impl Bench {
             .parse()
             .with_context(|| format!("`conntrack -C` printed {out:?}"))
     }
+}
+
+/// Turns conntrack's software checksum check off in `ns` (once DNAT rules have loaded
+/// nf_conntrack, so the sysctl exists). A NIC verifies receive checksums in hardware and
+/// conntrack then skips its own check; veth cannot, so the check is turned off instead, not
+/// to charge the iptables and nftables contenders for what a NIC does.
+fn conntrack_checksum_off(ns: &Netns) -> Result<()> {
+    ns.sysctl("net.netfilter.nf_conntrack_checksum", "0")
+        .context("turning conntrack's checksum check off in fp")
 }
 
 /// The iptables contender's per-service chain.
@@ -808,7 +882,7 @@ pub fn markdown(r: &CompareReport) -> String {
     let mut md = String::from("## Load balancers compared: namespace topology, wrk\n\n");
     let _ = writeln!(
         md,
-        "One VIP ({VIP}:{PORT}) over {} nginx backends (one single-process nginx each), through the same topology for every contender: client — fp — backends, one veth link each, the client's and backends' default routes through fp. Only one contender is set up on fp at a time; between runs it is torn down and fp is checked clean (nftables ruleset flushed — iptables-nft's rules included —, kernel conntrack table flushed, HAProxy stopped and the VIP removed, the daemon stopped with no XDP program or pin left). Checksum offloads are off on the client and the backends for every contender: every packet is MTU-sized with a full checksum, as from a wire (with offloads on, veth passes 64 KiB GSO packets, and attaching XDP to a veth turns GSO off on its peer, so the contenders would not see the same packets).\n",
+        "One VIP ({VIP}:{PORT}) over {} nginx backends (one single-process nginx each), through the same topology for every contender: client — fp — backends, one veth link each, the client's and backends' default routes through fp. Only one contender is set up on fp at a time; between runs it is torn down and fp is checked clean (nftables ruleset flushed — iptables-nft's rules included —, kernel conntrack table flushed, HAProxy stopped and the VIP removed, the daemon stopped with no XDP program or pin left). Checksum offloads are off on every interface (client, fp, backends) for every contender: every packet on every link is MTU-sized with a full checksum, as on a wire (with offloads on, veth passes 64 KiB GSO packets: the kernel contenders would forward one packet where fastpath, whose XDP turns GSO off on the veth's peer, sees 45, and HAProxy, sending from fp itself, would hand the client 64 KiB packets). Every sender therefore checksums and segments in software, and every TCP endpoint (client, nginx, HAProxy) verifies checksums in software, as without offloads. fp's `nf_conntrack_checksum` is 0: a NIC verifies receive checksums and conntrack then skips its own check; veth cannot, so the check is off rather than charged to the iptables and nftables contenders.\n",
         r.backends
     );
     let _ = writeln!(
@@ -827,7 +901,7 @@ pub fn markdown(r: &CompareReport) -> String {
     );
     let _ = writeln!(
         md,
-        "| contender | new conn req/s | keep-alive req/s | throughput Gbit/s | ÷ direct (new / keep-alive / throughput) | ÷ fastpath (new / keep-alive / throughput) | socket errors / non-2xx / requests | kernel conntrack entries after a new-conn run |\n|---|---:|---:|---:|---|---|---:|---:|"
+        "| contender | new conn req/s | keep-alive req/s | throughput Gbit/s | ÷ direct (new / keep-alive / throughput) | ÷ fastpath (new / keep-alive / throughput) | socket errors / non-2xx / requests | kernel conntrack entries after a new-conn run | LB process CPU % of one CPU (new / keep-alive / throughput) |\n|---|---:|---:|---:|---|---|---:|---:|---|"
     );
     for c in &r.contenders {
         let cell = |m: &Metric, digits: usize| {
@@ -849,7 +923,7 @@ pub fn markdown(r: &CompareReport) -> String {
         };
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} / {} / {} | {:.0} |",
+            "| {} | {} | {} | {} | {} | {} | {} / {} / {} | {:.0} | {} |",
             c.what,
             cell(&c.new_connection_rps, 0),
             cell(&c.keep_alive_rps, 0),
@@ -859,13 +933,17 @@ pub fn markdown(r: &CompareReport) -> String {
             c.socket_errors,
             c.non_2xx,
             c.requests,
-            c.kernel_conntrack_entries
+            c.kernel_conntrack_entries,
+            c.process_cpu_percent.map_or_else(
+                || "— (kernel only)".to_string(),
+                |p| format!("{:.0} / {:.0} / {:.0}", p[0], p[1], p[2])
+            )
         );
     }
     let _ = writeln!(md);
     let _ = writeln!(
         md,
-        "Kernel conntrack is part of what is compared: iptables and nftables DNAT need nf_conntrack in fp (the NAT binding lives in the connection's conntrack entry; the last column counts fp's entries right after a new-connection run), fastpath keeps its own connection table in a BPF map and leaves nf_conntrack unused in fp, and HAProxy terminates the client's connection in fp's TCP stack and opens its own to the backend (no NAT, no conntrack, but two TCP connections per request). Versions: {}; {}; {}. The machine's 2 CPUs run everything — wrk, the three nginx, HAProxy's threads (its default: one per CPU) and the kernel's packet processing in every namespace — so these numbers compare the contenders' CPU cost per request on one box rather than what each could do on its own hardware; another engineer's tests may share the machine during a run.\n",
+        "Kernel conntrack is part of what is compared: iptables and nftables DNAT need nf_conntrack in fp (the NAT binding lives in the connection's conntrack entry; the last column counts fp's entries right after a new-connection run), fastpath keeps its own connection table in a BPF map and leaves nf_conntrack unused in fp, and HAProxy terminates the client's connection in fp's TCP stack and opens its own to the backend (no NAT, no conntrack, but two TCP connections per request). The last column is the CPU the contender's own process took during the runs (user and system time of all its threads, ÷ the run's duration): the fastpath daemon drains the conntrack event ring (the datapath's connection events) and runs the expiry pass on the same 2 CPUs, HAProxy relays every byte through its sockets; the kernel contenders' work happens in softirq context and is not attributed. Versions: {}; {}; {}. The machine's 2 CPUs run everything — wrk, the three nginx, HAProxy's threads (its default: one per CPU) and the kernel's packet processing in every namespace — so these numbers compare the contenders' CPU cost per request on one box rather than what each could do on its own hardware; another engineer's tests may share the machine during a run.\n",
         r.haproxy, r.iptables, r.nftables
     );
     md
