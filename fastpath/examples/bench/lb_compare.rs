@@ -197,6 +197,10 @@ pub struct ContenderRow {
     socket_errors: u64,
     non_2xx: u64,
     requests: u64,
+    /// The client's retransmitted SYNs and segments, summed over the measured runs: a SYN
+    /// lost on the way stalls its connection for a second (the retransmission timeout).
+    client_syn_retransmits: u64,
+    client_retransmitted_segments: u64,
     /// Median over rounds of fp's kernel conntrack entries right after the new-connection run.
     kernel_conntrack_entries: f64,
     /// Medians over rounds of the CPU the contender's own process (the fastpath daemon,
@@ -231,6 +235,9 @@ struct Samples {
     conntrack: Vec<f64>,
     /// CPU of the contender's process (daemon, HAProxy) per run, in % of one CPU, by [`Mode`].
     process_cpu: [Vec<f64>; 3],
+    /// The client's retransmitted SYNs and segments, summed over the measured runs.
+    syn_retransmits: u64,
+    retransmitted_segments: u64,
     socket_errors: u64,
     non_2xx: u64,
     requests: u64,
@@ -331,6 +338,8 @@ pub fn run(bin: &Path) -> Result<CompareReport> {
             socket_errors: s.socket_errors,
             non_2xx: s.non_2xx,
             requests: s.requests,
+            client_syn_retransmits: s.syn_retransmits,
+            client_retransmitted_segments: s.retransmitted_segments,
             kernel_conntrack_entries: crate::stats(&s.conntrack).0,
             process_cpu_percent: (!s.process_cpu[0].is_empty())
                 .then(|| s.process_cpu.each_ref().map(|v| crate::stats(v).0)),
@@ -449,6 +458,8 @@ impl Bench {
             check_run(c, mode, &run, &before, &after)
                 .with_context(|| format!("{} run{}", mode.name(), daemon_log(running)))?;
             s.requests += run.requests;
+            s.syn_retransmits += after.client_retransmits[0] - before.client_retransmits[0];
+            s.retransmitted_segments += after.client_retransmits[1] - before.client_retransmits[1];
             s.socket_errors += run.socket_errors();
             s.non_2xx += run.non_2xx;
             match mode {
@@ -699,6 +710,7 @@ impl Bench {
         Ok(Counters {
             backend_packets,
             contender,
+            client_retransmits: client_retransmits(self.lb.client())?,
         })
     }
 
@@ -720,6 +732,22 @@ fn conntrack_checksum_off(ns: &Netns) -> Result<()> {
         .context("turning conntrack's checksum check off in fp")
 }
 
+/// The TCP retransmissions `ns` counted so far: [SYNs, segments].
+fn client_retransmits(ns: &Netns) -> Result<[u64; 2]> {
+    let keys = ["TcpExtTCPSynRetrans", "TcpRetransSegs"];
+    // -a: absolute values, -z: zeros too, -s: leave nstat's history file alone.
+    let out = ns.run(&[&["nstat", "-a", "-z", "-s"][..], &keys[..]].concat())?;
+    let value = |key: &str| -> Result<u64> {
+        out.lines()
+            .find_map(|l| {
+                let mut f = l.split_whitespace();
+                (f.next() == Some(key)).then(|| f.next()?.parse().ok())?
+            })
+            .with_context(|| format!("no {key} in `nstat` output:\n{out}"))
+    };
+    Ok([value(keys[0])?, value(keys[1])?])
+}
+
 /// The iptables contender's per-service chain.
 const IPT_CHAIN: &str = "FPBENCH-SVC";
 /// The nftables contender's table.
@@ -733,6 +761,8 @@ struct Counters {
     /// matched the DNAT rules (iptables, nftables: connections, as NAT sees a connection's first
     /// packet only).
     contender: Option<u64>,
+    /// The client's retransmitted SYNs and segments (TcpExtTCPSynRetrans, TcpRetransSegs).
+    client_retransmits: [u64; 2],
 }
 
 /// Fails unless the run answered requests, with no non-2xx response and few socket errors,
@@ -901,7 +931,7 @@ pub fn markdown(r: &CompareReport) -> String {
     );
     let _ = writeln!(
         md,
-        "| contender | new conn req/s | keep-alive req/s | throughput Gbit/s | ÷ direct (new / keep-alive / throughput) | ÷ fastpath (new / keep-alive / throughput) | socket errors / non-2xx / requests | kernel conntrack entries after a new-conn run | LB process CPU % of one CPU (new / keep-alive / throughput) |\n|---|---:|---:|---:|---|---|---:|---:|---|"
+        "| contender | new conn req/s | keep-alive req/s | throughput Gbit/s | ÷ direct (new / keep-alive / throughput) | ÷ fastpath (new / keep-alive / throughput) | socket errors / non-2xx / requests | client retransmits: SYNs / segments | kernel conntrack entries after a new-conn run | LB process CPU % of one CPU (new / keep-alive / throughput) |\n|---|---:|---:|---:|---|---|---:|---:|---:|---|"
     );
     for c in &r.contenders {
         let cell = |m: &Metric, digits: usize| {
@@ -923,7 +953,7 @@ pub fn markdown(r: &CompareReport) -> String {
         };
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} / {} / {} | {:.0} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} / {} / {} | {} / {} | {:.0} | {} |",
             c.what,
             cell(&c.new_connection_rps, 0),
             cell(&c.keep_alive_rps, 0),
@@ -933,6 +963,8 @@ pub fn markdown(r: &CompareReport) -> String {
             c.socket_errors,
             c.non_2xx,
             c.requests,
+            c.client_syn_retransmits,
+            c.client_retransmitted_segments,
             c.kernel_conntrack_entries,
             c.process_cpu_percent.map_or_else(
                 || "— (kernel only)".to_string(),
@@ -943,7 +975,7 @@ pub fn markdown(r: &CompareReport) -> String {
     let _ = writeln!(md);
     let _ = writeln!(
         md,
-        "Kernel conntrack is part of what is compared: iptables and nftables DNAT need nf_conntrack in fp (the NAT binding lives in the connection's conntrack entry; the last column counts fp's entries right after a new-connection run), fastpath keeps its own connection table in a BPF map and leaves nf_conntrack unused in fp, and HAProxy terminates the client's connection in fp's TCP stack and opens its own to the backend (no NAT, no conntrack, but two TCP connections per request). The last column is the CPU the contender's own process took during the runs (user and system time of all its threads, ÷ the run's duration): the fastpath daemon drains the conntrack event ring (the datapath's connection events) and runs the expiry pass on the same 2 CPUs, HAProxy relays every byte through its sockets; the kernel contenders' work happens in softirq context and is not attributed. Versions: {}; {}; {}. The machine's 2 CPUs run everything — wrk, the three nginx, HAProxy's threads (its default: one per CPU) and the kernel's packet processing in every namespace — so these numbers compare the contenders' CPU cost per request on one box rather than what each could do on its own hardware; another engineer's tests may share the machine during a run.\n",
+        "Kernel conntrack is part of what is compared: iptables and nftables DNAT need nf_conntrack in fp (the NAT binding lives in the connection's conntrack entry; the last column counts fp's entries right after a new-connection run), fastpath keeps its own connection table in a BPF map and leaves nf_conntrack unused in fp, and HAProxy terminates the client's connection in fp's TCP stack and opens its own to the backend (no NAT, no conntrack, but two TCP connections per request). Client retransmits are summed over the measured runs: packets get lost on this machine when both CPUs are busy (the kernel's per-CPU receive backlog, where a veth with no XDP program queues what it receives, holds `netdev_max_backlog` = 1000 packets, and /proc/net/softnet_stat shows it dropping), and every lost SYN stalls its connection for the 1 s retransmission timeout, which shows in that run's new-connection rate. The last column is the CPU the contender's own process took during the runs (user and system time of all its threads, ÷ the run's duration): the fastpath daemon drains the conntrack event ring (the datapath's connection events) and runs the expiry pass on the same 2 CPUs, HAProxy relays every byte through its sockets; the kernel contenders' work happens in softirq context and is not attributed. Versions: {}; {}; {}. The machine's 2 CPUs run everything — wrk, the three nginx, HAProxy's threads (its default: one per CPU) and the kernel's packet processing in every namespace — so these numbers compare the contenders' CPU cost per request on one box rather than what each could do on its own hardware; another engineer's tests may share the machine during a run.\n",
         r.haproxy, r.iptables, r.nftables
     );
     md
@@ -968,8 +1000,16 @@ pub fn where_we_lose(r: &CompareReport) -> String {
         return "Load balancers compared: no contender beat fastpath by more than 2% on any measurement in this run.\n\n".into();
     }
     format!(
-        "Load balancers compared, where another contender's median beat fastpath's (its median ÷ fastpath's): {}. Part of it is the topology: on a veth, a native XDP program gets each packet by turning the sender's skb into an XDP buffer and back — copying it when it is a clone (as every TCP segment is: the sender keeps it for retransmission) or lacks XDP's 256 bytes of headroom — where a NIC runs XDP before any skb exists; and attaching XDP to a veth turns software GSO off on its peer. The daemon also runs its TC ingress and egress programs on every fp interface. The kernel contenders pay none of that here.\n\n",
-        lost.join("; ")
+        "Load balancers compared, where another contender's median beat fastpath's (its median ÷ fastpath's): {}. Part of it is the topology: on a veth, a native XDP program gets each packet by turning the sender's skb into an XDP buffer and back — copying it when it is a clone (as every TCP segment is: the sender keeps it for retransmission) or lacks XDP's 256 bytes of headroom — where a NIC runs XDP before any skb exists; and attaching XDP to a veth turns software GSO off on its peer. The daemon also runs its TC ingress and egress programs on every fp interface, and its process took {} of one CPU during the new-connection runs (median; the table's last column) on a machine that has two. The kernel contenders pay none of that here.\n\n",
+        lost.join("; "),
+        r.contenders
+            .iter()
+            .find(|c| c.contender == "fastpath")
+            .and_then(|c| c.process_cpu_percent)
+            .map_or_else(
+                || "an unmeasured share".to_string(),
+                |p| format!("{:.0}%", p[0])
+            )
     )
 }
 
@@ -983,6 +1023,12 @@ mod tests {
         for (i, c) in Contender::ALL.iter().enumerate() {
             assert_eq!(*c as usize, i, "{c:?} out of place in Contender::ALL");
         }
+    }
+
+    #[test]
+    fn reads_this_process_cpu_time() {
+        let spent = process_cpu_s(std::process::id()).expect("/proc/self/stat");
+        assert!(spent >= 0.0 && spent.is_finite(), "CPU seconds {spent}");
     }
 
     #[test]
