@@ -8,7 +8,6 @@
 //! or failure.
 
 use std::{
-    path::PathBuf,
     process::ExitCode,
     sync::atomic::{AtomicBool, Ordering},
 };
@@ -17,7 +16,8 @@ use anyhow::{Context as _, Result, bail};
 use fastpath::{
     stats::StatsSnapshot,
     testkit::netns::{
-        Daemon, HttpServer, LbTopology, PREFIX, host_run, lb_topology, sweep_stale, unique_pin_dir,
+        Daemon, HttpServer, LbTopology, PREFIX, example_fastpath_bin, host_run, lb_topology,
+        sweep_stale, unique_pin_dir,
     },
 };
 use fastpath_common::{Hook, Verdict};
@@ -70,25 +70,8 @@ fn step(title: &str) -> Result<()> {
     Ok(())
 }
 
-fn fastpath_bin() -> Result<PathBuf> {
-    // target/release/examples/demo -> target/release/fastpath
-    let exe = std::env::current_exe().context("locating the demo binary")?;
-    let bin = exe
-        .parent()
-        .and_then(|p| p.parent())
-        .map(|p| p.join("fastpath"))
-        .context("locating target/<profile>/fastpath")?;
-    if !bin.exists() {
-        bail!(
-            "{} not found; build it with `cargo xtask build`",
-            bin.display()
-        );
-    }
-    Ok(bin)
-}
-
 fn run() -> Result<()> {
-    let bin = fastpath_bin()?;
+    let bin = example_fastpath_bin()?;
     step("Topology")?;
     let lb = lb_topology(BACKENDS).context("building the namespace topology")?;
     println!(

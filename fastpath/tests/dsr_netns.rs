@@ -34,7 +34,8 @@ fn backend_addr(i: usize, v6: bool) -> IpAddr {
 fn dsr_sends_each_connection_to_its_backend_unchanged() {
     prepare_test(&["curl", "nginx", "ethtool"]);
     let lb = test_lb_topology(BACKENDS);
-    lb.checksum_offloads_off();
+    lb.checksum_offloads_off()
+        .unwrap_or_else(|e| panic!("turning checksum offloads off: {e}"));
     let mut servers: Vec<HttpServer> = Vec::new();
     for i in 0..BACKENDS {
         let ns = lb.backend(i);

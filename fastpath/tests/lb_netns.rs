@@ -83,7 +83,7 @@ fn curl_through_the_vip_reaches_the_predicted_backends() {
     prepare_test(&["curl", "nginx", "socat", "ethtool"]);
     let dir = TempDir::new("lb").expect("temp dir");
     let lb = test_lb_topology(BACKENDS);
-    lb.checksum_offloads_off();
+    checksum_offloads_off(&lb);
     let servers: Vec<HttpServer> = nginx_backends(&lb, "index.html", |i| format!("backend {i}\n"));
     let _udp = lb
         .backend(1)
@@ -260,6 +260,13 @@ fn curl_through_the_vip_reaches_the_predicted_backends() {
         "every curl exchange was translated both ways: to {to}, from {from}"
     );
     drop(servers);
+}
+
+/// Client and backends send full checksums and verify what they receive (see the module
+/// comment).
+fn checksum_offloads_off(lb: &LbTopology) {
+    lb.checksum_offloads_off()
+        .unwrap_or_else(|e| panic!("turning checksum offloads off: {e}"));
 }
 
 /// `fastpath ct list` of the daemon's datapath.
@@ -677,7 +684,7 @@ fn least_connections_fills_the_least_loaded_backend() {
 fn full_nat_backends_see_the_lb_address() {
     prepare_test(&["curl", "nginx", "ethtool"]);
     let lb = test_lb_topology(BACKENDS);
-    lb.checksum_offloads_off();
+    checksum_offloads_off(&lb);
     for i in 0..BACKENDS {
         for net in ["10.200.1.0/24", "fd00:200:1::/64"] {
             lb.backend(i)

@@ -37,7 +37,12 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "conntrack",
     "nftables",
     "hping3",
+    // The gateway test's echo server and clients.
     "python3",
+    // The load-balancer comparison of `bench`: its load generator and competitors.
+    "wrk",
+    "haproxy",
+    "iptables",
 ];
 
 const USAGE: &str = "\
@@ -46,8 +51,10 @@ cargo xtask <command>
 commands:
   demo        bootstrap, build, and run the namespace demo (client, fast-path node, 3 backends)
   test        bootstrap, check formatting, run every test (unit, datapath fixtures, namespaces)
-  bench       bootstrap, build, run the BPF_PROG_TEST_RUN benchmark; writes docs/bench/ and
-              docs/BENCHMARKS.md
+  bench       bootstrap, build, run the benchmarks (BPF_PROG_TEST_RUN datapath, conntrack, LB,
+              and the load-balancer comparison in namespaces); writes docs/bench/ and
+              docs/BENCHMARKS.md. `bench -- --only SECTION` runs one section and only prints
+              it (sections: updates, drain, lb, lb-compare)
   build       bootstrap and build the release binary target/release/fastpath
   bootstrap   only install toolchains, bpf-linker and Debian packages (idempotent)
   lint        cargo fmt --check and clippy with warnings denied
@@ -355,7 +362,8 @@ fn demo(extra: &[String]) -> Result<()> {
 
 fn bench(extra: &[String]) -> Result<()> {
     require_root("bench")?;
-    run_example("bench", &[], extra)
+    // The load-balancer comparison runs target/release/fastpath, so build the binary too.
+    run_example("bench", &["--bins"], extra)
 }
 
 /// Builds the fastpath examples (release) and runs example `name` with `extra` arguments.

@@ -429,6 +429,15 @@ impl Fixture {
     pub fn run_repeat(&mut self, case: &Case, repeat: u32) -> Result<RepeatRun, FixtureError> {
         check_input(case)?;
         case.seed.apply(&mut self.ebpf, &mut self.lb_writer)?;
+        self.rerun_repeat(case, repeat)
+    }
+
+    /// [`Fixture::run_repeat`] without applying the case's seed first: the maps stay as the
+    /// previous runs left them. For benchmarks that seeded once (with a run of a case with the
+    /// same seed) and time single runs: re-applying a large seed (a thousand backends)
+    /// between them would measure a datapath whose caches the seeding just evicted.
+    pub fn rerun_repeat(&mut self, case: &Case, repeat: u32) -> Result<RepeatRun, FixtureError> {
+        check_input(case)?;
         let mut out = vec![0u8; case.input.len() + OUTPUT_SLACK];
         let res = self.test_run(case.hook, &case.input, &mut out, repeat.max(1))?;
         Ok(RepeatRun {

@@ -86,6 +86,12 @@ pub enum NetnsError {
         port: u16,
         timeout: Duration,
     },
+    #[error(
+        "required tool `{tool}` is not on PATH; install it with `apt-get install {package}` or run `cargo xtask bootstrap` (it installs every tool the tests, the demo and the benchmarks use)"
+    )]
+    MissingTool { tool: String, package: String },
+    #[error("{} not found; build it with `cargo xtask build`", path.display())]
+    NoBinary { path: PathBuf },
     #[error("fastpath daemon in namespace {netns} {what}; its log ({log_path}):\n{log}")]
     Daemon {
         netns: String,
@@ -117,6 +123,13 @@ pub fn prepare_test(tools: &[&str]) {
 
 /// Panics naming the first of `tools` that is not on PATH, with the Debian package to install.
 pub fn require_tools(tools: &[&str]) {
+    if let Err(e) = find_tools(tools) {
+        panic!("{e}");
+    }
+}
+
+/// Fails naming the first of `tools` that is not on PATH, with the Debian package to install.
+pub fn find_tools(tools: &[&str]) -> Result<(), NetnsError> {
     for tool in tools {
         let found = std::env::var_os("PATH")
             .map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
@@ -131,11 +144,28 @@ pub fn require_tools(tools: &[&str]) {
                 "nft" => "nftables",
                 other => other,
             };
-            panic!(
-                "required tool `{tool}` is not on PATH; install it with `apt-get install {package}`"
-            );
+            return Err(NetnsError::MissingTool {
+                tool: (*tool).to_owned(),
+                package: package.to_owned(),
+            });
         }
     }
+    Ok(())
+}
+
+/// The `fastpath` binary built beside the running example: `target/<profile>/examples/NAME`
+/// runs `target/<profile>/fastpath` (`cargo xtask demo` and `bench` build both).
+pub fn example_fastpath_bin() -> Result<PathBuf, NetnsError> {
+    let exe = std::env::current_exe().map_err(io_err("locating the running executable"))?;
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|p| p.join("fastpath"))
+        .unwrap_or_else(|| PathBuf::from("fastpath"));
+    if !bin.is_file() {
+        return Err(NetnsError::NoBinary { path: bin });
+    }
+    Ok(bin)
 }
 
 /// `fpt-<pid>-<seq>-<role>`: unique across this process (seq) and across runs (pid), so an
@@ -1045,19 +1075,20 @@ impl LbTopology {
         v6(Self::backend_link(i), 2)
     }
 
-    /// A daemon config attaching every hook (XDP auto, TC ingress and egress) to every fp
-    /// interface.
-    /// The client and the backends send full checksums and verify what they receive
-    /// (`ethtool -K eth0 tx off rx off`), as traffic from a wire does: with offloads on, veth
-    /// passes partial checksums that XDP cannot tell apart and receivers would not verify.
-    pub fn checksum_offloads_off(&self) {
+    /// Turns checksum offloads off (`ethtool -K eth0 tx off rx off`) on the client and every
+    /// backend: they send full checksums and verify what they receive, as traffic from a wire
+    /// does. With offloads on, veth passes partial checksums that XDP cannot tell apart and
+    /// the receivers would not verify, and 64 KiB GSO packets.
+    pub fn checksum_offloads_off(&self) -> Result<(), NetnsError> {
         for ns in std::iter::once(self.client()).chain((0..self.backends).map(|i| self.backend(i)))
         {
-            ns.run(&["ethtool", "-K", Self::HOST_IF, "tx", "off", "rx", "off"])
-                .unwrap_or_else(|e| panic!("turning checksum offloads off: {e}"));
+            ns.run(&["ethtool", "-K", Self::HOST_IF, "tx", "off", "rx", "off"])?;
         }
+        Ok(())
     }
 
+    /// A daemon config attaching every hook (XDP auto, TC ingress and egress) to every fp
+    /// interface.
     pub fn fp_config(&self, pin_dir: &Path) -> DaemonConfig {
         self.fp_interfaces()
             .iter()

@@ -13,8 +13,11 @@
 //! subscriber, with a producer thread and the daemon's drain running concurrently (see
 //! `bench_ct_drain`).
 //!
-//! Writes docs/bench/datapath.json and regenerates docs/BENCHMARKS.md. `bench drain` runs
-//! only the drain section and prints it, writing nothing.
+//! The load-balancer comparison (`lb_compare`) runs the real daemon and its competitors in
+//! network namespaces and measures them with wrk; see that module.
+//!
+//! Writes docs/bench/datapath.json and regenerates docs/BENCHMARKS.md. `bench --only SECTION`
+//! (or `bench SECTION`) runs one section and prints it, writing nothing; see [`SECTIONS`].
 
 use std::{
     fmt::Write as _,
@@ -38,6 +41,7 @@ use fastpath::{
     testkit::{
         cases::parser_cases,
         fixture::{Case, Fixture, Seed, raw_verdict},
+        netns::{PREFIX, example_fastpath_bin, sweep_stale},
         packet::{Pkt, tcp_flags},
     },
 };
@@ -52,6 +56,8 @@ use tokio::{
     io::{Interest, unix::AsyncFd},
     sync::broadcast,
 };
+
+mod lb_compare;
 
 /// Runs per BPF_PROG_TEST_RUN call (the kernel loops in-kernel and reports the mean).
 const REPEAT: u32 = 1_000_000;
@@ -102,8 +108,12 @@ struct FloorRow {
 /// One conntrack measurement at one table size.
 #[derive(Serialize)]
 struct CtRow {
-    path: &'static str,
+    path: String,
+    /// Conntrack entries when the measurement starts.
     table_entries: u32,
+    /// LB rows: backends of the service.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    backends: Option<usize>,
     median_ns: f64,
     min_ns: f64,
     max_ns: f64,
@@ -132,6 +142,7 @@ struct Report {
     conntrack_gc: Vec<GcRow>,
     conntrack_drain: DrainReport,
     service_updates: Vec<UpdateRow>,
+    lb_compare: lb_compare::CompareReport,
 }
 
 /// Time from an `apply_services` call to the datapath using the result (the call returns
@@ -164,8 +175,20 @@ struct Config<'a> {
     samples: Vec<f64>,
 }
 
+/// Sections that run alone (printed, nothing written): `bench SECTION` or
+/// `bench --only SECTION`.
+const SECTIONS: &str = "updates, drain, lb (the LB rows of the conntrack table), lb-compare";
+
 fn main() -> Result<()> {
-    match std::env::args().nth(1).as_deref() {
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--").collect();
+    let only = match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
+        [] => None,
+        ["--only", section] | [section] => Some(section.to_owned()),
+        _ => bail!(
+            "unknown arguments {args:?}; `bench` runs everything and writes docs/, `bench --only SECTION` runs one section and prints it (writes nothing); sections: {SECTIONS}"
+        ),
+    };
+    match only.as_deref() {
         None => {}
         Some("updates") => {
             let mut fx = Fixture::new().context("loading the datapath (run as root)")?;
@@ -181,9 +204,25 @@ fn main() -> Result<()> {
             print!("{}", drain_markdown(&drain));
             return Ok(());
         }
-        Some(other) => bail!(
-            "unknown argument {other:?}; `bench` runs everything, `bench drain` only the conntrack event drain (and writes nothing)"
-        ),
+        Some("lb") => {
+            let mut fx = Fixture::new().context("loading the datapath (run as root)")?;
+            let rows = bench_lb(&mut fx)?;
+            eprintln!();
+            for r in &rows {
+                println!(
+                    "{}: median {:.1} ns ({:.1}–{:.1}), floor {:.1} ns, over floor {:+.1} ns",
+                    r.path, r.median_ns, r.min_ns, r.max_ns, r.floor_median_ns, r.over_floor_ns
+                );
+            }
+            return Ok(());
+        }
+        Some("lb-compare") => {
+            let report = bench_lb_compare()?;
+            eprintln!();
+            print!("{}", lb_compare::markdown(&report));
+            return Ok(());
+        }
+        Some(other) => bail!("unknown section {other:?}; sections: {SECTIONS}"),
     }
     let all = parser_cases();
     let mut picked = Vec::new();
@@ -303,6 +342,8 @@ fn main() -> Result<()> {
     let (conntrack, conntrack_gc) = bench_conntrack(&mut fx)?;
     let conntrack_drain = bench_ct_drain(&fx)?;
     let service_updates = bench_service_updates(&mut fx)?;
+    drop(fx);
+    let lb_compare = bench_lb_compare()?;
     eprintln!();
     let report = Report {
         generated_by: "cargo xtask bench",
@@ -315,6 +356,7 @@ fn main() -> Result<()> {
         conntrack_gc,
         conntrack_drain,
         service_updates,
+        lb_compare,
     };
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     fs::create_dir_all(root.join("docs/bench"))?;
@@ -429,17 +471,57 @@ fn bench_conntrack(fx: &mut Fixture) -> Result<(Vec<CtRow>, Vec<GcRow>)> {
     Ok((rows, gc_rows))
 }
 
-/// Load-balanced packets of an established connection (VIP 10.254.0.100:80 → one backend),
-/// each run once (a translated packet would come back translated on a repeat), against a
-/// floor also run once.
+/// Backend counts of the LB benchmark's one service (Maglev, table auto-sized).
+const LB_BACKENDS: [usize; 3] = [1, 16, 1024];
+/// Runs per LB measurement: each packet runs once (repeat = 1), against a floor also run once.
+const LB_RUNS: usize = 2000;
+/// The LB benchmark's VIP (port 80) and client; backends listen on 8080.
+const LB_VIP: [u8; 4] = [10, 254, 0, 100];
+const LB_CLIENT: [u8; 4] = [10, 253, 0, 1];
+/// Ethernet + IPv4 (no options) offsets of the source and destination address and ports in
+/// the frames `Pkt` builds.
+const IP4_SRC: usize = 14 + 12;
+const IP4_DST: usize = 14 + 16;
+const L4_SPORT: usize = 14 + 20;
+const L4_DPORT: usize = 14 + 22;
+
+/// Backend `i` of the LB benchmark's service: 10.254.(1 + i / 250).(1 + i % 250).
+fn lb_backend(i: usize) -> [u8; 4] {
+    [10, 254, 1 + (i / 250) as u8, 1 + (i % 250) as u8]
+}
+
+/// The LB stage at each of [`LB_BACKENDS`]: one service, Maglev (auto-sized table). See
+/// [`bench_lb_service`].
 fn bench_lb(fx: &mut Fixture) -> Result<Vec<CtRow>> {
-    const RUNS: usize = 2000;
-    let (client, vip, backend) = ([10, 253, 0, 1], [10, 254, 0, 100], [10, 254, 1, 1]);
-    let seed = Seed::iface(1, IFACE_F_CT_XDP).with_services(
-        "[[service]]\nvip = \"10.254.0.100\"\nport = 80\n[[service.backend]]\naddress = \"10.254.1.1\"\nport = 8080\n",
+    let mut rows = Vec::new();
+    for n in LB_BACKENDS {
+        fx.ct_clear()?;
+        rows.extend(bench_lb_service(fx, n)?);
+        eprint!("l");
+    }
+    Ok(rows)
+}
+
+/// One service on 10.254.0.100:80 with `n` backends. The hit rows: the packets of one
+/// established connection, each way, each run once (a translated packet would come back
+/// translated on a repeat); each is first checked to come out translated (to the backend
+/// Maglev picked, and back from the VIP). The new-connection row: `LB_RUNS` SYNs from new
+/// source ports, each run once: service lookup, Maglev pick, conntrack insert, translation.
+fn bench_lb_service(fx: &mut Fixture, n: usize) -> Result<Vec<CtRow>> {
+    let mut toml = format!(
+        "[[service]]\nvip = \"{}\"\nport = 80\n",
+        std::net::Ipv4Addr::from(LB_VIP)
     );
+    for i in 0..n {
+        let _ = write!(
+            toml,
+            "[[service.backend]]\naddress = \"{}\"\nport = 8080\n",
+            std::net::Ipv4Addr::from(lb_backend(i))
+        );
+    }
+    let seed = Seed::iface(1, IFACE_F_CT_XDP).with_services(&toml);
     let case = |input: Vec<u8>| Case {
-        name: "lb".into(),
+        name: format!("lb_{n}_backends"),
         hook: Hook::Xdp,
         seed: seed.clone(),
         input,
@@ -447,51 +529,126 @@ fn bench_lb(fx: &mut Fixture) -> Result<Vec<CtRow>> {
         expect_output: None,
         expect_counters: vec![],
     };
-    let to_vip = |flags| case(Pkt::eth().ipv4(client, vip).tcp(40000, 80, flags).build());
-    let from_backend = |flags| {
+    let to_vip = |sport, flags| {
         case(
             Pkt::eth()
-                .ipv4(backend, client)
+                .ipv4(LB_CLIENT, LB_VIP)
+                .tcp(sport, 80, flags)
+                .build(),
+        )
+    };
+    let from_backend = |backend, flags| {
+        case(
+            Pkt::eth()
+                .ipv4(backend, LB_CLIENT)
                 .tcp(8080, 40000, flags)
                 .build(),
         )
     };
-    // The connection: handshake through the load balancer.
-    for c in [
-        to_vip(tcp_flags::SYN),
-        from_backend(tcp_flags::SYN | tcp_flags::ACK),
-        to_vip(tcp_flags::ACK),
-    ] {
-        fx.run_repeat(&c, 1)?;
-    }
+    let what = format!(
+        "{n} backend{}, Maglev {} slots",
+        if n == 1 { "" } else { "s" },
+        fastpath::maglev::auto_size(n)
+    );
+    let field = |frame: &[u8], at: usize, len: usize| frame.get(at..at + len).map(<[u8]>::to_vec);
+
+    // The connection: handshake through the load balancer, to the backend Maglev picks.
+    let syn = fx.run(&to_vip(40000, tcp_flags::SYN))?;
+    let Some(backend) = field(&syn.output, IP4_DST, 4)
+        .and_then(|a| <[u8; 4]>::try_from(a).ok())
+        .filter(|a| (0..n).any(|i| lb_backend(i) == *a))
+    else {
+        bail!(
+            "LB benchmark ({what}): the SYN to the VIP did not come out addressed to a backend; output {:02x?}",
+            syn.output
+        );
+    };
+    // Seeded once, by the SYN's run: the timed runs below leave the maps alone (see
+    // `Fixture::rerun_repeat`), as re-seeding a thousand backends between them would evict
+    // the caches the datapath runs from.
+    fx.rerun_repeat(&from_backend(backend, tcp_flags::SYN | tcp_flags::ACK), 1)?;
+    fx.rerun_repeat(&to_vip(40000, tcp_flags::ACK), 1)?;
+
     let mut rows = Vec::new();
-    for (path, c) in [
+    for (path, c, want_at, want) in [
         (
-            "LB hit: client → VIP, translated to the backend (repeat = 1)",
-            to_vip(tcp_flags::ACK),
+            "LB hit: client → VIP, translated to the backend",
+            to_vip(40000, tcp_flags::ACK),
+            (IP4_DST, L4_DPORT),
+            (backend, 8080u16),
         ),
         (
-            "LB hit: backend → client, translated back to the VIP (repeat = 1)",
-            from_backend(tcp_flags::ACK),
+            "LB hit: backend → client, translated back to the VIP",
+            from_backend(backend, tcp_flags::ACK),
+            (IP4_SRC, L4_SPORT),
+            (LB_VIP, 80),
         ),
     ] {
-        let (mut ns, mut floor) = (Vec::with_capacity(RUNS), Vec::with_capacity(RUNS));
-        for _ in 0..RUNS {
-            floor.push(
-                fx.run_floor_repeat(Hook::Xdp, &c.input, 1)?
-                    .per_run
-                    .as_nanos() as f64,
+        let path = format!("{path} ({what}, repeat = 1)");
+        // Checked once before timing: the hit really translates (`run` re-applies the seed:
+        // the same values, the services unchanged).
+        let out = fx.run(&c)?;
+        let got = (
+            field(&out.output, want_at.0, 4),
+            field(&out.output, want_at.1, 2),
+        );
+        if out.verdict != c.expect_verdict
+            || got != (Some(want.0.to_vec()), Some(want.1.to_be_bytes().to_vec()))
+        {
+            bail!(
+                "{path}: expected verdict {} and address {:?} port {} in the output, got verdict {} and {got:?}; output {:02x?}",
+                c.expect_verdict,
+                want.0,
+                want.1,
+                out.verdict,
+                out.output
             );
-            let r = fx.run_repeat(&c, 1)?;
-            if r.verdict != c.expect_verdict {
-                bail!("{path}: verdict {} during the benchmark", r.verdict);
-            }
-            ns.push(r.per_run.as_nanos() as f64);
         }
-        rows.push(ct_row(path, 1, &ns, &floor));
+        let (ns, floor) = time_once_each(fx, &path, std::iter::repeat_n(&c, LB_RUNS))?;
+        rows.push(CtRow {
+            backends: Some(n),
+            ..ct_row(path, 1, &ns, &floor)
+        });
     }
-    eprint!("l");
+
+    // New connections: one SYN per source port, each picked by Maglev and inserted.
+    let path = format!(
+        "LB new connection: SYN → VIP, Maglev pick + conntrack insert + translation ({what}, {LB_RUNS} connections, repeat = 1)"
+    );
+    let syns: Vec<Case> = (0..LB_RUNS as u16)
+        .map(|i| to_vip(20_000 + i, tcp_flags::SYN))
+        .collect();
+    let entries_before = fx.ct_entries()?.len();
+    let (ns, floor) = time_once_each(fx, &path, syns.iter())?;
+    let added = fx.ct_entries()?.len() - entries_before;
+    if added < LB_RUNS {
+        bail!("{path}: {added} conntrack entries added for {LB_RUNS} new connections");
+    }
+    rows.push(CtRow {
+        backends: Some(n),
+        ..ct_row(path, entries_before as u32, &ns, &floor)
+    });
     Ok(rows)
+}
+
+/// Runs each case once (repeat = 1, maps as they are: see `Fixture::rerun_repeat`) right
+/// after the floor program on the same frame, checking its verdict; returns (case ns, floor
+/// ns), paired by index.
+fn time_once_each<'a>(
+    fx: &mut Fixture,
+    path: &str,
+    cases: impl Iterator<Item = &'a Case>,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let (mut ns, mut floor) = (Vec::new(), Vec::new());
+    for c in cases {
+        floor.push(fx.run_floor_repeat(c.hook, &c.input, 1)?.per_run.as_nanos() as f64);
+        let r = fx.rerun_repeat(c, 1)?;
+        if r.verdict != c.expect_verdict {
+            bail!("{path}: verdict {} during the benchmark", r.verdict);
+        }
+        ns.push(r.per_run.as_nanos() as f64);
+    }
+    Ok((ns, floor))
 }
 
 /// Events per drain round: a whole number of producer calls.
@@ -811,12 +968,13 @@ fn to_subscriber(
     })
 }
 
-fn ct_row(path: &'static str, size: u32, samples: &[f64], floor: &[f64]) -> CtRow {
+fn ct_row(path: impl Into<String>, size: u32, samples: &[f64], floor: &[f64]) -> CtRow {
     let (median_ns, min_ns, max_ns) = stats(samples);
     let diffs: Vec<f64> = samples.iter().zip(floor).map(|(c, f)| c - f).collect();
     CtRow {
-        path,
+        path: path.into(),
         table_entries: size,
+        backends: None,
         median_ns,
         min_ns,
         max_ns,
@@ -849,6 +1007,17 @@ fn stats(samples: &[f64]) -> (f64, f64, f64) {
         (s[n / 2 - 1] + s[n / 2]) / 2.0
     };
     (median, s[0], s[n - 1])
+}
+
+/// The load-balancer comparison through namespaces, with the daemon built beside this example
+/// and leftovers of killed earlier runs removed first.
+fn bench_lb_compare() -> Result<lb_compare::CompareReport> {
+    let bin = example_fastpath_bin()?;
+    let swept = sweep_stale(PREFIX).context("removing leftovers of earlier runs")?;
+    if !swept.is_empty() {
+        eprintln!("removed leftovers of earlier runs: {}", swept.join(", "));
+    }
+    lb_compare::run(&bin)
 }
 
 fn markdown(r: &Report) -> String {
@@ -917,6 +1086,15 @@ fn markdown(r: &Report) -> String {
     );
     let _ = writeln!(
         md,
+        "LB rows: one service on a VIP (NAT mode, Maglev, table auto-sized) with {} backends. LB hit: the packets of one established connection, each way, {LB_RUNS} calls of one run each (repeat = 1: a repeat would see its own translated packet), each right after the floor also run once; each packet is first checked to come out translated (to the backend Maglev picked, back from the VIP). The hit path does not depend on the backend count (the connection's entry holds its backend); the new-connection rows, {LB_RUNS} SYNs from new source ports each run once, are where the service lookup, the Maglev pick and the conntrack insert happen. The maps are seeded once per backend count, not between the timed calls (re-applying a thousand backends between them would time a datapath whose caches the seeding just evicted). Table entries: the count when the measurement starts.\n",
+        LB_BACKENDS
+            .iter()
+            .map(|n| n.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let _ = writeln!(
+        md,
         "| path | table entries | median ns | min–max ns | floor ns | over floor ns |\n|---|---:|---:|---:|---:|---:|"
     );
     for c in &r.conntrack {
@@ -951,6 +1129,7 @@ fn markdown(r: &Report) -> String {
     let _ = writeln!(md);
     md.push_str(&drain_markdown(&r.conntrack_drain));
     md.push_str(&updates_markdown(&r.service_updates));
+    md.push_str(&lb_compare::markdown(&r.lb_compare));
     let _ = writeln!(md, "## Where we lose\n");
     let floor_xdp = r
         .floors
@@ -974,6 +1153,7 @@ fn markdown(r: &Report) -> String {
             mega(d.target_events_per_s)
         );
     }
+    md.push_str(&lb_compare::where_we_lose(&r.lb_compare));
     if missed.is_empty() {
         let _ = writeln!(
             md,

@@ -1,0 +1,1053 @@
+//! `bench lb-compare`: fastpath against other ways of balancing one VIP over three nginx
+//! backends, through the same namespace topology (client — fp — 3 backends), in one run.
+//!
+//! Contenders, each set up on fp alone and torn down (and checked gone) before the next:
+//! the client talking to backend 0 directly through fp (the baseline, no LB), the fastpath
+//! daemon (XDP, NAT mode, Maglev), iptables DNAT with the `statistic` match (kube-proxy's
+//! scheme), nftables DNAT through a `numgen random` map, and HAProxy in TCP mode listening on
+//! the VIP. wrk, single-threaded, runs in the client for a fixed time: new connection per
+//! request, keep-alive, and a large file over keep-alive (throughput). Rounds are interleaved
+//! (every contender once per round, the starting one rotating); medians over rounds are
+//! reported with ratios to the baseline and to fastpath. Every run must show requests answered
+//! with no non-2xx responses, socket errors within `MAX_SOCKET_ERROR_FRACTION`, the requests'
+//! packets arriving at the backends (spread over all three where the LB picks per connection),
+//! and the contender's own counter (datapath counters, rule counters) having seen them, or the
+//! benchmark fails.
+
+use std::{fmt::Write as _, fs, net::Ipv4Addr, path::Path, time::Duration};
+
+use anyhow::{Context as _, Result, bail};
+use fastpath::testkit::netns::{
+    Daemon, HttpServer, LbTopology, Netns, Spawned, TempDir, find_tools, lb_topology,
+    unique_pin_dir,
+};
+use fastpath_common::reason;
+use serde::Serialize;
+
+/// Backends behind the VIP (one nginx each).
+const BACKENDS: usize = 3;
+/// The VIP every load-balancing contender serves, port 80 (routed: the client's default route
+/// goes through fp).
+const VIP: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 100);
+const PORT: u16 = 80;
+/// Measured rounds; each runs every contender once.
+const ROUNDS: usize = 5;
+/// Seconds per wrk run.
+const DURATION_S: u32 = 5;
+/// Seconds of discarded load after each setup (ARP, caches, conntrack warm).
+const WARMUP_S: u32 = 1;
+/// wrk connections for the request-rate runs (one thread: this machine has 2 CPUs, shared by
+/// wrk, three nginx, HAProxy and the kernel's packet processing).
+const CONNECTIONS: u32 = 16;
+/// wrk connections for the throughput run.
+const BULK_CONNECTIONS: u32 = 3;
+/// The small page of the request-rate runs and the large file of the throughput run.
+const PAGE: &str = "page.html";
+const BULK: &str = "bulk.bin";
+const BULK_BYTES: usize = 16 << 20;
+/// A run fails with more socket errors (connect, read, write, timeout) than this fraction of
+/// its requests; any non-2xx response fails it.
+const MAX_SOCKET_ERROR_FRACTION: f64 = 0.001;
+/// Where the LB picks per connection, each backend must receive at least this fraction of the
+/// packets of a new-connection run (1/3 expected).
+const MIN_BACKEND_SHARE: f64 = 0.15;
+/// Tools this section runs (Debian packages of the same names, bar nginx and nft).
+const TOOLS: &[&str] = &[
+    "wrk",
+    "nginx",
+    "haproxy",
+    "iptables",
+    "nft",
+    "conntrack",
+    "ethtool",
+    "curl",
+];
+
+/// One way of getting the client's requests to the backends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Contender {
+    /// The baseline: the client talks to backend 0 directly, fp only routes.
+    Direct,
+    Fastpath,
+    Iptables,
+    Nftables,
+    Haproxy,
+}
+
+impl Contender {
+    const ALL: [Contender; 5] = [
+        Contender::Direct,
+        Contender::Fastpath,
+        Contender::Iptables,
+        Contender::Nftables,
+        Contender::Haproxy,
+    ];
+
+    /// Short name, for JSON and progress.
+    fn key(self) -> &'static str {
+        match self {
+            Contender::Direct => "direct",
+            Contender::Fastpath => "fastpath",
+            Contender::Iptables => "iptables",
+            Contender::Nftables => "nftables",
+            Contender::Haproxy => "haproxy",
+        }
+    }
+
+    /// What runs on fp, for the table.
+    fn what(self) -> &'static str {
+        match self {
+            Contender::Direct => "direct to backend 0 (no LB; fp routes)",
+            Contender::Fastpath => "fastpath daemon (XDP, NAT mode, Maglev)",
+            Contender::Iptables => "iptables DNAT, `-m statistic --mode random` (kube-proxy)",
+            Contender::Nftables => "nftables DNAT, `numgen random mod 3` map",
+            Contender::Haproxy => "HAProxy, TCP mode, roundrobin",
+        }
+    }
+
+    /// Where the client sends its requests.
+    fn target(self) -> Ipv4Addr {
+        match self {
+            Contender::Direct => LbTopology::backend_v4(0),
+            _ => VIP,
+        }
+    }
+
+    /// Whether the contender picks a backend per connection (so a new-connection run must
+    /// reach all three).
+    fn balances(self) -> bool {
+        self != Contender::Direct
+    }
+}
+
+/// The three measurements of one contender in one round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// `Connection: close`: a TCP connection per request.
+    NewConnection,
+    /// wrk's default: requests over persistent connections.
+    KeepAlive,
+    /// The large file over persistent connections.
+    Throughput,
+}
+
+impl Mode {
+    const ALL: [Mode; 3] = [Mode::NewConnection, Mode::KeepAlive, Mode::Throughput];
+
+    fn name(self) -> &'static str {
+        match self {
+            Mode::NewConnection => "new connection per request",
+            Mode::KeepAlive => "keep-alive",
+            Mode::Throughput => "throughput (large file, keep-alive)",
+        }
+    }
+}
+
+/// What wrk reported for one run (printed by the `done` hook of [`WRK_SCRIPT`]).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+struct WrkRun {
+    requests: u64,
+    bytes: u64,
+    duration_s: f64,
+    connect_errors: u64,
+    read_errors: u64,
+    write_errors: u64,
+    timeouts: u64,
+    /// Responses with a status over 399.
+    non_2xx: u64,
+}
+
+impl WrkRun {
+    fn socket_errors(&self) -> u64 {
+        self.connect_errors + self.read_errors + self.write_errors + self.timeouts
+    }
+}
+
+/// wrk's Lua hook: one machine-readable summary line.
+const WRK_SCRIPT: &str = r#"done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("FPBENCH requests=%d bytes=%d duration_us=%d connect=%d read=%d write=%d timeout=%d status=%d\n",
+    summary.requests, summary.bytes, summary.duration, e.connect, e.read, e.write, e.timeout, e.status))
+end
+"#;
+
+/// Median, spread and ratios of one metric of one contender.
+#[derive(Debug, Serialize)]
+pub struct Metric {
+    median: f64,
+    min: f64,
+    max: f64,
+    /// median ÷ the baseline's median.
+    vs_direct: f64,
+    /// median ÷ fastpath's median.
+    vs_fastpath: f64,
+    samples: Vec<f64>,
+}
+
+/// One contender's results over the rounds.
+#[derive(Debug, Serialize)]
+pub struct ContenderRow {
+    contender: &'static str,
+    what: &'static str,
+    new_connection_rps: Metric,
+    keep_alive_rps: Metric,
+    throughput_gbit_s: Metric,
+    /// Totals over every measured run: socket errors (connect, read, write, timeout) and
+    /// non-2xx responses.
+    socket_errors: u64,
+    non_2xx: u64,
+    requests: u64,
+    /// The client's retransmitted SYNs and segments, summed over the measured runs: a SYN
+    /// lost on the way stalls its connection for a second (the retransmission timeout).
+    client_syn_retransmits: u64,
+    client_retransmitted_segments: u64,
+    /// Median over rounds of fp's kernel conntrack entries right after the new-connection run.
+    kernel_conntrack_entries: f64,
+    /// Medians over rounds of the CPU the contender's own process (the fastpath daemon,
+    /// HAProxy) took during the new-connection, keep-alive and throughput runs, in % of one
+    /// CPU; `None` where no process of its own runs (the kernel does the work).
+    process_cpu_percent: Option<[f64; 3]>,
+}
+
+/// The comparison's results and method.
+#[derive(Debug, Serialize)]
+pub struct CompareReport {
+    backends: usize,
+    rounds: usize,
+    duration_s: u32,
+    warmup_s: u32,
+    connections: u32,
+    bulk_connections: u32,
+    bulk_file_bytes: usize,
+    load_generator: String,
+    haproxy: String,
+    iptables: String,
+    nftables: String,
+    contenders: Vec<ContenderRow>,
+}
+
+/// Per-contender samples while the rounds run.
+#[derive(Default)]
+struct Samples {
+    new_connection: Vec<f64>,
+    keep_alive: Vec<f64>,
+    throughput: Vec<f64>,
+    conntrack: Vec<f64>,
+    /// CPU of the contender's process (daemon, HAProxy) per run, in % of one CPU, by [`Mode`].
+    process_cpu: [Vec<f64>; 3],
+    /// The client's retransmitted SYNs and segments, summed over the measured runs.
+    syn_retransmits: u64,
+    retransmitted_segments: u64,
+    socket_errors: u64,
+    non_2xx: u64,
+    requests: u64,
+}
+
+/// What is running on fp for one contender; [`Bench::teardown`] removes it.
+enum Running {
+    Nothing,
+    Daemon(Daemon),
+    Haproxy(Spawned, TempDir),
+}
+
+impl Running {
+    /// The contender's own process, if it has one.
+    fn pid(&self) -> Option<u32> {
+        match self {
+            Running::Nothing => None,
+            Running::Daemon(d) => d.pid(),
+            Running::Haproxy(p, _) => Some(p.pid()),
+        }
+    }
+}
+
+/// CPU seconds (user + system, all threads) process `pid` has used, from /proc/PID/stat.
+fn process_cpu_s(pid: u32) -> Result<f64> {
+    let path = format!("/proc/{pid}/stat");
+    let stat = fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+    // Fields after the command name (which may hold spaces, so split after its ')'): state
+    // is field 3, utime and stime fields 14 and 15, in clock ticks.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| -> Result<u64> {
+        fields
+            .get(i)
+            .and_then(|f| f.parse().ok())
+            .with_context(|| format!("no field {} in {path}: {stat:?}", i + 3))
+    };
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if hz <= 0 {
+        bail!("sysconf(_SC_CLK_TCK) returned {hz}");
+    }
+    Ok((ticks(11)? + ticks(12)?) as f64 / hz as f64)
+}
+
+/// The topology, the backends' servers and the files the runs need.
+struct Bench {
+    bin: std::path::PathBuf,
+    /// nginx on every backend, kept running for the runs; dropped before `lb`, so the servers
+    /// stop before their namespaces go.
+    _servers: Vec<HttpServer>,
+    lb: LbTopology,
+    dir: TempDir,
+}
+
+/// Runs the comparison. `bin` is the fastpath binary.
+pub fn run(bin: &Path) -> Result<CompareReport> {
+    find_tools(TOOLS).context("the load-balancer comparison")?;
+    let bench = Bench::new(bin)?;
+    let mut samples: Vec<Samples> = Contender::ALL.iter().map(|_| Samples::default()).collect();
+    for round in 0..ROUNDS {
+        for k in 0..Contender::ALL.len() {
+            let i = (round + k) % Contender::ALL.len();
+            let c = Contender::ALL[i];
+            bench
+                .measure(c, &mut samples[i])
+                .with_context(|| format!("{} (round {})", c.what(), round + 1))?;
+            eprint!("w");
+        }
+    }
+    drop(bench);
+
+    // `samples` follows `Contender::ALL`, which is in declaration order.
+    let metric = |c: Contender, pick: fn(&Samples) -> &Vec<f64>| {
+        let s = pick(&samples[c as usize]);
+        let median_of = |other: Contender| crate::stats(pick(&samples[other as usize])).0;
+        let (median, min, max) = crate::stats(s);
+        Metric {
+            median,
+            min,
+            max,
+            vs_direct: median / median_of(Contender::Direct),
+            vs_fastpath: median / median_of(Contender::Fastpath),
+            samples: s.clone(),
+        }
+    };
+    let contenders = Contender::ALL
+        .iter()
+        .zip(&samples)
+        .map(|(&c, s)| ContenderRow {
+            contender: c.key(),
+            what: c.what(),
+            new_connection_rps: metric(c, |s| &s.new_connection),
+            keep_alive_rps: metric(c, |s| &s.keep_alive),
+            throughput_gbit_s: metric(c, |s| &s.throughput),
+            socket_errors: s.socket_errors,
+            non_2xx: s.non_2xx,
+            requests: s.requests,
+            client_syn_retransmits: s.syn_retransmits,
+            client_retransmitted_segments: s.retransmitted_segments,
+            kernel_conntrack_entries: crate::stats(&s.conntrack).0,
+            process_cpu_percent: (!s.process_cpu[0].is_empty())
+                .then(|| s.process_cpu.each_ref().map(|v| crate::stats(v).0)),
+        })
+        .collect();
+    // The first line a tool prints about its version (some print it on stderr).
+    let version = |prog: &str, flag: &str| {
+        std::process::Command::new(prog)
+            .arg(flag)
+            .output()
+            .ok()
+            .map(|o| {
+                let text = [o.stdout, o.stderr].concat();
+                String::from_utf8_lossy(&text)
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+                    .trim()
+                    .to_string()
+            })
+            .unwrap_or_default()
+    };
+    Ok(CompareReport {
+        backends: BACKENDS,
+        rounds: ROUNDS,
+        duration_s: DURATION_S,
+        warmup_s: WARMUP_S,
+        connections: CONNECTIONS,
+        bulk_connections: BULK_CONNECTIONS,
+        bulk_file_bytes: BULK_BYTES,
+        load_generator: version("wrk", "-v"),
+        haproxy: version("haproxy", "-v"),
+        iptables: version("iptables", "-V"),
+        nftables: version("nft", "-v"),
+        contenders,
+    })
+}
+
+impl Bench {
+    /// The topology with checksum offloads off on every interface, nginx on every backend
+    /// serving [`PAGE`] and [`BULK`], and wrk's script.
+    fn new(bin: &Path) -> Result<Bench> {
+        let lb = lb_topology(BACKENDS).context("building the namespace topology")?;
+        // MTU-sized packets with full checksums on every link, as on a wire, for every
+        // contender alike: with offloads on, veth hands over partial checksums and 64 KiB GSO
+        // packets — the kernel contenders would forward one packet where fastpath, whose XDP
+        // turns GSO off on the veth's peer, sees 45, and HAProxy (sending from fp itself)
+        // would hand the client 64 KiB packets.
+        lb.checksum_offloads_off()
+            .context("turning checksum offloads off")?;
+        for iface in lb.fp_interfaces() {
+            lb.fp()
+                .run(&["ethtool", "-K", &iface, "tx", "off", "rx", "off"])
+                .context("turning checksum offloads off on fp")?;
+        }
+        let mut servers = Vec::new();
+        let bulk: Vec<u8> = (0..BULK_BYTES).map(|i| (i * 7 + i / 4096) as u8).collect();
+        for i in 0..BACKENDS {
+            let s = lb
+                .backend(i)
+                .http_server(PORT)
+                .with_context(|| format!("starting nginx on backend {i}"))?;
+            fs::write(s.root().join(PAGE), format!("backend {i}\n")).context("writing the page")?;
+            fs::write(s.root().join(BULK), &bulk).context("writing the large file")?;
+            servers.push(s);
+        }
+        let dir = TempDir::new("lbcmp")?;
+        fs::write(dir.join("report.lua"), WRK_SCRIPT).context("writing wrk's script")?;
+        Ok(Bench {
+            bin: bin.to_owned(),
+            _servers: servers,
+            lb,
+            dir,
+        })
+    }
+
+    fn fp(&self) -> &Netns {
+        self.lb.fp()
+    }
+
+    /// One round of contender `c`: set up, check one request goes through, warm up, the three
+    /// runs (each checked), tear down (checked).
+    fn measure(&self, c: Contender, s: &mut Samples) -> Result<()> {
+        let running = self.setup(c)?;
+        let result = self.measure_running(c, &running, s);
+        // Torn down whatever happened: the next contender must find fp clean.
+        let down = self.teardown(running);
+        result.and(down)
+    }
+
+    fn measure_running(&self, c: Contender, running: &Running, s: &mut Samples) -> Result<()> {
+        let url = |file: &str| format!("http://{}:{PORT}/{file}", c.target());
+        self.lb
+            .client()
+            .run(&["curl", "-sS", "--fail", "--max-time", "5", &url(PAGE)])
+            .with_context(|| {
+                format!(
+                    "one request from the client to {} failed{}",
+                    url(PAGE),
+                    daemon_log(running)
+                )
+            })?;
+        self.wrk(&url(PAGE), CONNECTIONS, WARMUP_S, true)?;
+        for (m, mode) in Mode::ALL.into_iter().enumerate() {
+            let cpu_before = running.pid().map(process_cpu_s).transpose()?;
+            let before = self.counters(c, running)?;
+            let run = match mode {
+                Mode::NewConnection => self.wrk(&url(PAGE), CONNECTIONS, DURATION_S, true)?,
+                Mode::KeepAlive => self.wrk(&url(PAGE), CONNECTIONS, DURATION_S, false)?,
+                Mode::Throughput => self.wrk(&url(BULK), BULK_CONNECTIONS, DURATION_S, false)?,
+            };
+            let after = self.counters(c, running)?;
+            if let (Some(b), Some(pid)) = (cpu_before, running.pid()) {
+                s.process_cpu[m].push((process_cpu_s(pid)? - b) / run.duration_s * 100.0);
+            }
+            check_run(c, mode, &run, &before, &after)
+                .with_context(|| format!("{} run{}", mode.name(), daemon_log(running)))?;
+            s.requests += run.requests;
+            s.syn_retransmits += after.client_retransmits[0] - before.client_retransmits[0];
+            s.retransmitted_segments += after.client_retransmits[1] - before.client_retransmits[1];
+            s.socket_errors += run.socket_errors();
+            s.non_2xx += run.non_2xx;
+            match mode {
+                Mode::NewConnection => {
+                    s.new_connection.push(run.requests as f64 / run.duration_s);
+                    s.conntrack.push(self.kernel_conntrack_entries()? as f64);
+                }
+                Mode::KeepAlive => s.keep_alive.push(run.requests as f64 / run.duration_s),
+                Mode::Throughput => s
+                    .throughput
+                    .push(run.bytes as f64 * 8.0 / run.duration_s / 1e9),
+            }
+        }
+        Ok(())
+    }
+
+    /// wrk in the client, one thread, `connections` connections for `secs` seconds; with
+    /// `close`, every request asks for `Connection: close`.
+    fn wrk(&self, url: &str, connections: u32, secs: u32, close: bool) -> Result<WrkRun> {
+        let script = self.dir.join("report.lua");
+        let (c, d) = (connections.to_string(), format!("{secs}s"));
+        let mut args = vec![
+            "wrk",
+            "-t1",
+            "-c",
+            &c,
+            "-d",
+            &d,
+            "--timeout",
+            "3s",
+            "-s",
+            script.to_str().context("non-UTF-8 temp path")?,
+        ];
+        if close {
+            args.extend(["-H", "Connection: close"]);
+        }
+        args.push(url);
+        let out = self
+            .lb
+            .client()
+            .exec_timeout(&args, Duration::from_secs(u64::from(secs) + 30))?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            bail!(
+                "`{}` failed ({}): {}{}",
+                args.join(" "),
+                out.status,
+                stdout.trim(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        parse_wrk(&stdout).with_context(|| format!("`{}` printed:\n{stdout}", args.join(" ")))
+    }
+
+    /// Sets `c` up on fp.
+    fn setup(&self, c: Contender) -> Result<Running> {
+        let fp = self.fp();
+        let backends: Vec<Ipv4Addr> = (0..BACKENDS).map(LbTopology::backend_v4).collect();
+        match c {
+            Contender::Direct => Ok(Running::Nothing),
+            Contender::Fastpath => {
+                let mut toml = format!("[[service]]\nvip = \"{VIP}\"\nport = {PORT}\n");
+                for b in &backends {
+                    let _ = write!(
+                        toml,
+                        "[[service.backend]]\naddress = \"{b}\"\nport = {PORT}\n"
+                    );
+                }
+                let config = self.lb.fp_config(&unique_pin_dir("lbcmp")).services(&toml);
+                let daemon =
+                    Daemon::try_start(&self.bin, fp.name(), &config.pin_dir, &config.to_toml())
+                        .context("starting the fastpath daemon")?;
+                if !daemon.log().contains("Services applied") {
+                    bail!(
+                        "the fastpath daemon did not apply the service; its log:\n{}",
+                        daemon.log()
+                    );
+                }
+                // The report describes native XDP: `auto` must not have fallen back.
+                for iface in self.lb.fp_interfaces() {
+                    let link = fp.link_show(&iface)?;
+                    if !link.contains("prog/xdp") || link.contains("xdpgeneric") {
+                        bail!(
+                            "fastpath did not attach native XDP on fp's {iface}:\n{link}\ndaemon log:\n{}",
+                            daemon.log()
+                        );
+                    }
+                }
+                Ok(Running::Daemon(daemon))
+            }
+            Contender::Iptables => {
+                // kube-proxy's layout: PREROUTING jumps to a per-service chain whose rules
+                // DNAT to backend i with probability 1/(n - i); the last takes the rest.
+                let ipt = |args: &[&str]| -> Result<()> {
+                    fp.run(&[&["iptables", "-w", "-t", "nat"], args].concat())
+                        .map(drop)
+                        .context("adding the iptables rules")
+                };
+                ipt(&["-N", IPT_CHAIN])?;
+                ipt(&[
+                    "-A",
+                    "PREROUTING",
+                    "-d",
+                    &format!("{VIP}/32"),
+                    "-p",
+                    "tcp",
+                    "--dport",
+                    &PORT.to_string(),
+                    "-j",
+                    IPT_CHAIN,
+                ])?;
+                for (i, b) in backends.iter().enumerate() {
+                    let to = format!("{b}:{PORT}");
+                    let p = format!("{:.10}", 1.0 / (BACKENDS - i) as f64);
+                    let mut rule = vec!["-A", IPT_CHAIN];
+                    if i + 1 < BACKENDS {
+                        rule.extend(["-m", "statistic", "--mode", "random", "--probability", &p]);
+                    }
+                    // A port in the target needs the protocol named, as kube-proxy does.
+                    rule.extend(["-p", "tcp", "-j", "DNAT", "--to-destination", &to]);
+                    ipt(&rule)?;
+                }
+                conntrack_checksum_off(fp)?;
+                Ok(Running::Nothing)
+            }
+            Contender::Nftables => {
+                let map: Vec<String> = backends
+                    .iter()
+                    .enumerate()
+                    .map(|(i, b)| format!("{i} : {b}"))
+                    .collect();
+                let ruleset = format!(
+                    "table ip {NFT_TABLE} {{\n  chain prerouting {{\n    type nat hook prerouting priority dstnat; policy accept;\n    ip daddr {VIP} tcp dport {PORT} counter dnat to numgen random mod {BACKENDS} map {{ {} }}\n  }}\n}}\n",
+                    map.join(", ")
+                );
+                let path = self.dir.join("ruleset.nft");
+                fs::write(&path, ruleset).context("writing the nftables ruleset")?;
+                fp.run(&["nft", "-f", path.to_str().context("non-UTF-8 temp path")?])
+                    .context("loading the nftables ruleset")?;
+                conntrack_checksum_off(fp)?;
+                Ok(Running::Nothing)
+            }
+            Contender::Haproxy => {
+                fp.add_addr("lo", &format!("{VIP}/32"))
+                    .context("adding the VIP to fp's loopback for HAProxy")?;
+                let dir = TempDir::new("haproxy")?;
+                let mut cfg = format!(
+                    "global\n    maxconn 4096\ndefaults\n    mode tcp\n    timeout connect 5s\n    timeout client 30s\n    timeout server 30s\nfrontend vip\n    bind {VIP}:{PORT}\n    default_backend nginx\nbackend nginx\n    balance roundrobin\n"
+                );
+                for (i, b) in backends.iter().enumerate() {
+                    let _ = writeln!(cfg, "    server b{i} {b}:{PORT}");
+                }
+                let path = dir.join("haproxy.cfg");
+                fs::write(&path, cfg).context("writing haproxy.cfg")?;
+                let mut process = fp
+                    .spawn(&[
+                        "haproxy",
+                        "-db",
+                        "-f",
+                        path.to_str().context("non-UTF-8 temp path")?,
+                    ])
+                    .context("starting haproxy")?;
+                if let Err(e) = fp.wait_listening("tcp", PORT, Duration::from_secs(10)) {
+                    let log = process.log();
+                    process.kill();
+                    bail!("haproxy did not listen on {VIP}:{PORT}: {e}; its output:\n{log}");
+                }
+                Ok(Running::Haproxy(process, dir))
+            }
+        }
+    }
+
+    /// Removes whatever `running` and the rules left on fp, flushes fp's kernel conntrack
+    /// table, and fails unless fp is back to plain routing: no ruleset, no XDP program, no
+    /// pins, no VIP, nothing listening on the port.
+    fn teardown(&self, running: Running) -> Result<()> {
+        let fp = self.fp();
+        let pins = match running {
+            Running::Nothing => None,
+            Running::Daemon(daemon) => {
+                let pins = daemon.pin_dir().to_owned();
+                // SIGTERM: the daemon detaches; the guard runs `fastpath detach` if it did not.
+                drop(daemon);
+                Some(pins)
+            }
+            Running::Haproxy(mut process, _dir) => {
+                process.kill();
+                fp.ip(&["addr", "del", &format!("{VIP}/32"), "dev", "lo"])
+                    .context("removing the VIP from fp's loopback")?;
+                None
+            }
+        };
+        fp.run(&["nft", "flush", "ruleset"])
+            .context("flushing fp's nftables ruleset")?;
+        fp.run(&["conntrack", "-F"])
+            .context("flushing fp's conntrack table")?;
+
+        let ruleset = fp.run(&["nft", "list", "ruleset"])?;
+        if !ruleset.trim().is_empty() {
+            bail!("fp still has a ruleset after the flush:\n{ruleset}");
+        }
+        for iface in self.lb.fp_interfaces() {
+            if fp.xdp_attached(&iface)? {
+                bail!("an XDP program is still attached to fp's {iface} after the daemon stopped");
+            }
+        }
+        if let Some(pins) = pins.filter(|p| p.exists()) {
+            bail!("the daemon's pins are still under {}", pins.display());
+        }
+        let lo = fp.ip(&["-4", "addr", "show", "dev", "lo"])?;
+        if lo.contains(&VIP.to_string()) {
+            bail!("the VIP is still on fp's loopback:\n{lo}");
+        }
+        let listening = fp.run(&["ss", "-Hltn", "sport", "=", &format!(":{PORT}")])?;
+        if !listening.trim().is_empty() {
+            bail!("something still listens on fp's port {PORT}:\n{listening}");
+        }
+        Ok(())
+    }
+
+    /// The counters a run is checked against.
+    fn counters(&self, c: Contender, running: &Running) -> Result<Counters> {
+        let mut backend_packets = Vec::new();
+        for i in 0..BACKENDS {
+            backend_packets.push(rx_packets(self.lb.backend(i))?);
+        }
+        let contender = match (c, running) {
+            (Contender::Fastpath, Running::Daemon(d)) => Some(
+                fastpath::datapath::pinned_stats(d.pin_dir())
+                    .context("reading the daemon's counters")?
+                    .packets_for_reason(reason::LB_TO_BACKEND),
+            ),
+            (Contender::Iptables, _) => {
+                let rules = self.fp().run(&["iptables-save", "-c", "-t", "nat"])?;
+                Some(iptables_dnat_packets(&rules))
+            }
+            (Contender::Nftables, _) => {
+                let chain =
+                    self.fp()
+                        .run(&["nft", "list", "chain", "ip", NFT_TABLE, "prerouting"])?;
+                Some(
+                    nft_counter_packets(&chain)
+                        .with_context(|| format!("no counter in the nftables chain:\n{chain}"))?,
+                )
+            }
+            _ => None,
+        };
+        Ok(Counters {
+            backend_packets,
+            contender,
+            client_retransmits: client_retransmits(self.lb.client())?,
+        })
+    }
+
+    /// fp's kernel conntrack entries (`conntrack -C`).
+    fn kernel_conntrack_entries(&self) -> Result<u64> {
+        let out = self.fp().run(&["conntrack", "-C"])?;
+        out.trim()
+            .parse()
+            .with_context(|| format!("`conntrack -C` printed {out:?}"))
+    }
+}
+
+/// Turns conntrack's software checksum check off in `ns` (once DNAT rules have loaded
+/// nf_conntrack, so the sysctl exists). A NIC verifies receive checksums in hardware and
+/// conntrack then skips its own check; veth cannot, so the check is turned off instead, not
+/// to charge the iptables and nftables contenders for what a NIC does.
+fn conntrack_checksum_off(ns: &Netns) -> Result<()> {
+    ns.sysctl("net.netfilter.nf_conntrack_checksum", "0")
+        .context("turning conntrack's checksum check off in fp")
+}
+
+/// The TCP retransmissions `ns` counted so far: [SYNs, segments].
+fn client_retransmits(ns: &Netns) -> Result<[u64; 2]> {
+    let keys = ["TcpExtTCPSynRetrans", "TcpRetransSegs"];
+    // -a: absolute values, -z: zeros too, -s: leave nstat's history file alone.
+    let out = ns.run(&[&["nstat", "-a", "-z", "-s"][..], &keys[..]].concat())?;
+    let value = |key: &str| -> Result<u64> {
+        out.lines()
+            .find_map(|l| {
+                let mut f = l.split_whitespace();
+                (f.next() == Some(key)).then(|| f.next()?.parse().ok())?
+            })
+            .with_context(|| format!("no {key} in `nstat` output:\n{out}"))
+    };
+    Ok([value(keys[0])?, value(keys[1])?])
+}
+
+/// The iptables contender's per-service chain.
+const IPT_CHAIN: &str = "FPBENCH-SVC";
+/// The nftables contender's table.
+const NFT_TABLE: &str = "fpbench";
+
+/// Packet counts a run is checked with, read before and after it.
+struct Counters {
+    /// Packets each backend's interface received.
+    backend_packets: Vec<u64>,
+    /// The contender's own count: the datapath's packets to backends (fastpath), packets that
+    /// matched the DNAT rules (iptables, nftables: connections, as NAT sees a connection's first
+    /// packet only).
+    contender: Option<u64>,
+    /// The client's retransmitted SYNs and segments (TcpExtTCPSynRetrans, TcpRetransSegs).
+    client_retransmits: [u64; 2],
+}
+
+/// Fails unless the run answered requests, with no non-2xx response and few socket errors,
+/// and its packets reached the backends (all of them, where the LB picks per new connection)
+/// through the contender.
+fn check_run(
+    c: Contender,
+    mode: Mode,
+    run: &WrkRun,
+    before: &Counters,
+    after: &Counters,
+) -> Result<()> {
+    let min_requests = if mode == Mode::Throughput { 3 } else { 100 };
+    if run.requests < min_requests {
+        bail!(
+            "wrk completed {} requests in {:.1} s (expected at least {min_requests}): {run:?}",
+            run.requests,
+            run.duration_s
+        );
+    }
+    if run.non_2xx > 0 {
+        bail!("{} responses had a status over 399: {run:?}", run.non_2xx);
+    }
+    let allowed = (run.requests as f64 * MAX_SOCKET_ERROR_FRACTION).floor() as u64;
+    if run.socket_errors() > allowed {
+        bail!(
+            "{} socket errors for {} requests (at most {allowed} allowed): {run:?}",
+            run.socket_errors(),
+            run.requests
+        );
+    }
+    let got: Vec<u64> = after
+        .backend_packets
+        .iter()
+        .zip(&before.backend_packets)
+        .map(|(a, b)| a.saturating_sub(*b))
+        .collect();
+    let total: u64 = got.iter().sum();
+    if total < run.requests {
+        bail!(
+            "the backends received {total} packets ({got:?}) for {} requests",
+            run.requests
+        );
+    }
+    if c.balances() && mode == Mode::NewConnection {
+        for (i, n) in got.iter().enumerate() {
+            if (*n as f64) < total as f64 * MIN_BACKEND_SHARE {
+                bail!(
+                    "backend {i} received {n} of {total} packets ({got:?}): the connections were not spread over the {BACKENDS} backends"
+                );
+            }
+        }
+    }
+    if !c.balances() && got[0] < run.requests {
+        bail!(
+            "backend 0 received {} packets for {} requests sent to it directly",
+            got[0],
+            run.requests
+        );
+    }
+    if let (Some(b), Some(a)) = (before.contender, after.contender) {
+        let seen = a.saturating_sub(b);
+        // Keep-alive connections open once per connection; new-connection runs once per request.
+        let want = match mode {
+            Mode::NewConnection => run.requests,
+            _ if c == Contender::Fastpath => run.requests,
+            _ => 1,
+        };
+        if seen < want {
+            bail!(
+                "the {} counter grew by {seen}, expected at least {want} for {} requests: the traffic did not go through it",
+                c.key(),
+                run.requests
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Parses [`WRK_SCRIPT`]'s summary line.
+fn parse_wrk(stdout: &str) -> Result<WrkRun> {
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("FPBENCH "))
+        .context("no FPBENCH summary line: wrk did not run its `done` hook")?;
+    let mut run = WrkRun::default();
+    for field in line.split_whitespace() {
+        let (key, value) = field
+            .split_once('=')
+            .with_context(|| format!("bad field {field:?}"))?;
+        let v: u64 = value
+            .parse()
+            .with_context(|| format!("bad number in {field:?}"))?;
+        match key {
+            "requests" => run.requests = v,
+            "bytes" => run.bytes = v,
+            "duration_us" => run.duration_s = v as f64 / 1e6,
+            "connect" => run.connect_errors = v,
+            "read" => run.read_errors = v,
+            "write" => run.write_errors = v,
+            "timeout" => run.timeouts = v,
+            "status" => run.non_2xx = v,
+            other => bail!("unknown field {other:?}"),
+        }
+    }
+    if run.duration_s <= 0.0 {
+        bail!("wrk reported no duration");
+    }
+    Ok(run)
+}
+
+/// Packets the interface `eth0` of `ns` received.
+fn rx_packets(ns: &Netns) -> Result<u64> {
+    let json = ns.ip(&["-j", "-s", "link", "show", "dev", LbTopology::HOST_IF])?;
+    let v: serde_json::Value = serde_json::from_str(&json).context("parsing `ip -j -s link`")?;
+    v.get(0)
+        .and_then(|l| l.pointer("/stats64/rx/packets"))
+        .and_then(serde_json::Value::as_u64)
+        .with_context(|| format!("no rx packet count in `ip -j -s link`: {json}"))
+}
+
+/// Sum of the packet counters of the DNAT rules in `iptables-save -c` output.
+fn iptables_dnat_packets(rules: &str) -> u64 {
+    rules
+        .lines()
+        .filter(|l| l.contains(&format!("-A {IPT_CHAIN} ")) && l.contains("-j DNAT"))
+        .filter_map(|l| l.strip_prefix('[')?.split(':').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// The packets of the first `counter packets N` in `nft list` output.
+fn nft_counter_packets(chain: &str) -> Option<u64> {
+    let rest = chain.split("counter packets ").nth(1)?;
+    rest.split_whitespace().next()?.parse().ok()
+}
+
+/// The daemon's log, for errors, when it runs.
+fn daemon_log(running: &Running) -> String {
+    match running {
+        Running::Daemon(d) => format!("; fastpath daemon log:\n{}", d.log()),
+        _ => String::new(),
+    }
+}
+
+/// The "Load balancers compared" section.
+pub fn markdown(r: &CompareReport) -> String {
+    let mut md = String::from("## Load balancers compared: namespace topology, wrk\n\n");
+    let _ = writeln!(
+        md,
+        "One VIP ({VIP}:{PORT}) over {} nginx backends (one single-process nginx each), through the same topology for every contender: client — fp — backends, one veth link each, the client's and backends' default routes through fp. Only one contender is set up on fp at a time; between runs it is torn down and fp is checked clean (nftables ruleset flushed — iptables-nft's rules included —, kernel conntrack table flushed, HAProxy stopped and the VIP removed, the daemon stopped with no XDP program or pin left). Checksum offloads are off on every interface (client, fp, backends) for every contender: every packet on every link is MTU-sized with a full checksum, as on a wire (with offloads on, veth passes 64 KiB GSO packets: the kernel contenders would forward one packet where fastpath, whose XDP turns GSO off on the veth's peer, sees 45, and HAProxy, sending from fp itself, would hand the client 64 KiB packets). Every sender therefore checksums and segments in software, and every TCP endpoint (client, nginx, HAProxy) verifies checksums in software, as without offloads. fp's `nf_conntrack_checksum` is 0: a NIC verifies receive checksums and conntrack then skips its own check; veth cannot, so the check is off rather than charged to the iptables and nftables contenders.\n",
+        r.backends
+    );
+    let _ = writeln!(
+        md,
+        "Load: `{}`, one thread, in the client namespace, for {} s per run after a {} s warm-up following each setup. Requests/s with a new connection per request: {} connections, `-H 'Connection: close'` (nginx closes each connection after its response, so the client reuses ports without TIME_WAIT). Keep-alive: {} connections, wrk's default persistent connections (nginx closes one every 1000 requests). Throughput: a {} MiB file over {} keep-alive connections, bytes received ÷ time — HTTP rather than iperf3 because iperf3's control and data connections must reach the same server, which a per-connection random pick does not guarantee. {} rounds, interleaved (every contender once per round, the first one rotating); the table gives medians (min–max over rounds) and ratios of medians. Every run must answer at least 100 requests (3 files), with no non-2xx response and socket errors at most {:.1}% of requests; its packets must reach the backends — each of the three at least {:.0}% of them in the new-connection runs of the load balancers — and the contender's own counter (fastpath's datapath counters, the rules' packet counters) must have seen the traffic; otherwise the benchmark fails. The baseline reaches one nginx (one process, so at most one CPU) where the load balancers spread the load over three, so a load balancer's ratio to it can exceed 1. fastpath runs as the tests and the demo configure it: XDP (native on veth) and TC ingress and egress programs on every fp interface, one service in NAT mode.\n",
+        r.load_generator,
+        r.duration_s,
+        r.warmup_s,
+        r.connections,
+        r.connections,
+        r.bulk_file_bytes >> 20,
+        r.bulk_connections,
+        r.rounds,
+        MAX_SOCKET_ERROR_FRACTION * 100.0,
+        MIN_BACKEND_SHARE * 100.0
+    );
+    let _ = writeln!(
+        md,
+        "| contender | new conn req/s | keep-alive req/s | throughput Gbit/s | ÷ direct (new / keep-alive / throughput) | ÷ fastpath (new / keep-alive / throughput) | socket errors / non-2xx / requests | client retransmits: SYNs / segments | kernel conntrack entries after a new-conn run | LB process CPU % of one CPU (new / keep-alive / throughput) |\n|---|---:|---:|---:|---|---|---:|---:|---:|---|"
+    );
+    for c in &r.contenders {
+        let cell = |m: &Metric, digits: usize| {
+            format!(
+                "{:.digits$} ({:.digits$}–{:.digits$})",
+                m.median, m.min, m.max
+            )
+        };
+        let ratios = |pick: fn(&Metric) -> f64| {
+            [
+                &c.new_connection_rps,
+                &c.keep_alive_rps,
+                &c.throughput_gbit_s,
+            ]
+            .iter()
+            .map(|m| format!("{:.2}", pick(m)))
+            .collect::<Vec<_>>()
+            .join(" / ")
+        };
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {} | {} / {} / {} | {} / {} | {:.0} | {} |",
+            c.what,
+            cell(&c.new_connection_rps, 0),
+            cell(&c.keep_alive_rps, 0),
+            cell(&c.throughput_gbit_s, 2),
+            ratios(|m| m.vs_direct),
+            ratios(|m| m.vs_fastpath),
+            c.socket_errors,
+            c.non_2xx,
+            c.requests,
+            c.client_syn_retransmits,
+            c.client_retransmitted_segments,
+            c.kernel_conntrack_entries,
+            c.process_cpu_percent.map_or_else(
+                || "— (kernel only)".to_string(),
+                |p| format!("{:.0} / {:.0} / {:.0}", p[0], p[1], p[2])
+            )
+        );
+    }
+    let _ = writeln!(md);
+    let _ = writeln!(
+        md,
+        "Kernel conntrack is part of what is compared: iptables and nftables DNAT need nf_conntrack in fp (the NAT binding lives in the connection's conntrack entry; the last column counts fp's entries right after a new-connection run), fastpath keeps its own connection table in a BPF map and leaves nf_conntrack unused in fp, and HAProxy terminates the client's connection in fp's TCP stack and opens its own to the backend (no NAT, no conntrack, but two TCP connections per request). Client retransmits are summed over the measured runs: packets get lost on this machine when both CPUs are busy (the kernel's per-CPU receive backlog, where a veth with no XDP program queues what it receives, holds `netdev_max_backlog` = 1000 packets, and /proc/net/softnet_stat shows it dropping), and every lost SYN stalls its connection for the 1 s retransmission timeout, which shows in that run's new-connection rate. The last column is the CPU the contender's own process took during the runs (user and system time of all its threads, ÷ the run's duration): the fastpath daemon drains the conntrack event ring (the datapath's connection events) and runs the expiry pass on the same 2 CPUs, HAProxy relays every byte through its sockets; the kernel contenders' work happens in softirq context and is not attributed. Versions: {}; {}; {}. The machine's 2 CPUs run everything — wrk, the three nginx, HAProxy's threads (its default: one per CPU) and the kernel's packet processing in every namespace — so these numbers compare the contenders' CPU cost per request on one box rather than what each could do on its own hardware; another engineer's tests may share the machine during a run.\n",
+        r.haproxy, r.iptables, r.nftables
+    );
+    md
+}
+
+/// The comparison's lines of "Where we lose": every measurement where another contender's
+/// median beats fastpath's by more than 2%, and what this topology charges XDP.
+pub fn where_we_lose(r: &CompareReport) -> String {
+    let mut lost = Vec::new();
+    for c in r.contenders.iter().filter(|c| c.contender != "fastpath") {
+        for (what, m) in [
+            ("new-connection req/s", &c.new_connection_rps),
+            ("keep-alive req/s", &c.keep_alive_rps),
+            ("throughput", &c.throughput_gbit_s),
+        ] {
+            if m.vs_fastpath > 1.02 {
+                lost.push(format!("{} {what} {:.2}×", c.contender, m.vs_fastpath));
+            }
+        }
+    }
+    if lost.is_empty() {
+        return "Load balancers compared: no contender beat fastpath by more than 2% on any measurement in this run.\n\n".into();
+    }
+    format!(
+        "Load balancers compared, where another contender's median beat fastpath's (its median ÷ fastpath's): {}. Part of it is the topology: on a veth, a native XDP program gets each packet by turning the sender's skb into an XDP buffer and back — copying it when it is a clone (as every TCP segment is: the sender keeps it for retransmission) or lacks XDP's 256 bytes of headroom — where a NIC runs XDP before any skb exists; and attaching XDP to a veth turns software GSO off on its peer. The daemon also runs its TC ingress and egress programs on every fp interface, and its process took {} of one CPU during the new-connection runs (median; the table's last column) on a machine that has two. The kernel contenders pay none of that here.\n\n",
+        lost.join("; "),
+        r.contenders
+            .iter()
+            .find(|c| c.contender == "fastpath")
+            .and_then(|c| c.process_cpu_percent)
+            .map_or_else(
+                || "an unmeasured share".to_string(),
+                |p| format!("{:.0}%", p[0])
+            )
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn contenders_are_listed_in_declaration_order() {
+        // `run` indexes its samples with `Contender as usize`.
+        for (i, c) in Contender::ALL.iter().enumerate() {
+            assert_eq!(*c as usize, i, "{c:?} out of place in Contender::ALL");
+        }
+    }
+
+    #[test]
+    fn reads_this_process_cpu_time() {
+        let spent = process_cpu_s(std::process::id()).expect("/proc/self/stat");
+        assert!(spent >= 0.0 && spent.is_finite(), "CPU seconds {spent}");
+    }
+
+    #[test]
+    fn parses_the_wrk_summary() {
+        let run = parse_wrk("Running 5s test\nFPBENCH requests=120 bytes=3400 duration_us=5000000 connect=0 read=1 write=0 timeout=2 status=0\n")
+            .expect("a valid summary");
+        assert_eq!(
+            (run.requests, run.bytes, run.socket_errors()),
+            (120, 3400, 3)
+        );
+        assert!((run.duration_s - 5.0).abs() < 1e-9);
+        assert!(parse_wrk("no summary").is_err());
+    }
+
+    #[test]
+    fn reads_rule_counters() {
+        let save = "*nat\n:PREROUTING ACCEPT [0:0]\n[7:420] -A PREROUTING -d 10.200.0.100/32 -p tcp -j FPBENCH-SVC\n[3:180] -A FPBENCH-SVC -m statistic --mode random --probability 0.3333333333 -j DNAT --to-destination 10.200.10.2:80\n[4:240] -A FPBENCH-SVC -j DNAT --to-destination 10.200.12.2:80\n";
+        assert_eq!(iptables_dnat_packets(save), 7);
+        let nft = "table ip fpbench {\n\tchain prerouting {\n\t\tip daddr 10.200.0.100 tcp dport 80 counter packets 42 bytes 2520 dnat to numgen random mod 3 map { 0 : 10.200.10.2 }\n\t}\n}\n";
+        assert_eq!(nft_counter_packets(nft), Some(42));
+    }
+}
