@@ -351,6 +351,11 @@ fn test(extra: &[String]) -> Result<()> {
     run(cargo(&["test", "--release", "--no-fail-fast"])
         .arg("--")
         .arg("--test-threads=1")
+        .args(extra))?;
+    // The examples' own unit tests (the benchmark's parsers and readers): a plain
+    // `cargo test` builds the examples but does not run their tests.
+    run(cargo(&["test", "--release", "-p", "fastpath", "--examples"])
+        .arg("--")
         .args(extra))
 }
 
