@@ -354,9 +354,11 @@ fn test(extra: &[String]) -> Result<()> {
         .args(extra))?;
     // The examples' own unit tests (the benchmark's parsers and readers): a plain
     // `cargo test` builds the examples but does not run their tests.
-    run(cargo(&["test", "--release", "-p", "fastpath", "--examples"])
-        .arg("--")
-        .args(extra))
+    run(
+        cargo(&["test", "--release", "-p", "fastpath", "--examples"])
+            .arg("--")
+            .args(extra),
+    )
 }
 
 fn demo(extra: &[String]) -> Result<()> {
