@@ -371,7 +371,7 @@ impl Seq {
         let expect = self.entry(state, ct_flags);
         let (input, output) = input_output;
         self = self.push(what, input, expect, stats, events);
-        let step = self.steps.last_mut().expect("just pushed");
+        let step = self.last_step("lb_packet");
         step.expect_output = Some(output);
         step.expect_reason = Some(if dir == O {
             reason::LB_TO_BACKEND
@@ -455,58 +455,50 @@ impl Seq {
     /// The last step leaves the connection without an entry (killed).
     fn gone(mut self) -> Self {
         let key = self.flow.key();
-        match self.steps.last_mut() {
-            Some(s) => s.expect = CtExpect::Absent(key),
-            None => panic!("{}: gone() needs a step", self.name),
-        }
+        self.last_step("gone").expect = CtExpect::Absent(key);
         self
+    }
+
+    /// The last step, to state more about it; `what` names the caller for the panic (a bug in
+    /// the table).
+    fn last_step(&mut self, what: &str) -> &mut CtStep {
+        let name = self.name;
+        self.steps
+            .last_mut()
+            .unwrap_or_else(|| panic!("{name}: {what}() needs a step"))
     }
 
     /// The last step may also create or remove the entry under `key`.
     fn also(mut self, key: CtKey) -> Self {
-        match self.steps.last_mut() {
-            Some(s) => s.also_changes.push(key),
-            None => panic!("{}: also() needs a step", self.name),
-        }
+        self.last_step("also").also_changes.push(key);
         self
     }
 
     /// The last step goes to the kernel counted under `code`.
     fn kernel_reason(mut self, code: u32) -> Self {
-        match self.steps.last_mut() {
-            Some(s) => s.expect_reason = Some(code),
-            None => panic!("{}: kernel_reason() needs a step", self.name),
-        }
+        self.last_step("kernel_reason").expect_reason = Some(code);
         self
     }
 
     /// The last step is dropped with `code` (not by the firewall: no fw_dropped count).
     fn drop_reason(mut self, code: u32) -> Self {
-        match self.steps.last_mut() {
-            Some(s) => s.expect_drop = Some(code),
-            None => panic!("{}: drop_reason() needs a step", self.name),
-        }
+        self.last_step("drop_reason").expect_drop = Some(code);
         self
     }
 
     /// The last step is dropped by the stateful firewall with `code` (and counts it).
     fn dropped(mut self, code: u32) -> Self {
-        match self.steps.last_mut() {
-            Some(s) => {
-                s.expect_drop = Some(code);
-                s.expect_stats.push((FW_DROPPED, 1));
-            }
-            None => panic!("{}: dropped() needs a step", self.name),
-        }
+        let s = self.last_step("dropped");
+        s.expect_drop = Some(code);
+        s.expect_stats.push((FW_DROPPED, 1));
         self
     }
 
     /// The last step also removes `victim` to make room (early drop), with its event.
     fn early_drops(mut self, victim: CtKey) -> Self {
-        match self.steps.last_mut() {
-            Some(s) => s.expect_other_events.push((ct_event::EARLY_DROP, victim)),
-            None => panic!("{}: early_drops() needs a step", self.name),
-        }
+        self.last_step("early_drops")
+            .expect_other_events
+            .push((ct_event::EARLY_DROP, victim));
         self
     }
 
@@ -656,7 +648,7 @@ impl Seq {
         let input = self.backend_flow().icmp_error(O, icmp_type, code);
         let output = self.flow.icmp_error(O, icmp_type, code);
         let mut s = self.push(what, input, CtExpect::Untouched, &[RELATED], &[]);
-        let step = s.steps.last_mut().expect("just pushed");
+        let step = s.last_step("lb_icmp_error");
         step.expect_output = Some(output);
         step.expect_reason = Some(reason::LB_ICMP_ERROR);
         s
@@ -722,22 +714,15 @@ impl Seq {
 
     /// The last step also states how many entries the table holds.
     fn table_len(mut self, n: usize) -> Self {
-        match self.steps.last_mut() {
-            Some(s) => s.expect_table_len = Some(n),
-            None => panic!("{}: table_len() needs a step", self.name),
-        }
+        self.last_step("table_len").expect_table_len = Some(n);
         self
     }
 
     /// The last step runs as a packet forwarded from interface `ifindex` (TC context).
     fn forwarded_from(mut self, ifindex: u32) -> Self {
-        match self.steps.last_mut() {
-            Some(s) => {
-                s.skb_ingress_ifindex = Some(ifindex);
-                s.what += &format!(" (forwarded from ifindex {ifindex})");
-            }
-            None => panic!("{}: forwarded_from() needs a step", self.name),
-        }
+        let s = self.last_step("forwarded_from");
+        s.skb_ingress_ifindex = Some(ifindex);
+        s.what += &format!(" (forwarded from ifindex {ifindex})");
         self
     }
 
@@ -2195,7 +2180,7 @@ pub fn dsr_sequences() -> Vec<CtSequence> {
                 events,
             );
             if dir == O {
-                let step = s.steps.last_mut().expect("just pushed");
+                let step = s.last_step("dsr_sequences");
                 step.expect_output = Some(with_macs(input, mac));
                 step.expect_forward = true;
                 step.expect_reason = Some(reason::LB_DSR);
