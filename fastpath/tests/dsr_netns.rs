@@ -129,17 +129,7 @@ fn dsr_sends_each_connection_to_its_backend_unchanged() {
         );
     }
     // The backends the datapath gave the connections: its per-backend counters.
-    let json = fastpath::testkit::netns::host_run(&[
-        bin().as_os_str(),
-        "service".as_ref(),
-        "list".as_ref(),
-        "--pin-dir".as_ref(),
-        daemon.pin_dir().as_os_str(),
-        "-o".as_ref(),
-        "json".as_ref(),
-    ])
-    .unwrap_or_else(|e| panic!("service list: {e}"));
-    let rows: serde_json::Value = serde_json::from_str(&json).expect("service list JSON");
+    let (json, rows) = fastpath::testkit::netns::service_list_json(bin(), daemon.pin_dir());
     for (svc, vip) in [(0, VIP4), (1, VIP6)] {
         let row = rows
             .as_array()

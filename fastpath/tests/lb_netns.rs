@@ -204,17 +204,7 @@ fn curl_through_the_vip_reaches_the_predicted_backends() {
 
     // Per-service and per-backend counters: the connections each backend was given are the
     // ones the curls saw it answer.
-    let json = fastpath::testkit::netns::host_run(&[
-        bin().as_os_str(),
-        "service".as_ref(),
-        "list".as_ref(),
-        "--pin-dir".as_ref(),
-        daemon.pin_dir().as_os_str(),
-        "-o".as_ref(),
-        "json".as_ref(),
-    ])
-    .unwrap_or_else(|e| panic!("service list: {e}"));
-    let rows: serde_json::Value = serde_json::from_str(&json).expect("service list JSON");
+    let (json, rows) = fastpath::testkit::netns::service_list_json(bin(), daemon.pin_dir());
     let rows = rows.as_array().expect("a list of services");
     assert_eq!(rows.len(), 3, "{json}");
     for (v6, vip) in [(false, VIP4), (true, VIP6)] {

@@ -962,6 +962,24 @@ pub fn test_lb_topology(backends: usize) -> LbTopology {
     lb_topology(backends).unwrap_or_else(|e| panic!("building the lb topology: {e}"))
 }
 
+/// `fastpath service list -o json` of the datapath pinned at `pin_dir`: the raw text (for
+/// messages) and the parsed rows.
+pub fn service_list_json(bin: &Path, pin_dir: &Path) -> (String, serde_json::Value) {
+    let json = host_run(&[
+        bin.as_os_str(),
+        "service".as_ref(),
+        "list".as_ref(),
+        "--pin-dir".as_ref(),
+        pin_dir.as_os_str(),
+        "-o".as_ref(),
+        "json".as_ref(),
+    ])
+    .unwrap_or_else(|e| panic!("service list: {e}"));
+    let rows =
+        serde_json::from_str(&json).unwrap_or_else(|e| panic!("service list JSON: {e}\n{json}"));
+    (json, rows)
+}
+
 /// The `[[service]]` tables `services` (TOML), parsed and checked as the daemon does.
 pub fn parse_services(services: &str) -> Vec<crate::config::ServiceConfig> {
     let text = format!("[[interface]]\nname = \"lo\"\n{services}");
