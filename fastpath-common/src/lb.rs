@@ -85,6 +85,9 @@ pub struct BackendLoad {
 pub const WRR_MAX_SLOTS: u32 = 65_536;
 /// With no backend available: drop the packet (counted) instead of handing it to the kernel.
 pub const SVC_F_NO_BACKEND_DROP: u32 = 1 << 8;
+/// With no backend available: answer the client — a TCP RST, or an ICMP/ICMPv6 port
+/// unreachable for UDP — sent back out of the interface it came in on (XDP_TX).
+pub const SVC_F_NO_BACKEND_REJECT: u32 = 1 << 12;
 /// Full-NAT: besides the destination (→ backend), the source is translated to `snat_addr`
 /// and a port from `snat_port_lo..=snat_port_hi`, so replies come back to this node whatever
 /// the backends' routing. The port is allocated by inserting the connection's alias

@@ -60,13 +60,22 @@ pub mod program_names {
     pub const BENCH_CT_EVENTS: &str = "bench_ct_events";
     /// XDP programs the main one tail-calls (`FP_TAILS`), by index: rare paths whose stack
     /// would not fit beside the main program's.
-    pub const XDP_TAILS: [&str; 2] = ["fastpath_xdp_icmp_error", "fastpath_xdp_icmp6_error"];
+    pub const XDP_TAILS: [&str; 4] = [
+        "fastpath_xdp_icmp_error",
+        "fastpath_xdp_icmp6_error",
+        "fastpath_xdp_reject",
+        "fastpath_xdp_reject6",
+    ];
 }
 
 /// `FP_TAILS` indexes of the XDP tail programs that translate ICMP (IPv4) and ICMPv6 errors
 /// of load-balanced connections.
 pub const TAIL_ICMP_ERROR: u32 = 0;
 pub const TAIL_ICMP6_ERROR: u32 = 1;
+/// `FP_TAILS` indexes of the XDP tail programs that answer a new connection to a service
+/// without backends (`no_backend = "reject"`), IPv4 and IPv6.
+pub const TAIL_REJECT: u32 = 2;
+pub const TAIL_REJECT6: u32 = 3;
 
 /// What the benchmark programs do, shared by the programs and the benchmark that drives them.
 pub mod bench {

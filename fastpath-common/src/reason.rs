@@ -115,9 +115,12 @@ pub const LB_DSR_NO_NEIGHBOR: u32 = 41;
 /// needed / packet too big, ...), translated for the client: the quoted packet as the client
 /// sent it, the error from the VIP.
 pub const LB_ICMP_ERROR: u32 = 42;
+/// A new connection to a service with no backend available, answered (`no_backend =
+/// "reject"`): a TCP RST or an ICMP/ICMPv6 port unreachable, sent back (forward verdict).
+pub const LB_REJECTED: u32 = 43;
 
 /// One past the highest code in use. Append new codes above this line and bump it.
-pub const COUNT: u32 = 43;
+pub const COUNT: u32 = 44;
 /// Slots reserved per (hook, verdict) in the stats map; codes must stay below this.
 pub const SLOTS: u32 = 64;
 
@@ -168,6 +171,7 @@ pub const NAMES: [&str; COUNT as usize] = [
     "lb_dsr",
     "lb_dsr_no_neighbor",
     "lb_icmp_error",
+    "lb_rejected",
 ];
 
 /// Name of a code, or `"unknown"` for a code this build does not know (a newer datapath).

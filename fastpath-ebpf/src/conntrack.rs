@@ -22,8 +22,8 @@ use fastpath_common::{
         UDP_STREAM_AFTER_NS, ct_event, ct_stat, tcp_class, tcp_classify, tcp_state, tcp_step,
     },
     lb::{
-        SNAT_TRIES, SVC_F_DSR, SVC_F_FULL_NAT, SVC_F_GATEWAY, SVC_F_NO_BACKEND_DROP, Service,
-        flow_hash,
+        SNAT_TRIES, SVC_F_DSR, SVC_F_FULL_NAT, SVC_F_GATEWAY, SVC_F_NO_BACKEND_DROP,
+        SVC_F_NO_BACKEND_REJECT, Service, flow_hash,
     },
     reason,
 };
@@ -355,7 +355,10 @@ fn lb_create(
     };
     let Some((idx, backend)) = lb::pick_for_client(svc, key, pkt, p, now) else {
         lb::count_no_backend(svc.id);
-        return if svc.flags & SVC_F_NO_BACKEND_DROP != 0 {
+        return if svc.flags & SVC_F_NO_BACKEND_REJECT != 0 {
+            // Answered by the tail program the entry point calls for this reason.
+            Action::Kernel(reason::LB_REJECTED)
+        } else if svc.flags & SVC_F_NO_BACKEND_DROP != 0 {
             Action::Drop(reason::LB_NO_BACKEND)
         } else {
             Action::Kernel(reason::LB_NO_BACKEND)

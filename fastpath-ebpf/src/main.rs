@@ -17,6 +17,7 @@ mod packet;
 mod parse;
 mod pipeline;
 mod ratelimit;
+mod reject;
 mod stats;
 
 use aya_ebpf::{
@@ -46,15 +47,22 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
         Ok(p) => pipeline::process(&pkt, p, Hook::Xdp, ctx.ingress_ifindex() as u32, false),
         Err(code) => pipeline::unparsed(code),
     };
-    if reason == fastpath_common::reason::LB_ICMP_ERROR {
+    // Rare paths whose stack does not fit beside this program's: their tail programs.
+    let tails = match reason {
+        fastpath_common::reason::LB_ICMP_ERROR => Some((
+            fastpath_common::TAIL_ICMP_ERROR,
+            fastpath_common::TAIL_ICMP6_ERROR,
+        )),
+        fastpath_common::reason::LB_REJECTED => {
+            Some((fastpath_common::TAIL_REJECT, fastpath_common::TAIL_REJECT6))
+        }
+        _ => None,
+    };
+    if let Some((v4, v6)) = tails {
+        let tail = if pipeline::is_ipv4() { v4 } else { v6 };
         // SAFETY: the tail program takes the same context; it does not return here.
-        let tail = if pipeline::is_ipv4() {
-            fastpath_common::TAIL_ICMP_ERROR
-        } else {
-            fastpath_common::TAIL_ICMP6_ERROR
-        };
         unsafe { maps::FP_TAILS.tail_call(&ctx, tail) };
-        // The tail program is missing: the error goes on untranslated.
+        // The tail program is missing: the packet goes on as it is.
         reason = fastpath_common::reason::LB_REWRITE_FAILED;
     }
     stats::count(Hook::Xdp, verdict, reason, len);
@@ -68,9 +76,21 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
     }
 }
 
+/// Tail programs of `fastpath_xdp` (`FP_TAILS[TAIL_REJECT]`, `[TAIL_REJECT6]`): answer a new
+/// connection to a service without backends (`no_backend = "reject"`) — see `reject`.
+#[xdp]
+pub fn fastpath_xdp_reject(ctx: XdpContext) -> u32 {
+    reject::answer(&ctx, true)
+}
+
+#[xdp]
+pub fn fastpath_xdp_reject6(ctx: XdpContext) -> u32 {
+    reject::answer(&ctx, false)
+}
+
 /// The packet an XDP program sees.
 #[inline(always)]
-fn xdp_packet(ctx: &XdpContext) -> Packet {
+pub(crate) fn xdp_packet(ctx: &XdpContext) -> Packet {
     // verifier: `len` is read from the context a second time, volatile, so LLVM cannot derive
     // one bounds check from another through it (it otherwise drops checks the verifier needs).
     // SAFETY: `ctx.ctx` points at the kernel's xdp_md for the duration of the program.

@@ -73,7 +73,8 @@ pub struct ServiceConfig {
     /// Maglev table size (a prime up to 131071); default: the smallest of 251, 509, 1021,
     /// ... with at least 100 slots per backend.
     pub maglev_table_size: Option<Spanned<u32>>,
-    /// With no backend available: `kernel` (hand the packet on untranslated) or `drop`.
+    /// With no backend available: `kernel` (hand the packet on untranslated), `drop`, or
+    /// `reject` (a TCP RST / an ICMP port unreachable back to the client).
     #[serde(default)]
     pub no_backend: NoBackend,
     /// Source-IP affinity: a client's new connections go to the backend of its last one if
@@ -258,6 +259,8 @@ pub enum NoBackend {
     #[default]
     Kernel,
     Drop,
+    /// Answer: a TCP RST, or an ICMP/ICMPv6 port unreachable for UDP.
+    Reject,
 }
 
 #[derive(Debug, Deserialize)]

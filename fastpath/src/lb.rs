@@ -10,8 +10,8 @@ use std::collections::{BTreeSet, HashMap};
 
 use fastpath_common::lb::{
     BACKEND_F_ENABLED, Backend, LB_SLOTS, MAX_BACKENDS, MAX_SERVICES, SVC_F_DSR, SVC_F_FULL_NAT,
-    SVC_F_LEASTCONN, SVC_F_MAGLEV, SVC_F_NO_BACKEND_DROP, SVC_F_WRR, Service, SvcKey,
-    WRR_MAX_SLOTS,
+    SVC_F_LEASTCONN, SVC_F_MAGLEV, SVC_F_NO_BACKEND_DROP, SVC_F_NO_BACKEND_REJECT, SVC_F_WRR,
+    Service, SvcKey, WRR_MAX_SLOTS,
 };
 
 use crate::{
@@ -424,8 +424,10 @@ impl LbState {
             Scheduler::Wrr => SVC_F_WRR,
             Scheduler::LeastConnections => SVC_F_LEASTCONN,
         };
-        if svc.no_backend == NoBackend::Drop {
-            flags |= SVC_F_NO_BACKEND_DROP;
+        match svc.no_backend {
+            NoBackend::Drop => flags |= SVC_F_NO_BACKEND_DROP,
+            NoBackend::Reject => flags |= SVC_F_NO_BACKEND_REJECT,
+            NoBackend::Kernel => {}
         }
         if svc.mode == ForwardMode::Dsr {
             flags |= SVC_F_DSR;
@@ -551,7 +553,7 @@ fn fingerprint(svc: &ServiceConfig) -> u32 {
     eat(&[svc.scheduler as u8]);
     eat(&svc.affinity_timeout_s.to_be_bytes());
     eat(&[
-        u8::from(svc.no_backend == NoBackend::Drop),
+        svc.no_backend as u8,
         svc.backends.len() as u8,
         svc.mode as u8,
     ]);

@@ -158,3 +158,84 @@ fn dsr_sends_each_connection_to_its_backend_unchanged() {
     );
     drop(servers);
 }
+
+/// `no_backend = "reject"`: a new connection to a service with no backend is answered at XDP,
+/// back out of the interface it came in on — curl fails at once with "connection refused" (a
+/// TCP RST) and a UDP client gets "connection refused" (an ICMP / ICMPv6 port unreachable),
+/// over IPv4 and IPv6, instead of waiting for a timeout.
+#[test]
+fn a_service_without_backends_rejects_at_once() {
+    prepare_test(&["curl", "ethtool", "python3"]);
+    let lb = test_lb_topology(1);
+    lb.checksum_offloads_off()
+        .unwrap_or_else(|e| panic!("turning checksum offloads off: {e}"));
+    // The answer is redirected back into the client's veth: NAPI mode (GRO on) takes it.
+    lb.client()
+        .run(&["ethtool", "-K", LbTopology::HOST_IF, "gro", "on"])
+        .unwrap_or_else(|e| panic!("gro on: {e}"));
+    let mut svcs = String::new();
+    for vip in [VIP4, VIP6] {
+        for (port, proto) in [(80, "tcp"), (53, "udp")] {
+            svcs += &format!(
+                "[[service]]\nvip = \"{vip}\"\nport = {port}\nprotocol = \"{proto}\"\nno_backend = \"reject\"\n"
+            );
+        }
+    }
+    let config = lb.fp_config(&unique_pin_dir("reject")).services(&svcs);
+    let daemon = Daemon::start(bin(), lb.fp(), &config);
+    for vip in [VIP4, VIP6] {
+        let url = if vip.contains(':') {
+            format!("http://[{vip}]:80/")
+        } else {
+            format!("http://{vip}:80/")
+        };
+        let start = std::time::Instant::now();
+        let out = lb
+            .client()
+            .run(&[
+                "sh",
+                "-c",
+                &format!("curl -sS -g --max-time 5 {url}; echo \"exit=$?\""),
+            ])
+            .unwrap_or_else(|e| panic!("curl: {e}"));
+        let took = start.elapsed();
+        assert!(
+            out.contains("exit=7") && took < Duration::from_secs(2),
+            "curl {url} should be refused at once (exit 7); got {out:?} after {took:?}\n{}",
+            fastpath::testkit::netns::host_run(&[
+                bin().as_os_str(),
+                "stats".as_ref(),
+                "--pin-dir".as_ref(),
+                daemon.pin_dir().as_os_str(),
+            ])
+            .unwrap_or_default()
+        );
+        let family = if vip.contains(':') {
+            "AF_INET6"
+        } else {
+            "AF_INET"
+        };
+        let udp = lb
+            .client()
+            .run(&[
+                "python3",
+                "-c",
+                &format!(
+                    "import socket\ns = socket.socket(socket.{family}, socket.SOCK_DGRAM)\ns.connect(('{vip}', 53))\ns.send(b'q')\ns.settimeout(3)\ntry:\n    s.recv(100)\n    print('answered')\nexcept ConnectionRefusedError:\n    print('refused')\nexcept TimeoutError:\n    print('timeout')\n"
+                ),
+            ])
+            .unwrap_or_else(|e| panic!("udp client: {e}"));
+        assert_eq!(
+            udp.trim(),
+            "refused",
+            "a UDP datagram to {vip}:53 should get a port unreachable"
+        );
+        eprintln!("{vip}: TCP refused after {took:?}, UDP refused");
+    }
+    let stats = fastpath::datapath::pinned_stats(daemon.pin_dir()).expect("stats");
+    let rejected = stats.packets_for_reason(fastpath_common::reason::LB_REJECTED);
+    assert!(
+        rejected >= 4,
+        "every first packet was answered (lb_rejected {rejected})"
+    );
+}
