@@ -21,7 +21,7 @@ use fastpath_common::{
 
 use super::{
     fixture::{CtEntryExpect, CtExpect, CtSequence, CtStep, Seed},
-    packet::{Ipv6Ext, Pkt, icmp_type, proto, tcp_flags},
+    packet::{self, Ipv6Ext, Pkt, icmp_type, proto, tcp_flags},
 };
 
 /// The ifindex BPF_PROG_TEST_RUN reports for every test packet (XDP `ingress_ifindex`, TC
@@ -2266,6 +2266,93 @@ pub const DSR_NETNS_SETUP: &[&[&str]] = &[
     ],
 ];
 
+/// `no_backend = "reject"`: the first packet of a connection to a service without backends is
+/// answered in place and sent back out of the interface it came in on (a redirect): a TCP RST
+/// (`<SEQ=0><ACK=SEG.SEQ+SEG.LEN><RST,ACK>` for a SYN) or an ICMP / ICMPv6 port unreachable
+/// quoting the datagram's IP header and first 8 bytes, byte-exact with full checksums; no
+/// entry is created.
+fn reject_sequences() -> Vec<Seq> {
+    let svcs = |vip: String| {
+        format!(
+            "[[service]]\nvip = \"{vip}\"\nport = 80\nno_backend = \"reject\"\n\
+             [[service]]\nvip = \"{vip}\"\nport = 53\nprotocol = \"udp\"\nno_backend = \"reject\"\n"
+        )
+    };
+    let back = |f: &Flow| {
+        f.ip(R)
+            .macs(packet::DEFAULT_SRC_MAC, packet::DEFAULT_DST_MAC)
+    };
+    let mut seqs = Vec::new();
+    for (v4, tcp, udp, services) in [
+        (
+            true,
+            Flow::v4(proto::TCP, A4, 40000, VIP4, 80),
+            Flow::v4(proto::UDP, A4, 33000, VIP4, 53),
+            svcs(ip4(VIP4)),
+        ),
+        (
+            false,
+            Flow::v6(proto::TCP, A6, 40000, VIP6, 80),
+            Flow::v6(proto::UDP, A6, 33000, VIP6, 53),
+            svcs(ip6(VIP6)),
+        ),
+    ] {
+        // The answers' IPv4 headers: id 0, don't fragment.
+        let ip4 = |p: Pkt| {
+            if v4 {
+                p.ip_id(0).ipv4_flags_frag(0x4000)
+            } else {
+                p
+            }
+        };
+        // The builder's SYN carries seq 1: the RST acknowledges 2.
+        let rst = ip4(back(&tcp))
+            .tcp(80, 40000, tcp_flags::RST | tcp_flags::ACK)
+            .tcp_seq_ack(0, 2)
+            .tcp_window(0)
+            .build();
+        let datagram = udp.udp(O, b"query");
+        let quote_len = if v4 { 20 + 8 } else { 40 + 8 };
+        let quote = &datagram[14..14 + quote_len];
+        let unreachable = if v4 {
+            ip4(back(&udp)).icmp(3, 3, [0; 4])
+        } else {
+            back(&udp).icmpv6(1, 4, [0; 4])
+        }
+        .payload(quote)
+        .build();
+        let mut s = Seq::lb(
+            if v4 {
+                "lb_reject_answers_tcp_and_udp_v4"
+            } else {
+                "lb_reject_answers_tcp_and_udp_v6"
+            },
+            tcp,
+            &services,
+        );
+        for (what, input, output) in [
+            (
+                "SYN to a service without backends",
+                tcp.tcp(O, SYN, &[]),
+                rst,
+            ),
+            (
+                "UDP to a service without backends",
+                datagram.clone(),
+                unreachable,
+            ),
+        ] {
+            s = s.untouched(what, input, &[LOOKUPS]);
+            let step = s.last_step("reject_sequences");
+            step.expect_output = Some(output);
+            step.expect_forward = true;
+            step.expect_reason = Some(reason::LB_REJECTED);
+        }
+        seqs.push(s.table_len(0));
+    }
+    seqs
+}
+
 /// Every conntrack sequence.
 pub fn ct_sequences() -> Vec<CtSequence> {
     [
@@ -2276,6 +2363,7 @@ pub fn ct_sequences() -> Vec<CtSequence> {
         firewall_sequences(),
         lb_sequences(),
         full_nat_sequences(),
+        reject_sequences(),
         untracked_sequences(),
         hook_sequences(),
     ]

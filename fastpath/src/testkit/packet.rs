@@ -630,6 +630,12 @@ impl Pkt {
         self
     }
 
+    /// Sets the TCP window.
+    pub fn tcp_window(mut self, window: u16) -> Self {
+        self.tcp_mut("tcp_window").window = window;
+        self
+    }
+
     /// Sets the TCP sequence and acknowledgement numbers.
     pub fn tcp_seq_ack(mut self, seq: u32, ack: u32) -> Self {
         let t = self.tcp_mut("tcp_seq_ack");
