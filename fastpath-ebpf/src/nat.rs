@@ -13,7 +13,7 @@
 use fastpath_common::csum;
 
 use crate::{
-    conntrack::{NAT_DSR, NAT_DST, NAT_ICMP_ERROR, NAT_ICMP_KEEP_SOURCE, NAT_SRC},
+    conntrack::{NAT_DSR, NAT_DST, NAT_ICMP_ERROR, NAT_ICMP_KEEP_SOURCE, NAT_SRC, NatPlan},
     maps::FP_NAT,
     packet::{Packet, be16},
     parse::{FAMILY_IPV4, IPPROTO_TCP, IPPROTO_UDP, Parsed},
@@ -206,9 +206,7 @@ pub fn icmp_error(pkt: &Packet, p: &Parsed, v4: bool) -> bool {
         let old_isrc = [q[12], q[13], q[14], q[15]];
         let old_idst = [q[16], q[17], q[18], q[19]];
         let new_isrc = if to_client { c } else { old_isrc };
-        let (sp0, dp0) = (be16([l4[0], l4[1]]), be16([l4[2], l4[3]]));
-        let sp1 = if to_client { plan.dst_port } else { sp0 };
-        let dp1 = plan.src_port;
+        let [sp0, dp0, sp1, dp1] = quoted_ports(&l4, plan, to_client);
         // The quoted L4 checksum: UDP's in the first 8 bytes (0: none), TCP's at 16 if quoted.
         let udp_c = be16([l4[6], l4[7]]);
         let old_l4c = if udp {
@@ -249,12 +247,7 @@ pub fn icmp_error(pkt: &Packet, p: &Parsed, v4: bool) -> bool {
         qh[2..6].copy_from_slice(&new_isrc);
         qh[6..].copy_from_slice(&v);
         // Quoted L4: ports, and UDP's checksum.
-        let mut ql4 = l4;
-        ql4[..2].copy_from_slice(&sp1.to_be_bytes());
-        ql4[2..4].copy_from_slice(&dp1.to_be_bytes());
-        if udp && let Some(n) = new_l4c {
-            ql4[6..].copy_from_slice(&n.to_be_bytes());
-        }
+        let ql4 = quoted_l4(l4, sp1, dp1, new_l4c.filter(|_| udp));
         pkt.store(opaque(o3 + 10), out)
             && pkt.store(opaque(inner + 10), qh)
             && pkt.store(opaque(i4), ql4)
@@ -287,9 +280,7 @@ pub fn icmp_error(pkt: &Packet, p: &Parsed, v4: bool) -> bool {
         let odst = if to_client { c } else { [o[2], o[3]] };
         let new_outer = [osrc[0], osrc[1], odst[0], odst[1]];
         let new_inner = [isrc[0], isrc[1], v[0], v[1]];
-        let (sp0, dp0) = (be16([l4[0], l4[1]]), be16([l4[2], l4[3]]));
-        let sp1 = if to_client { plan.dst_port } else { sp0 };
-        let dp1 = plan.src_port;
+        let [sp0, dp0, sp1, dp1] = quoted_ports(&l4, plan, to_client);
         let udp_c = be16([l4[6], l4[7]]);
         // UDP over IPv6 always has a checksum.
         let old_l4c = if udp { Some(udp_c) } else { tcp_c };
@@ -307,18 +298,35 @@ pub fn icmp_error(pkt: &Packet, p: &Parsed, v4: bool) -> bool {
         if let (Some(old), Some(new)) = (old_l4c, new_l4c) {
             ic = csum::replace2(ic, old, new);
         }
-        let mut ql4 = l4;
-        ql4[..2].copy_from_slice(&sp1.to_be_bytes());
-        ql4[2..4].copy_from_slice(&dp1.to_be_bytes());
-        if udp && let Some(n) = new_l4c {
-            ql4[6..].copy_from_slice(&n.to_be_bytes());
-        }
+        let ql4 = quoted_l4(l4, sp1, dp1, new_l4c.filter(|_| udp));
         pkt.store_words(opaque(o3 + 8), new_outer)
             && pkt.store_words(opaque(inner + 8), new_inner)
             && pkt.store(opaque(i4), ql4)
             && (udp || new_l4c.is_none_or(|n| pkt.store(opaque(tcp_c_off), n.to_be_bytes())))
             && pkt.store(opaque(icmp + 2), ic.to_be_bytes())
     }
+}
+
+/// The quoted TCP/UDP header's ports before and after the translation: source, destination,
+/// new source (the client's, with `to_client`), new destination (the VIP's port).
+#[inline(always)]
+fn quoted_ports(l4: &[u8; 8], plan: &NatPlan, to_client: bool) -> [u16; 4] {
+    let (sp0, dp0) = (be16([l4[0], l4[1]]), be16([l4[2], l4[3]]));
+    let sp1 = if to_client { plan.dst_port } else { sp0 };
+    [sp0, dp0, sp1, plan.src_port]
+}
+
+/// The quoted TCP/UDP header's first 8 bytes after the translation: the new ports and, for
+/// UDP, the new checksum.
+#[inline(always)]
+fn quoted_l4(l4: [u8; 8], sp1: u16, dp1: u16, udp_checksum: Option<u16>) -> [u8; 8] {
+    let mut q = l4;
+    q[..2].copy_from_slice(&sp1.to_be_bytes());
+    q[2..4].copy_from_slice(&dp1.to_be_bytes());
+    if let Some(c) = udp_checksum {
+        q[6..].copy_from_slice(&c.to_be_bytes());
+    }
+    q
 }
 
 /// Where a quoted TCP header's checksum lies (`i4 + 16`) and its value, if the quote (ending at
