@@ -7,6 +7,13 @@ use aya_build::{Package, Toolchain};
 const EBPF_TOOLCHAIN: &str = include_str!("../ebpf-toolchain.txt").trim_ascii();
 
 fn main() -> anyhow::Result<()> {
+    // The management API: protos compiled in-process (protox), no protoc needed.
+    println!("cargo::rerun-if-changed=proto");
+    let fds = protox::compile(["fastpath/v1/fastpath.proto"], ["proto"])
+        .map_err(|e| anyhow!("compiling proto/fastpath/v1/fastpath.proto: {e}"))?;
+    tonic_prost_build::configure()
+        .compile_fds(fds)
+        .context("generating the gRPC code for fastpath.v1")?;
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .ok_or_else(|| anyhow!("fastpath crate has no parent directory"))?

@@ -11,7 +11,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use toml::Spanned;
 
 /// Backends one service may have.
@@ -20,7 +20,7 @@ pub const MAX_BACKENDS_PER_SERVICE: usize = 4096;
 /// Default bpffs directory for pinned maps and links.
 pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/fastpath";
 
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     #[serde(default)]
@@ -37,11 +37,14 @@ pub struct Config {
     /// Static DNAT port forwards (`[[port_forward]]` tables).
     #[serde(default, rename = "port_forward")]
     pub port_forwards: Vec<PortForward>,
+    /// The management API and metrics listeners (`[api]`).
+    #[serde(default)]
+    pub api: ApiSection,
 }
 
 /// A static DNAT port forward: connections to `address:port` go to `to:to_port`, the client's
 /// address kept (a NAT-mode service with one backend, without health checks).
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct PortForward {
     /// The address clients connect to (typically one of this node's outside addresses).
@@ -53,12 +56,13 @@ pub struct PortForward {
     /// Where the connections go.
     pub to: Spanned<std::net::IpAddr>,
     /// Default: `port`.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub to_port: Option<Spanned<u16>>,
 }
 
 /// One load-balanced service: clients connect to `vip:port`; each new connection gets a
 /// backend and keeps it.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ServiceConfig {
     /// IPv4 or IPv6 address clients connect to.
@@ -72,6 +76,7 @@ pub struct ServiceConfig {
     pub scheduler: Scheduler,
     /// Maglev table size (a prime up to 131071); default: the smallest of 251, 509, 1021,
     /// ... with at least 100 slots per backend.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub maglev_table_size: Option<Spanned<u32>>,
     /// With no backend available: `kernel` (hand the packet on untranslated), `drop`, or
     /// `reject` (a TCP RST / an ICMP port unreachable back to the client).
@@ -91,22 +96,57 @@ pub struct ServiceConfig {
     /// Full-NAT: the source address backends see. The backends must route it to this node;
     /// it need not be assigned to an interface (if it is, set `accept_local` on the
     /// interfaces clients come in on, or the kernel drops the translated packets as martians).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub snat_address: Option<Spanned<std::net::IpAddr>>,
     /// Full-NAT: the source ports connections get, `"FIRST-LAST"`. Default `"1024-32767"`,
     /// clear of Linux's ephemeral ports (`net.ipv4.ip_local_port_range`, 32768-60999), so
     /// the node's own connections from the same address never collide. A port is shared by
     /// connections to different backends.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub snat_ports: Option<Spanned<PortRange>>,
     #[serde(default, rename = "backend")]
     pub backends: Vec<BackendConfig>,
     /// Probing of the backends (`[service.health_check]`); none: every backend is up.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub health_check: Option<HealthCheck>,
+    /// Made from a `[[port_forward]]` table (written back as one).
+    #[serde(skip)]
+    pub port_forward: bool,
+}
+
+/// What identifies a service: clients' destination address, port and protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceId {
+    pub vip: std::net::IpAddr,
+    pub port: u16,
+    pub protocol: Protocol,
+}
+
+impl fmt::Display for ServiceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}/{}",
+            std::net::SocketAddr::new(self.vip, self.port),
+            self.protocol.name()
+        )
+    }
+}
+
+impl ServiceConfig {
+    pub fn id(&self) -> ServiceId {
+        ServiceId {
+            vip: *self.vip.get_ref(),
+            port: *self.port.get_ref(),
+            protocol: self.protocol,
+        }
+    }
 }
 
 /// How the daemon probes a service's backends. A backend goes down after `fall` failed
 /// probes in a row (no new connections; existing ones keep it) and up again after `rise`
 /// good ones.
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct HealthCheck {
     /// `tcp` (a connect) or `http` (GET `path`, expecting `expect_status`).
@@ -120,6 +160,7 @@ pub struct HealthCheck {
     #[serde(default = "default_fall")]
     pub fall: Spanned<u32>,
     /// Probe this port instead of the backend's.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub port: Option<u16>,
     #[serde(default = "default_path")]
     pub path: String,
@@ -127,33 +168,33 @@ pub struct HealthCheck {
     pub expect_status: u16,
 }
 
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum HealthKind {
     Tcp,
     Http,
 }
 
-fn default_interval_ms() -> Spanned<u64> {
+pub(crate) fn default_interval_ms() -> Spanned<u64> {
     Spanned::new(0..0, 1000)
 }
-fn default_timeout_ms() -> Spanned<u64> {
+pub(crate) fn default_timeout_ms() -> Spanned<u64> {
     Spanned::new(0..0, 500)
 }
-fn default_rise() -> Spanned<u32> {
+pub(crate) fn default_rise() -> Spanned<u32> {
     Spanned::new(0..0, 2)
 }
-fn default_fall() -> Spanned<u32> {
+pub(crate) fn default_fall() -> Spanned<u32> {
     Spanned::new(0..0, 3)
 }
-fn default_path() -> String {
+pub(crate) fn default_path() -> String {
     "/".into()
 }
-fn default_status() -> u16 {
+pub(crate) fn default_status() -> u16 {
     200
 }
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct BackendConfig {
     pub address: Spanned<std::net::IpAddr>,
@@ -163,12 +204,13 @@ pub struct BackendConfig {
     pub weight: Spanned<u32>,
 }
 
-fn default_weight() -> Spanned<u32> {
+pub(crate) fn default_weight() -> Spanned<u32> {
     Spanned::new(0..0, 1)
 }
 
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
+#[derive(Hash, PartialOrd, Ord)]
 pub enum Protocol {
     #[default]
     Tcp,
@@ -176,6 +218,13 @@ pub enum Protocol {
 }
 
 impl Protocol {
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+        }
+    }
+
     pub fn number(self) -> u8 {
         match self {
             Protocol::Tcp => 6,
@@ -184,7 +233,7 @@ impl Protocol {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Scheduler {
     /// Maglev consistent hashing of the connection's addresses and ports.
@@ -200,7 +249,7 @@ pub enum Scheduler {
 }
 
 /// How a service's packets reach its backends.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum ForwardMode {
     /// Destination NAT: the backend sees the client's address.
@@ -247,13 +296,19 @@ impl TryFrom<String> for PortRange {
     }
 }
 
+impl Serialize for PortRange {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 impl fmt::Display for PortRange {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}-{}", self.first, self.last)
     }
 }
 
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum NoBackend {
     #[default]
@@ -263,7 +318,7 @@ pub enum NoBackend {
     Reject,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DatapathSection {
     /// Where maps (`maps/`) and links (`links/`) are pinned. Default `/sys/fs/bpf/fastpath`.
@@ -299,7 +354,7 @@ fn default_true() -> bool {
 }
 
 /// XDP attachment mode.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum XdpMode {
     /// Native (driver) mode, falling back to generic (skb) mode with a warning. Default.
@@ -313,7 +368,7 @@ pub enum XdpMode {
     Off,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct InterfaceConfig {
     /// Interface name in the daemon's network namespace.
@@ -342,16 +397,74 @@ pub struct InterfaceConfig {
     #[serde(default)]
     pub snat: bool,
     /// The source addresses for `snat`, at most one per family.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub snat_addresses: Option<Spanned<Vec<std::net::IpAddr>>>,
     /// The source ports for `snat`, `"FIRST-LAST"`. Default `"1024-32767"`.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub snat_ports: Option<Spanned<PortRange>>,
+}
+
+/// The management API's listeners and where its changes persist (`[api]`).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ApiSection {
+    /// The gRPC API's Unix socket (mode 0600, root only). Default
+    /// `/run/fastpath/NAME.sock`, NAME the last component of `datapath.pin_dir`
+    /// (`/run/fastpath/fastpath.sock` by default).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub socket: Option<Spanned<PathBuf>>,
+    /// Where changes made through the API are kept across restarts. Default
+    /// `/var/lib/fastpath/NAME.state.toml`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state_file: Option<Spanned<PathBuf>>,
+    /// Also serve the API on this TCP address (`"ADDR:PORT"`), with TLS and client
+    /// certificates (`tls_cert`, `tls_key`, `tls_client_ca`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<Spanned<std::net::SocketAddr>>,
+    /// PEM server certificate chain for `listen`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_cert: Option<Spanned<PathBuf>>,
+    /// PEM private key of `tls_cert`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_key: Option<Spanned<PathBuf>>,
+    /// PEM CA certificates; a client must present a certificate they signed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_client_ca: Option<Spanned<PathBuf>>,
+    /// Serve `listen` as plain TCP without authentication: anyone who reaches the port
+    /// controls the datapath. Default false (refused).
+    #[serde(default)]
+    pub allow_insecure_tcp: bool,
+    /// Serve Prometheus metrics over HTTP at `http://ADDR:PORT/metrics`. Default: off.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_listen: Option<Spanned<std::net::SocketAddr>>,
+}
+
+/// Default directory of the API sockets.
+pub const DEFAULT_SOCKET_DIR: &str = "/run/fastpath";
+/// Default directory of the API state files.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/fastpath";
+
+/// The default API socket of the datapath pinned at `pin_dir`.
+pub fn default_socket(pin_dir: &Path) -> PathBuf {
+    Path::new(DEFAULT_SOCKET_DIR).join(format!("{}.sock", instance_name(pin_dir)))
+}
+
+/// The default API state file of the datapath pinned at `pin_dir`.
+pub fn default_state_file(pin_dir: &Path) -> PathBuf {
+    Path::new(DEFAULT_STATE_DIR).join(format!("{}.state.toml", instance_name(pin_dir)))
+}
+
+fn instance_name(pin_dir: &Path) -> String {
+    pin_dir
+        .file_name()
+        .map_or_else(|| "fastpath".into(), |n| n.to_string_lossy().into_owned())
 }
 
 /// Default conntrack table size: 1 Mi connections, like a mid-size Linux box's
 /// nf_conntrack_max.
 pub const DEFAULT_CT_CAPACITY: u32 = 1 << 20;
 
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ConntrackSection {
     /// Maximum tracked connections. Default 1048576. The table is preallocated (about 200
@@ -383,7 +496,7 @@ fn default_gc_interval_ms() -> Spanned<u64> {
 
 /// Idle timeouts in seconds (`[conntrack.timeouts]`), named like Linux's
 /// `nf_conntrack_*_timeout*` sysctls; every default is Linux's.
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields, default)]
 pub struct CtTimeouts {
     pub tcp_syn_sent: u32,
@@ -482,6 +595,41 @@ impl fmt::Display for ConfigError {
 }
 
 impl Config {
+    /// The API's Unix socket.
+    pub fn api_socket(&self) -> PathBuf {
+        self.api.socket.as_ref().map_or_else(
+            || default_socket(self.datapath.pin_dir.get_ref()),
+            |s| s.get_ref().clone(),
+        )
+    }
+
+    /// Where API changes persist.
+    pub fn state_file(&self) -> PathBuf {
+        self.api.state_file.as_ref().map_or_else(
+            || default_state_file(self.datapath.pin_dir.get_ref()),
+            |s| s.get_ref().clone(),
+        )
+    }
+
+    /// A fingerprint of the whole config (FNV-1a of its TOML form): tells whether a config
+    /// file changed since API changes were made on top of it.
+    pub fn fingerprint(&self) -> u64 {
+        let text = self.to_toml().unwrap_or_default();
+        text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })
+    }
+
+    /// This config as TOML, port forwards written back as `[[port_forward]]` tables: what
+    /// [`Config::parse`] reads back into an equal config.
+    pub fn to_toml(&self) -> Result<String, toml::ser::Error> {
+        let mut c = self.clone();
+        let only = ServicesOnly::of(&self.services);
+        c.services = only.service;
+        c.port_forwards = only.port_forward;
+        toml::to_string(&c)
+    }
+
     /// Reads, parses and validates `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         Config::load_with(path, InterfaceCheck::MustExist)
@@ -595,13 +743,18 @@ impl Config {
                     weight: default_weight(),
                 }],
                 health_check: None,
+                port_forward: true,
             })
             .collect();
         self.services.extend(forwards);
+        // From here on the services are the one list of what is forwarded.
+        self.port_forwards.clear();
         Ok(())
     }
 
-    fn validate(
+    /// Checks a whole config (as parsed from `text`, read from `path`): every value, and that
+    /// the services fit the datapath. Used again on every change made through the API.
+    pub fn validate(
         &self,
         path: &Path,
         text: &str,
@@ -1038,6 +1191,36 @@ impl Config {
             });
         }
         Ok(())
+    }
+}
+
+/// The services of a config in file form: services, then port forwards.
+#[derive(Serialize)]
+struct ServicesOnly {
+    service: Vec<ServiceConfig>,
+    port_forward: Vec<PortForward>,
+}
+
+impl ServicesOnly {
+    fn of(services: &[ServiceConfig]) -> ServicesOnly {
+        let (forwards, service): (Vec<_>, Vec<_>) =
+            services.iter().cloned().partition(|s| s.port_forward);
+        ServicesOnly {
+            service,
+            port_forward: forwards
+                .into_iter()
+                .filter_map(|s| {
+                    let b = s.backends.into_iter().next()?;
+                    Some(PortForward {
+                        address: s.vip,
+                        to_port: (b.port != s.port).then_some(b.port),
+                        port: s.port,
+                        protocol: s.protocol,
+                        to: b.address,
+                    })
+                })
+                .collect(),
+        }
     }
 }
 

@@ -25,12 +25,12 @@ pub struct Tuple {
 /// A tracked connection, ready to print.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct CtRow {
-    pub proto: &'static str,
+    pub proto: String,
     pub proto_num: u8,
     /// Seconds until expiry at the default timeouts.
     pub timeout_s: u64,
     /// TCP state name; empty for other protocols.
-    pub state: &'static str,
+    pub state: String,
     pub original: Tuple,
     pub reply: Tuple,
     pub assured: bool,
@@ -67,7 +67,7 @@ pub fn row(key: &CtKey, e: &CtEntry, now_ns: u64, timeouts: &Timeouts) -> CtRow 
         _ => "unknown",
     };
     CtRow {
-        proto,
+        proto: proto.into(),
         proto_num: key.proto,
         timeout_s: u64::from(timeout_of(timeouts, key, e)).saturating_sub(idle_s),
         state: if key.proto == 6 {
@@ -75,8 +75,9 @@ pub fn row(key: &CtKey, e: &CtEntry, now_ns: u64, timeouts: &Timeouts) -> CtRow 
                 .get(e.state as usize)
                 .copied()
                 .unwrap_or("UNKNOWN")
+                .into()
         } else {
-            ""
+            String::new()
         },
         original: Tuple {
             src: orig.0,
@@ -126,7 +127,7 @@ pub fn render(r: &CtRow) -> String {
     };
     let mut line = format!("{:<8} {} {} ", r.proto, r.proto_num, r.timeout_s);
     if !r.state.is_empty() {
-        line.push_str(r.state);
+        line.push_str(&r.state);
         line.push(' ');
     }
     line.push_str(&tuple(&r.original));

@@ -107,21 +107,31 @@ pub fn decode(record: &[u8]) -> Option<CtEvent> {
     Some(unsafe { std::ptr::read_unaligned(record.as_ptr().cast::<CtEvent>()) })
 }
 
-/// `conntrack -E -o timestamp`-style line: `[ts] [NEW] tcp 6 SYN_SENT src=.. dst=.. ...`.
-pub fn render(ev: &CtEvent) -> String {
-    let kind = match ev.kind {
+/// The `conntrack -E` name of an event's kind: NEW, UPDATE or DESTROY.
+pub fn kind_name(ev: &CtEvent) -> &'static str {
+    match ev.kind {
         ct_event::NEW => "NEW",
         ct_event::ESTABLISHED => "UPDATE",
         ct_event::CLOSED => "UPDATE",
         ct_event::EXPIRED | ct_event::EARLY_DROP | ct_event::KILLED => "DESTROY",
         _ => "UNKNOWN",
-    };
+    }
+}
+
+/// The connection an event is about, as a table row (no counters).
+pub fn event_row(ev: &CtEvent) -> conntrack::CtRow {
     let entry = CtEntry {
         state: ev.state,
         flags: ev.flags,
         ..CtEntry::default()
     };
-    let row = conntrack::row(&ev.key, &entry, 0, &DEFAULT_TIMEOUTS_S);
+    conntrack::row(&ev.key, &entry, 0, &DEFAULT_TIMEOUTS_S)
+}
+
+/// `conntrack -E -o timestamp`-style line: `[ts] [NEW] tcp 6 SYN_SENT src=.. dst=.. ...`.
+pub fn render(ev: &CtEvent) -> String {
+    let kind = kind_name(ev);
+    let row = event_row(ev);
     let t = &row.original;
     let ports = if row.proto.starts_with("icmp") {
         format!("id={}", t.sport)
@@ -136,7 +146,7 @@ pub fn render(ev: &CtEvent) -> String {
         row.proto_num
     );
     if !row.state.is_empty() {
-        line.push_str(row.state);
+        line.push_str(&row.state);
         line.push(' ');
     }
     line.push_str(&format!("src={} dst={} {ports}", t.src, t.dst));

@@ -6,10 +6,6 @@
 
 use std::{io, sync::Arc};
 
-use fastpath_common::{
-    DatapathConfig,
-    stats::{CONFIG_F_DROP_MALFORMED, CONFIG_F_SNAT},
-};
 use tokio::{
     io::unix::AsyncFd,
     signal::unix::{SignalKind, signal},
@@ -18,11 +14,13 @@ use tracing::{info, warn};
 
 use crate::{
     EBPF_OBJECT,
+    api::server::{Api, Shared},
     config::Config,
     conntrack,
     ct_events::{self, EventHub},
     ct_gc::{self, GcStats},
     datapath::{self, CtTable, Datapath, DatapathError},
+    rules::Rules,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -35,25 +33,52 @@ pub enum DaemonError {
     LogRing(#[source] io::Error),
     #[error("watching the conntrack event ring: {0}")]
     EventRing(#[source] io::Error),
+    #[error("listening on {what}: {source}")]
+    Listen {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("TLS material of the API listener: {0}")]
+    Tls(String),
 }
 
 /// Options from the command line (runtime behaviour; the config file describes the datapath).
 pub struct DaemonOptions {
+    /// The config file (reloaded on SIGHUP).
+    pub config_path: std::path::PathBuf,
     /// Leave programs attached on a clean stop, whatever the config says.
     pub leave_attached: bool,
     /// Append every conntrack event to this file (`conntrack -E` style lines).
     pub ct_events_log: Option<std::path::PathBuf>,
 }
 
-/// Runs until SIGINT/SIGTERM.
+/// Runs until SIGINT/SIGTERM; SIGHUP reloads the config file.
 pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError> {
     // Handlers first: a SIGINT/SIGTERM that arrives while attaching is held until the loop
     // below and then detaches cleanly, instead of killing the process half-attached.
     let mut sigint = signal(SignalKind::interrupt()).map_err(DaemonError::Signal)?;
     let mut sigterm = signal(SignalKind::terminate()).map_err(DaemonError::Signal)?;
+    let mut sighup = signal(SignalKind::hangup()).map_err(DaemonError::Signal)?;
 
     let pin_dir = config.datapath.pin_dir.get_ref().clone();
     let _lock = datapath::lock_pin_dir(&pin_dir)?;
+    // The API's listeners before the kernel is touched: a socket another daemon serves, or a
+    // port in use, stops the start with nothing changed.
+    let socket = config.api_socket();
+    let unix = crate::api::server::bind_unix(&socket).map_err(|e| DaemonError::Listen {
+        what: format!("the API socket {}", socket.display()),
+        source: e,
+    })?;
+    let mut listeners = vec![format!("unix:{}", socket.display())];
+    let tcp_and_metrics = bind_tcp(&config, &mut listeners).await;
+    let (tcp, metrics_listener) = match tcp_and_metrics {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = std::fs::remove_file(&socket);
+            return Err(e);
+        }
+    };
 
     let mut dp = Datapath::open(&pin_dir, EBPF_OBJECT, *config.conntrack.capacity.get_ref())?;
     if dp.maps_reused {
@@ -61,63 +86,56 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
     } else {
         info!(pin_dir = %pin_dir.display(), "Created and pinned maps");
     }
-    let mut flags = if config.datapath.drop_malformed {
-        CONFIG_F_DROP_MALFORMED
-    } else {
-        0
-    };
-    if config.interfaces.iter().any(|i| i.snat) {
-        flags |= CONFIG_F_SNAT;
-    }
     // Attach (all or nothing), then the runtime knobs, then drop links the config no longer
     // names: on a restart the old datapath runs untouched until every new hook is in place.
-    let started = dp
+    let attached = dp
         .attach_all(&config.interfaces)
-        .and_then(|()| {
-            dp.set_config(DatapathConfig {
-                flags,
-                ct_timeouts_s: config.conntrack.timeouts.to_slots(),
-                ..Default::default()
-            })
-        })
-        .and_then(|()| dp.set_interfaces(&config.interfaces))
-        .map(|()| {
-            if config.interfaces.iter().any(|i| i.snat) || !config.port_forwards.is_empty() {
-                datapath::allow_local_sources(&config.interfaces);
-            }
-        })
-        .and_then(|()| {
-            let applied = dp.set_services(&config.services)?;
-            crate::lb::resolve_dsr_backends(&config.services);
-            info!(
-                services = applied.services,
-                unchanged = applied.unchanged,
-                removed = applied.removed,
-                backends = applied.backends,
-                slots = applied.slots,
-                took_us = applied.took.as_micros() as u64,
-                "Services applied"
-            );
-            Ok(())
-        })
-        .and_then(|()| dp.remove_stale_links());
-    let stale = match started {
-        Ok(stale) => stale,
-        Err(e) => {
-            // A first start that failed leaves nothing behind: its fresh maps go too.
-            let fresh = !dp.maps_reused;
-            drop(dp);
-            if fresh {
-                let _ = datapath::remove_pins(&pin_dir);
-            }
-            return Err(e.into());
+        .and_then(|()| dp.set_interfaces(&config.interfaces));
+    let fail = |dp: Datapath, e: DatapathError| {
+        // A first start that failed leaves nothing behind: its fresh maps go too.
+        let fresh = !dp.maps_reused;
+        drop(dp);
+        if fresh {
+            let _ = datapath::remove_pins(&pin_dir);
         }
+        let _ = std::fs::remove_file(&socket);
+        DaemonError::from(e)
+    };
+    if let Err(e) = attached {
+        return Err(fail(dp, e));
+    }
+    if config.interfaces.iter().any(|i| i.snat) || config.services.iter().any(|s| s.port_forward) {
+        datapath::allow_local_sources(&config.interfaces);
+    }
+    // Services: the config file's, or the API's changes on top of this very file.
+    let (health_tx, mut health_rx) = tokio::sync::mpsc::channel(256);
+    let (rules, applied) = match Rules::start(dp, config, opts.config_path.clone(), health_tx) {
+        Ok(r) => r,
+        Err(failed) => {
+            let (dp, e) = *failed;
+            return Err(fail(dp, e));
+        }
+    };
+    info!(
+        services = applied.services,
+        unchanged = applied.unchanged,
+        removed = applied.removed,
+        backends = applied.backends,
+        slots = applied.slots,
+        took_us = applied.took.as_micros() as u64,
+        generation = rules.generation(),
+        "Services applied"
+    );
+    let mut rules = rules;
+    let stale = match rules.datapath_mut().remove_stale_links() {
+        Ok(s) => s,
+        Err(e) => return Err(fail(rules.into_datapath(), e)),
     };
     for pin in stale {
         info!(pin = %pin.display(), "Detached a pinned link the config no longer names");
     }
 
-    let logger = match dp.take_logger() {
+    let logger = match rules.datapath_mut().take_logger() {
         Ok(l) => Some(l),
         Err(e) => {
             warn!(error = %e, "Datapath log ring unavailable; eBPF log records will not be shown");
@@ -140,18 +158,22 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
     let hub = EventHub::new();
     // SAFETY: the RingBuf owns its fd and keeps it open while the AsyncFd owns it.
     let mut ct_ring = unsafe {
-        AsyncFd::register_with_interest(dp.take_ct_events()?, tokio::io::Interest::READABLE)
+        AsyncFd::register_with_interest(
+            rules.datapath_mut().take_ct_events()?,
+            tokio::io::Interest::READABLE,
+        )
     }
     .map_err(|e| DaemonError::EventRing(e.into()))?;
     // Conntrack expiry in its own task; a pass runs on the blocking pool.
-    let (stop_gc, gc_stop) = tokio::sync::watch::channel(false);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let gc_stats = Arc::new(GcStats::default());
     let gc_task = tokio::spawn(gc_loop(
-        dp.take_ct_table()?,
-        config.conntrack.timeouts.to_slots(),
+        rules.datapath_mut().take_ct_table()?,
+        rules.config().conntrack.timeouts.to_slots(),
         hub.clone(),
-        Arc::new(GcStats::default()),
-        std::time::Duration::from_millis(*config.conntrack.gc_interval_ms.get_ref()),
-        gc_stop,
+        gc_stats.clone(),
+        std::time::Duration::from_millis(*rules.config().conntrack.gc_interval_ms.get_ref()),
+        stop_rx.clone(),
     ));
     let event_log = opts.ct_events_log.clone().map(|path| {
         tokio::spawn(ct_events::log_to_file(
@@ -160,34 +182,45 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
             path,
         ))
     });
+    let detach_on_exit = rules.config().datapath.detach_on_exit;
+    let attachments = rules.datapath().attachments.len();
 
-    // Health checks: a change re-applies the services with down backends at weight 0.
-    let (health_tx, mut health_rx) = tokio::sync::mpsc::channel(256);
-    let probes = crate::health::spawn(&config.services, health_tx);
-    let mut effective = config.services.clone();
+    let shared = Arc::new(Shared {
+        rules: tokio::sync::Mutex::new(rules),
+        pin_dir: pin_dir.clone(),
+        hub: hub.clone(),
+        gc: gc_stats,
+        started: std::time::Instant::now(),
+        listeners: listeners.clone(),
+        latency: Default::default(),
+    });
+    let api_task = tokio::spawn(crate::api::server::serve(
+        Api(shared.clone()),
+        unix,
+        tcp,
+        stop_rx.clone(),
+    ));
+    let metrics_task = metrics_listener
+        .map(|l| tokio::spawn(crate::metrics::serve(l, shared.clone(), stop_rx.clone())));
 
     info!(
-        attachments = dp.attachments.len(),
+        attachments,
         pin_dir = %pin_dir.display(),
-        "Datapath running; SIGINT/SIGTERM stops the daemon"
+        listeners = %listeners.join(" "),
+        "Datapath running; SIGINT/SIGTERM stops the daemon, SIGHUP reloads the config"
     );
 
     loop {
         tokio::select! {
             _ = sigint.recv() => { info!("SIGINT received"); break; }
             _ = sigterm.recv() => { info!("SIGTERM received"); break; }
+            _ = sighup.recv() => {
+                info!(config = %opts.config_path.display(), "SIGHUP received: reloading the config file");
+                reload(&shared, &opts.config_path).await;
+            }
             Some(change) = health_rx.recv() => {
-                crate::health::apply_change(&mut effective, &config.services, &change);
-                match dp.update_services(&effective, &[change.service]) {
-                    Ok(applied) => info!(
-                        service = change.service,
-                        backend = change.backend,
-                        up = change.up,
-                        took_us = applied.took.as_micros() as u64,
-                        "Services re-applied after a health change"
-                    ),
-                    Err(e) => warn!(error = %e, "Could not re-apply the services after a health change; the datapath keeps the previous ones"),
-                }
+                let mut rules = shared.rules.lock().await;
+                tokio::task::block_in_place(|| rules.health_changed(change));
             }
             ready = ct_ring.readable_mut() => {
                 if let Ok(mut guard) = ready {
@@ -209,10 +242,12 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         }
     }
 
-    for p in probes {
-        p.abort();
+    let _ = stop_tx.send(true);
+    let _ = api_task.await;
+    if let Some(t) = metrics_task {
+        let _ = t.await;
     }
-    let _ = stop_gc.send(true);
+    let _ = std::fs::remove_file(&socket);
     let _ = gc_task.await;
     // Closing the hub ends the subscribers once they have written what they hold.
     drop(hub);
@@ -220,8 +255,12 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         let _ = task.await;
     }
     drop(ct_ring);
-
-    if config.datapath.detach_on_exit && !opts.leave_attached {
+    let Ok(shared) = Arc::try_unwrap(shared) else {
+        warn!("API tasks still hold the datapath; leaving it attached");
+        return Ok(());
+    };
+    let dp = shared.rules.into_inner().into_datapath();
+    if detach_on_exit && !opts.leave_attached {
         let n = dp.attachments.len();
         dp.detach_all()?;
         info!(detached = n, "Detached programs and removed pins");
@@ -230,6 +269,78 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         dp.leave_attached();
     }
     Ok(())
+}
+
+type TcpListeners = (
+    Option<(
+        tokio::net::TcpListener,
+        Option<tonic::transport::ServerTlsConfig>,
+    )>,
+    Option<tokio::net::TcpListener>,
+);
+
+/// The API's TCP listener (with its TLS settings) and the metrics listener, if configured.
+async fn bind_tcp(
+    config: &Config,
+    listeners: &mut Vec<String>,
+) -> Result<TcpListeners, DaemonError> {
+    let tcp = match &config.api.listen {
+        Some(addr) => {
+            let addr = *addr.get_ref();
+            let tls = crate::api::server::server_tls(config).map_err(DaemonError::Tls)?;
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| DaemonError::Listen {
+                    what: format!("the API address {addr}"),
+                    source: e,
+                })?;
+            listeners.push(format!(
+                "{}://{addr}",
+                if tls.is_some() { "https" } else { "http" }
+            ));
+            Some((l, tls))
+        }
+        None => None,
+    };
+    let metrics = match &config.api.metrics_listen {
+        Some(addr) => {
+            let addr = *addr.get_ref();
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| DaemonError::Listen {
+                    what: format!("the metrics address {addr}"),
+                    source: e,
+                })?;
+            listeners.push(format!("metrics:http://{addr}/metrics"));
+            Some(l)
+        }
+        None => None,
+    };
+    Ok((tcp, metrics))
+}
+
+/// SIGHUP: the config file again; a bad file changes nothing and says why.
+async fn reload(shared: &Arc<Shared>, path: &std::path::Path) {
+    let new = match Config::load(path) {
+        Ok(c) => c,
+        Err(e) => {
+            warn!(error = %e, "Reload refused: the config file is invalid; nothing was changed");
+            return;
+        }
+    };
+    let mut rules = shared.rules.lock().await;
+    match tokio::task::block_in_place(|| rules.apply_config(new, 0, false, true)) {
+        Ok(s) => info!(
+            generation = s.generation,
+            created = s.created.len(),
+            updated = s.updated.len(),
+            deleted = s.deleted.len(),
+            unchanged = s.unchanged,
+            notes = %s.notes.join("; "),
+            "Config reloaded"
+        ),
+        Err(e) => warn!(error = %e, "Reload refused; nothing was changed"),
+    }
 }
 
 /// Expires idle connections every `interval` until `stop` turns true.

@@ -142,7 +142,7 @@ pub enum HookKind {
 }
 
 impl HookKind {
-    fn suffix(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             HookKind::Xdp => "xdp",
             HookKind::TcIngress => "tc_ingress",
@@ -248,10 +248,10 @@ impl Datapath {
             what: "opening FP_CT".into(),
             source,
         })?;
-        let gone = self
-            .ebpf
-            .take_map(map_names::BACKEND_GONE)
-            .and_then(|m| Array::try_from(m).ok());
+        // Opened again from its pin, not taken: service updates zero it for fresh backends.
+        let gone = MapData::from_pin(self.pin_dir.join("maps").join(map_names::BACKEND_GONE))
+            .ok()
+            .and_then(|d| Array::try_from(aya::maps::Map::Array(d)).ok());
         Ok(CtTable { table, gone })
     }
 
@@ -527,7 +527,7 @@ impl Datapath {
                         },
                     )
                     .map_err(|source| DatapathError::Program {
-                        what: format!("attaching {name} to {iface} (TCX {})", hook.suffix()),
+                        what: format!("attaching {name} to {iface} (TCX {})", hook.name()),
                         source,
                     })?;
                 (prog.take_fd_link(id)?, "tcx")
@@ -544,7 +544,7 @@ impl Datapath {
         let iface = iface.replace('%', "%25").replace('.', "%2e");
         self.pin_dir
             .join("links")
-            .join(format!("{iface}@{}", hook.suffix()))
+            .join(format!("{iface}@{}", hook.name()))
     }
 
     /// Logs and keeps one attachment.
@@ -563,11 +563,11 @@ impl Datapath {
                 info!(iface, pin = %pin_s, "Reused pinned XDP link; program replaced in place")
             }
             (true, _) => {
-                info!(iface, hook = hook.suffix(), pin = %pin_s, "Reused pinned TCX link; program replaced in place")
+                info!(iface, hook = hook.name(), pin = %pin_s, "Reused pinned TCX link; program replaced in place")
             }
             (false, HookKind::Xdp) => info!(iface, mode, pin = %pin_s, "Attached XDP program"),
             (false, _) => {
-                info!(iface, hook = hook.suffix(), mode, pin = %pin_s, "Attached TC program")
+                info!(iface, hook = hook.name(), mode, pin = %pin_s, "Attached TC program")
             }
         }
         self.attachments.push(Attachment {
@@ -1246,7 +1246,7 @@ pub fn flush_pinned_ct(pin_dir: &Path) -> Result<usize, DatapathError> {
 pub struct ServiceRow {
     pub vip: std::net::IpAddr,
     pub port: u16,
-    pub protocol: &'static str,
+    pub protocol: String,
     pub id: u32,
     pub generation: u32,
     pub packets: u64,
@@ -1254,7 +1254,7 @@ pub struct ServiceRow {
     pub connections: u64,
     pub no_backend: u64,
     /// `nat`, `full_nat` or `dsr`.
-    pub mode: &'static str,
+    pub mode: String,
     /// Full-NAT: the source address and port range, `10.0.2.1 1024-32767`.
     pub snat: Option<String>,
     pub backends: Vec<BackendRow>,
@@ -1465,7 +1465,7 @@ pub fn pinned_services(pin_dir: &Path) -> Result<Vec<ServiceRow>, DatapathError>
         rows.push(ServiceRow {
             vip: ip_of(key.family, &key.vip),
             port: key.port,
-            protocol: if key.proto == 17 { "udp" } else { "tcp" },
+            protocol: if key.proto == 17 { "udp" } else { "tcp" }.into(),
             id: svc.id,
             generation: svc.generation,
             packets: sum.packets,
@@ -1478,7 +1478,8 @@ pub fn pinned_services(pin_dir: &Path) -> Result<Vec<ServiceRow>, DatapathError>
                 "dsr"
             } else {
                 "nat"
-            },
+            }
+            .into(),
             snat: (svc.flags & fastpath_common::lb::SVC_F_FULL_NAT != 0).then(|| {
                 format!(
                     "{} {}-{}",

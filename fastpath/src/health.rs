@@ -14,13 +14,14 @@ use tokio::{
 };
 use tracing::info;
 
-use crate::config::{HealthCheck, HealthKind, ServiceConfig};
+use crate::config::{HealthCheck, HealthKind, ServiceConfig, ServiceId};
 
-/// A backend changed state: `services[service].backends[backend]` is now `up` or not.
+/// A backend changed state: `backend` of `service` is now `up` or not.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Change {
-    pub service: usize,
-    pub backend: usize,
+    pub service: ServiceId,
+    /// The backend's address and port (not the probed port).
+    pub backend: SocketAddr,
     pub up: bool,
     /// What the last probe saw.
     pub detail: String,
@@ -112,74 +113,82 @@ impl Tracker {
     }
 }
 
-/// Starts one probing task per backend of every service with a health check; changes go to
-/// `tx`. The tasks end when `tx`'s receiver is dropped.
-pub fn spawn(services: &[ServiceConfig], tx: mpsc::Sender<Change>) -> Vec<JoinHandle<()>> {
-    let mut tasks = Vec::new();
-    for (si, svc) in services.iter().enumerate() {
+/// What one probing task watches: a backend of a service, with the service's check.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ProbeKey {
+    pub service: ServiceId,
+    pub backend: SocketAddr,
+    /// The check as configured (a changed check restarts the probe).
+    pub check: String,
+}
+
+/// Every probe the services ask for, with its check.
+pub fn probes_of(services: &[ServiceConfig]) -> Vec<(ProbeKey, HealthCheck)> {
+    let mut out = Vec::new();
+    for svc in services {
         let Some(check) = &svc.health_check else {
             continue;
         };
-        for (bi, b) in svc.backends.iter().enumerate() {
-            let addr = SocketAddr::new(
-                *b.address.get_ref(),
-                check.port.unwrap_or(*b.port.get_ref()),
-            );
-            let (check, tx) = (check.clone(), tx.clone());
-            tasks.push(tokio::spawn(async move {
-                let mut tracker = Tracker::default();
-                let mut tick =
-                    tokio::time::interval(Duration::from_millis(*check.interval_ms.get_ref()));
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    tick.tick().await;
-                    let result = probe(&check, addr).await;
-                    let ok = result.is_ok();
-                    if let Some(up) =
-                        tracker.record(ok, *check.rise.get_ref(), *check.fall.get_ref())
-                    {
-                        let detail = result.err().unwrap_or_else(|| "probe ok".into());
-                        info!(service = si, backend = %addr, up, detail = %detail, "Backend health changed");
-                        let change = Change {
-                            service: si,
-                            backend: bi,
-                            up,
-                            detail,
-                        };
-                        if tx.send(change).await.is_err() {
-                            return;
-                        }
-                    }
-                }
-            }));
+        for b in &svc.backends {
+            let key = ProbeKey {
+                service: svc.id(),
+                backend: SocketAddr::new(*b.address.get_ref(), *b.port.get_ref()),
+                check: format!("{check:?}"),
+            };
+            out.push((key, check.clone()));
         }
     }
-    tasks
+    out
 }
 
-/// Applies a change to `effective` (the services as the datapath should have them): a down
-/// backend gets weight 0, a backend back up its configured weight (from `configured`).
-pub fn apply_change(
-    effective: &mut [ServiceConfig],
-    configured: &[ServiceConfig],
-    change: &Change,
-) {
-    let weight = if change.up {
-        configured
-            .get(change.service)
-            .and_then(|s| s.backends.get(change.backend))
-            .map(|b| b.weight.clone())
-    } else {
-        Some(toml::Spanned::new(0..0, 0))
-    };
-    if let (Some(w), Some(b)) = (
-        weight,
-        effective
-            .get_mut(change.service)
-            .and_then(|s| s.backends.get_mut(change.backend)),
-    ) {
-        b.weight = w;
+/// Starts the probing task of `key`; changes go to `tx`. The task ends when `tx`'s receiver
+/// is dropped, or when aborted.
+pub fn spawn_probe(key: ProbeKey, check: HealthCheck, tx: mpsc::Sender<Change>) -> JoinHandle<()> {
+    let addr = SocketAddr::new(key.backend.ip(), check.port.unwrap_or(key.backend.port()));
+    tokio::spawn(async move {
+        let mut tracker = Tracker::default();
+        let mut tick = tokio::time::interval(Duration::from_millis(*check.interval_ms.get_ref()));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let result = probe(&check, addr).await;
+            let ok = result.is_ok();
+            if let Some(up) = tracker.record(ok, *check.rise.get_ref(), *check.fall.get_ref()) {
+                let detail = result.err().unwrap_or_else(|| "probe ok".into());
+                info!(service = %key.service, backend = %key.backend, probed = %addr, up, detail = %detail, "Backend health changed");
+                let change = Change {
+                    service: key.service,
+                    backend: key.backend,
+                    up,
+                    detail,
+                };
+                if tx.send(change).await.is_err() {
+                    return;
+                }
+            }
+        }
+    })
+}
+
+/// `services` as the datapath should have them: backends in `down` at weight 0.
+pub fn effective(
+    services: &[ServiceConfig],
+    down: &std::collections::HashMap<(ServiceId, SocketAddr), String>,
+) -> Vec<ServiceConfig> {
+    let mut out = services.to_vec();
+    if down.is_empty() {
+        return out;
     }
+    for svc in &mut out {
+        let id = svc.id();
+        for b in &mut svc.backends {
+            let addr = SocketAddr::new(*b.address.get_ref(), *b.port.get_ref());
+            if down.contains_key(&(id, addr)) {
+                b.weight = toml::Spanned::new(0..0, 0);
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
 //! fastpath userspace: daemon, CLI and test support.
 
+pub mod api;
 pub mod config;
 pub mod conntrack;
 pub mod ct_events;
@@ -9,6 +10,8 @@ pub mod datapath;
 pub mod health;
 pub mod lb;
 pub mod maglev;
+pub mod metrics;
+pub mod rules;
 pub mod stats;
 pub mod testkit;
 

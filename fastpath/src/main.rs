@@ -1,29 +1,38 @@
-//! `fastpath`: the daemon and its command-line tools, one binary.
+//! `fastpath`: the daemon and its command-line client, one binary.
 
 use std::{fs::File, io::IsTerminal as _, os::fd::AsRawFd as _, path::PathBuf, process::ExitCode};
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use fastpath::{
     config::{Config, DEFAULT_PIN_DIR, InterfaceCheck},
-    conntrack,
     daemon::{self, DaemonOptions},
     datapath,
 };
 use tracing_subscriber::EnvFilter;
 
+mod cli;
+
+/// Exit code for runtime failures (kernel refused, I/O, an unexpected server error).
+const EXIT_FAILURE: u8 = 1;
 /// Exit code for usage and configuration errors (as clap uses for usage errors).
 const EXIT_USAGE: u8 = 2;
-/// Exit code for runtime failures (kernel refused, I/O).
-const EXIT_FAILURE: u8 = 1;
+/// Exit code when the daemon cannot be reached.
+const EXIT_CONNECT: u8 = 3;
+/// Exit code when the daemon refused the request (invalid, conflicting, not found).
+const EXIT_REJECTED: u8 = 4;
 
-/// fastpath — an eBPF fast path for Linux: XDP/TC programs run a forwarding pipeline and hand
-/// whatever they do not handle to the kernel (the slow path).
+/// fastpath — an eBPF fast path for Linux: XDP/TC programs run a forwarding pipeline (conntrack,
+/// load balancing, NAT) and hand whatever they do not handle to the kernel (the slow path).
 ///
-/// The daemon loads the datapath, attaches it to the interfaces its config names and pins
-/// maps and links under bpffs, so a restart or a crash of the daemon leaves traffic flowing.
+/// `fastpath daemon` loads the datapath, attaches it to the interfaces its config names, pins
+/// maps and links under bpffs (a restart or a crash of the daemon leaves traffic flowing) and
+/// serves the management API (gRPC, `fastpath.v1`) on a Unix socket. Every other command is a
+/// client of that API; `--pin-dir` makes the read-only ones read the pinned maps directly,
+/// without a daemon.
 ///
-/// EXIT STATUS: 0 success; 1 runtime failure (kernel refused, I/O); 2 usage or configuration
-/// error (nothing was changed).
+/// EXIT STATUS: 0 success; 1 runtime failure (kernel refused, I/O, server error); 2 usage or
+/// configuration error (nothing was changed); 3 the daemon cannot be reached; 4 the daemon
+/// refused the request (invalid, conflicting, not found: nothing was changed).
 #[derive(Parser)]
 #[command(
     name = "fastpath",
@@ -43,8 +52,40 @@ struct Cli {
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
 
+    #[command(flatten)]
+    conn: Connection,
+
     #[command(subcommand)]
     command: Command,
+}
+
+/// How client commands reach the daemon.
+#[derive(Args, Clone)]
+struct Connection {
+    /// The daemon's API socket ([api] socket in its config).
+    #[arg(
+        long,
+        global = true,
+        value_name = "PATH",
+        env = "FASTPATH_SOCKET",
+        default_value = "/run/fastpath/fastpath.sock"
+    )]
+    socket: PathBuf,
+    /// Reach the daemon over TCP instead: https://HOST:PORT (with --ca, --cert, --key).
+    #[arg(long, global = true, value_name = "URL", env = "FASTPATH_SERVER")]
+    server: Option<String>,
+    /// PEM CA certificate that signed the server's certificate.
+    #[arg(long, global = true, value_name = "FILE", requires = "server")]
+    ca: Option<PathBuf>,
+    /// PEM client certificate.
+    #[arg(long, global = true, value_name = "FILE", requires = "server")]
+    cert: Option<PathBuf>,
+    /// PEM private key of --cert.
+    #[arg(long, global = true, value_name = "FILE", requires = "server")]
+    key: Option<PathBuf>,
+    /// Name the server's certificate must carry (default: the host of --server).
+    #[arg(long, global = true, value_name = "NAME", requires = "server")]
+    server_name: Option<String>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -54,19 +95,43 @@ enum LogFormat {
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
-enum Output {
+pub enum Output {
     Table,
     Json,
 }
 
+/// `-o table|json`.
+#[derive(Args, Clone, Copy)]
+pub struct OutputArg {
+    /// Output format.
+    #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
+    pub output: Output,
+}
+
+/// Options of every change.
+#[derive(Args, Clone, Copy)]
+pub struct ChangeArgs {
+    /// Check the change and show what it would do; change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Refuse the change if the desired state is no longer at this generation (another client
+    /// changed it since you read it). 0: no check.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub expected_generation: u64,
+    #[command(flatten)]
+    pub out: OutputArg,
+}
+
 #[derive(Subcommand)]
 enum Command {
-    /// Load the datapath, attach it as configured and run until SIGINT/SIGTERM.
+    /// Load the datapath, attach it as configured, serve the API and run until SIGINT/SIGTERM.
     ///
     /// Maps and links are pinned under `datapath.pin_dir`. Starting again on the same config
-    /// reuses the pinned maps and swaps the programs in place. On SIGINT/SIGTERM the programs
-    /// are detached and the pins removed, unless `datapath.detach_on_exit = false` or
-    /// --leave-attached. Log verbosity: RUST_LOG (default `info`).
+    /// reuses the pinned maps and swaps the programs in place: established connections never
+    /// notice. On SIGINT/SIGTERM the programs are detached and the pins removed, unless
+    /// `datapath.detach_on_exit = false` or --leave-attached (what a service manager should
+    /// use, so that a stop/start keeps traffic flowing). SIGHUP reloads the config file and
+    /// applies only the difference. Log verbosity: RUST_LOG (default `info`).
     Daemon {
         /// TOML config file (see config/README.md).
         #[arg(long, short = 'c', value_name = "FILE")]
@@ -79,25 +144,64 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         ct_events_log: Option<PathBuf>,
     },
-    /// Print the datapath's per-reason packet and byte counters (read from the pinned map).
-    Stats {
-        /// Pin directory of the datapath to read.
-        #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_DIR)]
-        pin_dir: PathBuf,
-        /// Output format.
-        #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
-        output: Output,
+    /// Version, uptime, listeners and the desired state's generation of the running daemon.
+    Info {
+        #[command(flatten)]
+        out: OutputArg,
     },
-    /// Connection tracking: list, flush and count the connections the datapath tracks.
+    /// Print the datapath's per-reason packet and byte counters.
+    Stats {
+        /// Read the pinned maps of this datapath directly, without the daemon.
+        #[arg(long, value_name = "DIR")]
+        pin_dir: Option<PathBuf>,
+        /// Print again every SECONDS (a stream from the daemon) until interrupted.
+        #[arg(long, value_name = "SECONDS")]
+        watch: Option<f64>,
+        #[command(flatten)]
+        out: OutputArg,
+    },
+    /// Connection tracking: list, look up, flush, count and watch connections.
     Ct {
         #[command(subcommand)]
         command: CtCommand,
     },
-    /// Load-balanced services: what the datapath has, with per-service and per-backend
-    /// counters.
+    /// Load-balanced services: list, show, add, delete.
     Service {
         #[command(subcommand)]
-        command: ServiceCommand,
+        command: cli::ServiceCommand,
+    },
+    /// The backends of a service: add, delete, drain.
+    Backend {
+        #[command(subcommand)]
+        command: cli::BackendCommand,
+    },
+    /// NAT: port forwards (static DNAT) and the interfaces' gateway SNAT.
+    Nat {
+        #[command(subcommand)]
+        command: cli::NatCommand,
+    },
+    /// The interfaces the datapath is attached to, with their hooks.
+    Interface {
+        #[command(flatten)]
+        out: OutputArg,
+    },
+    /// Health of the probed backends.
+    Health {
+        /// Keep printing changes until interrupted.
+        #[arg(long)]
+        watch: bool,
+        #[command(flatten)]
+        out: OutputArg,
+    },
+    /// Make a config file's services, port forwards and runtime settings the desired state,
+    /// applying only the difference. Interfaces, pin_dir and conntrack capacity change only
+    /// with a restart (refused here).
+    Apply {
+        /// The config file (TOML, as `fastpath daemon --config`).
+        #[arg(long, short = 'f', value_name = "FILE")]
+        file: PathBuf,
+        #[command(flatten)]
+        change: ChangeArgs,
     },
     /// Configuration tools.
     Config {
@@ -113,16 +217,15 @@ enum Command {
 }
 
 #[derive(Subcommand)]
-enum CtCommand {
+pub enum CtCommand {
     /// List tracked connections, one per line as `conntrack -L` prints them (original and
     /// reply tuple, packets and bytes per direction, state, [ASSURED]/[UNREPLIED]).
     List {
-        /// Pin directory of the datapath to read.
-        #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_DIR)]
-        pin_dir: PathBuf,
-        /// Output format.
-        #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
-        output: Output,
+        /// Read the pinned maps of this datapath directly, without the daemon.
+        #[arg(long, value_name = "DIR")]
+        pin_dir: Option<PathBuf>,
+        #[command(flatten)]
+        out: OutputArg,
     },
     /// Show one connection, found from either direction's tuple (as `conntrack -G`): prints
     /// its `conntrack -L` line. Exit status 1 if it is not tracked.
@@ -148,43 +251,32 @@ enum CtCommand {
         /// Echo identifier (icmp, icmpv6).
         #[arg(long, value_name = "ID", required_if_eq_any = [("proto", "icmp"), ("proto", "icmpv6")], conflicts_with_all = ["sport", "dport"])]
         id: Option<u16>,
-        /// Pin directory of the datapath to read.
-        #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_DIR)]
-        pin_dir: PathBuf,
-        /// Output format.
-        #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
-        output: Output,
+        /// Read the pinned maps of this datapath directly, without the daemon.
+        #[arg(long, value_name = "DIR")]
+        pin_dir: Option<PathBuf>,
+        #[command(flatten)]
+        out: OutputArg,
     },
     /// Delete every tracked connection (established flows are picked up again by their next
     /// ACK, as Linux does).
     Flush {
-        /// Pin directory of the datapath.
-        #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_DIR)]
-        pin_dir: PathBuf,
+        /// Flush the pinned table of this datapath directly, without the daemon.
+        #[arg(long, value_name = "DIR")]
+        pin_dir: Option<PathBuf>,
     },
     /// Conntrack counters and the table's exact occupancy: `entries` (counted by reading the
     /// whole table, ~0.4 s at 1M entries) and `capacity`, then lookups, hits, new, insert
     /// failures, early drops, invalid and related packets, firewall drops, events lost.
     Stats {
-        /// Pin directory of the datapath to read.
-        #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_DIR)]
-        pin_dir: PathBuf,
+        /// Read the pinned maps of this datapath directly, without the daemon.
+        #[arg(long, value_name = "DIR")]
+        pin_dir: Option<PathBuf>,
     },
-}
-
-#[derive(Subcommand)]
-enum ServiceCommand {
-    /// Every service (VIP, port, protocol) with its packets, bytes, connections given a
-    /// backend and new connections that found none; under each, its backends with their share
-    /// of new connections (0% when drained or failing health checks), packets, bytes,
-    /// connections given and connections active now. Read from the pinned maps.
-    List {
-        /// Pin directory of the datapath to read.
-        #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_DIR)]
-        pin_dir: PathBuf,
-        /// Output format.
-        #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
-        output: Output,
+    /// Print conntrack events (NEW, UPDATE, DESTROY) as they happen, `conntrack -E` style,
+    /// until interrupted.
+    Watch {
+        #[command(flatten)]
+        out: OutputArg,
     },
 }
 
@@ -211,13 +303,25 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(EXIT_USAGE);
     }
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: starting the async runtime: {e}");
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    };
+    let target = cli.conn.target();
     match cli.command {
         Command::Daemon {
             config,
             leave_attached,
             ct_events_log,
         } => {
-            let config = match Config::load(&config) {
+            let loaded = match Config::load(&config) {
                 Ok(c) => c,
                 Err(e) => {
                     eprintln!("error: invalid config: {e}");
@@ -225,22 +329,12 @@ fn main() -> ExitCode {
                     return ExitCode::from(EXIT_USAGE);
                 }
             };
-            let rt = match tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-            {
-                Ok(rt) => rt,
-                Err(e) => {
-                    eprintln!("error: starting the async runtime: {e}");
-                    return ExitCode::from(EXIT_FAILURE);
-                }
-            };
             let opts = DaemonOptions {
+                config_path: config,
                 leave_attached,
                 ct_events_log,
             };
-            match rt.block_on(daemon::run(config, opts)) {
+            match rt.block_on(daemon::run(loaded, opts)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("error: {}", error_chain(&e));
@@ -248,48 +342,6 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Stats { pin_dir, output } => match datapath::pinned_stats(&pin_dir) {
-            Ok(s) => {
-                if output == Output::Json {
-                    match serde_json::to_string_pretty(&s.rows()) {
-                        Ok(j) => println!("{j}"),
-                        Err(e) => {
-                            eprintln!("error: encoding JSON: {e}");
-                            return ExitCode::from(EXIT_FAILURE);
-                        }
-                    }
-                } else {
-                    print!("{}", s.render_table());
-                }
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("error: {}", error_chain(&e));
-                ExitCode::from(EXIT_FAILURE)
-            }
-        },
-        Command::Service {
-            command: ServiceCommand::List { pin_dir, output },
-        } => match datapath::pinned_services(&pin_dir) {
-            Ok(rows) => {
-                if output == Output::Json {
-                    match serde_json::to_string_pretty(&rows) {
-                        Ok(j) => println!("{j}"),
-                        Err(e) => {
-                            eprintln!("error: encoding JSON: {e}");
-                            return ExitCode::from(EXIT_FAILURE);
-                        }
-                    }
-                } else {
-                    print!("{}", render_services(&rows));
-                }
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("error: {}", error_chain(&e));
-                ExitCode::from(EXIT_FAILURE)
-            }
-        },
         Command::Config {
             command:
                 ConfigCommand::Check {
@@ -306,10 +358,12 @@ fn main() -> ExitCode {
         ) {
             Ok(c) => {
                 println!(
-                    "{}: ok ({} interface(s), pin_dir {})",
+                    "{}: ok ({} interface(s), {} service(s), pin_dir {}, API socket {})",
                     file.display(),
                     c.interfaces.len(),
-                    c.datapath.pin_dir.get_ref().display()
+                    c.services.len(),
+                    c.datapath.pin_dir.get_ref().display(),
+                    c.api_socket().display()
                 );
                 ExitCode::SUCCESS
             }
@@ -318,7 +372,6 @@ fn main() -> ExitCode {
                 ExitCode::from(EXIT_USAGE)
             }
         },
-        Command::Ct { command } => ct_command(command),
         Command::Detach { pin_dir } => {
             if !datapath::looks_like_pin_dir(&pin_dir) {
                 eprintln!(
@@ -340,150 +393,41 @@ fn main() -> ExitCode {
                 }
             }
         }
-    }
-}
-
-fn ct_command(command: CtCommand) -> ExitCode {
-    let result = match command {
-        CtCommand::List { pin_dir, output } => {
-            let read = datapath::pinned_config(&pin_dir)
-                .and_then(|cfg| Ok((cfg, datapath::pinned_ct_entries(&pin_dir)?)));
-            read.map(|(cfg, entries)| {
-                let now = conntrack::monotonic_ns();
-                // A load-balanced connection's alias entry is shown through the connection.
-                let mut rows: Vec<conntrack::CtRow> = entries
-                    .iter()
-                    .filter(|(_, e)| e.flags & fastpath_common::ct::CT_F_LB_ALIAS == 0)
-                    .map(|(k, e)| conntrack::row(k, e, now, &cfg.ct_timeouts_s))
-                    .collect();
-                rows.sort_by(|a, b| {
-                    (a.proto, &a.original.src, a.original.sport).cmp(&(
-                        b.proto,
-                        &b.original.src,
-                        b.original.sport,
-                    ))
-                });
-                if output == Output::Json {
-                    match serde_json::to_string_pretty(&rows) {
-                        Ok(j) => println!("{j}"),
-                        Err(e) => eprintln!("error: encoding JSON: {e}"),
-                    }
-                } else {
-                    for r in &rows {
-                        println!("{}", conntrack::render(r));
-                    }
-                    eprintln!(
-                        "fastpath conntrack: {} flow entries have been shown.",
-                        rows.len()
-                    );
-                }
-            })
-        }
-        CtCommand::Get {
-            proto,
-            src,
-            dst,
-            sport,
-            dport,
-            id,
+        Command::Info { out } => rt.block_on(cli::info(&target, out)),
+        Command::Stats {
             pin_dir,
-            output,
-        } => {
-            let key = match conntrack::lookup_key(&proto, src, dst, sport, dport, id) {
-                Ok(k) => k,
-                Err(msg) => {
-                    eprintln!("error: {msg}");
-                    return ExitCode::from(EXIT_USAGE);
-                }
-            };
-            let read = datapath::pinned_config(&pin_dir).and_then(|cfg| {
-                let found = datapath::pinned_ct_get(&pin_dir, &key)?;
-                // Asked by the backend's tuple: show the connection the alias belongs to.
-                let found = match found.and_then(|e| {
-                    fastpath_common::lb::lb_peer_key(&key, &e)
-                        .filter(|_| e.flags & fastpath_common::ct::CT_F_LB_ALIAS != 0)
-                }) {
-                    Some(peer) => datapath::pinned_ct_get(&pin_dir, &peer)?.map(|e| (peer, e)),
-                    None => found.map(|e| (key, e)),
-                };
-                Ok((cfg, found))
-            });
-            match read {
-                Ok((cfg, Some((key, entry)))) => {
-                    let r =
-                        conntrack::row(&key, &entry, conntrack::monotonic_ns(), &cfg.ct_timeouts_s);
-                    if output == Output::Json {
-                        match serde_json::to_string_pretty(&r) {
-                            Ok(j) => println!("{j}"),
-                            Err(e) => eprintln!("error: encoding JSON: {e}"),
-                        }
-                    } else {
-                        println!("{}", conntrack::render(&r));
-                    }
-                    Ok(())
-                }
-                Ok((_, None)) => {
-                    eprintln!(
-                        "fastpath conntrack: 0 flow entries: {proto} {src} -> {dst} is not tracked (either direction); `fastpath ct list` shows what is"
-                    );
-                    return ExitCode::from(EXIT_FAILURE);
-                }
-                Err(e) => Err(e),
-            }
-        }
-        CtCommand::Flush { pin_dir } => datapath::flush_pinned_ct(&pin_dir).map(|n| {
-            println!("fastpath conntrack: {n} flow entries have been deleted.");
-        }),
-        CtCommand::Stats { pin_dir } => datapath::pinned_ct_occupancy(&pin_dir)
-            .and_then(|occ| Ok((occ, datapath::pinned_ct_stats(&pin_dir)?)))
-            .map(|((entries, capacity), sums)| {
-                print!("{}", conntrack::render_stats(entries, capacity, &sums));
-            }),
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {}", error_chain(&e));
-            ExitCode::from(EXIT_FAILURE)
-        }
+            watch,
+            out,
+        } => rt.block_on(cli::stats(&target, pin_dir, watch, out)),
+        Command::Ct { command } => rt.block_on(cli::ct(&target, command)),
+        Command::Service { command } => rt.block_on(cli::service(&target, command)),
+        Command::Backend { command } => rt.block_on(cli::backend(&target, command)),
+        Command::Nat { command } => rt.block_on(cli::nat(&target, command)),
+        Command::Interface { out } => rt.block_on(cli::interfaces(&target, out)),
+        Command::Health { watch, out } => rt.block_on(cli::health(&target, watch, out)),
+        Command::Apply { file, change } => rt.block_on(cli::apply(&target, &file, change)),
     }
 }
 
-/// The `service list` table.
-fn render_services(rows: &[datapath::ServiceRow]) -> String {
-    let mut out = format!(
-        "{:<32} {:>5} {:>12} {:>14} {:>11} {:>10}\n",
-        "SERVICE / BACKEND", "SHARE", "PACKETS", "BYTES", "CONNS", "ACTIVE"
-    );
-    for r in rows {
-        let vip = if r.vip.is_ipv6() {
-            format!("[{}]:{} {}", r.vip, r.port, r.protocol)
-        } else {
-            format!("{}:{} {}", r.vip, r.port, r.protocol)
-        };
-        out += &format!(
-            "{vip:<32} {:>5} {:>12} {:>14} {:>11} {:>10}\n",
-            "", r.packets, r.bytes, r.connections, ""
-        );
-        for b in &r.backends {
-            let addr = if b.address.is_ipv6() {
-                format!("  [{}]:{}", b.address, b.port)
-            } else {
-                format!("  {}:{}", b.address, b.port)
-            };
-            out += &format!(
-                "{addr:<32} {:>4.0}% {:>12} {:>14} {:>11} {:>10}\n",
-                b.share_pct, b.packets, b.bytes, b.connections, b.active
-            );
-        }
-        if let Some(snat) = &r.snat {
-            out += &format!("  (full-NAT: backends see {snat})\n");
-        }
-        if r.no_backend > 0 {
-            out += &format!("  (new connections with no backend: {})\n", r.no_backend);
+impl Connection {
+    fn target(&self) -> fastpath::api::client::Target {
+        use fastpath::api::client::{Target, TlsFiles};
+        match &self.server {
+            Some(url) => Target::Tcp {
+                url: url.clone(),
+                tls: match (&self.ca, &self.cert, &self.key) {
+                    (Some(ca), Some(cert), Some(key)) => Some(TlsFiles {
+                        ca: ca.clone(),
+                        cert: cert.clone(),
+                        key: key.clone(),
+                        server_name: self.server_name.clone(),
+                    }),
+                    _ => None,
+                },
+            },
+            None => Target::Unix(self.socket.clone()),
         }
     }
-    out
 }
 
 fn init_tracing(format: LogFormat) {
@@ -509,7 +453,7 @@ fn enter_netns(name: &str) -> std::io::Result<()> {
     Ok(())
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(src) = cur {

@@ -28,9 +28,9 @@ pub enum StatsError {
 /// One row of the human/JSON view.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct StatsRow {
-    pub hook: &'static str,
-    pub verdict: &'static str,
-    pub reason: &'static str,
+    pub hook: String,
+    pub verdict: String,
+    pub reason: String,
     pub packets: u64,
     pub bytes: u64,
 }
@@ -105,9 +105,15 @@ impl StatsSnapshot {
         self.slots
             .iter()
             .map(|(&(h, v, r), c)| StatsRow {
-                hook: Hook::ALL.get(h as usize).map_or("unknown", |h| h.name()),
-                verdict: Verdict::ALL.get(v as usize).map_or("unknown", |v| v.name()),
-                reason: reason::name(r),
+                hook: Hook::ALL
+                    .get(h as usize)
+                    .map_or("unknown", |h| h.name())
+                    .into(),
+                verdict: Verdict::ALL
+                    .get(v as usize)
+                    .map_or("unknown", |v| v.name())
+                    .into(),
+                reason: reason::name(r).into(),
                 packets: c.packets,
                 bytes: c.bytes,
             })
@@ -116,20 +122,27 @@ impl StatsSnapshot {
 
     /// A fixed-width table, one row per non-zero (hook, verdict, reason).
     pub fn render_table(&self) -> String {
+        render_rows(&self.rows())
+    }
+}
+
+/// The `fastpath stats` table of `rows`.
+pub fn render_rows(rows: &[StatsRow]) -> String {
+    {
         let mut out = String::new();
         let _ = writeln!(
             out,
             "{:<11} {:<8} {:<26} {:>12} {:>14}",
             "HOOK", "VERDICT", "REASON", "PACKETS", "BYTES"
         );
-        for r in self.rows() {
+        for r in rows {
             let _ = writeln!(
                 out,
                 "{:<11} {:<8} {:<26} {:>12} {:>14}",
                 r.hook, r.verdict, r.reason, r.packets, r.bytes
             );
         }
-        if self.slots.is_empty() {
+        if rows.is_empty() {
             let _ = writeln!(out, "(no packets counted yet)");
         }
         out

@@ -1151,6 +1151,8 @@ pub struct DaemonConfig {
     pub services: String,
     /// More `key = value` lines for an interface's table, by interface name.
     pub interface_keys: Vec<(String, String)>,
+    /// Tables appended as they are (e.g. `[api]`).
+    pub raw: String,
 }
 
 impl DaemonConfig {
@@ -1164,7 +1166,14 @@ impl DaemonConfig {
             firewall: Vec::new(),
             services: String::new(),
             interface_keys: Vec::new(),
+            raw: String::new(),
         }
+    }
+
+    /// Appends TOML tables as they are (e.g. an `[api]` table).
+    pub fn raw(mut self, toml: &str) -> DaemonConfig {
+        self.raw.push_str(toml);
+        self
     }
 
     /// Adds `line` (`key = value`) to interface `name`'s table.
@@ -1233,6 +1242,11 @@ impl DaemonConfig {
                 self.conntrack_timeouts.join("\n")
             ));
         }
+        if !self.raw.is_empty() {
+            s.push('\n');
+            s.push_str(&self.raw);
+            s.push('\n');
+        }
         if !self.services.is_empty() {
             s.push('\n');
             s.push_str(&self.services);
@@ -1253,6 +1267,13 @@ impl DaemonConfig {
         }
         s
     }
+}
+
+fn cmd_text<S: AsRef<OsStr>>(args: &[S]) -> String {
+    args.iter()
+        .map(|a| a.as_ref().to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// A `fastpath --netns NS daemon --config FILE` process. Each start logs (stderr) to its own
@@ -1422,6 +1443,33 @@ impl Daemon {
             .collect()
     }
 
+    /// The API socket (the default for this pin dir: tests do not set `[api] socket`).
+    pub fn socket(&self) -> PathBuf {
+        crate::config::default_socket(&self.pin_dir)
+    }
+
+    /// `fastpath --socket <this daemon's> ARGS...`: its output, whatever the exit status.
+    pub fn cli<S: AsRef<OsStr>>(&self, args: &[S]) -> Output {
+        let mut cmd = Command::new(&self.bin);
+        cmd.arg("--socket").arg(self.socket()).args(args);
+        output_within(cmd, EXEC_TIMEOUT)
+            .unwrap_or_else(|e| panic!("running fastpath {:?}: {e}", cmd_text(args)))
+    }
+
+    /// [`Daemon::cli`] that must succeed: its stdout.
+    pub fn cli_ok<S: AsRef<OsStr>>(&self, args: &[S]) -> String {
+        let out = self.cli(args);
+        assert!(
+            out.status.success(),
+            "fastpath {} failed ({}):\n{}{}",
+            cmd_text(args),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
     pub fn pin_dir(&self) -> &Path {
         &self.pin_dir
     }
@@ -1519,6 +1567,9 @@ impl Drop for Daemon {
                 let _ = datapath::remove_pins(&self.pin_dir);
             }
         }
+        // What the API persisted belongs to this test's datapath only.
+        let _ = fs::remove_file(crate::config::default_state_file(&self.pin_dir));
+        let _ = fs::remove_file(crate::config::default_socket(&self.pin_dir));
         if thread::panicking() {
             for (i, log) in self.all_logs().iter().enumerate() {
                 eprintln!(

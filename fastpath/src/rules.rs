@@ -1,0 +1,636 @@
+//! Desired state → realized state: the services (and runtime settings) the daemon should have,
+//! how changes to them are checked, applied and persisted.
+//!
+//! Contract: every change — an API call, an applied config, a SIGHUP reload — is validated as a
+//! whole (the same checks as a config file at start) before the datapath is touched; a
+//! rejected change leaves desired state, maps and state file exactly as they were. Changes are
+//! serialized by the owner (one `&mut Rules` at a time), each bumps `generation`, and each is
+//! persisted to the state file so a restart (or crash) comes back with it.
+
+use std::{
+    collections::{BTreeSet, HashMap},
+    net::SocketAddr,
+    path::{Path, PathBuf},
+};
+
+use fastpath_common::{
+    DatapathConfig,
+    stats::{CONFIG_F_DROP_MALFORMED, CONFIG_F_SNAT},
+};
+use tokio::{sync::mpsc, task::JoinHandle};
+use tracing::{info, warn};
+
+use crate::{
+    config::{Config, ConfigError, InterfaceCheck, ServiceConfig, ServiceId},
+    datapath::{Datapath, ServicesApplied},
+    health::{self, ProbeKey},
+};
+
+/// Why a change was refused (maps to a gRPC status and a CLI exit code).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RejectKind {
+    Invalid,
+    AlreadyExists,
+    NotFound,
+    /// `expected_generation` is stale, or the change needs a restart.
+    Precondition,
+    /// The kernel refused; nothing changed.
+    Internal,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct Rejected {
+    pub kind: RejectKind,
+    pub message: String,
+}
+
+impl Rejected {
+    pub fn new(kind: RejectKind, message: impl Into<String>) -> Rejected {
+        Rejected {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+/// What a change did, or with `dry_run` would do.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChangeSummary {
+    pub generation: u64,
+    pub created: Vec<String>,
+    pub updated: Vec<String>,
+    pub deleted: Vec<String>,
+    pub unchanged: u32,
+    pub took_us: u64,
+    pub dry_run: bool,
+    /// Things the operator should know (settings that wait for a restart).
+    pub notes: Vec<String>,
+}
+
+/// The difference between two service lists, by identity.
+pub fn diff(old: &[ServiceConfig], new: &[ServiceConfig]) -> ChangeSummary {
+    let before: HashMap<ServiceId, &ServiceConfig> = old.iter().map(|s| (s.id(), s)).collect();
+    let after: HashMap<ServiceId, &ServiceConfig> = new.iter().map(|s| (s.id(), s)).collect();
+    let mut out = ChangeSummary::default();
+    for s in new {
+        match before.get(&s.id()) {
+            None => out.created.push(s.id().to_string()),
+            Some(o) if *o != s => out.updated.push(s.id().to_string()),
+            Some(_) => out.unchanged += 1,
+        }
+    }
+    let gone: BTreeSet<ServiceId> = old
+        .iter()
+        .map(|s| s.id())
+        .filter(|id| !after.contains_key(id))
+        .collect();
+    out.deleted = gone.iter().map(ToString::to_string).collect();
+    out
+}
+
+/// Checks `services` in the context of `base` (its datapath, interfaces, limits), with the
+/// checks a config file gets; errors name the service by its identity.
+pub fn validate_services(
+    base: &Config,
+    services: Vec<ServiceConfig>,
+    source: &str,
+) -> Result<Config, Rejected> {
+    let mut candidate = base.clone();
+    candidate.services = services;
+    candidate
+        .validate(Path::new(source), "", InterfaceCheck::Skip)
+        .map_err(|e| Rejected::new(RejectKind::Invalid, name_services(&e, &candidate)))?;
+    Ok(candidate)
+}
+
+/// A config error about `service[i]` named by the service's identity instead of its index
+/// (an API client never saw the index).
+fn name_services(e: &ConfigError, config: &Config) -> String {
+    let mut text = e.message.clone();
+    if let Some(key) = &e.key {
+        let named = key
+            .strip_prefix("service[")
+            .and_then(|rest| rest.split_once(']'))
+            .and_then(|(i, rest)| {
+                let svc = config.services.get(i.parse::<usize>().ok()?)?;
+                Some(format!("service {}{rest}", svc.id()))
+            })
+            .unwrap_or_else(|| key.clone());
+        text = format!("{named}: {text}");
+    }
+    text
+}
+
+/// First line of a state file: what it was made from.
+const STATE_MAGIC: &str = "# fastpath state:";
+
+/// The runtime flags of the datapath for `config`.
+pub fn datapath_config(config: &Config) -> DatapathConfig {
+    let mut flags = if config.datapath.drop_malformed {
+        CONFIG_F_DROP_MALFORMED
+    } else {
+        0
+    };
+    if config.interfaces.iter().any(|i| i.snat) {
+        flags |= CONFIG_F_SNAT;
+    }
+    DatapathConfig {
+        flags,
+        ct_timeouts_s: config.conntrack.timeouts.to_slots(),
+        ..Default::default()
+    }
+}
+
+/// A state file: the desired config after API changes, the generation it reached, and the
+/// fingerprint of the config file it was made on top of.
+pub struct SavedState {
+    pub generation: u64,
+    pub base: u64,
+    pub config: Config,
+}
+
+/// Reads a state file; `Ok(None)` if there is none.
+pub fn load_state(path: &Path) -> Result<Option<SavedState>, ConfigError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => {
+            return Err(ConfigError {
+                path: path.to_owned(),
+                line: None,
+                key: None,
+                message: format!("cannot read the state file: {e}"),
+            });
+        }
+    };
+    let bad = |message: &str| ConfigError {
+        path: path.to_owned(),
+        line: Some(1),
+        key: None,
+        message: format!(
+            "{message}; the state file is written by fastpath only: remove it to start from the config file"
+        ),
+    };
+    let first = text.lines().next().unwrap_or("");
+    let meta = first
+        .strip_prefix(STATE_MAGIC)
+        .ok_or_else(|| bad("no state header"))?;
+    let field = |name: &str| {
+        meta.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+            .ok_or_else(|| bad(&format!("no {name} in the state header")))
+    };
+    let generation: u64 = field("generation")?
+        .parse()
+        .map_err(|_| bad("bad generation"))?;
+    let base = u64::from_str_radix(field("base")?, 16).map_err(|_| bad("bad base"))?;
+    let config = Config::parse_with(path, &text, InterfaceCheck::Skip)?;
+    Ok(Some(SavedState {
+        generation,
+        base,
+        config,
+    }))
+}
+
+/// Writes the state file atomically (a temporary file renamed over it).
+fn save_state(path: &Path, generation: u64, base: u64, config: &Config) -> Result<(), String> {
+    let body = config
+        .to_toml()
+        .map_err(|e| format!("encoding the state: {e}"))?;
+    let text = format!(
+        "{STATE_MAGIC} generation={generation} base={base:016x}\n# Written by the fastpath daemon: the desired state after API changes. Edit the config file instead.\n{body}"
+    );
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    }
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).map_err(|e| format!("writing {}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| format!("renaming to {}: {e}", path.display()))
+}
+
+/// A backend's health as last reported.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackendHealth {
+    pub service: ServiceId,
+    pub backend: SocketAddr,
+    pub up: bool,
+    pub detail: String,
+}
+
+/// The daemon's desired state and the datapath it realizes it in.
+pub struct Rules {
+    dp: Datapath,
+    /// The desired config: services as configured (health does not change them).
+    config: Config,
+    generation: u64,
+    /// Fingerprint of the config file the current desired state grew from.
+    base: u64,
+    config_path: PathBuf,
+    /// Backends the probes report down, with what the last probe saw.
+    down: HashMap<(ServiceId, SocketAddr), String>,
+    probes: HashMap<ProbeKey, JoinHandle<()>>,
+    health_tx: mpsc::Sender<health::Change>,
+    health_events: tokio::sync::broadcast::Sender<BackendHealth>,
+}
+
+impl Rules {
+    /// Takes over a loaded, attached datapath whose services are not applied yet: restores
+    /// the state file if it was made on top of this very config file, applies the services
+    /// and starts the probes.
+    pub fn start(
+        mut dp: Datapath,
+        file_config: Config,
+        config_path: PathBuf,
+        health_tx: mpsc::Sender<health::Change>,
+    ) -> Result<(Rules, ServicesApplied), Box<(Datapath, crate::datapath::DatapathError)>> {
+        let base = file_config.fingerprint();
+        let state_path = file_config.state_file();
+        let (config, generation) = match load_state(&state_path) {
+            Ok(Some(saved)) if saved.base == base => {
+                info!(state = %state_path.display(), generation = saved.generation, "Restored the changes made through the API");
+                (saved.config, saved.generation)
+            }
+            Ok(Some(saved)) => {
+                warn!(state = %state_path.display(), generation = saved.generation, "The config file changed since the API changes in the state file were made: the file wins");
+                (file_config, saved.generation)
+            }
+            Ok(None) => (file_config, 0),
+            Err(e) => {
+                warn!(error = %e, "Ignoring an unreadable state file: starting from the config file");
+                (file_config, 0)
+            }
+        };
+        let applied = match dp
+            .set_config(datapath_config(&config))
+            .and_then(|()| dp.set_services(&config.services))
+        {
+            Ok(a) => a,
+            Err(e) => return Err(Box::new((dp, e))),
+        };
+        crate::lb::resolve_dsr_backends(&config.services);
+        let mut rules = Rules {
+            dp,
+            config,
+            generation,
+            base,
+            config_path,
+            down: HashMap::new(),
+            probes: HashMap::new(),
+            health_tx,
+            health_events: tokio::sync::broadcast::channel(1024).0,
+        };
+        rules.reconcile_probes();
+        Ok((rules, applied))
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    pub fn config_path(&self) -> &Path {
+        &self.config_path
+    }
+
+    pub fn datapath(&self) -> &Datapath {
+        &self.dp
+    }
+
+    pub fn datapath_mut(&mut self) -> &mut Datapath {
+        &mut self.dp
+    }
+
+    /// Gives the datapath back (shutdown): probes stop.
+    pub fn into_datapath(self) -> Datapath {
+        for p in self.probes.values() {
+            p.abort();
+        }
+        self.dp
+    }
+
+    pub fn health(&self) -> Vec<BackendHealth> {
+        let mut out = Vec::new();
+        for (key, _) in health::probes_of(&self.config.services) {
+            let down = self.down.get(&(key.service, key.backend));
+            out.push(BackendHealth {
+                service: key.service,
+                backend: key.backend,
+                up: down.is_none(),
+                detail: down.cloned().unwrap_or_else(|| "up".into()),
+            });
+        }
+        out
+    }
+
+    /// "up", "down" or "unchecked" for a backend.
+    pub fn backend_health(&self, service: ServiceId, backend: SocketAddr) -> &'static str {
+        let checked = self
+            .config
+            .services
+            .iter()
+            .any(|s| s.id() == service && s.health_check.is_some());
+        match (checked, self.down.contains_key(&(service, backend))) {
+            (false, _) => "unchecked",
+            (true, true) => "down",
+            (true, false) => "up",
+        }
+    }
+
+    pub fn subscribe_health(&self) -> tokio::sync::broadcast::Receiver<BackendHealth> {
+        self.health_events.subscribe()
+    }
+
+    fn check_generation(&self, expected: u64) -> Result<(), Rejected> {
+        if expected != 0 && expected != self.generation {
+            return Err(Rejected::new(
+                RejectKind::Precondition,
+                format!(
+                    "the desired state is at generation {}, not {expected}: another change came first; read it again and retry",
+                    self.generation
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Changes the services with `edit`, checked and applied as one change.
+    pub fn change_services(
+        &mut self,
+        expected_generation: u64,
+        dry_run: bool,
+        source: &str,
+        edit: impl FnOnce(&mut Vec<ServiceConfig>) -> Result<(), Rejected>,
+    ) -> Result<ChangeSummary, Rejected> {
+        self.check_generation(expected_generation)?;
+        let mut services = self.config.services.clone();
+        edit(&mut services)?;
+        let candidate = validate_services(&self.config, services, source)?;
+        self.commit(candidate, dry_run, self.base)
+    }
+
+    /// Makes `candidate` (already validated) the desired state: services applied by
+    /// difference, runtime settings written, state saved.
+    fn commit(
+        &mut self,
+        candidate: Config,
+        dry_run: bool,
+        base: u64,
+    ) -> Result<ChangeSummary, Rejected> {
+        let started = std::time::Instant::now();
+        let mut summary = diff(&self.config.services, &candidate.services);
+        summary.dry_run = dry_run;
+        if dry_run {
+            summary.generation = self.generation;
+            return Ok(summary);
+        }
+        let internal = |e: crate::datapath::DatapathError| {
+            Rejected::new(
+                RejectKind::Internal,
+                format!(
+                    "the kernel refused the change: {e}; the datapath keeps the previous services"
+                ),
+            )
+        };
+        let settings = datapath_config(&candidate);
+        if settings != datapath_config(&self.config) {
+            self.dp.set_config(settings).map_err(internal)?;
+        }
+        let changed = !(summary.created.is_empty()
+            && summary.updated.is_empty()
+            && summary.deleted.is_empty());
+        if changed {
+            let effective = health::effective(&candidate.services, &self.down);
+            self.dp.set_services(&effective).map_err(internal)?;
+            crate::lb::resolve_dsr_backends(&candidate.services);
+            if candidate.services.iter().any(|s| s.port_forward) {
+                crate::datapath::allow_local_sources(&candidate.interfaces);
+            }
+        }
+        self.config = candidate;
+        self.base = base;
+        self.generation += 1;
+        summary.generation = self.generation;
+        if let Err(e) = save_state(
+            &self.config.state_file(),
+            self.generation,
+            self.base,
+            &self.config,
+        ) {
+            warn!(error = %e, "The change is applied but could not be saved; a restart would lose it");
+            summary.notes.push(format!(
+                "applied, but not saved ({e}): a restart would lose it"
+            ));
+        }
+        self.reconcile_probes();
+        summary.took_us = started.elapsed().as_micros() as u64;
+        info!(
+            generation = self.generation,
+            created = summary.created.len(),
+            updated = summary.updated.len(),
+            deleted = summary.deleted.len(),
+            unchanged = summary.unchanged,
+            took_us = summary.took_us,
+            "Desired state changed"
+        );
+        Ok(summary)
+    }
+
+    /// Makes a whole config the desired state (an Apply, or a reload of the file): refused if
+    /// it changes what only a restart can (pin dir, table capacity, interfaces).
+    pub fn apply_config(
+        &mut self,
+        new: Config,
+        expected_generation: u64,
+        dry_run: bool,
+        from_file: bool,
+    ) -> Result<ChangeSummary, Rejected> {
+        self.check_generation(expected_generation)?;
+        let old = &self.config;
+        let restart = |what: &str| {
+            Rejected::new(
+                RejectKind::Precondition,
+                format!(
+                    "{what} changed: that takes a restart (the datapath keeps forwarding across it; a capacity or pin_dir change also needs `fastpath detach` first); nothing was changed"
+                ),
+            )
+        };
+        if new.datapath.pin_dir != old.datapath.pin_dir {
+            return Err(restart("datapath.pin_dir"));
+        }
+        if new.conntrack.capacity != old.conntrack.capacity {
+            return Err(restart("conntrack.capacity"));
+        }
+        if new.interfaces != old.interfaces {
+            return Err(restart("[[interface]]"));
+        }
+        let mut notes = Vec::new();
+        if new.api != old.api {
+            notes.push("[api] changed: the listeners change at the next restart".to_string());
+        }
+        if new.conntrack.gc_interval_ms != old.conntrack.gc_interval_ms {
+            notes.push("conntrack.gc_interval_ms changes at the next restart".to_string());
+        }
+        // A reload keeps the API's changes unless the file itself changed.
+        let (candidate, base) = if from_file {
+            let fp = new.fingerprint();
+            if fp == self.base {
+                notes.push(
+                    "the config file is unchanged: the changes made through the API stay".into(),
+                );
+                return Ok(ChangeSummary {
+                    generation: self.generation,
+                    unchanged: self.config.services.len() as u32,
+                    dry_run,
+                    notes,
+                    ..ChangeSummary::default()
+                });
+            }
+            (new, fp)
+        } else {
+            (new, self.base)
+        };
+        let mut summary = self.commit(candidate, dry_run, base)?;
+        summary.notes.extend(notes);
+        Ok(summary)
+    }
+
+    /// Applies a health change: the backend's weight in the datapath becomes 0 (down) or its
+    /// configured weight (up); the desired state does not change.
+    pub fn health_changed(&mut self, change: health::Change) {
+        let key = (change.service, change.backend);
+        let known = self.config.services.iter().any(|s| {
+            s.id() == change.service
+                && s.backends.iter().any(|b| {
+                    SocketAddr::new(*b.address.get_ref(), *b.port.get_ref()) == change.backend
+                })
+        });
+        if !known {
+            return;
+        }
+        if change.up {
+            self.down.remove(&key);
+        } else {
+            self.down.insert(key, change.detail.clone());
+        }
+        let _ = self.health_events.send(BackendHealth {
+            service: change.service,
+            backend: change.backend,
+            up: change.up,
+            detail: change.detail,
+        });
+        let effective = health::effective(&self.config.services, &self.down);
+        let Some(idx) = effective.iter().position(|s| s.id() == change.service) else {
+            return;
+        };
+        match self.dp.update_services(&effective, &[idx]) {
+            Ok(applied) => info!(
+                service = %change.service,
+                backend = %change.backend,
+                up = change.up,
+                took_us = applied.took.as_micros() as u64,
+                "Services re-applied after a health change"
+            ),
+            Err(e) => {
+                warn!(error = %e, "Could not re-apply the services after a health change; the datapath keeps the previous ones")
+            }
+        }
+    }
+
+    /// Starts the probes the services ask for and stops the ones they no longer do; probes
+    /// of unchanged backends keep running (and their state).
+    fn reconcile_probes(&mut self) {
+        let wanted: HashMap<ProbeKey, crate::config::HealthCheck> =
+            health::probes_of(&self.config.services)
+                .into_iter()
+                .collect();
+        self.probes.retain(|k, task| {
+            let keep = wanted.contains_key(k);
+            if !keep {
+                task.abort();
+            }
+            keep
+        });
+        for (key, check) in wanted {
+            if !self.probes.contains_key(&key) {
+                let task = health::spawn_probe(key.clone(), check, self.health_tx.clone());
+                self.probes.insert(key, task);
+            }
+        }
+        let live: std::collections::HashSet<(ServiceId, SocketAddr)> =
+            self.probes.keys().map(|k| (k.service, k.backend)).collect();
+        self.down.retain(|k, _| live.contains(k));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn services(toml: &str) -> Vec<ServiceConfig> {
+        crate::testkit::netns::parse_services(toml)
+    }
+
+    #[test]
+    fn diff_names_created_updated_deleted_and_counts_unchanged() {
+        let old = services(
+            "[[service]]\nvip = \"10.0.0.1\"\nport = 80\n[[service.backend]]\naddress = \"10.1.0.1\"\nport = 80\n\
+             [[service]]\nvip = \"10.0.0.1\"\nport = 443\n[[service.backend]]\naddress = \"10.1.0.1\"\nport = 443\n\
+             [[service]]\nvip = \"10.0.0.2\"\nport = 53\nprotocol = \"udp\"\n",
+        );
+        let new = services(
+            "[[service]]\nvip = \"10.0.0.1\"\nport = 80\n[[service.backend]]\naddress = \"10.1.0.1\"\nport = 80\n\
+             [[service]]\nvip = \"10.0.0.1\"\nport = 443\n[[service.backend]]\naddress = \"10.1.0.2\"\nport = 443\n\
+             [[service]]\nvip = \"fd00::1\"\nport = 80\n",
+        );
+        let d = diff(&old, &new);
+        assert_eq!(d.created, vec!["[fd00::1]:80/tcp"]);
+        assert_eq!(d.updated, vec!["10.0.0.1:443/tcp"]);
+        assert_eq!(d.deleted, vec!["10.0.0.2:53/udp"]);
+        assert_eq!(d.unchanged, 1);
+    }
+
+    #[test]
+    fn validation_names_the_service_not_its_index() {
+        let base = Config::parse_with(
+            Path::new("t"),
+            "[[interface]]\nname = \"lo\"\n",
+            InterfaceCheck::Skip,
+        )
+        .unwrap();
+        let mut svcs = services(
+            "[[service]]\nvip = \"10.0.0.1\"\nport = 80\n[[service.backend]]\naddress = \"10.1.0.1\"\nport = 80\n",
+        );
+        svcs[0].backends[0].address = toml::Spanned::new(0..0, "fd00::2".parse().unwrap());
+        let e = validate_services(&base, svcs, "<api>").unwrap_err();
+        assert_eq!(e.kind, RejectKind::Invalid);
+        assert!(
+            e.message
+                .starts_with("service 10.0.0.1:80/tcp.backend[0].address: backend fd00::2"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn state_round_trips_through_the_config_parser() {
+        let text = "[[interface]]\nname = \"lo\"\n\
+            [[service]]\nvip = \"10.0.0.1\"\nport = 80\nscheduler = \"wrr\"\nmode = \"full_nat\"\nsnat_address = \"10.9.0.1\"\nsnat_ports = \"2000-3000\"\n\
+            [[service.backend]]\naddress = \"10.1.0.1\"\nport = 8080\nweight = 3\n\
+            [service.health_check]\nkind = \"http\"\npath = \"/h\"\n\
+            [[port_forward]]\naddress = \"10.0.0.9\"\nport = 2222\nto = \"10.1.0.5\"\nto_port = 22\n";
+        let c = Config::parse_with(Path::new("t"), text, InterfaceCheck::Skip).unwrap();
+        let dir = std::env::temp_dir().join(format!("fp-state-{}", std::process::id()));
+        let path = dir.join("s.toml");
+        save_state(&path, 7, 0xabc, &c).unwrap();
+        let back = load_state(&path).unwrap().unwrap();
+        assert_eq!((back.generation, back.base), (7, 0xabc));
+        assert_eq!(back.config.services, c.services);
+        assert!(back.config.services[1].port_forward);
+        assert_eq!(back.config.fingerprint(), c.fingerprint());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
