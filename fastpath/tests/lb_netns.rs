@@ -1290,3 +1290,106 @@ impl SlowDownload {
         (status, body)
     }
 }
+
+/// TCP resets a namespace's stack has sent and seen so far (`/proc/net/snmp`: OutRsts,
+/// EstabResets): a reset on either end shows here, whoever caused it.
+fn tcp_resets(ns: &fastpath::testkit::netns::Netns) -> (u64, u64) {
+    let snmp = ns
+        .run(&["cat", "/proc/net/snmp"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut tcp = snmp.lines().filter(|l| l.starts_with("Tcp:"));
+    let (names, values) = (tcp.next().unwrap_or(""), tcp.next().unwrap_or(""));
+    let field = |want: &str| {
+        names
+            .split_whitespace()
+            .zip(values.split_whitespace())
+            .find(|(n, _)| *n == want)
+            .and_then(|(_, v)| v.parse().ok())
+            .unwrap_or_else(|| panic!("no Tcp {want} in /proc/net/snmp:\n{snmp}"))
+    };
+    (field("OutRsts"), field("EstabResets"))
+}
+
+/// Waits until `long` has read `more` bytes beyond `from`; panics after 20 s.
+fn progressed(long: &SlowDownload, from: usize, more: usize, when: &str) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let now = long.bytes_read();
+        if now >= from + more {
+            return now;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{when}: the download stalled at {now} bytes (was {from})"
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The daemon restarts under a live NAT'ed TCP stream, the way a service manager does it
+/// (config/fastpath.service: SIGTERM with --leave-attached, then start) and after kill -9:
+/// the stream keeps flowing while no daemon runs and across both restarts, finishes with
+/// every byte, and neither end's stack sees a single reset. (Without --leave-attached the
+/// stop detaches the datapath and this test fails: the stream stalls.)
+#[test]
+fn a_tcp_stream_flows_across_daemon_stop_start_and_kill9() {
+    prepare_test(&["curl", "nginx"]);
+    let dir = TempDir::new("lb-restart").expect("temp dir");
+    let lb = test_lb_topology(1);
+    lb.checksum_offloads_off()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let servers = nginx_backends(&lb, "index.html", |i| format!("backend {i}"));
+    let mut big = Vec::with_capacity(LONG_BYTES);
+    fs::File::open("/dev/urandom")
+        .and_then(|f| f.take(LONG_BYTES as u64).read_to_end(&mut big))
+        .expect("random bytes for the big file");
+    fs::write(servers[0].root().join("big.bin"), &big).expect("writing the big file");
+    let config = lb
+        .fp_config(&unique_pin_dir("lb-restart"))
+        .services(&service_v4("", [(0, 1)]));
+    // The unit's ExecStart flag: a stop leaves the datapath forwarding.
+    let mut daemon = Daemon::start_with_args(bin(), lb.fp(), &config, &["--leave-attached"]);
+    let (client0, backend0) = (tcp_resets(lb.client()), tcp_resets(lb.backend(0)));
+
+    let long = SlowDownload::start(&lb, &dir, 20_500, "big.bin");
+    let mut at = progressed(&long, 0, 1 << 20, "before the stop");
+
+    let status = daemon.stop();
+    assert!(status.success(), "daemon stop: {status}\n{}", daemon.log());
+    at = progressed(&long, at, 1 << 20, "with the daemon stopped");
+    daemon.restart();
+    at = progressed(&long, at, 1 << 20, "after the start");
+
+    daemon.kill9();
+    at = progressed(&long, at, 1 << 20, "after kill -9, no daemon");
+    daemon.restart();
+    progressed(&long, at, 1 << 20, "after the restart");
+    let log = daemon.log();
+    assert!(
+        log.contains("Reusing pinned maps"),
+        "the restart must reuse the pinned maps; log:\n{log}"
+    );
+
+    let (status, body) = long.finish();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the download through the VIP failed across the restarts: {status:?}"
+    );
+    assert_eq!(body.len(), big.len(), "bytes received");
+    assert!(body == big, "the body differs from the file");
+    let (client1, backend1) = (tcp_resets(lb.client()), tcp_resets(lb.backend(0)));
+    assert_eq!(
+        (client1.0 - client0.0, client1.1 - client0.1),
+        (0, 0),
+        "client resets (sent, established reset) across the restarts"
+    );
+    assert_eq!(
+        (backend1.0 - backend0.0, backend1.1 - backend0.1),
+        (0, 0),
+        "backend resets (sent, established reset) across the restarts"
+    );
+    eprintln!(
+        "restart test: {} bytes through stop/start and kill -9 + start, 0 resets",
+        body.len()
+    );
+}
