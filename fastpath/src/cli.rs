@@ -152,6 +152,18 @@ fn usage(msg: impl Into<String>) -> Failure {
 
 fn from_status(s: tonic::Status) -> Failure {
     use tonic::Code as C;
+    // A TLS handshake the server refused (a client certificate it does not trust) shows only
+    // at the first request, as a transport error.
+    if matches!(s.code(), C::Unknown | C::Unavailable) && s.message().contains("transport error")
+    {
+        return Failure(
+            EXIT_CONNECT,
+            format!(
+                "the connection to the daemon failed: {}; over TCP, check that the server trusts your client certificate (--cert, --key) and that --ca signed its certificate",
+                error_chain(&s)
+            ),
+        );
+    }
     let code = match s.code() {
         C::InvalidArgument | C::AlreadyExists | C::NotFound | C::FailedPrecondition => {
             EXIT_REJECTED

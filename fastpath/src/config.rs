@@ -630,6 +630,79 @@ impl Config {
         toml::to_string(&c)
     }
 
+    /// The `[api]` checks: plain TCP only when explicitly allowed, TLS material complete and
+    /// readable, the socket an absolute path.
+    fn validate_api(
+        &self,
+        err: &dyn Fn(Range<usize>, String, String) -> ConfigError,
+        files_here: bool,
+    ) -> Result<(), ConfigError> {
+        let api = &self.api;
+        if let Some(s) = &api.socket
+            && !s.get_ref().is_absolute()
+        {
+            return Err(err(
+                s.span(),
+                "api.socket".into(),
+                format!("{:?} is not an absolute path", s.get_ref()),
+            ));
+        }
+        let tls = [
+            ("tls_cert", &api.tls_cert),
+            ("tls_key", &api.tls_key),
+            ("tls_client_ca", &api.tls_client_ca),
+        ];
+        let given = tls.iter().filter(|(_, v)| v.is_some()).count();
+        match &api.listen {
+            None => {
+                if let Some((k, Some(v))) = tls.iter().find(|(_, v)| v.is_some()) {
+                    return Err(err(
+                        v.span(),
+                        format!("api.{k}"),
+                        "TLS material without api.listen: set listen = \"ADDR:PORT\" or remove it"
+                            .into(),
+                    ));
+                }
+            }
+            Some(listen) => {
+                if given == 0 && !api.allow_insecure_tcp {
+                    return Err(err(
+                        listen.span(),
+                        "api.listen".into(),
+                        "plain TCP without authentication is refused: anyone who reaches the port would control the datapath; give tls_cert, tls_key and tls_client_ca (client certificates are required), or set allow_insecure_tcp = true on a trusted network".into(),
+                    ));
+                }
+                if given != 0 && given != tls.len() {
+                    let (k, _) = tls
+                        .iter()
+                        .find(|(_, v)| v.is_none())
+                        .copied()
+                        .unwrap_or(tls[0]);
+                    return Err(err(
+                        listen.span(),
+                        format!("api.{k}"),
+                        format!(
+                            "api.{k} is missing: TLS needs tls_cert, tls_key and tls_client_ca together"
+                        ),
+                    ));
+                }
+                for (k, v) in tls {
+                    if let Some(p) = v
+                        && files_here
+                        && let Err(e) = std::fs::metadata(p.get_ref())
+                    {
+                        return Err(err(
+                            p.span(),
+                            format!("api.{k}"),
+                            format!("cannot read {}: {e}", p.get_ref().display()),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Reads, parses and validates `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         Config::load_with(path, InterfaceCheck::MustExist)
@@ -777,6 +850,7 @@ impl Config {
                 ),
             ));
         }
+        self.validate_api(&err, interfaces == InterfaceCheck::MustExist)?;
         let capacity = &self.conntrack.capacity;
         if !(1024..=1 << 26).contains(capacity.get_ref()) {
             return Err(err(

@@ -1336,8 +1336,7 @@ fn a_tcp_stream_flows_across_daemon_stop_start_and_kill9() {
     prepare_test(&["curl", "nginx"]);
     let dir = TempDir::new("lb-restart").expect("temp dir");
     let lb = test_lb_topology(1);
-    lb.checksum_offloads_off()
-        .unwrap_or_else(|e| panic!("{e}"));
+    lb.checksum_offloads_off().unwrap_or_else(|e| panic!("{e}"));
     let servers = nginx_backends(&lb, "index.html", |i| format!("backend {i}"));
     let mut big = Vec::with_capacity(LONG_BYTES);
     fs::File::open("/dev/urandom")
