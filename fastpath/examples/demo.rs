@@ -185,6 +185,56 @@ fn run() -> Result<()> {
         println!("  log: {}", strip_ansi(line));
     }
 
+    step("Management API: a service added, drained and deleted live through the CLI")?;
+    let vip2 = "10.200.0.101";
+    let (b0, b1) = (LbTopology::backend_v4(0), LbTopology::backend_v4(1));
+    let added = daemon.cli_ok(&[
+        "service",
+        "add",
+        &format!("{vip2}:{HTTP_PORT}"),
+        "-b",
+        &format!("{b0}:{HTTP_PORT}"),
+        "-b",
+        &format!("{b1}:{HTTP_PORT}"),
+    ]);
+    println!("  $ fastpath service add {vip2}:{HTTP_PORT} -b {b0}:{HTTP_PORT} -b {b1}:{HTTP_PORT}");
+    println!("{}", indent(added.trim_end()));
+    let spread =
+        curl_at(&lb, vip2, 20).with_context(|| format!("daemon log:\n{}", daemon.log()))?;
+    println!("  20 connections to http://{vip2}/ answered by {spread:?}");
+    if spread.keys().any(|b| *b > 1) || spread.len() != 2 {
+        bail!("the new service's connections went elsewhere: {spread:?}");
+    }
+    daemon.cli_ok(&[
+        "backend",
+        "drain",
+        &format!("{vip2}:{HTTP_PORT}"),
+        &format!("{b0}:{HTTP_PORT}"),
+    ]);
+    let drained = curl_at(&lb, vip2, 20)?;
+    println!("  $ fastpath backend drain {vip2}:{HTTP_PORT} {b0}:{HTTP_PORT}");
+    println!("  20 new connections: answered by {drained:?} — none by the drained backend 0");
+    if drained.contains_key(&0) {
+        bail!("backend 0 is drained but got new connections: {drained:?}");
+    }
+    let bad = daemon.cli(&[
+        "service",
+        "add",
+        &format!("{vip2}:{HTTP_PORT}"),
+        "-b",
+        "[fd00::9]:80",
+    ]);
+    println!(
+        "  a bad request changes nothing (exit {}): {}",
+        bad.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&bad.stderr).trim()
+    );
+    daemon.cli_ok(&["service", "del", &format!("{vip2}:{HTTP_PORT}")]);
+    let info = daemon.cli_ok(&["info"]);
+    if let Some(line) = info.lines().find(|l| l.starts_with("generation")) {
+        println!("  $ fastpath service del {vip2}:{HTTP_PORT}; fastpath info: {line}");
+    }
+
     step("kill -9 the daemon: the pinned programs keep running")?;
     daemon.kill9();
     let before = daemon.stats();
@@ -264,9 +314,18 @@ fn demo_services() -> String {
 
 /// `n` curls to the VIP; how many each backend answered.
 fn curl_vip(lb: &LbTopology, n: usize) -> Result<std::collections::BTreeMap<usize, usize>> {
+    curl_at(lb, VIP, n)
+}
+
+/// `n` curls to `http://vip/`; how many each backend answered.
+fn curl_at(
+    lb: &LbTopology,
+    vip: &str,
+    n: usize,
+) -> Result<std::collections::BTreeMap<usize, usize>> {
     let mut seen = std::collections::BTreeMap::new();
     for _ in 0..n {
-        let url = format!("http://{VIP}:{HTTP_PORT}/");
+        let url = format!("http://{vip}:{HTTP_PORT}/");
         let body = lb
             .client()
             .run(&["curl", "-sS", "--fail", "--max-time", "5", &url])

@@ -154,8 +154,7 @@ fn from_status(s: tonic::Status) -> Failure {
     use tonic::Code as C;
     // A TLS handshake the server refused (a client certificate it does not trust) shows only
     // at the first request, as a transport error.
-    if matches!(s.code(), C::Unknown | C::Unavailable) && s.message().contains("transport error")
-    {
+    if matches!(s.code(), C::Unknown | C::Unavailable) && s.message().contains("transport error") {
         return Failure(
             EXIT_CONNECT,
             format!(

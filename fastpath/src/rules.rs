@@ -395,16 +395,27 @@ impl Rules {
                 ),
             )
         };
-        let settings = datapath_config(&candidate);
-        if settings != datapath_config(&self.config) {
-            self.dp.set_config(settings).map_err(internal)?;
-        }
         let changed = !(summary.created.is_empty()
             && summary.updated.is_empty()
             && summary.deleted.is_empty());
         if changed {
             let effective = health::effective(&candidate.services, &self.down);
             self.dp.set_services(&effective).map_err(internal)?;
+        }
+        let settings = datapath_config(&candidate);
+        if settings != datapath_config(&self.config)
+            && let Err(e) = self.dp.set_config(settings)
+        {
+            // All or nothing: the services go back to what they were.
+            if changed {
+                let before = health::effective(&self.config.services, &self.down);
+                if let Err(undo) = self.dp.set_services(&before) {
+                    warn!(error = %undo, "Could not restore the previous services after a refused settings change");
+                }
+            }
+            return Err(internal(e));
+        }
+        if changed {
             crate::lb::resolve_dsr_backends(&candidate.services);
             if candidate.services.iter().any(|s| s.port_forward) {
                 crate::datapath::allow_local_sources(&candidate.interfaces);
