@@ -423,6 +423,35 @@ impl Datapath {
         result
     }
 
+    /// Changes the hooks of a running datapath to what `ifaces` name, as one change: new
+    /// hooks are attached, kept ones stay (the same program swapped into their links), the
+    /// interface table is rewritten, and hooks no longer named are detached. On failure the
+    /// attachments and the interface table are as they were. Returns the detached pins.
+    pub fn reattach(
+        &mut self,
+        ifaces: &[InterfaceConfig],
+        old: &[InterfaceConfig],
+    ) -> Result<Vec<PathBuf>, DatapathError> {
+        let before = std::mem::take(&mut self.attachments);
+        if let Err(e) = self.attach_all(ifaces) {
+            // attach_all removed what it attached afresh; `before` still holds every old link.
+            self.attachments = before;
+            return Err(e);
+        }
+        if let Err(e) = self.set_interfaces(ifaces) {
+            self.detach_fresh();
+            self.attachments = before;
+            if let Err(undo) = self.set_interfaces(old) {
+                warn!(error = %undo, "Could not restore the interface table");
+            }
+            return Err(e);
+        }
+        // The old handles of links kept are duplicates now; those of links no longer named
+        // go with their pins below.
+        drop(before);
+        self.remove_stale_links()
+    }
+
     fn attach_fresh_or_defer(
         &mut self,
         ifaces: &[InterfaceConfig],

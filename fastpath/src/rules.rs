@@ -403,17 +403,59 @@ impl Rules {
             self.dp.set_services(&effective).map_err(internal)?;
         }
         let settings = datapath_config(&candidate);
-        if settings != datapath_config(&self.config)
-            && let Err(e) = self.dp.set_config(settings)
-        {
-            // All or nothing: the services go back to what they were.
+        let settings_changed = settings != datapath_config(&self.config);
+        let undo_services = |dp: &mut Datapath| {
             if changed {
                 let before = health::effective(&self.config.services, &self.down);
-                if let Err(undo) = self.dp.set_services(&before) {
-                    warn!(error = %undo, "Could not restore the previous services after a refused settings change");
+                if let Err(undo) = dp.set_services(&before) {
+                    warn!(error = %undo, "Could not restore the previous services after a refused change");
                 }
             }
+        };
+        if settings_changed && let Err(e) = self.dp.set_config(settings) {
+            // All or nothing: the services go back to what they were.
+            undo_services(&mut self.dp);
             return Err(internal(e));
+        }
+        if candidate.interfaces != self.config.interfaces {
+            match self
+                .dp
+                .reattach(&candidate.interfaces, &self.config.interfaces)
+            {
+                Ok(detached) => {
+                    for pin in detached {
+                        summary
+                            .notes
+                            .push(format!("detached {}", pin.display()));
+                    }
+                    summary.notes.push(format!(
+                        "interfaces now: {}",
+                        candidate
+                            .interfaces
+                            .iter()
+                            .map(|i| i.name.get_ref().as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ));
+                    if candidate.interfaces.iter().any(|i| i.snat) {
+                        crate::datapath::allow_local_sources(&candidate.interfaces);
+                    }
+                }
+                Err(e) => {
+                    undo_services(&mut self.dp);
+                    if settings_changed
+                        && let Err(undo) = self.dp.set_config(datapath_config(&self.config))
+                    {
+                        warn!(error = %undo, "Could not restore the previous settings");
+                    }
+                    return Err(Rejected::new(
+                        RejectKind::Internal,
+                        format!(
+                            "attaching to the new interfaces failed: {e}; the datapath keeps its previous interfaces, services and settings"
+                        ),
+                    ));
+                }
+            }
         }
         if changed {
             crate::lb::resolve_dsr_backends(&candidate.services);
@@ -451,7 +493,8 @@ impl Rules {
     }
 
     /// Makes a whole config the desired state (an Apply, or a reload of the file): refused if
-    /// it changes what only a restart can (pin dir, table capacity, interfaces).
+    /// it changes what only a restart can (pin dir, table capacity). Interfaces are attached
+    /// and detached as the config says.
     pub fn apply_config(
         &mut self,
         new: Config,
@@ -474,9 +517,6 @@ impl Rules {
         }
         if new.conntrack.capacity != old.conntrack.capacity {
             return Err(restart("conntrack.capacity"));
-        }
-        if new.interfaces != old.interfaces {
-            return Err(restart("[[interface]]"));
         }
         let mut notes = Vec::new();
         if new.api != old.api {
