@@ -458,9 +458,56 @@ fn every_cli_command_changes_real_traffic() {
         err.contains("/nonexistent/fastpath.sock") && err.contains("--socket"),
         "{err}"
     );
+    // A usage error is a usage error even with no daemon to reach: it is found first.
+    for args in [
+        &["nat", "add", "bogus", "x"][..],
+        &["stats", "--watch", "0.01"],
+        &["backend", "add", "bogus", "10.0.0.1:80"],
+        &["service", "show", "10.0.0.1"],
+    ] {
+        let mut cmd = Command::new(bin());
+        cmd.args(["--socket", "/nonexistent/fastpath.sock"])
+            .args(args);
+        let err = fails(
+            cmd.output().expect("running fastpath"),
+            2,
+            &format!("{args:?} without a daemon"),
+        );
+        assert!(err.contains("e.g.") || err.contains("give"), "{err}");
+    }
+    let info_table = daemon.cli_ok(&["info"]);
+    assert!(
+        info_table.contains(&format!("generation    {g}")),
+        "{info_table}"
+    );
+    let if_table = daemon.cli_ok(&["interface"]);
+    assert!(
+        lb.fp_interfaces()
+            .iter()
+            .all(|i| if_table.contains(i.as_str()))
+            && if_table.contains("xdp("),
+        "{if_table}"
+    );
     assert_eq!(generation(&daemon), g, "failed commands change nothing");
 
     // service add: a VIP not in the config file gets traffic to its two backends.
+    fetch_fails(&lb, &dir, &url4(VIP_A), 1);
+    let dry = json(
+        &daemon,
+        &[
+            "service",
+            "add",
+            &format!("{VIP_A}:80"),
+            "-b",
+            &b4(0),
+            "--dry-run",
+        ],
+    );
+    assert!(
+        dry["dry_run"] == true && dry["created"] == serde_json::json!([format!("{VIP_A}:80/tcp")]),
+        "{dry}"
+    );
+    assert_eq!(generation(&daemon), g, "a dry run changes nothing");
     fetch_fails(&lb, &dir, &url4(VIP_A), 1);
     let stats0 = json(&daemon, &["stats"]);
     let r = change(
@@ -515,6 +562,20 @@ fn every_cli_command_changes_real_traffic() {
     let table = daemon.cli_ok(&["service", "show", &format!("{VIP_A}:80")]);
     assert!(
         table.contains("maglev") && table.contains(&b4(1)),
+        "{table}"
+    );
+    let table = daemon.cli_ok(&["service", "list"]);
+    assert!(
+        table.contains(&format!("{VIP_A}:80 tcp")) && table.contains(&format!("  {}", b4(0))),
+        "{table}"
+    );
+    let table = daemon.cli_ok(&["ct", "list"]);
+    assert!(
+        table
+            .lines()
+            .filter(|l| l.contains(&format!("dst={VIP_A} ")))
+            .count()
+            >= N,
         "{table}"
     );
 
@@ -692,7 +753,22 @@ fn every_cli_command_changes_real_traffic() {
     );
     assert!(err.contains("nothing was changed"), "{err}");
 
-    // backend add: a third backend starts getting connections.
+    // backend add: a third backend starts getting connections (not with a stale
+    // generation).
+    let stale = (g - 1).to_string();
+    let err = fails(
+        daemon.cli(&[
+            "backend",
+            "add",
+            &format!("{VIP_A}:80"),
+            &b4(2),
+            "--expected-generation",
+            &stale,
+        ]),
+        4,
+        "backend add with a stale generation",
+    );
+    assert!(err.contains("retry"), "{err}");
     change(
         &daemon,
         &mut g,
@@ -716,6 +792,13 @@ fn every_cli_command_changes_real_traffic() {
         nat["port_forwards"],
         serde_json::json!([{"from": format!("{fwd}/tcp"), "to": b4(2)}]),
         "{nat}"
+    );
+    let table = daemon.cli_ok(&["nat", "list"]);
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with(&format!("{fwd}/tcp")) && l.ends_with(&b4(2))),
+        "{table}"
     );
     change(&daemon, &mut g, &["nat", "del", &fwd]);
     fetch_fails(&lb, &dir, &fwd_url, 2);
@@ -847,6 +930,13 @@ fn every_cli_command_changes_real_traffic() {
         |log| log.lines().any(|l| l.contains(&want) && l.contains("down")),
     );
     drop(health_watch);
+    let table = daemon.cli_ok(&["health"]);
+    assert!(
+        table
+            .lines()
+            .any(|l| l.contains(&b4(2)) && l.contains(" down ")),
+        "{table}"
+    );
     let show = json(&daemon, &["service", "show", &format!("{VIP_H}:80")]);
     assert_eq!(show["health_check"]["kind"], "tcp", "{show}");
 
