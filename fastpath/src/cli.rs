@@ -374,11 +374,13 @@ pub async fn stats(
                     read::stats(&pin, true).map_err(|e| Failure(EXIT_FAILURE, error_chain(&e)))?;
                 return print_stats(&s, out.output);
             }
+            if let Some(secs) = watch
+                && !(0.1..=3600.0).contains(&secs)
+            {
+                return Err(usage(format!("--watch {secs}: give 0.1 ..= 3600 seconds")));
+            }
             let mut c = connect(target).await?;
             if let Some(secs) = watch {
-                if !(0.1..=3600.0).contains(&secs) {
-                    return Err(usage(format!("--watch {secs}: give 0.1 ..= 3600 seconds")));
-                }
                 let mut stream = c
                     .watch_stats(pb::WatchStatsRequest {
                         interval_ms: (secs * 1000.0) as u32,
@@ -837,10 +839,10 @@ fn parse_forward(from: &str, to: Option<&str>) -> Result<pb::PortForwardSpec, Fa
 pub async fn nat(target: &Target, command: NatCommand) -> ExitCode {
     finish(
         async {
-            let mut c = connect(target).await?;
             match command {
                 NatCommand::List { out } => {
-                    let r = c
+                    let r = connect(target)
+                        .await?
                         .list_nat_rules(pb::ListNatRulesRequest {})
                         .await
                         .map_err(from_status)?
@@ -888,7 +890,8 @@ pub async fn nat(target: &Target, command: NatCommand) -> ExitCode {
                 }
                 NatCommand::Add { from, to, change } => {
                     let f = parse_forward(&from, Some(&to))?;
-                    let r = c
+                    let r = connect(target)
+                        .await?
                         .create_port_forwards(pb::PortForwardsRequest {
                             port_forwards: vec![f],
                             expected_generation: change.expected_generation,
@@ -904,7 +907,8 @@ pub async fn nat(target: &Target, command: NatCommand) -> ExitCode {
                         .iter()
                         .map(|f| parse_forward(f, None))
                         .collect::<Result<_, _>>()?;
-                    let r = c
+                    let r = connect(target)
+                        .await?
                         .delete_port_forwards(pb::PortForwardsRequest {
                             port_forwards: list,
                             expected_generation: change.expected_generation,
