@@ -1036,14 +1036,28 @@ pub async fn apply(target: &Target, file: &std::path::Path, change: ChangeArgs) 
         async {
             let text = std::fs::read_to_string(file)
                 .map_err(|e| usage(format!("reading {}: {e}", file.display())))?;
+            let req = pb::ApplyRequest {
+                config_toml: text,
+                dry_run: change.dry_run,
+                expected_generation: change.expected_generation,
+                source_name: file.display().to_string(),
+            };
+            // Refused here with a message that says so: past the limit the client only
+            // resets the HTTP/2 stream ("h2 protocol error").
+            let size = prost::Message::encoded_len(&req);
+            if size > fastpath::api::MAX_MESSAGE_BYTES {
+                return Err(Failure(
+                    EXIT_REJECTED,
+                    format!(
+                        "too large: {} makes a {size}-byte request; the API takes at most {} bytes: split the services over several smaller files or remove what is not needed; nothing was changed",
+                        file.display(),
+                        fastpath::api::MAX_MESSAGE_BYTES
+                    ),
+                ));
+            }
             let r = connect(target)
                 .await?
-                .apply(pb::ApplyRequest {
-                    config_toml: text,
-                    dry_run: change.dry_run,
-                    expected_generation: change.expected_generation,
-                    source_name: file.display().to_string(),
-                })
+                .apply(req)
                 .await
                 .map_err(from_status)?
                 .into_inner();

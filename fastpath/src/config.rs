@@ -1385,32 +1385,49 @@ fn key_at(text: &str, at: usize) -> Option<String> {
     if !line.contains('=') || key.is_empty() || key.starts_with('[') {
         return None;
     }
-    // The table the line belongs to: the last header above it.
+    // The table the line belongs to: the last header above it. Arrays of tables are counted
+    // per element of their parent (`service[2].backend[0]`, as the checks name them).
     let mut table: Option<String> = None;
     let mut counts: Vec<(String, usize)> = Vec::new();
     for l in text[..line_start].lines() {
         let l = l.trim();
         if let Some(name) = l.strip_prefix("[[").and_then(|r| r.strip_suffix("]]")) {
             let name = name.trim().to_string();
-            let n = match counts.iter_mut().find(|(t, _)| *t == name) {
-                Some((_, n)) => {
-                    *n += 1;
-                    *n
-                }
-                None => {
-                    counts.push((name.clone(), 0));
-                    0
-                }
-            };
-            table = Some(format!("{name}[{n}]"));
+            // A new element: the arrays nested in the previous one start again.
+            let nested = format!("{name}.");
+            counts.retain(|(t, _)| !t.starts_with(&nested));
+            match counts.iter_mut().find(|(t, _)| *t == name) {
+                Some((_, n)) => *n += 1,
+                None => counts.push((name.clone(), 0)),
+            }
+            table = Some(indexed(&name, &counts));
         } else if let Some(name) = l.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
-            table = Some(name.trim().to_string());
+            table = Some(indexed(name.trim(), &counts));
         }
     }
     Some(match table {
         Some(t) => format!("{t}.{key}"),
         None => key.to_string(),
     })
+}
+
+/// `service.backend` as `service[2].backend[0]`: each prefix that is an array of tables
+/// with its current index.
+fn indexed(name: &str, counts: &[(String, usize)]) -> String {
+    let mut prefix = String::new();
+    let mut out = String::new();
+    for (i, part) in name.split('.').enumerate() {
+        if i > 0 {
+            prefix.push('.');
+            out.push('.');
+        }
+        prefix.push_str(part);
+        out.push_str(part);
+        if let Some((_, n)) = counts.iter().find(|(t, _)| *t == prefix) {
+            out.push_str(&format!("[{n}]"));
+        }
+    }
+    out
 }
 
 /// 1-based line number of byte offset `at` in `text`.
@@ -1552,6 +1569,24 @@ mod tests {
                 "for\n{text}\nexpected key {key} line {line} saying {says:?}; got {e}"
             );
         }
+    }
+
+    #[test]
+    fn parse_errors_index_nested_tables_per_parent() {
+        let text = "[[interface]]\nname = \"lo\"\n\
+            [[service]]\nvip = \"10.0.0.1\"\nport = 80\n[[service.backend]]\naddress = \"10.1.0.1\"\nport = 80\n\
+            [[service]]\nvip = \"10.0.0.2\"\nport = 80\n[[service.backend]]\naddress = \"10.1.0.1\"\nport = 70000\n";
+        let e = parse(text).expect_err("port 70000");
+        assert_eq!(e.key.as_deref(), Some("service[1].backend[0].port"), "{e}");
+        assert_eq!(e.line, Some(14), "{e}");
+        let text = "[[interface]]\nname = \"lo\"\n\
+            [[service]]\nvip = \"10.0.0.1\"\nport = 80\n[service.health_check]\nkind = 5\n";
+        let e = parse(text).expect_err("kind = 5");
+        assert_eq!(
+            e.key.as_deref(),
+            Some("service[0].health_check.kind"),
+            "{e}"
+        );
     }
 
     #[test]
