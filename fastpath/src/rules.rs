@@ -424,9 +424,7 @@ impl Rules {
             {
                 Ok(detached) => {
                     for pin in detached {
-                        summary
-                            .notes
-                            .push(format!("detached {}", pin.display()));
+                        summary.notes.push(format!("detached {}", pin.display()));
                     }
                     summary.notes.push(format!(
                         "interfaces now: {}",

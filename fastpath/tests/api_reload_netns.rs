@@ -87,17 +87,26 @@ fn interfaces_and_services_change_live_by_apply_and_sighup() {
     let only_cl = DaemonConfig::new(&pin).interface(cl).services(SVC_A);
     let both = lb.fp_config(&pin).services(SVC_A);
     let mut daemon = Daemon::start(bin(), lb.fp(), &only_cl);
-    assert!(!lb.fp().xdp_attached(&be).expect("ip link"), "be0 not configured yet");
+    assert!(
+        !lb.fp().xdp_attached(&be).expect("ip link"),
+        "be0 not configured yet"
+    );
 
     // apply: a file that names the backend interface too attaches it, live.
     let file = dir.join("both.toml");
     std::fs::write(&file, both.to_toml()).expect("writing");
     let dry = daemon.cli_ok(&["apply", "-f", file.to_str().unwrap(), "--dry-run"]);
     assert!(dry.contains("dry run"), "{dry}");
-    assert!(!lb.fp().xdp_attached(&be).expect("ip link"), "a dry run attaches nothing");
+    assert!(
+        !lb.fp().xdp_attached(&be).expect("ip link"),
+        "a dry run attaches nothing"
+    );
     let out = daemon.cli_ok(&["apply", "-f", file.to_str().unwrap()]);
     assert!(out.contains("interfaces now"), "{out}");
-    assert!(lb.fp().xdp_attached(&be).expect("ip link"), "apply attached be0");
+    assert!(
+        lb.fp().xdp_attached(&be).expect("ip link"),
+        "apply attached be0"
+    );
     let h = hooks(&daemon);
     let be_hooks = h.iter().find(|(n, _)| *n == be).map(|(_, h)| h.clone());
     assert_eq!(
@@ -144,7 +153,11 @@ fn interfaces_and_services_change_live_by_apply_and_sighup() {
     let status = daemon.stop();
     assert!(status.success());
     daemon.restart();
-    assert_eq!(services(&daemon), want, "a restart restores the API's change");
+    assert_eq!(
+        services(&daemon),
+        want,
+        "a restart restores the API's change"
+    );
     assert!(
         daemon
             .log()
@@ -154,8 +167,11 @@ fn interfaces_and_services_change_live_by_apply_and_sighup() {
     );
 
     // A bad file on SIGHUP: logged, nothing changes, the daemon keeps running.
-    std::fs::write(daemon.config_path(), "[[interface]]\nname = \"cl0\"\nxdpp = 1\n")
-        .expect("rewriting the config");
+    std::fs::write(
+        daemon.config_path(),
+        "[[interface]]\nname = \"cl0\"\nxdpp = 1\n",
+    )
+    .expect("rewriting the config");
     sighup(&daemon);
     wait_for(&daemon, "the refused reload logged", |d| {
         d.log().contains("Reload refused")
