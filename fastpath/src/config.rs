@@ -789,9 +789,9 @@ impl Config {
                     f.address.span(),
                     key("address"),
                     format!(
-                        "{addr} port {} {:?} is already a service or port forward; keep one",
+                        "{addr} port {} {} is already a service or port forward; keep one",
                         f.port.get_ref(),
-                        f.protocol
+                        f.protocol.name()
                     ),
                 ));
             }
@@ -1008,9 +1008,9 @@ impl Config {
                     svc.vip.span(),
                     key("vip"),
                     format!(
-                        "service {vip} port {} {:?} is defined twice (also service[{j}]); merge the two",
+                        "service {vip} port {} {} is defined twice (also service[{j}]); merge the two",
                         svc.port.get_ref(),
-                        svc.protocol
+                        svc.protocol.name()
                     ),
                 ));
             }
@@ -1382,7 +1382,11 @@ fn key_at(text: &str, at: usize) -> Option<String> {
     let line_start = text[..at].rfind('\n').map_or(0, |i| i + 1);
     let line = text[line_start..].lines().next()?;
     let key = line.split('=').next()?.trim();
-    if !line.contains('=') || key.is_empty() || key.starts_with('[') {
+    if !line.contains('=')
+        || key.is_empty()
+        || key.starts_with('[')
+        || key.chars().any(char::is_control)
+    {
         return None;
     }
     // The table the line belongs to: the last header above it. Arrays of tables are counted

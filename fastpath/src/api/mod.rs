@@ -20,8 +20,8 @@ pub mod pb {
 pub const API_VERSION: &str = "fastpath.v1";
 
 /// Largest request or response message accepted, in bytes: a whole config of 10,000 services
-/// with their backends fits several times over; anything larger is refused with
-/// RESOURCE_EXHAUSTED before it is decoded.
+/// with their backends fits several times over; anything larger is refused before it is
+/// decoded (tonic answers OUT_OF_RANGE; the CLI checks the size first and says what to do).
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 impl From<crate::rules::Rejected> for tonic::Status {

@@ -272,7 +272,7 @@ impl pb::fastpath_server::Fastpath for Api {
                         return Err(Rejected::new(
                             RejectKind::AlreadyExists,
                             format!(
-                                "service {} already exists; change it with an update, or delete it first",
+                                "service {} already exists; change its backends with `fastpath backend add|del|drain`, the whole service with UpdateServices or `fastpath apply`, or delete it first",
                                 s.id()
                             ),
                         ));
