@@ -60,6 +60,31 @@ pub struct PortForward {
     pub to_port: Option<Spanned<u16>>,
 }
 
+impl PortForward {
+    /// The forward as what the datapath runs it as: a NAT service with one backend.
+    pub fn to_service(&self) -> ServiceConfig {
+        ServiceConfig {
+            vip: self.address.clone(),
+            port: self.port.clone(),
+            protocol: self.protocol,
+            scheduler: Scheduler::default(),
+            maglev_table_size: None,
+            no_backend: NoBackend::Kernel,
+            affinity_timeout_s: 0,
+            mode: ForwardMode::Nat,
+            snat_address: None,
+            snat_ports: None,
+            backends: vec![BackendConfig {
+                address: self.to.clone(),
+                port: self.to_port.clone().unwrap_or_else(|| self.port.clone()),
+                weight: default_weight(),
+            }],
+            health_check: None,
+            port_forward: true,
+        }
+    }
+}
+
 /// One load-balanced service: clients connect to `vip:port`; each new connection gets a
 /// backend and keeps it.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -799,25 +824,7 @@ impl Config {
         let forwards: Vec<ServiceConfig> = self
             .port_forwards
             .iter()
-            .map(|f| ServiceConfig {
-                vip: f.address.clone(),
-                port: f.port.clone(),
-                protocol: f.protocol,
-                scheduler: Scheduler::default(),
-                maglev_table_size: None,
-                no_backend: NoBackend::Kernel,
-                affinity_timeout_s: 0,
-                mode: ForwardMode::Nat,
-                snat_address: None,
-                snat_ports: None,
-                backends: vec![BackendConfig {
-                    address: f.to.clone(),
-                    port: f.to_port.clone().unwrap_or_else(|| f.port.clone()),
-                    weight: default_weight(),
-                }],
-                health_check: None,
-                port_forward: true,
-            })
+            .map(PortForward::to_service)
             .collect();
         self.services.extend(forwards);
         // From here on the services are the one list of what is forwarded.

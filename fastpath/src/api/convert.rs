@@ -297,25 +297,14 @@ pub fn port_forward(field: &str, f: &pb::PortForwardSpec) -> Result<ServiceConfi
     } else {
         port(&format!("{field}.to_port"), f.to_port)?
     };
-    Ok(ServiceConfig {
-        vip: spanned(address),
+    Ok(config::PortForward {
+        address: spanned(address),
         port: spanned(p),
         protocol: protocol(&format!("{field}.protocol"), f.protocol)?,
-        scheduler: Scheduler::default(),
-        maglev_table_size: None,
-        no_backend: NoBackend::Kernel,
-        affinity_timeout_s: 0,
-        mode: ForwardMode::Nat,
-        snat_address: None,
-        snat_ports: None,
-        backends: vec![BackendConfig {
-            address: spanned(to),
-            port: spanned(to_port),
-            weight: spanned(1),
-        }],
-        health_check: None,
-        port_forward: true,
-    })
+        to: spanned(to),
+        to_port: Some(spanned(to_port)),
+    }
+    .to_service())
 }
 
 pub fn port_forward_pb(s: &ServiceConfig) -> pb::PortForwardSpec {

@@ -171,6 +171,28 @@ impl Api {
         Ok(Response::new(change_response(summary)))
     }
 
+    /// One change of a service's backends: `each` applied to every backend of the request.
+    async fn backends_change(
+        &self,
+        req: pb::BackendsRequest,
+        each: impl Fn(
+            &mut ServiceConfig,
+            crate::config::BackendConfig,
+            ServiceId,
+        ) -> Result<(), Rejected>
+        + Send,
+    ) -> Result<Response<pb::ChangeResponse>, Status> {
+        let (id, backends) = backends_of(&req)?;
+        self.change(req.expected_generation, req.dry_run, move |services| {
+            let svc = find_service(services, id)?;
+            for b in backends {
+                each(svc, b, id)?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
     /// Services merged from the desired state and what the datapath counted.
     async fn service_statuses(&self) -> Result<(Vec<pb::ServiceStatus>, u64), Status> {
         let pin = self.0.pin_dir.clone();
@@ -333,28 +355,23 @@ impl pb::fastpath_server::Fastpath for Api {
         &self,
         req: Request<pb::BackendsRequest>,
     ) -> Result<Response<pb::ChangeResponse>, Status> {
-        self.observed("AddBackends", async {
-            let req = req.into_inner();
-            let (id, backends) = backends_of(&req)?;
-            self.change(req.expected_generation, req.dry_run, move |services| {
-                let svc = find_service(services, id)?;
-                for b in backends {
-                    if let Some(o) = svc.backends.iter().find(|o| same_backend(o, &b)) {
-                        return Err(Rejected::new(
-                            RejectKind::AlreadyExists,
-                            format!(
-                                "{} is already a backend of {id} (weight {}); remove it first to add it again",
-                                SocketAddr::new(*o.address.get_ref(), *o.port.get_ref()),
-                                o.weight.get_ref()
-                            ),
-                        ));
-                    }
-                    svc.backends.push(b);
+        self.observed(
+            "AddBackends",
+            self.backends_change(req.into_inner(), |svc, b, id| {
+                if let Some(o) = svc.backends.iter().find(|o| same_backend(o, &b)) {
+                    return Err(Rejected::new(
+                        RejectKind::AlreadyExists,
+                        format!(
+                            "{} is already a backend of {id} (weight {}); remove it first to add it again",
+                            SocketAddr::new(*o.address.get_ref(), *o.port.get_ref()),
+                            o.weight.get_ref()
+                        ),
+                    ));
                 }
+                svc.backends.push(b);
                 Ok(())
-            })
-            .await
-        })
+            }),
+        )
         .await
     }
 
@@ -362,19 +379,14 @@ impl pb::fastpath_server::Fastpath for Api {
         &self,
         req: Request<pb::BackendsRequest>,
     ) -> Result<Response<pb::ChangeResponse>, Status> {
-        self.observed("RemoveBackends", async {
-            let req = req.into_inner();
-            let (id, backends) = backends_of(&req)?;
-            self.change(req.expected_generation, req.dry_run, move |services| {
-                let svc = find_service(services, id)?;
-                for b in backends {
-                    let i = backend_index(svc, &b, id)?;
-                    svc.backends.remove(i);
-                }
+        self.observed(
+            "RemoveBackends",
+            self.backends_change(req.into_inner(), |svc, b, id| {
+                let i = backend_index(svc, &b, id)?;
+                svc.backends.remove(i);
                 Ok(())
-            })
-            .await
-        })
+            }),
+        )
         .await
     }
 
@@ -382,19 +394,14 @@ impl pb::fastpath_server::Fastpath for Api {
         &self,
         req: Request<pb::BackendsRequest>,
     ) -> Result<Response<pb::ChangeResponse>, Status> {
-        self.observed("DrainBackends", async {
-            let req = req.into_inner();
-            let (id, backends) = backends_of(&req)?;
-            self.change(req.expected_generation, req.dry_run, move |services| {
-                let svc = find_service(services, id)?;
-                for b in backends {
-                    let i = backend_index(svc, &b, id)?;
-                    svc.backends[i].weight = toml::Spanned::new(0..0, 0);
-                }
+        self.observed(
+            "DrainBackends",
+            self.backends_change(req.into_inner(), |svc, b, id| {
+                let i = backend_index(svc, &b, id)?;
+                svc.backends[i].weight = toml::Spanned::new(0..0, 0);
                 Ok(())
-            })
-            .await
-        })
+            }),
+        )
         .await
     }
 
