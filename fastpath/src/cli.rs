@@ -154,7 +154,11 @@ fn from_status(s: tonic::Status) -> Failure {
     use tonic::Code as C;
     // A TLS handshake the server refused (a client certificate it does not trust) shows only
     // at the first request, as a transport error.
-    if matches!(s.code(), C::Unknown | C::Unavailable) && s.message().contains("transport error") {
+    // (A status the server sent has no source; one the client made from a failed connection
+    // carries the transport's error.)
+    if matches!(s.code(), C::Unknown | C::Unavailable | C::Cancelled)
+        && std::error::Error::source(&s).is_some()
+    {
         return Failure(
             EXIT_CONNECT,
             format!(

@@ -57,6 +57,7 @@ use tokio::{
     sync::broadcast,
 };
 
+mod api;
 mod lb_compare;
 
 /// Runs per BPF_PROG_TEST_RUN call (the kernel loops in-kernel and reports the mean).
@@ -142,6 +143,7 @@ struct Report {
     conntrack_gc: Vec<GcRow>,
     conntrack_drain: DrainReport,
     service_updates: Vec<UpdateRow>,
+    api_changes: api::ApiReport,
     lb_compare: lb_compare::CompareReport,
 }
 
@@ -177,7 +179,7 @@ struct Config<'a> {
 
 /// Sections that run alone (printed, nothing written): `bench SECTION` or
 /// `bench --only SECTION`.
-const SECTIONS: &str = "updates, drain, lb (the LB rows of the conntrack table), lb-compare";
+const SECTIONS: &str = "updates, api, drain, lb (the LB rows of the conntrack table), lb-compare";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--").collect();
@@ -195,6 +197,12 @@ fn main() -> Result<()> {
             let rows = bench_service_updates(&mut fx)?;
             eprintln!();
             print!("{}", updates_markdown(&rows));
+            return Ok(());
+        }
+        Some("api") => {
+            let report = bench_api()?;
+            eprintln!();
+            print!("{}", api::markdown(&report));
             return Ok(());
         }
         Some("drain") => {
@@ -343,6 +351,7 @@ fn main() -> Result<()> {
     let conntrack_drain = bench_ct_drain(&fx)?;
     let service_updates = bench_service_updates(&mut fx)?;
     drop(fx);
+    let api_changes = bench_api()?;
     let lb_compare = bench_lb_compare()?;
     eprintln!();
     let report = Report {
@@ -356,6 +365,7 @@ fn main() -> Result<()> {
         conntrack_gc,
         conntrack_drain,
         service_updates,
+        api_changes,
         lb_compare,
     };
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -1011,6 +1021,14 @@ fn stats(samples: &[f64]) -> (f64, f64, f64) {
 
 /// The load-balancer comparison through namespaces, with the daemon built beside this example
 /// and leftovers of killed earlier runs removed first.
+/// Config changes through the API and the CLI (see `api`), with the daemon built beside this
+/// example.
+fn bench_api() -> Result<api::ApiReport> {
+    let bin = example_fastpath_bin()?;
+    sweep_stale(PREFIX).context("removing leftovers of earlier runs")?;
+    api::run(&bin)
+}
+
 fn bench_lb_compare() -> Result<lb_compare::CompareReport> {
     let bin = example_fastpath_bin()?;
     let swept = sweep_stale(PREFIX).context("removing leftovers of earlier runs")?;
@@ -1129,6 +1147,7 @@ fn markdown(r: &Report) -> String {
     let _ = writeln!(md);
     md.push_str(&drain_markdown(&r.conntrack_drain));
     md.push_str(&updates_markdown(&r.service_updates));
+    md.push_str(&api::markdown(&r.api_changes));
     md.push_str(&lb_compare::markdown(&r.lb_compare));
     let _ = writeln!(md, "## Where we lose\n");
     let floor_xdp = r
