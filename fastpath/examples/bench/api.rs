@@ -14,7 +14,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use fastpath::{
     api::{client, pb},
-    testkit::netns::{Daemon, LbTopology, TempDir, test_lb_topology, unique_pin_dir},
+    testkit::netns::{Daemon, TempDir, test_lb_topology, unique_pin_dir},
 };
 use serde::Serialize;
 
