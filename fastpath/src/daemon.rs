@@ -186,7 +186,7 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
     let attachments = rules.datapath().attachments.len();
 
     let shared = Arc::new(Shared {
-        rules: tokio::sync::Mutex::new(rules),
+        rules: tokio::sync::Mutex::new(Some(rules)),
         pin_dir: pin_dir.clone(),
         hub: hub.clone(),
         gc: gc_stats,
@@ -219,8 +219,9 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
                 reload(&shared, &opts.config_path).await;
             }
             Some(change) = health_rx.recv() => {
-                let mut rules = shared.rules.lock().await;
-                tokio::task::block_in_place(|| rules.health_changed(change));
+                if let Ok(mut rules) = shared.rules().await {
+                    tokio::task::block_in_place(|| rules.health_changed(change));
+                }
             }
             ready = ct_ring.readable_mut() => {
                 if let Ok(mut guard) = ready {
@@ -255,11 +256,11 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         let _ = task.await;
     }
     drop(ct_ring);
-    let Ok(shared) = Arc::try_unwrap(shared) else {
-        warn!("API tasks still hold the datapath; leaving it attached");
+    // Clients still connected (their connections outlive the server) see UNAVAILABLE from here.
+    let Some(rules) = shared.rules.lock().await.take() else {
         return Ok(());
     };
-    let dp = shared.rules.into_inner().into_datapath();
+    let dp = rules.into_datapath();
     if detach_on_exit && !opts.leave_attached {
         let n = dp.attachments.len();
         dp.detach_all()?;
@@ -328,7 +329,9 @@ async fn reload(shared: &Arc<Shared>, path: &std::path::Path) {
             return;
         }
     };
-    let mut rules = shared.rules.lock().await;
+    let Ok(mut rules) = shared.rules().await else {
+        return;
+    };
     match tokio::task::block_in_place(|| rules.apply_config(new, 0, false, true)) {
         Ok(s) => info!(
             generation = s.generation,

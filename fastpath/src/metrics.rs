@@ -128,20 +128,21 @@ pub async fn render(shared: &Arc<Shared>) -> String {
             );
         }
     }
-    let (capacity, generation, health, services) = {
-        let rules = shared.rules.lock().await;
-        (
-            *rules.config().conntrack.capacity.get_ref(),
-            rules.generation(),
-            rules.health(),
-            rules
-                .config()
-                .services
-                .iter()
-                .map(|s| s.id())
-                .collect::<Vec<_>>(),
-        )
+    let Ok(rules) = shared.rules().await else {
+        return o.0;
     };
+    let (capacity, generation, health, services) = (
+        *rules.config().conntrack.capacity.get_ref(),
+        rules.generation(),
+        rules.health(),
+        rules
+            .config()
+            .services
+            .iter()
+            .map(|s| s.id())
+            .collect::<Vec<_>>(),
+    );
+    drop(rules);
     let occupancy = shared.gc.occupancy.load(Ordering::Relaxed);
     o.family(
         "fastpath_conntrack_entries",

@@ -166,6 +166,46 @@ fn interfaces_and_services_change_live_by_apply_and_sighup() {
         daemon.log()
     );
 
+    // Clients that keep a stream open (`ct watch`, `stats --watch`) do not hold a stop: the
+    // daemon exits within its grace period and detaches.
+    let watchers: Vec<std::process::Child> = [
+        vec!["ct", "watch"],
+        vec!["stats", "--watch", "0.2"],
+        vec!["health", "--watch"],
+    ]
+    .iter()
+    .map(|args| {
+        std::process::Command::new(bin())
+            .arg("--socket")
+            .arg(daemon.socket())
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("a watching client")
+    })
+    .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let t = std::time::Instant::now();
+    let status = daemon.stop();
+    assert!(status.success(), "stop with watchers: {status}");
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "the stop took {:?} with watching clients",
+        t.elapsed()
+    );
+    assert!(
+        !lb.fp().xdp_attached(cl).expect("ip link"),
+        "a clean stop detaches even with clients connected; log:\n{}",
+        daemon.log()
+    );
+    for mut w in watchers {
+        let _ = w.kill();
+        let _ = w.wait();
+    }
+    daemon.restart();
+    assert_eq!(services(&daemon), want);
+
     // A bad file on SIGHUP: logged, nothing changes, the daemon keeps running.
     std::fs::write(
         daemon.config_path(),

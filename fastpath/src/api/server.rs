@@ -85,13 +85,23 @@ fn code_name(code: tonic::Code) -> &'static str {
 
 /// What the API serves from, shared with the daemon's loop and the metrics endpoint.
 pub struct Shared {
-    pub rules: tokio::sync::Mutex<Rules>,
+    /// The desired state and the datapath; `None` once the daemon is stopping.
+    pub rules: tokio::sync::Mutex<Option<Rules>>,
     pub pin_dir: PathBuf,
     pub hub: EventHub,
     pub gc: Arc<GcStats>,
     pub started: Instant,
     pub listeners: Vec<String>,
     pub latency: ApiLatency,
+}
+
+impl Shared {
+    /// The rules, locked (mutations are serialized here); UNAVAILABLE once the daemon stops.
+    pub async fn rules(&self) -> Result<tokio::sync::MappedMutexGuard<'_, Rules>, Status> {
+        tokio::sync::MutexGuard::try_map(self.rules.lock().await, Option::as_mut).map_err(|_| {
+            Status::unavailable("the daemon is stopping; retry when it has started again")
+        })
+    }
 }
 
 #[derive(Clone)]
@@ -164,7 +174,7 @@ impl Api {
         dry_run: bool,
         edit: impl FnOnce(&mut Vec<ServiceConfig>) -> Result<(), Rejected> + Send,
     ) -> Result<Response<pb::ChangeResponse>, Status> {
-        let mut rules = self.0.rules.lock().await;
+        let mut rules = self.0.rules().await?;
         let summary = tokio::task::block_in_place(|| {
             rules.change_services(expected_generation, dry_run, "<api>", edit)
         })?;
@@ -197,7 +207,7 @@ impl Api {
     async fn service_statuses(&self) -> Result<(Vec<pb::ServiceStatus>, u64), Status> {
         let pin = self.0.pin_dir.clone();
         let rows = blocking(move || crate::datapath::pinned_services(&pin)).await?;
-        let rules = self.0.rules.lock().await;
+        let rules = self.0.rules().await?;
         let mut out = Vec::new();
         let mut seen = Vec::new();
         for svc in &rules.config().services {
@@ -227,7 +237,7 @@ impl Api {
 impl pb::fastpath_server::Fastpath for Api {
     async fn get_info(&self, _: Request<pb::GetInfoRequest>) -> Result<Response<pb::Info>, Status> {
         self.observed("GetInfo", async {
-            let rules = self.0.rules.lock().await;
+            let rules = self.0.rules().await?;
             let c = rules.config();
             Ok(Response::new(pb::Info {
                 version: env!("CARGO_PKG_VERSION").into(),
@@ -410,7 +420,7 @@ impl pb::fastpath_server::Fastpath for Api {
         _: Request<pb::ListNatRulesRequest>,
     ) -> Result<Response<pb::NatRules>, Status> {
         self.observed("ListNatRules", async {
-            let rules = self.0.rules.lock().await;
+            let rules = self.0.rules().await?;
             let c = rules.config();
             Ok(Response::new(pb::NatRules {
                 port_forwards: c
@@ -511,7 +521,7 @@ impl pb::fastpath_server::Fastpath for Api {
         _: Request<pb::ListInterfacesRequest>,
     ) -> Result<Response<pb::ListInterfacesResponse>, Status> {
         self.observed("ListInterfaces", async {
-            let rules = self.0.rules.lock().await;
+            let rules = self.0.rules().await?;
             let attachments = &rules.datapath().attachments;
             let interfaces = rules
                 .config()
@@ -698,7 +708,7 @@ impl pb::fastpath_server::Fastpath for Api {
         _: Request<pb::GetHealthRequest>,
     ) -> Result<Response<pb::HealthStatus>, Status> {
         self.observed("GetHealth", async {
-            let rules = self.0.rules.lock().await;
+            let rules = self.0.rules().await?;
             Ok(Response::new(pb::HealthStatus {
                 backends: rules.health().iter().map(backend_health).collect(),
             }))
@@ -713,7 +723,7 @@ impl pb::fastpath_server::Fastpath for Api {
         _: Request<pb::WatchHealthRequest>,
     ) -> Result<Response<Self::WatchHealthStream>, Status> {
         self.observed("WatchHealth", async {
-            let rx = self.0.rules.lock().await.subscribe_health();
+            let rx = self.0.rules().await?.subscribe_health();
             let stream =
                 tokio_stream::wrappers::BroadcastStream::new(rx).filter_map(|ev| match ev {
                     Ok(h) => Some(Ok(pb::HealthEvent {
@@ -744,7 +754,7 @@ impl pb::fastpath_server::Fastpath for Api {
                 InterfaceCheck::MustExist,
             )
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
-            let mut rules = self.0.rules.lock().await;
+            let mut rules = self.0.rules().await?;
             let summary = tokio::task::block_in_place(|| {
                 rules.apply_config(new, req.expected_generation, req.dry_run, false)
             })?;
@@ -945,12 +955,25 @@ pub async fn serve(
         ))
     });
     let _ = shutdown.wait_for(|s| *s).await;
-    if let Ok(Err(e)) = unix_task.await {
-        warn!(error = %e, "API server (unix socket) failed");
-    }
-    if let Some(t) = tcp_task
-        && let Ok(Err(e)) = t.await
+    // Graceful shutdown waits for every connection to close; a client that keeps one open (a
+    // `ct watch`, an idle channel) must not hold the daemon's stop: it gets SHUTDOWN_GRACE.
+    for (what, task) in
+        std::iter::once(("unix socket", unix_task)).chain(tcp_task.map(|t| ("TCP", t)))
     {
-        warn!(error = %e, "API server (TCP) failed");
+        let abort = task.abort_handle();
+        match tokio::time::timeout(SHUTDOWN_GRACE, task).await {
+            Ok(Ok(Err(e))) => warn!(error = %e, what, "API server failed"),
+            Ok(_) => {}
+            Err(_) => {
+                info!(
+                    what,
+                    "API clients still connected at shutdown; closing their connections"
+                );
+                abort.abort();
+            }
+        }
     }
 }
+
+/// How long a stopping daemon waits for API clients to finish their requests.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
