@@ -17,10 +17,11 @@
 //! rows of `fastpath::datapath::pinned_services`, before and after.
 //!
 //! What the daemon answers that is not ideal, pinned here as it is: garbage that does not
-//! decode as protobuf gets tonic's INTERNAL ("failed to decode Protobuf message: ..."); a
-//! request above the limit gets OUT_OF_RANGE (not RESOURCE_EXHAUSTED as `MAX_MESSAGE_BYTES`'s
-//! doc says); the library client refuses one itself only with an HTTP/2 reset (INTERNAL,
-//! "h2 protocol error"), so `fastpath apply -f` checks the size before sending.
+//! decode as protobuf gets tonic's INTERNAL ("failed to decode Protobuf message: ..."), before
+//! the daemon's handlers see it (so it is neither logged nor counted in the API metrics); a
+//! request above the limit gets tonic's OUT_OF_RANGE; the library client refuses one itself
+//! only with an HTTP/2 reset (INTERNAL, "h2 protocol error"), so `fastpath apply -f` checks
+//! the size before sending.
 //!
 //! Root only (never skipped). Debian packages: iproute2, curl, nginx-light, ethtool.
 
