@@ -193,9 +193,11 @@ enum Command {
         #[command(flatten)]
         out: OutputArg,
     },
-    /// Make a config file's services, port forwards and runtime settings the desired state,
-    /// applying only the difference. Interfaces, pin_dir and conntrack capacity change only
-    /// with a restart (refused here).
+    /// Make a config file the desired state — its services, port forwards, interfaces (hooks
+    /// attached and detached live) and runtime settings — applying only the difference.
+    /// `datapath.pin_dir` and `conntrack.capacity` change only with a restart (refused here).
+    ///
+    /// Example: `fastpath apply -f /etc/fastpath/fastpath.toml --dry-run`, then without.
     Apply {
         /// The config file (TOML, as `fastpath daemon --config`).
         #[arg(long, short = 'f', value_name = "FILE")]
