@@ -1326,7 +1326,7 @@ fn bench_service_updates(fx: &mut Fixture) -> Result<Vec<UpdateRow>> {
 
 fn updates_markdown(rows: &[UpdateRow]) -> String {
     let mut md = String::from(
-        "## Service updates: config call → datapath effective\n\n`datapath::apply_services` (what the daemon runs at start, on a health change — for the changed service only — and, later, on API calls), timed from the call to its return: it plans from the state it keeps of the maps (read once, batched), writes new backend ranges and Maglev tables beside the live ones (batched `BPF_MAP_UPDATE_BATCH`), then switches each changed service with one value write — the next packet sees it. Unchanged services are not written.\n\n| change | services in the datapath | samples | p50 µs | p99 µs | max µs | target (p99) |\n|---|---:|---:|---:|---:|---:|---|\n",
+        "## Service updates: config call → datapath effective\n\n`datapath::apply_services` (what the daemon runs at start, on a health change — for the changed service only — and on every change made through the API: see the next section), timed from the call to its return: it plans from the state it keeps of the maps (read once, batched), writes new backend ranges and Maglev tables beside the live ones (batched `BPF_MAP_UPDATE_BATCH`), then switches each changed service with one value write — the next packet sees it. Unchanged services are not written.\n\n| change | services in the datapath | samples | p50 µs | p99 µs | max µs | target (p99) |\n|---|---:|---:|---:|---:|---:|---|\n",
     );
     for r in rows {
         let _ = writeln!(
