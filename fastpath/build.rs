@@ -9,11 +9,14 @@ const EBPF_TOOLCHAIN: &str = include_str!("../ebpf-toolchain.txt").trim_ascii();
 fn main() -> anyhow::Result<()> {
     // The management API: protos compiled in-process (protox), no protoc needed.
     println!("cargo::rerun-if-changed=proto");
-    let fds = protox::compile(["fastpath/v1/fastpath.proto"], ["proto"])
-        .map_err(|e| anyhow!("compiling proto/fastpath/v1/fastpath.proto: {e}"))?;
+    let fds = protox::compile(
+        ["fastpath/v1/fastpath.proto", "fastpath/sync/v1/sync.proto"],
+        ["proto"],
+    )
+    .map_err(|e| anyhow!("compiling the protos under fastpath/proto: {e}"))?;
     tonic_prost_build::configure()
         .compile_fds(fds)
-        .context("generating the gRPC code for fastpath.v1")?;
+        .context("generating the gRPC code for fastpath.v1 and fastpath.sync.v1")?;
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .ok_or_else(|| anyhow!("fastpath crate has no parent directory"))?

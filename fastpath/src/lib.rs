@@ -13,6 +13,7 @@ pub mod maglev;
 pub mod metrics;
 pub mod rules;
 pub mod stats;
+pub mod sync;
 pub mod testkit;
 
 /// The compiled datapath object, built by build.rs from fastpath-ebpf.
