@@ -959,6 +959,21 @@ fn zero_backend_loads(ebpf: &mut Ebpf, range: std::ops::Range<u32>) -> Result<()
     )
 }
 
+/// The load balancer's numbering of a loaded datapath (services and backends), for HA sync.
+pub fn lb_index(ebpf: &mut Ebpf) -> Result<crate::sync::LbIndex, DatapathError> {
+    let services = current_services(ebpf)?;
+    let backends: Array<&mut MapData, Backend> =
+        Array::try_from(map_data(ebpf, map_names::BACKENDS)?).map_err(|source| {
+            DatapathError::Map {
+                what: "opening FP_BACKENDS".into(),
+                source,
+            }
+        })?;
+    Ok(crate::sync::LbIndex::new(&services, |i| {
+        backends.get(&i, 0).ok()
+    }))
+}
+
 /// What `FP_SVC` holds now (read in batches).
 pub fn current_services(ebpf: &mut Ebpf) -> Result<Vec<(SvcKey, Service)>, DatapathError> {
     let mut out = Vec::new();

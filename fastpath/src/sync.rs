@@ -13,6 +13,14 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use fastpath_common::{
+    ct::{
+        CT_F_ASSURED, CT_F_DSR, CT_F_FULL_NAT, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO,
+        CT_F_SEEN_REPLY, CT_F_SNAT, CtEntry, CtKey,
+    },
+    lb::{Backend, CtNat, GATEWAY_ID, Service, SvcKey},
+};
+
 /// The wire format between peers (`fastpath/proto/fastpath/sync/v1/sync.proto`).
 #[allow(clippy::all, clippy::pedantic, missing_docs)]
 pub mod pb {
@@ -249,6 +257,246 @@ impl<K: std::hash::Hash + Eq> Versions<K> {
     pub fn is_empty(&self) -> bool {
         self.seen.is_empty()
     }
+}
+
+/// The load balancer's numbering on one node: service ids and backend indexes are node-local,
+/// so the wire names services by (VIP, port, protocol) and backends by (address, port), and
+/// each side maps them with its own index.
+#[derive(Debug, Default)]
+pub struct LbIndex {
+    by_id: HashMap<u32, SvcKey>,
+    by_key: HashMap<SvcKey, u32>,
+    /// (service id, backend index) → the backend's (address, port), and back.
+    backend_at: HashMap<(u32, u32), ([u8; 16], u16)>,
+    backend_idx: HashMap<(u32, [u8; 16], u16), u32>,
+}
+
+impl LbIndex {
+    /// From the services (`FP_SVC`) and the backend array (`FP_BACKENDS`) of a datapath.
+    pub fn new(services: &[(SvcKey, Service)], backend: impl Fn(u32) -> Option<Backend>) -> Self {
+        let mut ix = LbIndex::default();
+        for (k, s) in services {
+            ix.by_id.insert(s.id, *k);
+            ix.by_key.insert(*k, s.id);
+            for i in s.backends_off..s.backends_off.saturating_add(s.backends_len) {
+                if let Some(b) = backend(i) {
+                    ix.backend_at.insert((s.id, i), (b.addr, b.port));
+                    ix.backend_idx.insert((s.id, b.addr, b.port), i);
+                }
+            }
+        }
+        ix
+    }
+}
+
+/// Why a received connection is refused (counted, never applied).
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("family {0}: 4 or 6")]
+    Family(u32),
+    #[error("protocol {0}: 6, 17, 1 or 58")]
+    Protocol(u32),
+    #[error("{what}: {len}-byte address for family {family}")]
+    Address {
+        what: &'static str,
+        len: usize,
+        family: u8,
+    },
+    #[error("{what}: port {port} out of range")]
+    Port { what: &'static str, port: u32 },
+    #[error("TCP state {0} out of range")]
+    State(u32),
+    #[error("{0} missing")]
+    Missing(&'static str),
+    #[error("service {0} is not configured on this node")]
+    UnknownService(String),
+    #[error("backend {backend} is not a backend of service {service} on this node")]
+    UnknownBackend { service: String, backend: String },
+    #[error("both lb and lb_alias set")]
+    Flags,
+}
+
+fn endpoint(addr: &[u8; 16], family: u8, port: u16) -> pb::Endpoint {
+    let len = if family == 4 { 4 } else { 16 };
+    pb::Endpoint {
+        address: addr[..len].to_vec(),
+        port: u32::from(port),
+    }
+}
+
+fn parse_endpoint(
+    e: Option<&pb::Endpoint>,
+    family: u8,
+    what: &'static str,
+) -> Result<([u8; 16], u16), WireError> {
+    let e = e.ok_or(WireError::Missing(what))?;
+    let want = if family == 4 { 4 } else { 16 };
+    if e.address.len() != want {
+        return Err(WireError::Address {
+            what,
+            len: e.address.len(),
+            family,
+        });
+    }
+    let mut addr = [0u8; 16];
+    addr[..want].copy_from_slice(&e.address);
+    let port = u16::try_from(e.port).map_err(|_| WireError::Port { what, port: e.port })?;
+    Ok((addr, port))
+}
+
+fn service_text(k: &SvcKey) -> String {
+    let len = if k.family == 4 { 4 } else { 16 };
+    let mut a = [0u8; 16];
+    a[..len].copy_from_slice(&k.vip[..len]);
+    let ip: std::net::IpAddr = if k.family == 4 {
+        std::net::Ipv4Addr::new(a[0], a[1], a[2], a[3]).into()
+    } else {
+        std::net::Ipv6Addr::from(a).into()
+    };
+    format!("{}/{}", std::net::SocketAddr::new(ip, k.port), k.proto)
+}
+
+/// A conntrack entry for the wire; `None` for a load-balanced one whose service or backend
+/// this node's index does not know (a service being removed: not worth replicating).
+pub fn to_wire(key: &CtKey, e: &CtEntry, now_ns: u64, ix: &LbIndex) -> Option<pb::Connection> {
+    let f = |bit: u8| e.flags & bit != 0;
+    let lb = f(CT_F_LB) || f(CT_F_LB_ALIAS);
+    let gateway = lb && e.nat.service == GATEWAY_ID;
+    let (service, backend) = if lb && !gateway {
+        let k = ix.by_id.get(&e.nat.service)?;
+        let (addr, port) = ix.backend_at.get(&(e.nat.service, e.nat.backend))?;
+        (
+            Some(pb::ServiceRef {
+                vip: k.vip[..if k.family == 4 { 4 } else { 16 }].to_vec(),
+                port: u32::from(k.port),
+                protocol: u32::from(k.proto),
+            }),
+            Some(endpoint(addr, key.family, *port)),
+        )
+    } else {
+        (None, None)
+    };
+    Some(pb::Connection {
+        family: u32::from(key.family),
+        protocol: u32::from(key.proto),
+        lo: Some(endpoint(&key.addr_lo, key.family, key.port_lo)),
+        hi: Some(endpoint(&key.addr_hi, key.family, key.port_hi)),
+        original_is_lo: f(CT_F_ORIG_IS_LO),
+        tcp_state: u32::from(e.state),
+        seen_reply: f(CT_F_SEEN_REPLY),
+        assured: f(CT_F_ASSURED),
+        lb: f(CT_F_LB),
+        lb_alias: f(CT_F_LB_ALIAS),
+        full_nat: f(CT_F_FULL_NAT),
+        snat: f(CT_F_SNAT),
+        dsr: f(CT_F_DSR),
+        idle_ms: now_ns.saturating_sub(e.last_seen_ns) / 1_000_000,
+        nat: lb.then(|| endpoint(&e.nat.addr, key.family, e.nat.port)),
+        nat2: lb.then(|| endpoint(&e.nat.addr2, key.family, e.nat.port2)),
+        service,
+        backend,
+        gateway,
+    })
+}
+
+/// A received connection as this node's entry (its service and backend numbers, its clock:
+/// last seen `idle_ms` before `now_ns`; counters start at zero). Everything is checked; a
+/// malformed or unknown one is refused.
+pub fn from_wire(
+    c: &pb::Connection,
+    now_ns: u64,
+    ix: &LbIndex,
+) -> Result<(CtKey, CtEntry), WireError> {
+    let family = match c.family {
+        4 => 4u8,
+        6 => 6u8,
+        other => return Err(WireError::Family(other)),
+    };
+    let proto = match c.protocol {
+        6 | 17 | 1 | 58 => c.protocol as u8,
+        other => return Err(WireError::Protocol(other)),
+    };
+    if c.tcp_state >= u32::from(fastpath_common::ct::tcp_state::COUNT) {
+        return Err(WireError::State(c.tcp_state));
+    }
+    if c.lb && c.lb_alias {
+        return Err(WireError::Flags);
+    }
+    let (addr_lo, port_lo) = parse_endpoint(c.lo.as_ref(), family, "lo")?;
+    let (addr_hi, port_hi) = parse_endpoint(c.hi.as_ref(), family, "hi")?;
+    let key = CtKey {
+        addr_lo,
+        addr_hi,
+        port_lo,
+        port_hi,
+        proto,
+        family,
+        _pad: [0; 2],
+    };
+    let mut flags = 0u8;
+    for (on, bit) in [
+        (c.original_is_lo, CT_F_ORIG_IS_LO),
+        (c.seen_reply, CT_F_SEEN_REPLY),
+        (c.assured, CT_F_ASSURED),
+        (c.lb, CT_F_LB),
+        (c.lb_alias, CT_F_LB_ALIAS),
+        (c.full_nat, CT_F_FULL_NAT),
+        (c.snat, CT_F_SNAT),
+        (c.dsr, CT_F_DSR),
+    ] {
+        if on {
+            flags |= bit;
+        }
+    }
+    let mut nat = CtNat::default();
+    if c.lb || c.lb_alias {
+        (nat.addr, nat.port) = parse_endpoint(c.nat.as_ref(), family, "nat")?;
+        (nat.addr2, nat.port2) = parse_endpoint(c.nat2.as_ref(), family, "nat2")?;
+        if c.gateway {
+            (nat.service, nat.backend) = (GATEWAY_ID, GATEWAY_ID);
+        } else {
+            let s = c.service.as_ref().ok_or(WireError::Missing("service"))?;
+            let vip = parse_endpoint(
+                Some(&pb::Endpoint {
+                    address: s.vip.clone(),
+                    port: s.port,
+                }),
+                family,
+                "service",
+            )?;
+            let svc = SvcKey {
+                vip: vip.0,
+                port: vip.1,
+                proto: u8::try_from(s.protocol).map_err(|_| WireError::Protocol(s.protocol))?,
+                family,
+                _pad: [0; 4],
+            };
+            let id = *ix
+                .by_key
+                .get(&svc)
+                .ok_or_else(|| WireError::UnknownService(service_text(&svc)))?;
+            let (baddr, bport) = parse_endpoint(c.backend.as_ref(), family, "backend")?;
+            let idx = *ix.backend_idx.get(&(id, baddr, bport)).ok_or_else(|| {
+                WireError::UnknownBackend {
+                    service: service_text(&svc),
+                    backend: format!("{:?}:{bport}", &baddr[..if family == 4 { 4 } else { 16 }]),
+                }
+            })?;
+            (nat.service, nat.backend) = (id, idx);
+        }
+    }
+    let last_seen = now_ns.saturating_sub(c.idle_ms.saturating_mul(1_000_000));
+    Ok((
+        key,
+        CtEntry {
+            created_ns: last_seen,
+            last_seen_ns: last_seen,
+            state: c.tcp_state as u8,
+            flags,
+            nat,
+            ..CtEntry::default()
+        },
+    ))
 }
 
 #[cfg(test)]

@@ -388,6 +388,11 @@ impl Fixture {
         crate::datapath::apply_services(&mut self.ebpf, &mut self.lb_writer, services, None)
     }
 
+    /// The load balancer's numbering (services, backends) as the maps hold it now.
+    pub fn lb_index(&mut self) -> Result<crate::sync::LbIndex, crate::datapath::DatapathError> {
+        crate::datapath::lb_index(&mut self.ebpf)
+    }
+
     /// Applies `services[i]` for the listed `i` only, as the daemon does on a health change.
     pub fn update_services(
         &mut self,
