@@ -287,6 +287,11 @@ impl LbIndex {
         }
         ix
     }
+
+    /// This node's id of a service.
+    pub fn service_id(&self, key: &SvcKey) -> Option<u32> {
+        self.by_key.get(key).copied()
+    }
 }
 
 /// Why a received connection is refused (counted, never applied).

@@ -209,3 +209,128 @@ fn datapath_entries_round_trip_through_the_wire_and_map_to_the_peers_numbers() {
     bad.lb_alias = true;
     assert_eq!(from_wire(&bad, now, &index), Err(WireError::Flags));
 }
+
+/// Failover at the map level: node A's connections, replicated through the wire into node B
+/// (another datapath whose services were applied in another order, so other ids and backend
+/// indexes), are forwarded by B exactly as A forwards them — the client's next packet goes to
+/// the same backend (NAT) or from the same source port (full-NAT), the backend's reply comes
+/// back from the VIP — without B ever having seen their SYN.
+#[test]
+fn a_peer_forwards_replicated_connections_as_the_origin_did() {
+    require_root("sync_wire_fixtures");
+    let mut a = Fixture::new().unwrap_or_else(|e| panic!("loading datapath A: {e}"));
+    let mut b = Fixture::new().unwrap_or_else(|e| panic!("loading datapath B: {e}"));
+    let seed_a = Seed::iface(1, IFACE_F_CT_XDP).with_services(&services());
+    // B: the same services, the other way round.
+    let reversed: String = {
+        let s = services();
+        let parts: Vec<&str> = s.split("[[service]]").filter(|p| !p.is_empty()).collect();
+        parts
+            .iter()
+            .rev()
+            .map(|p| format!("[[service]]{p}"))
+            .collect()
+    };
+    let seed_b = Seed::iface(1, IFACE_F_CT_XDP).with_services(&reversed);
+    // B's maps hold its services before anything is replicated (a standby is configured).
+    let probe = Pkt::eth()
+        .ipv4(CLIENT, [10, 250, 0, 77])
+        .tcp(1, 80, tcp_flags::SYN)
+        .build();
+    b.run(&case(&seed_b, probe)).expect("seeding B");
+    b.ct_clear().expect("clearing B");
+
+    const IP4_SRC: usize = 14 + 12;
+    const IP4_DST: usize = 14 + 16;
+    const SPORT: usize = 14 + 20;
+    const DPORT: usize = 14 + 22;
+    let field = |frame: &[u8], at: usize, len: usize| frame[at..at + len].to_vec();
+    for (vip, sport) in [(VIP_NAT, 41000u16), (VIP_FULL, 41001)] {
+        let syn = Pkt::eth()
+            .ipv4(CLIENT, vip)
+            .tcp(sport, 80, tcp_flags::SYN)
+            .build();
+        let out = a.run(&case(&seed_a, syn)).expect("SYN through A");
+        let (backend, src, src_port) = (
+            field(&out.output, IP4_DST, 4),
+            field(&out.output, IP4_SRC, 4),
+            field(&out.output, SPORT, 2),
+        );
+        assert!(
+            BACKENDS.iter().any(|b| b[..] == backend[..]),
+            "A sent the SYN to a backend: {backend:?}"
+        );
+
+        // Replicate A's whole table to B, through protobuf bytes.
+        let index_a = a.lb_index().expect("A's LB index");
+        let index_b = b.lb_index().expect("B's LB index");
+        let mut svc = SvcKey {
+            port: 80,
+            proto: 6,
+            family: 4,
+            ..SvcKey::default()
+        };
+        svc.vip[..4].copy_from_slice(&vip);
+        assert_ne!(
+            index_a.service_id(&svc),
+            index_b.service_id(&svc),
+            "the two nodes number the service differently"
+        );
+        let now = fastpath::conntrack::monotonic_ns();
+        for (key, entry) in a.ct_entries().expect("A's table") {
+            let bytes = to_wire(&key, &entry, now, &index_a)
+                .expect("known to A")
+                .encode_to_vec();
+            let wire = pb::Connection::decode(bytes.as_slice()).expect("decoding");
+            let (k, e) = from_wire(&wire, now, &index_b).expect("B knows the service");
+            b.ct_insert(&k, &e).expect("installing on B");
+        }
+
+        // The backend answers through B (A is gone): translated back from the VIP.
+        let backend4: [u8; 4] = backend.clone().try_into().unwrap();
+        let (to, to_port) = if src[..] == CLIENT[..] {
+            (CLIENT, sport)
+        } else {
+            // Full-NAT: the backend answers the source A gave the connection.
+            (
+                <[u8; 4]>::try_from(src.clone()).unwrap(),
+                u16::from_be_bytes([src_port[0], src_port[1]]),
+            )
+        };
+        let synack = Pkt::eth()
+            .ipv4(backend4, to)
+            .tcp(8080, to_port, tcp_flags::SYN | tcp_flags::ACK)
+            .build();
+        let back = b.run(&case(&seed_b, synack)).expect("SYN-ACK through B");
+        assert_eq!(
+            (
+                field(&back.output, IP4_SRC, 4),
+                field(&back.output, SPORT, 2),
+                field(&back.output, IP4_DST, 4),
+                field(&back.output, DPORT, 2)
+            ),
+            (
+                vip.to_vec(),
+                80u16.to_be_bytes().to_vec(),
+                CLIENT.to_vec(),
+                sport.to_be_bytes().to_vec()
+            ),
+            "B translates the backend's answer back to the VIP, to the client"
+        );
+        // The client's ACK through B: to the same backend, from the same source as via A.
+        let ack = Pkt::eth()
+            .ipv4(CLIENT, vip)
+            .tcp(sport, 80, tcp_flags::ACK)
+            .build();
+        let fwd = b.run(&case(&seed_b, ack)).expect("ACK through B");
+        assert_eq!(
+            (
+                field(&fwd.output, IP4_DST, 4),
+                field(&fwd.output, IP4_SRC, 4),
+                field(&fwd.output, SPORT, 2)
+            ),
+            (backend.clone(), src.clone(), src_port.clone()),
+            "B sends the client's packet where A sent it, from the source A gave it"
+        );
+    }
+}

@@ -788,6 +788,14 @@ impl Fixture {
         BpfHashMap::try_from(map).map_err(map_error(name))
     }
 
+    /// Writes one entry into `FP_CT` (what a peer's replication installs).
+    pub fn ct_insert(&mut self, key: &CtKey, entry: &CtEntry) -> Result<(), FixtureError> {
+        let name = map_names::CT;
+        self.ct_table_mut()?
+            .insert(key, entry, 0)
+            .map_err(map_error(name))
+    }
+
     /// Deletes every entry of `FP_CT`; returns how many there were.
     pub fn ct_clear(&mut self) -> Result<usize, FixtureError> {
         let name = map_names::CT;
