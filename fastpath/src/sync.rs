@@ -259,6 +259,156 @@ impl<K: std::hash::Hash + Eq> Versions<K> {
     }
 }
 
+/// What a receiver does to its own table for one sender's stream.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Action<K, V> {
+    Install(K, V),
+    Remove(K),
+}
+
+/// A received change: an upsert of a connection's entry, or its removal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op<K, V> {
+    Upsert(K, V),
+    Delete(K),
+}
+
+/// The receiving side of one sender's stream, snapshots included: it turns what arrives into
+/// table actions and the acknowledgement to send. A snapshot (after a first contact, a resync
+/// or the sender's restart) installs every entry it carries and, when done, removes the
+/// entries from this sender that it did not carry — a sender's restart or a long cut leaves
+/// nothing stale behind. The tail then continues after the snapshot's watermark; its changes
+/// are whole entries, so applying one the snapshot already reflected changes nothing.
+#[derive(Debug)]
+pub struct Receiver<K> {
+    inbox: Inbox,
+    /// Every key installed from this sender, with the stamp it came with.
+    versions: Versions<K>,
+    /// During a snapshot: its epoch and the keys it carried so far.
+    snapshot: Option<(u64, std::collections::HashSet<K>)>,
+    /// Changes refused (out of order while no snapshot is running, a stale epoch).
+    pub rejected: u64,
+}
+
+impl<K> Default for Receiver<K> {
+    fn default() -> Self {
+        Receiver {
+            inbox: Inbox::default(),
+            versions: Versions {
+                seen: HashMap::new(),
+            },
+            snapshot: None,
+            rejected: 0,
+        }
+    }
+}
+
+/// What the receiver asks the sender for after a message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ask {
+    /// Acknowledge up to this stamp.
+    Ack(Stamp),
+    /// Resend everything after this stamp's seq.
+    Resend(Stamp),
+    /// Send a snapshot.
+    Snapshot,
+}
+
+impl<K: std::hash::Hash + Eq + Clone> Receiver<K> {
+    /// One entry of a snapshot from `epoch`.
+    pub fn snapshot_entry<V>(&mut self, epoch: u64, key: K, value: V) -> Vec<Action<K, V>> {
+        let fresh = !matches!(&self.snapshot, Some((e, _)) if *e == epoch);
+        if fresh {
+            self.snapshot = Some((epoch, std::collections::HashSet::new()));
+        }
+        if let Some((_, carried)) = &mut self.snapshot {
+            carried.insert(key.clone());
+        }
+        self.versions
+            .seen
+            .insert(key.clone(), Stamp { epoch, seq: 0 });
+        vec![Action::Install(key, value)]
+    }
+
+    /// The end of a snapshot from `epoch` taken at `watermark`: entries from this sender it
+    /// did not carry go; the tail continues after `watermark`.
+    pub fn snapshot_done<V>(&mut self, epoch: u64, watermark: u64) -> (Vec<Action<K, V>>, Ask) {
+        let carried = match self.snapshot.take() {
+            Some((e, carried)) if e == epoch => carried,
+            _ => std::collections::HashSet::new(),
+        };
+        let stale: Vec<K> = self
+            .versions
+            .seen
+            .keys()
+            .filter(|k| !carried.contains(*k))
+            .cloned()
+            .collect();
+        for k in &stale {
+            self.versions.forget(k);
+        }
+        for k in &carried {
+            self.versions.seen.insert(
+                k.clone(),
+                Stamp {
+                    epoch,
+                    seq: watermark,
+                },
+            );
+        }
+        let at = Stamp {
+            epoch,
+            seq: watermark,
+        };
+        self.inbox.start_at(at);
+        (
+            stale.into_iter().map(Action::Remove).collect(),
+            Ask::Ack(at),
+        )
+    }
+
+    /// One change of the tail.
+    pub fn change<V>(&mut self, stamp: Stamp, op: Op<K, V>) -> (Vec<Action<K, V>>, Ask) {
+        match self.inbox.accept(stamp) {
+            Verdict::Apply => {
+                let action = match op {
+                    Op::Upsert(k, v) => {
+                        self.versions.seen.insert(k.clone(), stamp);
+                        Action::Install(k, v)
+                    }
+                    Op::Delete(k) => {
+                        self.versions.forget(&k);
+                        Action::Remove(k)
+                    }
+                };
+                (vec![action], Ask::Ack(stamp))
+            }
+            Verdict::Duplicate => (Vec::new(), self.position_ask()),
+            Verdict::Gap { have } => (
+                Vec::new(),
+                Ask::Resend(Stamp {
+                    epoch: stamp.epoch,
+                    seq: have,
+                }),
+            ),
+            Verdict::Stale => {
+                self.rejected += 1;
+                (Vec::new(), self.position_ask())
+            }
+            Verdict::NewEpoch => (Vec::new(), Ask::Snapshot),
+        }
+    }
+
+    fn position_ask(&self) -> Ask {
+        self.inbox.position().map_or(Ask::Snapshot, Ask::Ack)
+    }
+
+    /// Keys installed from this sender.
+    pub fn installed(&self) -> usize {
+        self.versions.len()
+    }
+}
+
 /// The load balancer's numbering on one node: service ids and backend indexes are node-local,
 /// so the wire names services by (VIP, port, protocol) and backends by (address, port), and
 /// each side maps them with its own index.
@@ -589,6 +739,63 @@ mod tests {
         assert!(!v.newer("conn-a", s(1, 500)), "an older epoch loses");
         v.forget(&"conn-a");
         assert!(v.is_empty());
+    }
+
+    /// A sender's restart: its new snapshot replaces what the receiver had from it (entries
+    /// it no longer has go), then its tail applies in order; duplicates and gaps are named.
+    #[test]
+    fn a_snapshot_replaces_the_senders_old_state_and_the_tail_follows() {
+        let mut rx: Receiver<&str> = Receiver::default();
+        let s = |epoch, seq| Stamp { epoch, seq };
+        // First contact: a change before any snapshot asks for one.
+        assert_eq!(
+            rx.change(s(1, 5), Op::Upsert("a", 1)),
+            (vec![], Ask::Snapshot)
+        );
+        assert_eq!(rx.snapshot_entry(1, "a", 1), vec![Action::Install("a", 1)]);
+        assert_eq!(rx.snapshot_entry(1, "b", 2), vec![Action::Install("b", 2)]);
+        let (removed, ask) = rx.snapshot_done::<i32>(1, 10);
+        assert_eq!((removed, ask), (vec![], Ask::Ack(s(1, 10))));
+        assert_eq!(
+            rx.change(s(1, 11), Op::Upsert("c", 3)),
+            (vec![Action::Install("c", 3)], Ask::Ack(s(1, 11)))
+        );
+        assert_eq!(
+            rx.change(s(1, 11), Op::Upsert("c", 3)),
+            (vec![], Ask::Ack(s(1, 11))),
+            "a duplicate is acknowledged, not applied"
+        );
+        assert_eq!(
+            rx.change(s(1, 13), Op::<&str, i32>::Delete("a")),
+            (vec![], Ask::Resend(s(1, 11))),
+            "a gap asks for what is missing"
+        );
+        assert_eq!(
+            rx.change(s(1, 12), Op::<&str, i32>::Delete("b")),
+            (vec![Action::Remove("b")], Ask::Ack(s(1, 12)))
+        );
+        assert_eq!(rx.installed(), 2);
+        // The sender restarts (epoch 2): its snapshot carries "a" and "d"; "c" is gone.
+        assert_eq!(
+            rx.change(s(2, 1), Op::Upsert("x", 9)),
+            (vec![], Ask::Snapshot)
+        );
+        rx.snapshot_entry(2, "a", 10);
+        rx.snapshot_entry(2, "d", 4);
+        let (removed, ask) = rx.snapshot_done::<i32>(2, 7);
+        assert_eq!(removed, vec![Action::Remove("c")]);
+        assert_eq!(ask, Ask::Ack(s(2, 7)));
+        assert_eq!(
+            rx.change(s(1, 14), Op::Upsert("z", 0)),
+            (vec![], Ask::Ack(s(2, 7))),
+            "the old epoch is refused"
+        );
+        assert_eq!(rx.rejected, 1);
+        assert_eq!(
+            rx.change(s(2, 8), Op::Upsert("d", 5)),
+            (vec![Action::Install("d", 5)], Ask::Ack(s(2, 8)))
+        );
+        assert_eq!(rx.installed(), 2);
     }
 
     /// A lossy link, simulated: every change is eventually applied exactly once, in order,
