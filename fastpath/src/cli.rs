@@ -217,6 +217,14 @@ fn print_json(v: &impl serde::Serialize) -> Outcome {
     Ok(())
 }
 
+/// A mutation's answer, printed (or what refused it).
+fn changed(
+    answer: Result<tonic::Response<pb::ChangeResponse>, tonic::Status>,
+    out: Output,
+) -> Outcome {
+    print_change(&answer.map_err(from_status)?.into_inner(), out, &[])
+}
+
 /// `VIP:PORT[/PROTO]` (IPv6 in brackets).
 fn parse_service(s: &str) -> Result<pb::ServiceKey, Failure> {
     let (addr, proto) = match s.rsplit_once('/') {
@@ -737,34 +745,34 @@ pub async fn service(target: &Target, command: ServiceCommand) -> ExitCode {
                             .collect::<Result<_, _>>()?,
                         health_check: None,
                     };
-                    let r = connect(target)
-                        .await?
-                        .create_services(pb::ServicesRequest {
-                            services: vec![spec],
-                            expected_generation: change.expected_generation,
-                            dry_run: change.dry_run,
-                        })
-                        .await
-                        .map_err(from_status)?
-                        .into_inner();
-                    print_change(&r, change.out.output, &[])
+                    changed(
+                        connect(target)
+                            .await?
+                            .create_services(pb::ServicesRequest {
+                                services: vec![spec],
+                                expected_generation: change.expected_generation,
+                                dry_run: change.dry_run,
+                            })
+                            .await,
+                        change.out.output,
+                    )
                 }
                 ServiceCommand::Del { services, change } => {
                     let keys = services
                         .iter()
                         .map(|s| parse_service(s))
                         .collect::<Result<_, _>>()?;
-                    let r = connect(target)
-                        .await?
-                        .delete_services(pb::DeleteServicesRequest {
-                            keys,
-                            expected_generation: change.expected_generation,
-                            dry_run: change.dry_run,
-                        })
-                        .await
-                        .map_err(from_status)?
-                        .into_inner();
-                    print_change(&r, change.out.output, &[])
+                    changed(
+                        connect(target)
+                            .await?
+                            .delete_services(pb::DeleteServicesRequest {
+                                keys,
+                                expected_generation: change.expected_generation,
+                                dry_run: change.dry_run,
+                            })
+                            .await,
+                        change.out.output,
+                    )
                 }
             }
         }
@@ -802,14 +810,12 @@ pub async fn backend(target: &Target, command: BackendCommand) -> ExitCode {
                 dry_run: change.dry_run,
             };
             let mut c = connect(target).await?;
-            let r = match command {
+            let answer = match command {
                 BackendCommand::Add { .. } => c.add_backends(req).await,
                 BackendCommand::Del { .. } => c.remove_backends(req).await,
                 BackendCommand::Drain { .. } => c.drain_backends(req).await,
-            }
-            .map_err(from_status)?
-            .into_inner();
-            print_change(&r, change.out.output, &[])
+            };
+            changed(answer, change.out.output)
         }
         .await,
     )
@@ -894,34 +900,28 @@ pub async fn nat(target: &Target, command: NatCommand) -> ExitCode {
                 }
                 NatCommand::Add { from, to, change } => {
                     let f = parse_forward(&from, Some(&to))?;
-                    let r = connect(target)
+                    changed(connect(target)
                         .await?
                         .create_port_forwards(pb::PortForwardsRequest {
                             port_forwards: vec![f],
                             expected_generation: change.expected_generation,
                             dry_run: change.dry_run,
                         })
-                        .await
-                        .map_err(from_status)?
-                        .into_inner();
-                    print_change(&r, change.out.output, &[])
+                        .await, change.out.output)
                 }
                 NatCommand::Del { forwards, change } => {
                     let list = forwards
                         .iter()
                         .map(|f| parse_forward(f, None))
                         .collect::<Result<_, _>>()?;
-                    let r = connect(target)
+                    changed(connect(target)
                         .await?
                         .delete_port_forwards(pb::PortForwardsRequest {
                             port_forwards: list,
                             expected_generation: change.expected_generation,
                             dry_run: change.dry_run,
                         })
-                        .await
-                        .map_err(from_status)?
-                        .into_inner();
-                    print_change(&r, change.out.output, &[])
+                        .await, change.out.output)
                 }
             }
         }

@@ -141,22 +141,28 @@ impl<T> Outbox<T> {
         Ok(before - self.queue.len())
     }
 
+    /// Whether the queue still holds everything after `seq`.
+    pub fn can_resend_after(&self, seq: u64) -> bool {
+        let first_needed = seq + 1;
+        first_needed > self.last_seq()
+            || self
+                .queue
+                .front()
+                .is_some_and(|(oldest, _)| *oldest <= first_needed)
+    }
+
     /// What a peer that has everything up to `seq` (of this epoch) needs next.
     pub fn resend_after(&self, seq: u64) -> Resend<'_, T> {
-        let first_needed = seq + 1;
-        if first_needed > self.last_seq() {
-            return Resend::Changes(Vec::new());
+        if !self.can_resend_after(seq) {
+            return Resend::Resync;
         }
-        match self.queue.front() {
-            Some((oldest, _)) if *oldest <= first_needed => Resend::Changes(
-                self.queue
-                    .iter()
-                    .filter(|(s, _)| *s >= first_needed)
-                    .map(|(s, c)| (*s, c))
-                    .collect(),
-            ),
-            _ => Resend::Resync,
-        }
+        Resend::Changes(
+            self.queue
+                .iter()
+                .filter(|(s, _)| *s > seq)
+                .map(|(s, c)| (*s, c))
+                .collect(),
+        )
     }
 }
 
@@ -471,13 +477,9 @@ impl<T> Sender<T> {
     /// snapshot to send instead.
     pub fn next_batch(&mut self, max: usize) -> Batch<'_, T> {
         let epoch = self.outbox.epoch();
-        if matches!(self.outbox.resend_after(self.cursor), Resend::Resync) {
-            self.snapshots += 1;
-            self.cursor = self.outbox.last_seq();
-            return Batch::Snapshot {
-                epoch,
-                watermark: self.cursor,
-            };
+        if !self.outbox.can_resend_after(self.cursor) {
+            let (epoch, watermark) = self.start_snapshot();
+            return Batch::Snapshot { epoch, watermark };
         }
         let Resend::Changes(list) = self.outbox.resend_after(self.cursor) else {
             return Batch::Changes(Vec::new());
@@ -499,13 +501,16 @@ impl<T> Sender<T> {
     }
 
     fn snapshot(&mut self) -> Reply {
+        let (epoch, watermark) = self.start_snapshot();
+        Reply::Snapshot { epoch, watermark }
+    }
+
+    /// A snapshot starts: everything up to the watermark is in the table the caller streams
+    /// next. Returns (epoch, watermark).
+    fn start_snapshot(&mut self) -> (u64, u64) {
         self.snapshots += 1;
-        // Everything up to the watermark is in the snapshot the caller streams next.
         self.cursor = self.outbox.last_seq();
-        Reply::Snapshot {
-            epoch: self.outbox.epoch(),
-            watermark: self.cursor,
-        }
+        (self.outbox.epoch(), self.cursor)
     }
 
     /// The periodic acknowledgement of an idle stream: what it confirms is released, and if
