@@ -335,7 +335,9 @@ pub struct CtEntry {
     /// Padding as naturally aligned words: the datapath builds entries on the BPF stack, where
     /// the verifier refuses a store that is not aligned to its size.
     pub _pad: u16,
-    pub _pad2: u32,
+    /// 0 when this node's datapath made the entry; otherwise the HA node id of the peer it
+    /// was replicated from (the datapath never writes it: an installed entry keeps it).
+    pub origin: u32,
     /// The NAT binding of a load-balanced connection (`CT_F_LB`, `CT_F_LB_ALIAS`); zero
     /// otherwise.
     pub nat: crate::lb::CtNat,

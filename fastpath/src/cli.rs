@@ -14,8 +14,8 @@ use serde_json::json;
 use tokio_stream::StreamExt as _;
 
 use crate::{
-    ChangeArgs, CtCommand, EXIT_CONNECT, EXIT_FAILURE, EXIT_REJECTED, EXIT_USAGE, Output,
-    OutputArg, error_chain,
+    ChangeArgs, CtCommand, EXIT_CONNECT, EXIT_FAILURE, EXIT_NOT_IN_SYNC, EXIT_REJECTED, EXIT_USAGE,
+    Output, OutputArg, error_chain,
 };
 
 #[derive(Subcommand)]
@@ -1066,6 +1066,186 @@ pub async fn apply(target: &Target, file: &std::path::Path, change: ChangeArgs) 
                 .map_err(from_status)?
                 .into_inner();
             print_change(&r.change.unwrap_or_default(), change.out.output, &r.notes)
+        }
+        .await,
+    )
+}
+
+#[derive(Subcommand)]
+pub enum HaCommand {
+    /// Per peer: this node's stream to it (connected, queue, lag, resends, resyncs, refused
+    /// messages) and its stream to this node (synced, applied seq, entries installed), and
+    /// whether this node is "in sync": it received every peer's snapshot and applied its
+    /// stream since, so it can take over the peers' connections.
+    ///
+    /// With --check, prints one line and exits 0 when in sync, 5 when not (3: no daemon) —
+    /// for a failover manager's readiness check (keepalived `track_script`, see
+    /// config/keepalived/).
+    Status {
+        /// Exit 0 when in sync, 5 when not.
+        #[arg(long)]
+        check: bool,
+        #[command(flatten)]
+        out: OutputArg,
+    },
+}
+
+pub async fn ha_status(target: &Target, check: bool, out: OutputArg) -> ExitCode {
+    finish(
+        async {
+            let mut c = connect(target).await?;
+            let s = c
+                .get_ha_status(pb::GetHaStatusRequest {})
+                .await
+                .map_err(from_status)?
+                .into_inner();
+            if !s.enabled {
+                return Err(Failure(
+                    if check {
+                        EXIT_NOT_IN_SYNC
+                    } else {
+                        EXIT_FAILURE
+                    },
+                    "HA replication is off: the daemon's config has no [ha] section".into(),
+                ));
+            }
+            let waiting: Vec<String> = s
+                .peers_in
+                .iter()
+                .filter(|p| !p.synced)
+                .map(|p| format!("node {}", p.node_id))
+                .collect();
+            if check {
+                let synced = s.peers_in.iter().filter(|p| p.synced).count();
+                if s.in_sync {
+                    println!(
+                        "in sync: node {} holds the state of {synced} peer(s)",
+                        s.node_id
+                    );
+                    return Ok(());
+                }
+                return Err(Failure(
+                    EXIT_NOT_IN_SYNC,
+                    format!(
+                        "not in sync: node {} has {synced} of {} peer snapshot(s){}",
+                        s.node_id,
+                        s.peers_out.len(),
+                        if waiting.is_empty() {
+                            String::new()
+                        } else {
+                            format!("; waiting for {}", waiting.join(", "))
+                        }
+                    ),
+                ));
+            }
+            if out.output == Output::Json {
+                let outs: Vec<_> = s
+                    .peers_out
+                    .iter()
+                    .map(|p| {
+                        json!({
+                            "address": p.address, "connected": p.connected, "queued": p.queued,
+                            "last_seq": p.last_seq, "acked_seq": p.acked_seq, "lag_ms": p.lag_ms,
+                            "lag_p50_us": p.lag_p50_us, "lag_p99_us": p.lag_p99_us,
+                            "sent_changes": p.sent_changes, "snapshots": p.snapshots,
+                            "snapshot_entries": p.snapshot_entries, "resends": p.resends,
+                            "rejected": p.rejected, "peer_rejected": p.peer_rejected,
+                            "connects": p.connects, "last_error": p.last_error,
+                        })
+                    })
+                    .collect();
+                let ins: Vec<_> = s
+                    .peers_in
+                    .iter()
+                    .map(|p| {
+                        json!({
+                            "node_id": p.node_id, "connected": p.connected, "epoch": p.epoch,
+                            "applied_seq": p.applied_seq, "synced": p.synced,
+                            "installed": p.installed, "received_changes": p.received_changes,
+                            "snapshots": p.snapshots, "rejected": p.rejected,
+                            "kept_local": p.kept_local,
+                            "last_message_ms_ago": p.last_message_ms_ago,
+                        })
+                    })
+                    .collect();
+                return print_json(&json!({
+                    "node_id": s.node_id, "epoch": s.epoch, "in_sync": s.in_sync,
+                    "events_lost": s.events_lost, "peers_out": outs, "peers_in": ins,
+                }));
+            }
+            println!(
+                "node {}  epoch {}  {}  events lost {}",
+                s.node_id,
+                s.epoch,
+                if s.in_sync { "IN SYNC" } else { "NOT IN SYNC" },
+                s.events_lost
+            );
+            println!("to peers:");
+            println!(
+                "  {:<22} {:<5} {:>8} {:>10} {:>10} {:>8} {:>9} {:>9} {:>6} {:>7} {:>8}",
+                "PEER",
+                "UP",
+                "QUEUED",
+                "SEQ",
+                "ACKED",
+                "LAG_MS",
+                "P50_US",
+                "P99_US",
+                "SNAPS",
+                "RESENDS",
+                "REFUSED"
+            );
+            for p in &s.peers_out {
+                println!(
+                    "  {:<22} {:<5} {:>8} {:>10} {:>10} {:>8} {:>9} {:>9} {:>6} {:>7} {:>8}{}",
+                    p.address,
+                    if p.connected { "yes" } else { "no" },
+                    p.queued,
+                    p.last_seq,
+                    p.acked_seq,
+                    p.lag_ms,
+                    p.lag_p50_us,
+                    p.lag_p99_us,
+                    p.snapshots,
+                    p.resends,
+                    p.rejected + p.peer_rejected,
+                    if p.last_error.is_empty() {
+                        String::new()
+                    } else {
+                        format!("  ({})", p.last_error)
+                    }
+                );
+            }
+            println!("from peers:");
+            println!(
+                "  {:<8} {:<5} {:<7} {:>10} {:>10} {:>10} {:>6} {:>8} {:>10} {:>9}",
+                "NODE",
+                "UP",
+                "SYNCED",
+                "SEQ",
+                "INSTALLED",
+                "RECEIVED",
+                "SNAPS",
+                "REFUSED",
+                "KEPT_LOCAL",
+                "LAST_MS"
+            );
+            for p in &s.peers_in {
+                println!(
+                    "  {:<8} {:<5} {:<7} {:>10} {:>10} {:>10} {:>6} {:>8} {:>10} {:>9}",
+                    p.node_id,
+                    if p.connected { "yes" } else { "no" },
+                    if p.synced { "yes" } else { "no" },
+                    p.applied_seq,
+                    p.installed,
+                    p.received_changes,
+                    p.snapshots,
+                    p.rejected,
+                    p.kept_local,
+                    p.last_message_ms_ago
+                );
+            }
+            Ok(())
         }
         .await,
     )

@@ -40,6 +40,47 @@ pub struct Config {
     /// The management API and metrics listeners (`[api]`).
     #[serde(default)]
     pub api: ApiSection,
+    /// Conntrack replication between HA peers (`[ha]`); off when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ha: Option<HaSection>,
+}
+
+/// `[ha]`: this node's identity, its sync listener, its peers and the mutual-TLS material.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct HaSection {
+    /// This node's id, unique among the peers (1 ..= 4294967295). Entries replicated from
+    /// a node are marked with its id.
+    pub node_id: Spanned<u32>,
+    /// Where peers connect to stream their changes to this node (`"ADDR:PORT"`).
+    pub listen: Spanned<std::net::SocketAddr>,
+    /// PEM certificate chain this node presents, as server and as client.
+    pub tls_cert: Spanned<PathBuf>,
+    /// PEM private key of `tls_cert`.
+    pub tls_key: Spanned<PathBuf>,
+    /// PEM CA certificates: a peer must present a certificate they signed, both ways.
+    pub tls_ca: Spanned<PathBuf>,
+    /// Changes kept per peer until it acknowledges them; a peer further behind resyncs
+    /// with a snapshot. Default 1048576.
+    #[serde(default = "default_ha_queue")]
+    pub queue: Spanned<u32>,
+    /// The peers this node replicates its connections to (`[[ha.peers]]`).
+    #[serde(default)]
+    pub peers: Vec<HaPeer>,
+}
+
+/// `[[ha.peers]]`: one peer's sync listener.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct HaPeer {
+    pub address: Spanned<std::net::SocketAddr>,
+    /// The name its certificate carries; default: the address's IP (an IP SAN).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_name: Option<Spanned<String>>,
+}
+
+fn default_ha_queue() -> Spanned<u32> {
+    Spanned::new(0..0, 1 << 20)
 }
 
 /// A static DNAT port forward: connections to `address:port` go to `to:to_port`, the client's
@@ -657,6 +698,86 @@ impl Config {
 
     /// The `[api]` checks: plain TCP only when explicitly allowed, TLS material complete and
     /// readable, the socket an absolute path.
+    fn validate_ha(
+        &self,
+        err: &dyn Fn(Range<usize>, String, String) -> ConfigError,
+        files_here: bool,
+    ) -> Result<(), ConfigError> {
+        let Some(ha) = &self.ha else {
+            return Ok(());
+        };
+        if *ha.node_id.get_ref() == 0 {
+            return Err(err(
+                ha.node_id.span(),
+                "ha.node_id".into(),
+                "0 is not a node id: give each node of the pair its own id, 1 ..= 4294967295"
+                    .into(),
+            ));
+        }
+        let queue = &ha.queue;
+        if !(1024..=1 << 24).contains(queue.get_ref()) {
+            return Err(err(
+                queue.span(),
+                "ha.queue".into(),
+                format!(
+                    "{} is out of range: use 1024 ..= 16777216 changes",
+                    queue.get_ref()
+                ),
+            ));
+        }
+        if ha.peers.is_empty() {
+            return Err(err(
+                ha.listen.span(),
+                "ha.peers".into(),
+                "no peers: add a [[ha.peers]] table with the address of each other node's ha.listen, or remove [ha]".into(),
+            ));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for (i, p) in ha.peers.iter().enumerate() {
+            let a = *p.address.get_ref();
+            if a == *ha.listen.get_ref() {
+                return Err(err(
+                    p.address.span(),
+                    format!("ha.peers[{i}].address"),
+                    format!("{a} is this node's own ha.listen: list the other nodes only"),
+                ));
+            }
+            if !seen.insert(a) {
+                return Err(err(
+                    p.address.span(),
+                    format!("ha.peers[{i}].address"),
+                    format!("{a} is listed twice"),
+                ));
+            }
+            if let Some(n) = &p.server_name
+                && n.get_ref().is_empty()
+            {
+                return Err(err(
+                    n.span(),
+                    format!("ha.peers[{i}].server_name"),
+                    "empty: give the name in the peer's certificate, or remove the key to use its IP address".into(),
+                ));
+            }
+        }
+        for (k, p) in [
+            ("tls_cert", &ha.tls_cert),
+            ("tls_key", &ha.tls_key),
+            ("tls_ca", &ha.tls_ca),
+        ] {
+            if files_here && let Err(e) = std::fs::metadata(p.get_ref()) {
+                return Err(err(
+                    p.span(),
+                    format!("ha.{k}"),
+                    format!(
+                        "cannot read {}: {e}; peers authenticate each other with mutual TLS, so every node needs a certificate, its key and the CA",
+                        p.get_ref().display()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn validate_api(
         &self,
         err: &dyn Fn(Range<usize>, String, String) -> ConfigError,
@@ -858,6 +979,7 @@ impl Config {
             ));
         }
         self.validate_api(&err, interfaces == InterfaceCheck::MustExist)?;
+        self.validate_ha(&err, interfaces == InterfaceCheck::MustExist)?;
         let capacity = &self.conntrack.capacity;
         if !(1024..=1 << 26).contains(capacity.get_ref()) {
             return Err(err(
@@ -1610,6 +1732,50 @@ mod tests {
         assert!(!c.interfaces[0].tc_ingress);
         assert!(c.interfaces[0].conntrack);
         assert_eq!(*c.conntrack.capacity.get_ref(), DEFAULT_CT_CAPACITY);
+    }
+
+    #[test]
+    fn ha_section_is_checked_key_by_key() {
+        let file = env!("CARGO_MANIFEST_PATH");
+        let ha = |body: &str, peers: &str| {
+            format!(
+                "[[interface]]\nname = \"lo\"\n[ha]\n{body}listen = \"10.0.0.1:7946\"\ntls_cert = \"{file}\"\ntls_key = \"{file}\"\ntls_ca = \"{file}\"\n{peers}"
+            )
+        };
+        let peer = "[[ha.peers]]\naddress = \"10.0.0.2:7946\"\n";
+        let c = parse(&ha("node_id = 1\n", peer)).expect("valid");
+        let h = c.ha.expect("[ha]");
+        assert_eq!((*h.node_id.get_ref(), *h.queue.get_ref()), (1, 1 << 20));
+        for (body, peers, key, says) in [
+            ("node_id = 0\n", peer, "ha.node_id", "its own id"),
+            (
+                "node_id = 1\nqueue = 10\n",
+                peer,
+                "ha.queue",
+                "out of range",
+            ),
+            ("node_id = 1\n", "", "ha.peers", "[[ha.peers]]"),
+            (
+                "node_id = 1\n",
+                "[[ha.peers]]\naddress = \"10.0.0.1:7946\"\n",
+                "ha.peers[0].address",
+                "own ha.listen",
+            ),
+            (
+                "node_id = 1\n",
+                "[[ha.peers]]\naddress = \"10.0.0.2:7946\"\n[[ha.peers]]\naddress = \"10.0.0.2:7946\"\n",
+                "ha.peers[1].address",
+                "twice",
+            ),
+        ] {
+            let e = parse(&ha(body, peers)).expect_err(key);
+            assert_eq!(e.key.as_deref(), Some(key), "{e}");
+            assert!(e.to_string().contains(says), "{e}");
+        }
+        let e = parse(&ha("node_id = 1\n", peer).replacen(file, "/nonexistent/node.pem", 1))
+            .expect_err("missing certificate");
+        assert_eq!(e.key.as_deref(), Some("ha.tls_cert"), "{e}");
+        assert!(e.to_string().contains("mutual TLS"), "{e}");
     }
 
     #[test]

@@ -41,6 +41,8 @@ pub enum DaemonError {
     },
     #[error("TLS material of the API listener: {0}")]
     Tls(String),
+    #[error("HA replication: {0}")]
+    Ha(#[from] crate::ha::HaError),
 }
 
 /// Options from the command line (runtime behaviour; the config file describes the datapath).
@@ -79,6 +81,13 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
             return Err(e);
         }
     };
+    let ha_listener = match bind_ha(&config, &mut listeners).await {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = std::fs::remove_file(&socket);
+            return Err(e);
+        }
+    };
 
     let mut dp = Datapath::open(&pin_dir, EBPF_OBJECT, *config.conntrack.capacity.get_ref())?;
     if dp.maps_reused {
@@ -91,7 +100,7 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
     let attached = dp
         .attach_all(&config.interfaces)
         .and_then(|()| dp.set_interfaces(&config.interfaces));
-    let fail = |dp: Datapath, e: DatapathError| {
+    let fail = |dp: Datapath, e: DaemonError| {
         // A first start that failed leaves nothing behind: its fresh maps go too.
         let fresh = !dp.maps_reused;
         drop(dp);
@@ -99,10 +108,10 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
             let _ = datapath::remove_pins(&pin_dir);
         }
         let _ = std::fs::remove_file(&socket);
-        DaemonError::from(e)
+        e
     };
     if let Err(e) = attached {
-        return Err(fail(dp, e));
+        return Err(fail(dp, e.into()));
     }
     if config.interfaces.iter().any(|i| i.snat) || config.services.iter().any(|s| s.port_forward) {
         datapath::allow_local_sources(&config.interfaces);
@@ -113,7 +122,7 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         Ok(r) => r,
         Err(failed) => {
             let (dp, e) = *failed;
-            return Err(fail(dp, e));
+            return Err(fail(dp, e.into()));
         }
     };
     info!(
@@ -129,7 +138,7 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
     let mut rules = rules;
     let stale = match rules.datapath_mut().remove_stale_links() {
         Ok(s) => s,
-        Err(e) => return Err(fail(rules.into_datapath(), e)),
+        Err(e) => return Err(fail(rules.into_datapath(), e.into())),
     };
     for pin in stale {
         info!(pin = %pin.display(), "Detached a pinned link the config no longer names");
@@ -182,6 +191,29 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
             path,
         ))
     });
+    // HA replication: the peers' streams in, this node's changes out.
+    let ha = match (&rules.config().ha, ha_listener) {
+        (Some(cfg), Some((listener, tls))) => {
+            let ha = match crate::ha::Ha::new(cfg, pin_dir.clone(), rules.lb_index()) {
+                Ok(ha) => ha,
+                Err(e) => return Err(fail(rules.into_datapath(), e.into())),
+            };
+            let mut tasks = ha.spawn(hub.subscribe(), stop_rx.clone());
+            tasks.push(tokio::spawn(crate::ha::serve(
+                ha.clone(),
+                listener,
+                tls,
+                stop_rx.clone(),
+            )));
+            info!(
+                node_id = *cfg.node_id.get_ref(),
+                peers = cfg.peers.len(),
+                "HA replication running"
+            );
+            Some((ha, tasks))
+        }
+        _ => None,
+    };
     let detach_on_exit = rules.config().datapath.detach_on_exit;
     let attachments = rules.datapath().attachments.len();
 
@@ -193,6 +225,7 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         started: std::time::Instant::now(),
         listeners: listeners.clone(),
         latency: Default::default(),
+        ha: ha.as_ref().map(|(h, _)| h.clone()),
     });
     let api_task = tokio::spawn(crate::api::server::serve(
         Api(shared.clone()),
@@ -250,6 +283,11 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
     }
     let _ = std::fs::remove_file(&socket);
     let _ = gc_task.await;
+    if let Some((_, tasks)) = ha {
+        for t in tasks {
+            let _ = t.await;
+        }
+    }
     // Closing the hub ends the subscribers once they have written what they hold.
     drop(hub);
     if let Some(task) = event_log {
@@ -318,6 +356,26 @@ async fn bind_tcp(
         None => None,
     };
     Ok((tcp, metrics))
+}
+
+/// The HA sync listener and its TLS, if `[ha]` is configured.
+async fn bind_ha(
+    config: &Config,
+    listeners: &mut Vec<String>,
+) -> Result<Option<(tokio::net::TcpListener, tonic::transport::ServerTlsConfig)>, DaemonError> {
+    let Some(ha) = &config.ha else {
+        return Ok(None);
+    };
+    let tls = crate::ha::server_tls(ha)?;
+    let addr = *ha.listen.get_ref();
+    let l = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| DaemonError::Listen {
+            what: format!("the HA sync address {addr} (ha.listen)"),
+            source: e,
+        })?;
+    listeners.push(format!("ha:https://{addr}"));
+    Ok(Some((l, tls)))
 }
 
 /// SIGHUP: the config file again; a bad file changes nothing and says why.

@@ -237,6 +237,11 @@ impl Datapath {
     }
 
     /// Takes the conntrack table for the daemon's expiry.
+    /// The service and backend numbering the datapath uses now.
+    pub fn lb_index(&mut self) -> Result<crate::sync::LbIndex, DatapathError> {
+        lb_index(&mut self.ebpf)
+    }
+
     pub fn take_ct_table(&mut self) -> Result<CtTable, DatapathError> {
         let map = self
             .ebpf
@@ -1179,6 +1184,16 @@ impl CtTable {
 
     pub fn remove(&mut self, key: &CtKey) -> bool {
         self.table.remove(key).is_ok()
+    }
+
+    /// Creates or replaces the entry of `key` (a connection replicated from a peer).
+    pub fn insert(&mut self, key: &CtKey, entry: &CtEntry) -> Result<(), DatapathError> {
+        self.table
+            .insert(key, entry, 0)
+            .map_err(|source| DatapathError::Map {
+                what: "writing an FP_CT entry".into(),
+                source,
+            })
     }
 
     /// Counts a load-balanced connection of backend `idx` that went without closing (this

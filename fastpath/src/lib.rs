@@ -7,6 +7,7 @@ pub mod ct_events;
 pub mod ct_gc;
 pub mod daemon;
 pub mod datapath;
+pub mod ha;
 pub mod health;
 pub mod lb;
 pub mod maglev;

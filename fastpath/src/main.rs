@@ -20,6 +20,8 @@ const EXIT_USAGE: u8 = 2;
 const EXIT_CONNECT: u8 = 3;
 /// Exit code when the daemon refused the request (invalid, conflicting, not found).
 const EXIT_REJECTED: u8 = 4;
+/// Exit code of `ha status --check` when this node does not hold its peers' state.
+const EXIT_NOT_IN_SYNC: u8 = 5;
 
 /// fastpath — an eBPF fast path for Linux: XDP/TC programs run a forwarding pipeline (conntrack,
 /// load balancing, NAT) and hand whatever they do not handle to the kernel (the slow path).
@@ -32,7 +34,8 @@ const EXIT_REJECTED: u8 = 4;
 ///
 /// EXIT STATUS: 0 success; 1 runtime failure (kernel refused, I/O, server error); 2 usage or
 /// configuration error (nothing was changed); 3 the daemon cannot be reached; 4 the daemon
-/// refused the request (invalid, conflicting, not found: nothing was changed).
+/// refused the request (invalid, conflicting, not found: nothing was changed); 5 `ha status
+/// --check`: this node is not in sync with its HA peers.
 #[derive(Parser)]
 #[command(
     name = "fastpath",
@@ -184,6 +187,11 @@ enum Command {
     Interface {
         #[command(flatten)]
         out: OutputArg,
+    },
+    /// HA replication: this node's conntrack streams to and from its peers.
+    Ha {
+        #[command(subcommand)]
+        command: cli::HaCommand,
     },
     /// Health of the probed backends.
     Health {
@@ -407,6 +415,9 @@ fn main() -> ExitCode {
         Command::Nat { command } => rt.block_on(cli::nat(&target, command)),
         Command::Interface { out } => rt.block_on(cli::interfaces(&target, out)),
         Command::Health { watch, out } => rt.block_on(cli::health(&target, watch, out)),
+        Command::Ha {
+            command: cli::HaCommand::Status { check, out },
+        } => rt.block_on(cli::ha_status(&target, check, out)),
         Command::Apply { file, change } => rt.block_on(cli::apply(&target, &file, change)),
     }
 }

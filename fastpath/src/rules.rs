@@ -232,6 +232,9 @@ pub struct Rules {
     probes: HashMap<ProbeKey, JoinHandle<()>>,
     health_tx: mpsc::Sender<health::Change>,
     health_events: tokio::sync::broadcast::Sender<BackendHealth>,
+    /// The datapath's service and backend numbering, republished after every change, for
+    /// HA replication (which names services and backends by identity on the wire).
+    lb_index: tokio::sync::watch::Sender<std::sync::Arc<crate::sync::LbIndex>>,
 }
 
 impl Rules {
@@ -279,13 +282,31 @@ impl Rules {
             probes: HashMap::new(),
             health_tx,
             health_events: tokio::sync::broadcast::channel(1024).0,
+            lb_index: tokio::sync::watch::channel(Default::default()).0,
         };
+        rules.publish_lb_index();
         rules.reconcile_probes();
         Ok((rules, applied))
     }
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// The datapath's current service and backend numbering, kept up to date.
+    pub fn lb_index(&self) -> tokio::sync::watch::Receiver<std::sync::Arc<crate::sync::LbIndex>> {
+        self.lb_index.subscribe()
+    }
+
+    fn publish_lb_index(&mut self) {
+        match self.dp.lb_index() {
+            Ok(ix) => {
+                self.lb_index.send_replace(std::sync::Arc::new(ix));
+            }
+            Err(e) => {
+                warn!(error = %e, "Could not read the service numbering; HA replication keeps the previous one")
+            }
+        }
     }
 
     pub fn generation(&self) -> u64 {
@@ -456,6 +477,7 @@ impl Rules {
             }
         }
         if changed {
+            self.publish_lb_index();
             crate::lb::resolve_dsr_backends(&candidate.services);
             if candidate.services.iter().any(|s| s.port_forward) {
                 crate::datapath::allow_local_sources(&candidate.interfaces);
@@ -520,6 +542,11 @@ impl Rules {
         if new.api != old.api {
             notes.push("[api] changed: the listeners change at the next restart".to_string());
         }
+        if new.ha != old.ha {
+            notes.push(
+                "[ha] changed: replication uses the new settings at the next restart".to_string(),
+            );
+        }
         if new.conntrack.gc_interval_ms != old.conntrack.gc_interval_ms {
             notes.push("conntrack.gc_interval_ms changes at the next restart".to_string());
         }
@@ -575,7 +602,9 @@ impl Rules {
         let Some(idx) = effective.iter().position(|s| s.id() == change.service) else {
             return;
         };
-        match self.dp.update_services(&effective, &[idx]) {
+        let updated = self.dp.update_services(&effective, &[idx]);
+        self.publish_lb_index();
+        match updated {
             Ok(applied) => info!(
                 service = %change.service,
                 backend = %change.backend,

@@ -114,6 +114,19 @@ impl<T> Outbox<T> {
         self.queue.len()
     }
 
+    /// The oldest change not acknowledged yet (the time lag is its age).
+    pub fn oldest(&self) -> Option<&T> {
+        self.queue.front().map(|(_, c)| c)
+    }
+
+    /// The queued change `seq`, if it is still queued.
+    pub fn get(&self, seq: u64) -> Option<&T> {
+        let first = self.queue.front()?.0;
+        self.queue
+            .get(usize::try_from(seq.checked_sub(first)?).ok()?)
+            .map(|(_, c)| c)
+    }
+
     /// A cumulative acknowledgement: every change up to `seq` arrived. Returns how many queued
     /// changes it released. Stale acks (at or below an earlier one) release nothing.
     pub fn ack(&mut self, epoch: u64, seq: u64) -> Result<usize, AckError> {
@@ -277,6 +290,9 @@ pub enum Action<K, V> {
 pub enum Op<K, V> {
     Upsert(K, V),
     Delete(K),
+    /// A change that could not be read (malformed, an unknown service): it takes its place
+    /// in the stream, so the stream goes on, but nothing is applied and it is counted.
+    Refused,
 }
 
 /// The receiving side of one sender's stream, snapshots included: it turns what arrives into
@@ -380,14 +396,18 @@ impl<K: std::hash::Hash + Eq + Clone> Receiver<K> {
                 let action = match op {
                     Op::Upsert(k, v) => {
                         self.versions.seen.insert(k.clone(), stamp);
-                        Action::Install(k, v)
+                        Some(Action::Install(k, v))
                     }
                     Op::Delete(k) => {
                         self.versions.forget(&k);
-                        Action::Remove(k)
+                        Some(Action::Remove(k))
+                    }
+                    Op::Refused => {
+                        self.rejected += 1;
+                        None
                     }
                 };
-                (vec![action], Ask::Ack(stamp))
+                (action.into_iter().collect(), Ask::Ack(stamp))
             }
             Verdict::Duplicate => (Vec::new(), self.ask()),
             Verdict::Gap { have } => (
@@ -408,6 +428,22 @@ impl<K: std::hash::Hash + Eq + Clone> Receiver<K> {
     /// Where this receiver is, for the periodic acknowledgement an idle stream sends.
     pub fn ask(&self) -> Ask {
         self.inbox.position().map_or(Ask::Snapshot, Ask::Ack)
+    }
+
+    /// A key this sender's entries held before this process started (found in the table):
+    /// the sender's next snapshot removes it unless it carries it.
+    pub fn adopt(&mut self, key: K) {
+        self.versions.seen.insert(key, Stamp { epoch: 0, seq: 0 });
+    }
+
+    /// The last change applied from this sender (after a snapshot: its watermark).
+    pub fn position(&self) -> Option<Stamp> {
+        self.inbox.position()
+    }
+
+    /// Whether a snapshot of the current epoch completed (the tail follows it).
+    pub fn synced(&self) -> bool {
+        self.inbox.position().is_some() && self.snapshot.is_none()
     }
 
     /// Keys installed from this sender.

@@ -89,7 +89,7 @@ pub async fn connect(target: &Target) -> Result<Client, ConnectError> {
         .max_encoding_message_size(MAX_MESSAGE_BYTES))
 }
 
-fn source_text(e: &dyn std::error::Error) -> String {
+pub(crate) fn source_text(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(src) = cur {

@@ -93,6 +93,8 @@ pub struct Shared {
     pub started: Instant,
     pub listeners: Vec<String>,
     pub latency: ApiLatency,
+    /// HA replication, when `[ha]` is configured.
+    pub ha: Option<Arc<crate::ha::Ha>>,
 }
 
 impl Shared {
@@ -252,6 +254,21 @@ impl pb::fastpath_server::Fastpath for Api {
                 conntrack_capacity: *c.conntrack.capacity.get_ref(),
                 listeners: self.0.listeners.clone(),
             }))
+        })
+        .await
+    }
+
+    async fn get_ha_status(
+        &self,
+        _: Request<pb::GetHaStatusRequest>,
+    ) -> Result<Response<pb::HaStatus>, Status> {
+        self.observed("GetHaStatus", async {
+            Ok(Response::new(
+                self.0
+                    .ha
+                    .as_ref()
+                    .map_or_else(pb::HaStatus::default, |ha| ha.status()),
+            ))
         })
         .await
     }

@@ -1,0 +1,964 @@
+//! HA replication in the daemon (issue 6): this node's conntrack changes streamed to every
+//! peer, and every peer's stream installed into this node's datapath, over the `Sync` gRPC
+//! service with mutual TLS. The protocol's rules (numbering, acknowledgements, resend or
+//! resync, snapshots) are `crate::sync`'s; this module is its I/O.
+//!
+//! Sending: the conntrack events of this node's datapath (ring buffer → hub) say which
+//! connection changed; its entry (and, for a load-balanced one, its alias) is read from the
+//! table and queued for each peer. The datapath never waits: the queues are bounded, and a
+//! peer that falls behind them, a lost event (ring or hub overflow) or a new stream gets a
+//! snapshot of the table with a watermark, then the tail.
+//!
+//! Receiving: a peer's entries are installed marked with its node id (`CtEntry::origin`).
+//! This node's own traffic owns a connection: an entry it made, or one its packets have
+//! touched since it was installed (non-zero counters), is never overwritten or removed by a
+//! peer — so after a failover the node that carries a connection is its only writer, and a
+//! returning node's stale view cannot undo it.
+
+use std::{
+    collections::{HashMap, VecDeque},
+    net::SocketAddr,
+    path::PathBuf,
+    pin::Pin,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use fastpath_common::{
+    ct::{CT_F_LB_ALIAS, CtEntry, CtEvent, CtKey, ct_event, ct_stat},
+    lb::lb_peer_key,
+    map_names,
+};
+use tokio::sync::{Notify, broadcast, mpsc, watch};
+use tokio_stream::{Stream, StreamExt as _};
+use tonic::{
+    Request, Response, Status, Streaming,
+    transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig},
+};
+use tracing::{info, warn};
+
+use crate::{
+    api::pb as api,
+    config::HaSection,
+    conntrack,
+    datapath::{self, CtTable, DatapathError},
+    sync::{self, Action, Ask, Batch, LbIndex, Op, Receiver, Reply, Sender, Stamp, pb},
+};
+
+/// Changes per message.
+const BATCH: usize = 1024;
+/// Acknowledgements whose lag the percentiles cover.
+const LAG_SAMPLES: usize = 4096;
+/// How often lost ring events are looked for.
+const LOSS_POLL: Duration = Duration::from_millis(200);
+/// A peer's largest message (a batch of 1024 changes is about 150 KiB).
+const MAX_MESSAGE_BYTES: usize = 16 << 20;
+
+/// A change queued for the peers, with the datapath time of the event that made it.
+#[derive(Clone, Debug)]
+struct Pending {
+    at_ns: u64,
+    op: pb::change::Op,
+}
+
+/// This node's stream to one peer.
+struct PeerOut {
+    address: SocketAddr,
+    tls: ClientTlsConfig,
+    sender: Mutex<Sender<Pending>>,
+    wake: Notify,
+    /// Set when events were lost: the next turn of the stream sends a snapshot.
+    resync: AtomicBool,
+    connected: AtomicBool,
+    sent_changes: AtomicU64,
+    snapshot_entries: AtomicU64,
+    peer_rejected: AtomicU64,
+    connects: AtomicU64,
+    /// Replication lag of the latest acknowledgements, µs.
+    lags: Mutex<VecDeque<u64>>,
+    last_error: Mutex<String>,
+}
+
+/// One peer's stream to this node (kept across its reconnections).
+struct PeerIn {
+    rx: Receiver<CtKey>,
+    epoch: u64,
+    streams: u32,
+    received: u64,
+    snapshots: u64,
+    kept_local: u64,
+    /// Entries refused on receipt (malformed, unknown service or backend).
+    refused: u64,
+    last_message: Option<Instant>,
+}
+
+impl PeerIn {
+    fn new() -> PeerIn {
+        PeerIn {
+            rx: Receiver::default(),
+            epoch: 0,
+            streams: 0,
+            received: 0,
+            snapshots: 0,
+            kept_local: 0,
+            refused: 0,
+            last_message: None,
+        }
+    }
+}
+
+/// The daemon's replication: shared by the sync service, the peer streams, the event feeder
+/// and the API.
+pub struct Ha {
+    node_id: u32,
+    epoch: u64,
+    pin_dir: PathBuf,
+    peers: Vec<Arc<PeerOut>>,
+    inbound: Mutex<HashMap<u32, PeerIn>>,
+    table: Mutex<CtTable>,
+    lb: watch::Receiver<Arc<LbIndex>>,
+    events_lost: AtomicU64,
+    /// Messages refused whole (no node id, this node's own id, a node id changing mid-stream).
+    rejected_messages: AtomicU64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HaError {
+    #[error("reading the HA TLS material: {0}")]
+    Tls(String),
+    #[error(transparent)]
+    Datapath(#[from] DatapathError),
+    #[error("reading the conntrack table: {0}")]
+    Walk(#[source] std::io::Error),
+}
+
+fn read_pem(p: &std::path::Path) -> Result<Vec<u8>, HaError> {
+    std::fs::read(p).map_err(|e| HaError::Tls(format!("{}: {e}", p.display())))
+}
+
+/// The sync listener's TLS: this node's certificate, and peers' certificates required.
+pub fn server_tls(cfg: &HaSection) -> Result<ServerTlsConfig, HaError> {
+    Ok(ServerTlsConfig::new()
+        .identity(Identity::from_pem(
+            read_pem(cfg.tls_cert.get_ref())?,
+            read_pem(cfg.tls_key.get_ref())?,
+        ))
+        .client_ca_root(Certificate::from_pem(read_pem(cfg.tls_ca.get_ref())?)))
+}
+
+/// Whether this node's traffic owns the entry: it made it, or its packets touched it since
+/// it was installed. An alias is owned as its connection's entry is.
+fn owned_here(table: &CtTable, key: &CtKey, e: &CtEntry) -> bool {
+    let own = |e: &CtEntry| e.origin == 0 || e.packets[0] != 0 || e.packets[1] != 0;
+    if e.flags & CT_F_LB_ALIAS != 0
+        && let Some(main) = lb_peer_key(key, e).and_then(|k| table.get(&k))
+    {
+        return own(&main);
+    }
+    own(e)
+}
+
+impl Ha {
+    /// Replication for `cfg`; entries already in the table from a peer (this process
+    /// restarted) are adopted, so that peer's next snapshot removes what it no longer has.
+    pub fn new(
+        cfg: &HaSection,
+        pin_dir: PathBuf,
+        lb: watch::Receiver<Arc<LbIndex>>,
+    ) -> Result<Arc<Ha>, HaError> {
+        let table = CtTable::open_pin(&pin_dir.join("maps").join(map_names::CT))?;
+        let mut inbound: HashMap<u32, PeerIn> = HashMap::new();
+        let mut adopted = 0usize;
+        table
+            .walk(|keys, entries| {
+                for (k, e) in keys.iter().zip(entries) {
+                    if e.origin != 0 {
+                        inbound
+                            .entry(e.origin)
+                            .or_insert_with(PeerIn::new)
+                            .rx
+                            .adopt(*k);
+                        adopted += 1;
+                    }
+                }
+            })
+            .map_err(HaError::Walk)?;
+        if adopted > 0 {
+            info!(
+                entries = adopted,
+                "Adopted connections replicated from peers before this start"
+            );
+        }
+        let epoch = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        let identity = Identity::from_pem(
+            read_pem(cfg.tls_cert.get_ref())?,
+            read_pem(cfg.tls_key.get_ref())?,
+        );
+        let ca = Certificate::from_pem(read_pem(cfg.tls_ca.get_ref())?);
+        let peers = cfg
+            .peers
+            .iter()
+            .map(|p| {
+                let address = *p.address.get_ref();
+                let name = p
+                    .server_name
+                    .as_ref()
+                    .map_or_else(|| address.ip().to_string(), |n| n.get_ref().clone());
+                Arc::new(PeerOut {
+                    address,
+                    tls: ClientTlsConfig::new()
+                        .ca_certificate(ca.clone())
+                        .identity(identity.clone())
+                        .domain_name(name),
+                    sender: Mutex::new(Sender::new(epoch, *cfg.queue.get_ref() as usize)),
+                    wake: Notify::new(),
+                    resync: AtomicBool::new(false),
+                    connected: AtomicBool::new(false),
+                    sent_changes: AtomicU64::new(0),
+                    snapshot_entries: AtomicU64::new(0),
+                    peer_rejected: AtomicU64::new(0),
+                    connects: AtomicU64::new(0),
+                    lags: Mutex::new(VecDeque::new()),
+                    last_error: Mutex::new(String::new()),
+                })
+            })
+            .collect();
+        Ok(Arc::new(Ha {
+            node_id: *cfg.node_id.get_ref(),
+            epoch,
+            pin_dir,
+            peers,
+            inbound: Mutex::new(inbound),
+            table: Mutex::new(table),
+            lb,
+            events_lost: AtomicU64::new(0),
+            rejected_messages: AtomicU64::new(0),
+        }))
+    }
+
+    /// Starts the event feeder and one stream per peer; they end when `stop` turns true.
+    pub fn spawn(
+        self: &Arc<Ha>,
+        events: broadcast::Receiver<CtEvent>,
+        stop: watch::Receiver<bool>,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        let mut tasks = vec![tokio::spawn(feed(self.clone(), events, stop.clone()))];
+        for p in &self.peers {
+            tasks.push(tokio::spawn(peer_stream(
+                self.clone(),
+                p.clone(),
+                stop.clone(),
+            )));
+        }
+        tasks
+    }
+
+    pub fn service(self: &Arc<Ha>) -> pb::sync_server::SyncServer<SyncService> {
+        pb::sync_server::SyncServer::new(SyncService(self.clone()))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
+    }
+
+    /// Queues the changes `events` describe for every peer.
+    fn on_events(&self, events: &[CtEvent]) {
+        let ix = self.lb.borrow().clone();
+        let now = conntrack::monotonic_ns();
+        let mut out = Vec::with_capacity(events.len() * 2);
+        {
+            let Ok(table) = self.table.lock() else {
+                return;
+            };
+            for ev in events {
+                match ev.kind {
+                    ct_event::NEW | ct_event::ESTABLISHED | ct_event::CLOSED => {
+                        let Some(e) = table.get(&ev.key) else {
+                            // Gone already: its removal is an event of its own.
+                            continue;
+                        };
+                        if !owned_here(&table, &ev.key, &e) {
+                            continue;
+                        }
+                        let alias =
+                            lb_peer_key(&ev.key, &e).and_then(|k| table.get(&k).map(|a| (k, a)));
+                        for (k, e) in std::iter::once((ev.key, e)).chain(alias) {
+                            if let Some(c) = sync::to_wire(&k, &e, now, &ix) {
+                                out.push(Pending {
+                                    at_ns: ev.ts_ns,
+                                    op: pb::change::Op::Upsert(c),
+                                });
+                            }
+                        }
+                    }
+                    ct_event::EXPIRED | ct_event::EARLY_DROP | ct_event::KILLED => {
+                        if let Some(c) = sync::to_wire(&ev.key, &CtEntry::default(), 0, &ix) {
+                            out.push(Pending {
+                                at_ns: ev.ts_ns,
+                                op: pb::change::Op::Delete(c),
+                            });
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if out.is_empty() {
+            return;
+        }
+        for p in &self.peers {
+            if let Ok(mut s) = p.sender.lock() {
+                for c in &out {
+                    s.push(c.clone());
+                }
+            }
+            p.wake.notify_one();
+        }
+    }
+
+    /// Events were lost before replication saw them: every peer resyncs.
+    fn lost(&self, n: u64, where_: &str) {
+        self.events_lost.fetch_add(n, Ordering::Relaxed);
+        warn!(
+            lost = n,
+            at = where_,
+            "Conntrack events were lost before replication saw them; every peer resyncs with a snapshot"
+        );
+        for p in &self.peers {
+            p.resync.store(true, Ordering::Relaxed);
+            p.wake.notify_one();
+        }
+    }
+
+    /// Applies one message of `node`'s stream; returns the acknowledgement to send, if any
+    /// (none while a snapshot streams: its end is acknowledged).
+    fn receive(&self, node: &mut Option<u32>, b: pb::Batch) -> Result<Option<pb::Ack>, String> {
+        let id = match u32::try_from(b.node_id) {
+            Ok(id) if id != 0 && id != self.node_id => id,
+            _ => {
+                self.rejected_messages.fetch_add(1, Ordering::Relaxed);
+                return Err(format!(
+                    "node id {} is not a peer's (0, out of range or this node's own)",
+                    b.node_id
+                ));
+            }
+        };
+        if node.is_some_and(|n| n != id) {
+            self.rejected_messages.fetch_add(1, Ordering::Relaxed);
+            return Err(format!("node id changed mid-stream to {id}"));
+        }
+        if node.is_none() {
+            *node = Some(id);
+            if let Ok(mut inbound) = self.inbound.lock() {
+                inbound.entry(id).or_insert_with(PeerIn::new).streams += 1;
+            }
+        }
+        let now = conntrack::monotonic_ns();
+        let ix = self.lb.borrow().clone();
+        let mut inbound = self.inbound.lock().map_err(|_| "poisoned")?;
+        let peer = inbound.entry(id).or_insert_with(PeerIn::new);
+        let mut table = self.table.lock().map_err(|_| "poisoned")?;
+        peer.last_message = Some(Instant::now());
+        peer.epoch = peer.epoch.max(b.epoch);
+        let mut ask = None;
+        if b.snapshot {
+            for ch in b.changes {
+                peer.received += 1;
+                match ch.op.map(|op| read_op(op, now, &ix)) {
+                    Some(Op::Upsert(k, e)) => {
+                        let acts = peer.rx.snapshot_entry(b.epoch, k, e);
+                        apply(&mut table, peer, id, acts);
+                    }
+                    _ => peer.refused += 1,
+                }
+            }
+            if b.snapshot_done {
+                let (acts, a) = peer.rx.snapshot_done(b.epoch, b.watermark);
+                apply(&mut table, peer, id, acts);
+                peer.snapshots += 1;
+                ask = Some(a);
+            }
+        } else {
+            for ch in b.changes {
+                peer.received += 1;
+                let stamp = Stamp {
+                    epoch: b.epoch,
+                    seq: ch.seq,
+                };
+                let op = ch.op.map_or(Op::Refused, |op| read_op(op, now, &ix));
+                if matches!(op, Op::Refused) {
+                    peer.refused += 1;
+                }
+                let (acts, a) = peer.rx.change(stamp, op);
+                apply(&mut table, peer, id, acts);
+                ask = Some(a);
+                if !matches!(a, Ask::Ack(_)) {
+                    break;
+                }
+            }
+        }
+        let rejected = peer.rx.rejected + peer.refused;
+        Ok(ask.map(|a| {
+            let (at, resend, resync) = match a {
+                Ask::Ack(at) => (at, false, false),
+                Ask::Resend(at) => (at, true, false),
+                Ask::Snapshot => (
+                    Stamp {
+                        epoch: b.epoch,
+                        seq: 0,
+                    },
+                    false,
+                    true,
+                ),
+            };
+            pb::Ack {
+                node_id: u64::from(self.node_id),
+                epoch: at.epoch,
+                seq: at.seq,
+                resend,
+                resync,
+                rejected,
+            }
+        }))
+    }
+
+    fn stream_ended(&self, node: Option<u32>) {
+        if let (Some(id), Ok(mut inbound)) = (node, self.inbound.lock())
+            && let Some(p) = inbound.get_mut(&id)
+        {
+            p.streams = p.streams.saturating_sub(1);
+        }
+    }
+
+    /// Whether this node holds every configured peer's state: as many peers completed a
+    /// snapshot of their current epoch (and applied their stream since) as are configured.
+    pub fn in_sync(&self) -> bool {
+        let synced = self
+            .inbound
+            .lock()
+            .map(|m| m.values().filter(|p| p.rx.synced()).count())
+            .unwrap_or(0);
+        synced >= self.peers.len()
+    }
+
+    pub fn status(&self) -> api::HaStatus {
+        let now = conntrack::monotonic_ns();
+        let peers_out = self
+            .peers
+            .iter()
+            .map(|p| {
+                let (queued, last_seq, acked_seq, lag_ms, snapshots, resends, rejected) =
+                    match p.sender.lock() {
+                        Ok(s) => {
+                            let o = s.outbox();
+                            (
+                                o.queued() as u64,
+                                o.last_seq(),
+                                o.last_seq() - o.unacked(),
+                                o.oldest()
+                                    .map_or(0, |c| now.saturating_sub(c.at_ns) / 1_000_000),
+                                s.snapshots,
+                                s.resends,
+                                s.rejected,
+                            )
+                        }
+                        Err(_) => Default::default(),
+                    };
+                let (p50, p99) = p.lags.lock().map_or((0, 0), |l| percentiles(&l));
+                api::HaPeerOut {
+                    address: p.address.to_string(),
+                    connected: p.connected.load(Ordering::Relaxed),
+                    queued,
+                    last_seq,
+                    acked_seq,
+                    lag_ms,
+                    lag_p50_us: p50,
+                    lag_p99_us: p99,
+                    sent_changes: p.sent_changes.load(Ordering::Relaxed),
+                    snapshots,
+                    snapshot_entries: p.snapshot_entries.load(Ordering::Relaxed),
+                    resends,
+                    rejected,
+                    peer_rejected: p.peer_rejected.load(Ordering::Relaxed),
+                    connects: p.connects.load(Ordering::Relaxed),
+                    last_error: p.last_error.lock().map(|e| e.clone()).unwrap_or_default(),
+                }
+            })
+            .collect();
+        let mut peers_in: Vec<api::HaPeerIn> = self
+            .inbound
+            .lock()
+            .map(|m| {
+                m.iter()
+                    .map(|(id, p)| api::HaPeerIn {
+                        node_id: *id,
+                        connected: p.streams > 0,
+                        epoch: p.epoch,
+                        applied_seq: p.rx.position().map_or(0, |s| s.seq),
+                        synced: p.rx.synced(),
+                        installed: p.rx.installed() as u64,
+                        received_changes: p.received,
+                        snapshots: p.snapshots,
+                        rejected: p.rx.rejected + p.refused,
+                        kept_local: p.kept_local,
+                        last_message_ms_ago: p
+                            .last_message
+                            .map_or(0, |t| t.elapsed().as_millis() as u64),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        peers_in.sort_by_key(|p| p.node_id);
+        api::HaStatus {
+            enabled: true,
+            node_id: self.node_id,
+            epoch: self.epoch,
+            in_sync: self.in_sync(),
+            peers_out,
+            peers_in,
+            events_lost: self.events_lost.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A received change as a table operation; anything malformed is `Refused`.
+fn read_op(op: pb::change::Op, now: u64, ix: &LbIndex) -> Op<CtKey, CtEntry> {
+    match op {
+        pb::change::Op::Upsert(c) => match sync::from_wire(&c, now, ix) {
+            Ok((k, e)) => Op::Upsert(k, e),
+            Err(_) => Op::Refused,
+        },
+        pb::change::Op::Delete(c) => match sync::from_wire(&c, now, ix) {
+            Ok((k, _)) => Op::Delete(k),
+            Err(_) => Op::Refused,
+        },
+    }
+}
+
+/// Carries out a peer's actions on this node's table, this node's own connections kept.
+fn apply(table: &mut CtTable, peer: &mut PeerIn, origin: u32, acts: Vec<Action<CtKey, CtEntry>>) {
+    for act in acts {
+        match act {
+            Action::Install(k, mut e) => {
+                if let Some(local) = table.get(&k)
+                    && owned_here(table, &k, &local)
+                {
+                    peer.kept_local += 1;
+                    continue;
+                }
+                e.origin = origin;
+                if let Err(err) = table.insert(&k, &e) {
+                    peer.refused += 1;
+                    warn!(error = %err, "Could not install a replicated connection");
+                }
+            }
+            Action::Remove(k) => {
+                let Some(local) = table.get(&k) else {
+                    continue;
+                };
+                if local.origin != origin || owned_here(table, &k, &local) {
+                    peer.kept_local += u64::from(local.origin == origin);
+                    continue;
+                }
+                let other = lb_peer_key(&k, &local);
+                table.remove(&k);
+                if let Some(ok) = other
+                    && let Some(oe) = table.get(&ok)
+                    && oe.origin == origin
+                    && !owned_here(table, &ok, &oe)
+                {
+                    table.remove(&ok);
+                }
+            }
+        }
+    }
+}
+
+fn percentiles(samples: &VecDeque<u64>) -> (u64, u64) {
+    if samples.is_empty() {
+        return (0, 0);
+    }
+    let mut v: Vec<u64> = samples.iter().copied().collect();
+    v.sort_unstable();
+    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+    (at(0.5), at(0.99))
+}
+
+/// The datapath's count of events its ring could not take.
+fn ring_lost(pin_dir: &std::path::Path) -> u64 {
+    datapath::pinned_ct_stats(pin_dir)
+        .ok()
+        .and_then(|s| s.get(ct_stat::EVENTS_LOST as usize).copied())
+        .unwrap_or(0)
+}
+
+/// Conntrack events → changes for the peers; lost events → resyncs.
+async fn feed(
+    ha: Arc<Ha>,
+    mut events: broadcast::Receiver<CtEvent>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(LOSS_POLL);
+    let mut lost_seen = ring_lost(&ha.pin_dir);
+    let mut batch = Vec::with_capacity(BATCH);
+    loop {
+        tokio::select! {
+            ev = events.recv() => {
+                match ev {
+                    Ok(ev) => batch.push(ev),
+                    Err(broadcast::error::RecvError::Lagged(n)) => ha.lost(n, "the event hub"),
+                    Err(broadcast::error::RecvError::Closed) => return,
+                }
+                while batch.len() < BATCH {
+                    match events.try_recv() {
+                        Ok(ev) => batch.push(ev),
+                        Err(broadcast::error::TryRecvError::Lagged(n)) => ha.lost(n, "the event hub"),
+                        Err(_) => break,
+                    }
+                }
+                if !batch.is_empty() {
+                    tokio::task::block_in_place(|| ha.on_events(&batch));
+                    batch.clear();
+                }
+            }
+            _ = tick.tick() => {
+                let lost = ring_lost(&ha.pin_dir);
+                if lost > lost_seen {
+                    ha.lost(lost - lost_seen, "the datapath's event ring");
+                }
+                lost_seen = lost;
+            }
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+/// This node's stream to `peer`, reconnected with a backoff until `stop`.
+async fn peer_stream(ha: Arc<Ha>, peer: Arc<PeerOut>, mut stop: watch::Receiver<bool>) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let result = run_stream(&ha, &peer, &mut stop).await;
+        peer.connected.store(false, Ordering::Relaxed);
+        match result {
+            Ok(()) => return,
+            Err((e, was_connected)) => {
+                let changed = peer.last_error.lock().map(|mut last| {
+                    let changed = *last != e;
+                    *last = e.clone();
+                    changed
+                });
+                if changed.unwrap_or(true) || was_connected {
+                    warn!(peer = %peer.address, error = %e, "HA stream to the peer is down; reconnecting");
+                }
+                if was_connected {
+                    backoff = Duration::from_millis(100);
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = stop.changed() => return,
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+type StreamError = (String, bool);
+
+/// One stream: a snapshot, then the tail as it comes, answering acknowledgements. Ok when
+/// stopped; otherwise the error and whether the stream had been established.
+async fn run_stream(
+    ha: &Arc<Ha>,
+    peer: &Arc<PeerOut>,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<(), StreamError> {
+    let fail = |what: &str, e: &dyn std::error::Error, up: bool| {
+        (
+            format!("{what}: {}", crate::api::client::source_text(e)),
+            up,
+        )
+    };
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("https://{}", peer.address))
+        .map_err(|e| fail("address", &e, false))?
+        .tls_config(peer.tls.clone())
+        .map_err(|e| fail("TLS settings", &e, false))?
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_millis(500))
+        .keep_alive_timeout(Duration::from_secs(2))
+        .keep_alive_while_idle(true);
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| fail("connecting", &e, false))?;
+    let mut client = pb::sync_client::SyncClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let (tx, rx) = mpsc::channel::<pb::Batch>(4);
+    let mut acks = client
+        .replicate(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .map_err(|e| fail("opening the stream", &e, false))?
+        .into_inner();
+    peer.connected.store(true, Ordering::Relaxed);
+    peer.connects.fetch_add(1, Ordering::Relaxed);
+    if let Ok(mut last) = peer.last_error.lock() {
+        last.clear();
+    }
+    info!(peer = %peer.address, "HA stream to the peer is up; sending a snapshot");
+    let lost = |e: &dyn std::error::Error| fail("the stream broke", e, true);
+    let closed = || ("the peer closed the stream".to_string(), true);
+    let first = peer.sender.lock().ok().map(|mut s| s.connected());
+    if let Some(Reply::Snapshot { epoch, watermark }) = first {
+        send_snapshot(ha, peer, &tx, epoch, watermark)
+            .await
+            .map_err(|_| closed())?;
+    }
+    loop {
+        // Everything pending goes out first (a snapshot when one is due).
+        loop {
+            let snapshot = if peer.resync.swap(false, Ordering::Relaxed) {
+                peer.sender.lock().ok().map(|mut s| s.on_ask(Ask::Snapshot))
+            } else {
+                None
+            };
+            if let Some(Reply::Snapshot { epoch, watermark }) = snapshot {
+                send_snapshot(ha, peer, &tx, epoch, watermark)
+                    .await
+                    .map_err(|_| closed())?;
+                continue;
+            }
+            let next = match peer.sender.lock() {
+                Ok(mut s) => match s.next_batch(BATCH) {
+                    Batch::Changes(list) if list.is_empty() => None,
+                    Batch::Changes(list) => Some(Ok(pb::Batch {
+                        node_id: u64::from(ha.node_id),
+                        epoch: ha.epoch,
+                        changes: list
+                            .into_iter()
+                            .map(|(st, c)| pb::Change {
+                                seq: st.seq,
+                                op: Some(c.op.clone()),
+                            })
+                            .collect(),
+                        ..Default::default()
+                    })),
+                    Batch::Snapshot { epoch, watermark } => Some(Err((epoch, watermark))),
+                },
+                Err(_) => None,
+            };
+            match next {
+                None => break,
+                Some(Ok(b)) => {
+                    let n = b.changes.len() as u64;
+                    tx.send(b).await.map_err(|_| closed())?;
+                    peer.sent_changes.fetch_add(n, Ordering::Relaxed);
+                }
+                Some(Err((epoch, watermark))) => {
+                    send_snapshot(ha, peer, &tx, epoch, watermark)
+                        .await
+                        .map_err(|_| closed())?;
+                }
+            }
+        }
+        tokio::select! {
+            _ = peer.wake.notified() => {}
+            ack = acks.message() => {
+                let ack = ack.map_err(|e| lost(&e))?.ok_or_else(closed)?;
+                if let Some(Reply::Snapshot { epoch, watermark }) = on_ack(ha, peer, &ack) {
+                    send_snapshot(ha, peer, &tx, epoch, watermark).await.map_err(|_| closed())?;
+                }
+            }
+            _ = stop.changed() => return Ok(()),
+        }
+    }
+}
+
+/// A peer's acknowledgement: releases what it confirms, records the lag, and says whether a
+/// snapshot is due.
+fn on_ack(ha: &Ha, peer: &PeerOut, ack: &pb::Ack) -> Option<Reply> {
+    peer.peer_rejected.store(ack.rejected, Ordering::Relaxed);
+    let at = Stamp {
+        epoch: ack.epoch,
+        seq: ack.seq,
+    };
+    let ask = if ack.resync {
+        Ask::Snapshot
+    } else if ack.resend {
+        Ask::Resend(at)
+    } else {
+        Ask::Ack(at)
+    };
+    let mut s = peer.sender.lock().ok()?;
+    if !ack.resync
+        && !ack.resend
+        && ack.epoch == ha.epoch
+        && let Some(c) = s.outbox().get(ack.seq)
+    {
+        let lag = conntrack::monotonic_ns().saturating_sub(c.at_ns) / 1000;
+        if let Ok(mut lags) = peer.lags.lock() {
+            if lags.len() == LAG_SAMPLES {
+                lags.pop_front();
+            }
+            lags.push_back(lag);
+        }
+    }
+    match s.on_ask(ask) {
+        Reply::Continue => None,
+        r @ Reply::Snapshot { .. } => Some(r),
+    }
+}
+
+/// Streams this node's own connections as a snapshot, then its end with `watermark`.
+async fn send_snapshot(
+    ha: &Arc<Ha>,
+    peer: &Arc<PeerOut>,
+    tx: &mpsc::Sender<pb::Batch>,
+    epoch: u64,
+    watermark: u64,
+) -> Result<(), ()> {
+    let (node_id, pin_dir, ix) = (
+        u64::from(ha.node_id),
+        ha.pin_dir.clone(),
+        ha.lb.borrow().clone(),
+    );
+    let tx2 = tx.clone();
+    let peer2 = peer.clone();
+    let sent = tokio::task::spawn_blocking(move || {
+        let table = CtTable::open_pin(&pin_dir.join("maps").join(map_names::CT)).map_err(|_| ())?;
+        let now = conntrack::monotonic_ns();
+        let mut changes = Vec::with_capacity(BATCH);
+        let mut ok = true;
+        let mut flush = |changes: &mut Vec<pb::Change>| {
+            if changes.is_empty() || !ok {
+                return;
+            }
+            let n = changes.len() as u64;
+            let b = pb::Batch {
+                node_id,
+                epoch,
+                changes: std::mem::take(changes),
+                snapshot: true,
+                ..Default::default()
+            };
+            ok = tx2.blocking_send(b).is_ok();
+            peer2.snapshot_entries.fetch_add(n, Ordering::Relaxed);
+        };
+        let walked = table.walk(|keys, entries| {
+            for (k, e) in keys.iter().zip(entries) {
+                if !owned_here(&table, k, e) {
+                    continue;
+                }
+                if let Some(c) = sync::to_wire(k, e, now, &ix) {
+                    changes.push(pb::Change {
+                        seq: 0,
+                        op: Some(pb::change::Op::Upsert(c)),
+                    });
+                    if changes.len() == BATCH {
+                        flush(&mut changes);
+                    }
+                }
+            }
+        });
+        flush(&mut changes);
+        if walked.is_err() || !ok {
+            return Err(());
+        }
+        Ok(())
+    })
+    .await;
+    if !matches!(sent, Ok(Ok(()))) {
+        return Err(());
+    }
+    tx.send(pb::Batch {
+        node_id,
+        epoch,
+        snapshot: true,
+        snapshot_done: true,
+        watermark,
+        ..Default::default()
+    })
+    .await
+    .map_err(|_| ())
+}
+
+/// The `Sync` gRPC service: peers' streams into this node.
+#[derive(Clone)]
+pub struct SyncService(Arc<Ha>);
+
+type AckStream = Pin<Box<dyn Stream<Item = Result<pb::Ack, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::sync_server::Sync for SyncService {
+    type ReplicateStream = AckStream;
+
+    async fn replicate(
+        &self,
+        request: Request<Streaming<pb::Batch>>,
+    ) -> Result<Response<AckStream>, Status> {
+        let remote = request.remote_addr();
+        let mut batches = request.into_inner();
+        // Acknowledgements are cumulative: only the latest matters, so a slow sender never
+        // makes this side wait.
+        let (tx, rx) = watch::channel(None::<pb::Ack>);
+        let ha = self.0.clone();
+        tokio::spawn(async move {
+            let mut node = None;
+            loop {
+                match batches.message().await {
+                    Ok(Some(b)) => match tokio::task::block_in_place(|| ha.receive(&mut node, b)) {
+                        Ok(Some(ack)) => {
+                            tx.send_replace(Some(ack));
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            warn!(peer = ?remote, error = %e, "Refused a peer's HA message; closing its stream");
+                            break;
+                        }
+                    },
+                    Ok(None) => break,
+                    Err(e) => {
+                        info!(peer = ?remote, error = %e, "A peer's HA stream ended");
+                        break;
+                    }
+                }
+            }
+            ha.stream_ended(node);
+        });
+        let acks = tokio_stream::wrappers::WatchStream::new(rx).filter_map(|a| a.map(Ok));
+        Ok(Response::new(Box::pin(acks)))
+    }
+}
+
+/// Serves the sync service on `listener` with mutual TLS until `stop`.
+pub async fn serve(
+    ha: Arc<Ha>,
+    listener: tokio::net::TcpListener,
+    tls: ServerTlsConfig,
+    mut stop: watch::Receiver<bool>,
+) {
+    let server = match tonic::transport::Server::builder()
+        .tls_config(tls)
+        .map(|b| b.http2_keepalive_interval(Some(Duration::from_millis(500))))
+    {
+        Ok(b) => b
+            .http2_keepalive_timeout(Some(Duration::from_secs(2)))
+            .add_service(ha.service()),
+        Err(e) => {
+            warn!(error = %e, "HA sync listener: TLS settings refused; peers cannot reach this node");
+            return;
+        }
+    };
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    if let Err(e) = server
+        .serve_with_incoming_shutdown(incoming, async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })
+        .await
+    {
+        warn!(error = %e, "HA sync listener failed");
+    }
+}
