@@ -327,6 +327,12 @@ impl Ha {
             at = where_,
             "Conntrack events were lost before replication saw them; every peer resyncs with a snapshot"
         );
+        self.resync_all();
+    }
+
+    /// Every peer gets a snapshot next (the table changed in a way no event describes, e.g.
+    /// a flush): what they hold from this node becomes what the table holds.
+    pub fn resync_all(&self) {
         for p in &self.peers {
             p.resync.store(true, Ordering::Relaxed);
             p.wake.notify_one();

@@ -357,7 +357,135 @@ pub async fn render(shared: &Arc<Shared>) -> String {
             );
         }
     }
+    if let Some(ha) = &shared.ha {
+        ha_metrics(&mut o, &ha.status());
+    }
     o.0
+}
+
+/// HA replication: readiness, and per peer the stream out (queue, lag, resends, resyncs,
+/// refusals) and the stream in (synced, installed, refused).
+fn ha_metrics(o: &mut Out, s: &crate::api::pb::HaStatus) {
+    o.family(
+        "fastpath_ha_in_sync",
+        "gauge",
+        "1 when this node holds every peer's state (a failover manager may promote it).",
+    );
+    o.sample("fastpath_ha_in_sync", &[], u8::from(s.in_sync));
+    o.family(
+        "fastpath_ha_events_lost_total",
+        "counter",
+        "Conntrack events replication missed (ring or hub overflow); each makes the peers resync.",
+    );
+    o.sample("fastpath_ha_events_lost_total", &[], s.events_lost);
+    type Get = fn(&crate::api::pb::HaPeerOut) -> f64;
+    let outs: [(&str, &str, &str, Get); 10] = [
+        (
+            "fastpath_ha_peer_connected",
+            "gauge",
+            "1 while this node's stream to the peer is up.",
+            |p| f64::from(u8::from(p.connected)),
+        ),
+        (
+            "fastpath_ha_send_queue",
+            "gauge",
+            "Changes queued for the peer and not acknowledged.",
+            |p| p.queued as f64,
+        ),
+        (
+            "fastpath_ha_send_lag_changes",
+            "gauge",
+            "Changes made here that the peer has not acknowledged (sequence lag).",
+            |p| p.last_seq.saturating_sub(p.acked_seq) as f64,
+        ),
+        (
+            "fastpath_ha_send_lag_seconds",
+            "gauge",
+            "Age of the oldest change the peer has not acknowledged (time lag).",
+            |p| p.lag_ms as f64 / 1000.0,
+        ),
+        (
+            "fastpath_ha_replication_lag_p99_seconds",
+            "gauge",
+            "99th percentile of change-to-acknowledgement time over the latest acknowledgements.",
+            |p| p.lag_p99_us as f64 / 1e6,
+        ),
+        (
+            "fastpath_ha_sent_changes_total",
+            "counter",
+            "Changes sent to the peer (resends included, snapshots not).",
+            |p| p.sent_changes as f64,
+        ),
+        (
+            "fastpath_ha_resyncs_total",
+            "counter",
+            "Snapshots sent to the peer (connects, resync requests, lost events, an overflowed queue).",
+            |p| p.snapshots as f64,
+        ),
+        (
+            "fastpath_ha_resends_total",
+            "counter",
+            "Resends of part of the queue after the peer saw a gap.",
+            |p| p.resends as f64,
+        ),
+        (
+            "fastpath_ha_rejected_total",
+            "counter",
+            "Acknowledgements from the peer this node refused (out of range, another epoch).",
+            |p| p.rejected as f64,
+        ),
+        (
+            "fastpath_ha_peer_rejected_total",
+            "counter",
+            "Changes the peer refused (malformed, unknown service or backend), never applied.",
+            |p| p.peer_rejected as f64,
+        ),
+    ];
+    for (name, kind, help, get) in outs {
+        o.family(name, kind, help);
+        for p in &s.peers_out {
+            o.sample(name, &[("peer", &p.address)], get(p));
+        }
+    }
+    type GetIn = fn(&crate::api::pb::HaPeerIn) -> f64;
+    let ins: [(&str, &str, &str, GetIn); 5] = [
+        (
+            "fastpath_ha_node_synced",
+            "gauge",
+            "1 when this node received the node's snapshot and applied its stream since.",
+            |p| f64::from(u8::from(p.synced)),
+        ),
+        (
+            "fastpath_ha_node_connected",
+            "gauge",
+            "1 while the node's stream to this node is up.",
+            |p| f64::from(u8::from(p.connected)),
+        ),
+        (
+            "fastpath_ha_node_installed_entries",
+            "gauge",
+            "Conntrack entries from the node in this node's table.",
+            |p| p.installed as f64,
+        ),
+        (
+            "fastpath_ha_node_received_changes_total",
+            "counter",
+            "Changes received from the node (snapshot entries included).",
+            |p| p.received_changes as f64,
+        ),
+        (
+            "fastpath_ha_node_refused_total",
+            "counter",
+            "Changes from the node refused (malformed, out of range, stale), never applied.",
+            |p| p.rejected as f64,
+        ),
+    ];
+    for (name, kind, help, get) in ins {
+        o.family(name, kind, help);
+        for p in &s.peers_in {
+            o.sample(name, &[("node", &p.node_id.to_string())], get(p));
+        }
+    }
 }
 
 /// Serves `GET /metrics` on `listener` until `shutdown` turns true.

@@ -617,6 +617,10 @@ impl pb::fastpath_server::Fastpath for Api {
             let pin = self.0.pin_dir.clone();
             let n = blocking(move || crate::datapath::flush_pinned_ct(&pin)).await?;
             info!(deleted = n, "Conntrack table flushed through the API");
+            // No event describes a flush: the peers resync to the (now empty) table.
+            if let Some(ha) = &self.0.ha {
+                ha.resync_all();
+            }
             Ok(Response::new(pb::FlushConnectionsResponse {
                 deleted: n as u64,
             }))

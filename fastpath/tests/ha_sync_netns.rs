@@ -1,0 +1,326 @@
+//! HA replication between two real daemons in network namespaces (issue 6): node A (the `fp`
+//! namespace of the LB topology) balances a client's connections; node B (namespace `peer`,
+//! joined to A by its own sync link) receives A's stream. Traffic is real: hping3 SYNs from
+//! random sources (each a load-balanced connection: an entry and its alias) and curl
+//! requests. After each fault — B restarted mid-stream (SIGKILL), the sync link cut and
+//! healed, A's event ring overflowed on purpose (A's daemon stopped while the datapath keeps
+//! making connections), a flush on A — the test waits for B to catch up and compares the two
+//! tables entry for entry: every load-balanced entry A's datapath made is in B's table marked
+//! as A's, with the same key, TCP state, flags and NAT binding, and B holds nothing else of A's.
+
+use std::{
+    collections::BTreeSet,
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use fastpath::{
+    datapath::CtTable,
+    testkit::netns::{
+        Daemon, DaemonConfig, LbTopology, TempDir, VethEnd, prepare_test, test_lb_topology,
+        unique_pin_dir,
+    },
+};
+use fastpath_common::{
+    ct::{CT_F_LB, CT_F_LB_ALIAS},
+    map_names,
+};
+use rcgen::ExtendedKeyUsagePurpose;
+
+#[path = "support/pki.rs"]
+mod pki;
+use pki::TestCa;
+
+const VIP: &str = "10.200.250.1";
+const A_SYNC: &str = "10.201.0.1";
+const B_SYNC: &str = "10.201.0.2";
+const SYNC_IF: &str = "sync0";
+const A_ID: u32 = 11;
+const B_ID: u32 = 22;
+
+fn bin() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_fastpath"))
+}
+
+struct Pair {
+    lb: LbTopology,
+    a: Daemon,
+    b: Daemon,
+    _dir: TempDir,
+}
+
+/// `[ha]` of one node, its certificate naming its sync address.
+fn ha_section(id: u32, me: &str, peer: &str, ca: &TestCa, dir: &TempDir, name: &str) -> String {
+    let cert = ca.leaf(
+        dir,
+        name,
+        &[me],
+        &[
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ],
+    );
+    format!(
+        "[ha]\nnode_id = {id}\nlisten = \"{me}:7946\"\ntls_cert = \"{}\"\ntls_key = \"{}\"\ntls_ca = \"{}\"\n[[ha.peers]]\naddress = \"{peer}:7946\"\n",
+        cert.cert.display(),
+        cert.key.display(),
+        ca.cert.display()
+    )
+}
+
+fn service() -> String {
+    format!(
+        "[[service]]\nvip = \"{VIP}\"\nport = 80\n[[service.backend]]\naddress = \"{}\"\nport = 80\n",
+        LbTopology::backend_v4(0)
+    )
+}
+
+fn start_pair(role: &str) -> Pair {
+    prepare_test(&["hping3", "curl", "nginx"]);
+    let dir = TempDir::new(role).expect("temp dir");
+    let mut lb = test_lb_topology(1);
+    lb.topo.add_ns("peer").expect("peer namespace");
+    lb.topo
+        .veth(
+            VethEnd::new(LbTopology::FP, SYNC_IF).addr(&format!("{A_SYNC}/24")),
+            VethEnd::new("peer", SYNC_IF).addr(&format!("{B_SYNC}/24")),
+        )
+        .expect("sync link");
+    lb.checksum_offloads_off().unwrap_or_else(|e| panic!("{e}"));
+    let ca = TestCa::new(&dir, "fastpath-ha-test-ca", "ca");
+    let a_cfg = lb
+        .fp_config(&unique_pin_dir(&format!("{role}-a")))
+        .conntrack("capacity", 1 << 20)
+        .services(&service())
+        .raw(&ha_section(A_ID, A_SYNC, B_SYNC, &ca, &dir, "node-a"));
+    let b_cfg = DaemonConfig::new(&unique_pin_dir(&format!("{role}-b")))
+        .interface(SYNC_IF)
+        .conntrack("capacity", 1 << 20)
+        .services(&service())
+        .raw(&ha_section(B_ID, B_SYNC, A_SYNC, &ca, &dir, "node-b"));
+    let b = Daemon::start(bin(), lb.topo.ns("peer"), &b_cfg);
+    let a = Daemon::start(bin(), lb.fp(), &a_cfg);
+    let pair = Pair {
+        lb,
+        a,
+        b,
+        _dir: dir,
+    };
+    wait_in_sync(&pair.b, "B at the start");
+    pair
+}
+
+/// Waits until `node`'s `ha status --check` passes.
+fn wait_in_sync(node: &Daemon, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = node.cli(&["ha", "status", "--check"]);
+        if out.status.success() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not in sync after 20 s: {}\n{}\nlog:\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            node.cli_ok(&["ha", "status"]),
+            node.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The load-balanced entries of a table (`origin`: 0 for the node's own, or a peer's id), as
+/// comparable text: key, TCP state, flags and NAT binding — what a takeover needs.
+fn lb_entries(pin_dir: &Path, origin: u32) -> BTreeSet<String> {
+    let table = CtTable::open_pin(&pin_dir.join("maps").join(map_names::CT))
+        .unwrap_or_else(|e| panic!("opening {}: {e}", pin_dir.display()));
+    let mut out = BTreeSet::new();
+    table
+        .walk(|keys, entries| {
+            for (k, e) in keys.iter().zip(entries) {
+                if e.origin == origin && e.flags & (CT_F_LB | CT_F_LB_ALIAS) != 0 {
+                    out.insert(format!(
+                        "{k:?} state={} flags={:#x} nat={:?}",
+                        e.state, e.flags, e.nat
+                    ));
+                }
+            }
+        })
+        .expect("walking the conntrack table");
+    out
+}
+
+/// Waits until B holds exactly A's load-balanced entries; returns how many there are.
+fn wait_tables_agree(p: &Pair, what: &str) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let a = lb_entries(p.a.pin_dir(), 0);
+        let b = lb_entries(p.b.pin_dir(), A_ID);
+        if a == b {
+            eprintln!("{what}: the tables agree on {} entries", a.len());
+            return a.len();
+        }
+        if Instant::now() >= deadline {
+            let missing: Vec<_> = a.difference(&b).take(3).collect();
+            let extra: Vec<_> = b.difference(&a).take(3).collect();
+            panic!(
+                "{what}: after 30 s B does not hold A's entries: A {} B {}, {} missing on B (e.g. {missing:?}), {} extra on B (e.g. {extra:?})\nA: {}\nB: {}\nA's log:\n{}\nB's log:\n{}",
+                a.len(),
+                b.len(),
+                a.difference(&b).count(),
+                b.difference(&a).count(),
+                p.a.cli_ok(&["ha", "status"]),
+                p.b.cli_ok(&["ha", "status"]),
+                p.a.log(),
+                p.b.log()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+/// `count` SYNs to the VIP from random sources, `gap_us` apart: each a new connection.
+fn syn_burst(lb: &LbTopology, count: u32, gap_us: u32) -> fastpath::testkit::netns::Spawned {
+    lb.client()
+        .spawn(&[
+            "hping3",
+            "-q",
+            "-S",
+            "-p",
+            "80",
+            "--rand-source",
+            "-c",
+            &count.to_string(),
+            "-i",
+            &format!("u{gap_us}"),
+            VIP,
+        ])
+        .unwrap_or_else(|e| panic!("hping3: {e}"))
+}
+
+fn wait_exit(mut s: fastpath::testkit::netns::Spawned, what: &str) {
+    s.wait_exit(Duration::from_secs(60))
+        .unwrap_or_else(|| panic!("{what} did not finish in 60 s"));
+}
+
+fn ha_json(node: &Daemon) -> serde_json::Value {
+    serde_json::from_str(&node.cli_ok(&["ha", "status", "-o", "json"])).expect("ha status json")
+}
+
+fn curl_vip(lb: &LbTopology, n: usize) {
+    for _ in 0..n {
+        lb.client()
+            .run(&[
+                "curl",
+                "-sS",
+                "--fail",
+                "--max-time",
+                "5",
+                &format!("http://{VIP}/"),
+            ])
+            .unwrap_or_else(|e| panic!("curl through the VIP: {e}"));
+    }
+}
+
+#[test]
+fn replication_heals_after_peer_restart_link_cut_ring_overflow_and_flush() {
+    let mut p = start_pair("ha-sync");
+    let _nginx =
+        p.lb.backend(0)
+            .http_server(80)
+            .unwrap_or_else(|e| panic!("nginx: {e}"));
+    std::fs::write(_nginx.root().join("index.html"), "backend 0").expect("writing the page");
+
+    // Steady state: connections made by real packets reach B as A has them.
+    curl_vip(&p.lb, 20);
+    wait_exit(syn_burst(&p.lb, 20_000, 20), "the first SYN burst");
+    let n = wait_tables_agree(&p, "steady state");
+    assert!(
+        n >= 40_000,
+        "expected ≥ 40000 LB entries (20000 SYNs and their aliases), got {n}"
+    );
+
+    // B killed and started again while A makes connections: B adopts what it had, A's
+    // snapshot on the new stream brings it up to date.
+    let burst = syn_burst(&p.lb, 30_000, 50);
+    std::thread::sleep(Duration::from_millis(300));
+    p.b.kill9();
+    std::thread::sleep(Duration::from_millis(500));
+    p.b.restart();
+    wait_exit(burst, "the SYN burst across B's restart");
+    wait_in_sync(&p.b, "B after its restart");
+    let n = wait_tables_agree(&p, "after B's restart mid-stream");
+    assert!(n >= 100_000, "entries after the restart: {n}");
+    assert!(
+        p.b.log()
+            .contains("Adopted connections replicated from peers"),
+        "B must adopt the entries it had before the restart:\n{}",
+        p.b.log()
+    );
+
+    // The sync link cut for 2 s and healed while A makes connections.
+    let connects_before = ha_json(&p.a)["peers_out"][0]["connects"]
+        .as_u64()
+        .unwrap_or(0);
+    let burst = syn_burst(&p.lb, 30_000, 50);
+    std::thread::sleep(Duration::from_millis(300));
+    p.lb.fp()
+        .ip(&["link", "set", SYNC_IF, "down"])
+        .expect("link down");
+    std::thread::sleep(Duration::from_secs(2));
+    p.lb.fp()
+        .ip(&["link", "set", SYNC_IF, "up"])
+        .expect("link up");
+    wait_exit(burst, "the SYN burst across the link cut");
+    let n = wait_tables_agree(&p, "after the sync link was cut and healed");
+    assert!(n >= 160_000, "entries after the cut: {n}");
+    let a = ha_json(&p.a);
+    assert!(
+        a["peers_out"][0]["connects"].as_u64().unwrap_or(0) > connects_before,
+        "A's stream must have reconnected after the cut: {a}"
+    );
+
+    // The event ring overflowed: A's daemon stopped (SIGSTOP) while its datapath makes 100k
+    // connections (200k entries, 100k+ events; the ring holds 65536).
+    let pid = p.a.pid().expect("A runs");
+    let lost_before = a["events_lost"].as_u64().unwrap_or(0);
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+    wait_exit(
+        syn_burst(&p.lb, 100_000, 5),
+        "the SYN burst into the stopped daemon",
+    );
+    // SAFETY: as above.
+    unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+    let n = wait_tables_agree(&p, "after the event ring overflowed");
+    assert!(n >= 300_000, "entries after the overflow: {n}");
+    let a = ha_json(&p.a);
+    assert!(
+        a["events_lost"].as_u64().unwrap_or(0) > lost_before,
+        "A must have seen the lost ring events: {a}"
+    );
+
+    // A flush on A: B drops A's entries too.
+    p.a.cli_ok(&["ct", "flush"]);
+    let n = wait_tables_agree(&p, "after a flush on A");
+    assert_eq!(n, 0, "after the flush");
+
+    let (a, b) = (ha_json(&p.a), ha_json(&p.b));
+    for (who, s) in [("A", &a), ("B", &b)] {
+        for peer in s["peers_in"].as_array().into_iter().flatten() {
+            assert_eq!(peer["rejected"], 0, "{who} refused changes: {s}");
+        }
+        for peer in s["peers_out"].as_array().into_iter().flatten() {
+            assert_eq!(peer["rejected"], 0, "{who} refused acks: {s}");
+            assert_eq!(
+                peer["peer_rejected"], 0,
+                "{who}'s peer refused changes: {s}"
+            );
+        }
+    }
+    eprintln!(
+        "HA faults healed: A {}\nB {}",
+        p.a.cli_ok(&["ha", "status"]),
+        p.b.cli_ok(&["ha", "status"])
+    );
+}
