@@ -7,8 +7,11 @@
 //!
 //! With conntrack replication (`[ha]`, A and B peers over their sync link, mutual TLS with
 //! certificates made per run), every connection must go on with zero resets. Without it
-//! (the baseline), B does not know A's connections and they must be reset: the baseline
-//! proves the harness sees a failover that loses state.
+//! (the baselines), B does not know A's connections: in full-NAT mode they are reset, in NAT
+//! mode with the stateful firewall they stall. The baselines prove the harness sees a
+//! failover that loses state, in the very configurations the acceptance tests use. (NAT mode
+//! without the firewall proves nothing: B picks connections up mid-stream through the same
+//! Maglev table, and they survive without sync.)
 //!
 //! Root only (never skipped). Debian packages: iproute2, keepalived, nginx-light, curl,
 //! ethtool.
@@ -23,7 +26,9 @@ use std::{
 use fastpath::testkit::{
     ha::{HaTopology, LbMode, Node, test_ha_topology},
     netns::{Daemon, HttpServer, TempDir, prepare_test, unique_pin_dir},
-    traffic::{ConnPool, EchoServers, PoolOptions, SlowDownload, random_bytes, tcp_resets},
+    traffic::{
+        ConnError, ConnPool, EchoServers, PoolOptions, SlowDownload, random_bytes, tcp_resets,
+    },
 };
 use rcgen::ExtendedKeyUsagePurpose;
 
@@ -130,10 +135,11 @@ struct Outcome {
     bulk_read_at_crash: usize,
 }
 
-/// Builds the testbed in `mode`, with `[ha]` sync between A and B when `sync`, runs the
+/// Builds the testbed in `mode` (the stateful firewall on both nodes' interfaces when
+/// `firewall`), with `[ha]` sync between A and B when `sync`, runs the
 /// traffic, crashes A and measures what B made of it. Checks only what must hold either way
 /// (the testbed works before the crash, B takes the VIP); the callers judge the outcome.
-fn failover(mode: LbMode, sync: bool, scheduler: Option<&str>) -> Outcome {
+fn failover(mode: LbMode, sync: bool, firewall: bool) -> Outcome {
     prepare_test(&["curl", "nginx", "ethtool", "keepalived"]);
     let dir = TempDir::new("ha").expect("temp dir");
     let mut ha = test_ha_topology(BACKENDS);
@@ -172,8 +178,11 @@ fn failover(mode: LbMode, sync: bool, scheduler: Option<&str>) -> Outcome {
                 mode,
                 &[HTTP_PORT, ECHO_PORT],
                 snat_ports(n),
-                scheduler,
+                None,
             );
+            if firewall {
+                config = config.stateful_firewall();
+            }
             if let Some(pki) = &pki {
                 let own = &pki.nodes[if n == Node::A { 0 } else { 1 }];
                 config = config.raw(&HaTopology::ha_toml(n, &own.cert, &own.key, &pki.ca));
@@ -225,10 +234,11 @@ fn failover(mode: LbMode, sync: bool, scheduler: Option<&str>) -> Outcome {
     }
 
     let resets_before = resets(&ha);
-    let mark = pool.mark();
-    let bulk_read_at_crash = download.bytes_read();
     daemons[0].kill9();
     let down = ha.crash(Node::A);
+    // From here on, every verified byte went through B.
+    let mark = pool.mark();
+    let bulk_read_at_crash = download.bytes_read();
     ha.wait_master(Node::B, Duration::from_secs(10));
     let takeover = down.elapsed();
     let progress = pool.wait_progress(&mark, RECOVERY);
@@ -242,7 +252,9 @@ fn failover(mode: LbMode, sync: bool, scheduler: Option<&str>) -> Outcome {
     };
     let resets_after = resets(&ha);
 
-    let (status, body) = download.finish();
+    // A stalled download would hold curl until its own timeout.
+    let (status, body) =
+        download.finish_within(Duration::from_secs(if bulk_moved { 60 } else { 2 }));
     let bulk_ok = bulk_moved && status.is_some_and(|s| s.success()) && body == bulk;
     let totals = pool.finish();
     let resets = (
@@ -250,7 +262,7 @@ fn failover(mode: LbMode, sync: bool, scheduler: Option<&str>) -> Outcome {
         resets_after.1 - resets_before.1,
     );
     eprintln!(
-        "ha failover ({mode:?}, {}): {} connections, {} bytes verified ({} sent), {} progressed \
+        "ha failover ({mode:?}, firewall {firewall}, {}): {} connections, {} bytes verified ({} sent), {} progressed \
          after the crash, {} failed ({}), {} waiting; takeover {} ms, all settled {} ms after \
          links down; bulk {} of {} bytes, intact: {bulk_ok} (curl {status:?}); resets sent {}, \
          established reset {} (client + backends); B's transitions: {}",
@@ -285,39 +297,73 @@ fn failover(mode: LbMode, sync: bool, scheduler: Option<&str>) -> Outcome {
     }
 }
 
-/// The baseline: the same pair without `[ha]`. B has none of A's connections when it takes
-/// the VIP, so the connections must break — and show as resets. If this test fails, either
-/// the harness no longer sees a broken failover, or B recovers connections without sync.
+/// The baseline, full-NAT: the same pair without `[ha]`. B has none of A's connections when
+/// it takes the VIP; it picks each one up mid-stream (no stateful firewall) but translates it
+/// to a source port of its own range, which the backend does not know: the backend answers
+/// RST, every connection is reset. If this test fails, either the harness no longer sees a
+/// broken failover, or B recovers full-NAT connections without sync.
 #[test]
 fn without_sync_a_failover_resets_connections() {
-    let out = failover(LbMode::Nat, false, None);
+    let out = failover(LbMode::FullNat, false, false);
+    assert_takeover(&out);
+    let reset = out
+        .progress
+        .failed
+        .iter()
+        .filter(|(_, e)| *e == ConnError::Reset)
+        .count();
+    assert!(
+        reset == CONNECTIONS && out.resets.0 + out.resets.1 >= CONNECTIONS as u64,
+        "without sync, every full-NAT connection must be reset by the failover: {reset} of \
+         {CONNECTIONS} reset ({} failed: {}; {} progressed, {} waiting), resets counted {:?}",
+        out.progress.failed.len(),
+        out.progress.failure_kinds(),
+        out.progress.progressed,
+        out.progress.waiting.len(),
+        out.resets
+    );
+    assert!(
+        !out.bulk_ok,
+        "the bulk transfer cannot survive the failover without sync"
+    );
+}
+
+/// The baseline, NAT mode with the stateful firewall (the configuration the NAT acceptance
+/// test runs): B's firewall drops packets of connections it never saw open, so without sync
+/// every connection stalls (no reset: nothing answers). Without the firewall, NAT-mode
+/// connections survive a failover even without sync — B picks them up mid-stream and the same
+/// Maglev table gives the same backend — so only with the firewall does the NAT acceptance
+/// test prove that the replicated entries arrived.
+#[test]
+fn without_sync_a_nat_failover_with_the_firewall_stalls_connections() {
+    let out = failover(LbMode::Nat, false, true);
+    assert_takeover(&out);
+    assert!(
+        out.progress.waiting.len() == CONNECTIONS,
+        "without sync, B's firewall must stop every NAT connection: {} of {CONNECTIONS} made no \
+         progress in {RECOVERY:?} ({} progressed, {} failed: {})",
+        out.progress.waiting.len(),
+        out.progress.progressed,
+        out.progress.failed.len(),
+        out.progress.failure_kinds()
+    );
+    assert!(!out.bulk_ok, "the bulk transfer cannot go on without sync");
+}
+
+fn assert_takeover(out: &Outcome) {
     assert!(
         out.takeover < Duration::from_secs(3),
         "B took the VIP {} ms after A's links went down",
         out.takeover.as_millis()
     );
-    let reset = out
-        .progress
-        .failed
-        .iter()
-        .filter(|(_, e)| *e == fastpath::testkit::traffic::ConnError::Reset)
-        .count();
-    assert!(
-        reset > CONNECTIONS / 2 && out.resets.0 + out.resets.1 > 0,
-        "without sync, most connections must be reset by the failover: {reset} of {CONNECTIONS} \
-         reset ({} failed: {}; {} progressed), resets counted {:?}",
-        out.progress.failed.len(),
-        out.progress.failure_kinds(),
-        out.progress.progressed,
-        out.resets
-    );
 }
 
-/// The acceptance check of replication, NAT mode.
+/// The acceptance check of replication, NAT mode, with the stateful firewall on: without
+/// it, B would pick the connections up mid-stream even without sync (see the baseline above).
 #[test]
 #[ignore = "needs [ha] sync: enabled when the daemon's sync lands"]
 fn nat_failover_keeps_1000_connections_and_a_bulk_transfer() {
-    let out = failover(LbMode::Nat, true, None);
+    let out = failover(LbMode::Nat, true, true);
     assert_kept(&out);
 }
 
@@ -326,16 +372,12 @@ fn nat_failover_keeps_1000_connections_and_a_bulk_transfer() {
 #[test]
 #[ignore = "needs [ha] sync: enabled when the daemon's sync lands"]
 fn full_nat_failover_keeps_1000_connections_and_a_bulk_transfer() {
-    let out = failover(LbMode::FullNat, true, None);
+    let out = failover(LbMode::FullNat, true, false);
     assert_kept(&out);
 }
 
 fn assert_kept(out: &Outcome) {
-    assert!(
-        out.takeover < Duration::from_secs(3),
-        "B took the VIP {} ms after A's links went down",
-        out.takeover.as_millis()
-    );
+    assert_takeover(out);
     assert!(
         out.progress.failed.is_empty() && out.progress.waiting.is_empty(),
         "every connection must go on after the failover: {} progressed, {} failed ({}; e.g. \

@@ -116,9 +116,15 @@ impl SlowDownload {
 
     /// Reads the rest at full speed: curl's exit status (`None`: still running after 60 s)
     /// and the body.
-    pub fn finish(mut self) -> (Option<ExitStatus>, Vec<u8>) {
+    pub fn finish(self) -> (Option<ExitStatus>, Vec<u8>) {
+        self.finish_within(Duration::from_secs(60))
+    }
+
+    /// [`SlowDownload::finish`] giving curl `timeout` to end (a stalled download is killed
+    /// then: `None` and the body so far).
+    pub fn finish_within(mut self, timeout: Duration) -> (Option<ExitStatus>, Vec<u8>) {
         self.done.store(true, Ordering::Relaxed);
-        let status = self.curl.wait_exit(Duration::from_secs(60));
+        let status = self.curl.wait_exit(timeout);
         if status.is_none() {
             // A stalled download: end it so the reader sees EOF.
             self.curl.kill();
