@@ -12,23 +12,14 @@ use std::{
 use fastpath::testkit::netns::{
     Daemon, LbTopology, TempDir, prepare_test, test_lb_topology, unique_pin_dir,
 };
-use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa, KeyPair,
-};
+use rcgen::ExtendedKeyUsagePurpose;
+
+#[path = "support/pki.rs"]
+mod pki;
+use pki::{CertFiles, TestCa};
 
 fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
-
-/// Writes `name.pem` (certificate) and `name.key` into `dir`.
-fn write_pair(dir: &TempDir, name: &str, cert: &str, key: &KeyPair) -> (PathBuf, PathBuf) {
-    let (c, k) = (
-        dir.join(format!("{name}.pem")),
-        dir.join(format!("{name}.key")),
-    );
-    std::fs::write(&c, cert).expect("writing a certificate");
-    std::fs::write(&k, key.serialize_pem()).expect("writing a key");
-    (c, k)
 }
 
 struct Pki {
@@ -39,36 +30,29 @@ struct Pki {
 }
 
 fn make_pki(dir: &TempDir) -> Pki {
-    let ca_params = |name: &str| {
-        let mut p = CertificateParams::new(Vec::<String>::new()).expect("CA params");
-        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        p.distinguished_name
-            .push(rcgen::DnType::CommonName, name.to_string());
-        p
-    };
-    let ca =
-        CertifiedIssuer::self_signed(ca_params("fastpath test CA"), KeyPair::generate().unwrap())
-            .expect("CA");
-    let other_ca =
-        CertifiedIssuer::self_signed(ca_params("another CA"), KeyPair::generate().unwrap())
-            .expect("other CA");
-    let leaf = |issuer: &CertifiedIssuer<'_, KeyPair>, san: &str, usage| {
-        let key = KeyPair::generate().expect("key");
-        let mut p = CertificateParams::new(vec![san.to_string()]).expect("params");
-        p.extended_key_usages = vec![usage];
-        let cert = p.signed_by(&key, issuer).expect("signing");
-        (cert.pem(), key)
-    };
-    let ca_path = dir.join("ca.pem");
-    std::fs::write(&ca_path, ca.pem()).expect("writing the CA");
-    let (s, sk) = leaf(&ca, "fastpath.test", ExtendedKeyUsagePurpose::ServerAuth);
-    let (c, ck) = leaf(&ca, "operator", ExtendedKeyUsagePurpose::ClientAuth);
-    let (x, xk) = leaf(&other_ca, "intruder", ExtendedKeyUsagePurpose::ClientAuth);
+    let ca = TestCa::new(dir, "fastpath test CA", "ca");
+    let other_ca = TestCa::new(dir, "another CA", "other-ca");
+    let pair = |f: CertFiles| (f.cert, f.key);
     Pki {
-        ca: ca_path,
-        server: write_pair(dir, "server", &s, &sk),
-        client: write_pair(dir, "client", &c, &ck),
-        stranger: write_pair(dir, "stranger", &x, &xk),
+        server: pair(ca.leaf(
+            dir,
+            "server",
+            &["fastpath.test"],
+            &[ExtendedKeyUsagePurpose::ServerAuth],
+        )),
+        client: pair(ca.leaf(
+            dir,
+            "client",
+            &["operator"],
+            &[ExtendedKeyUsagePurpose::ClientAuth],
+        )),
+        stranger: pair(other_ca.leaf(
+            dir,
+            "stranger",
+            &["intruder"],
+            &[ExtendedKeyUsagePurpose::ClientAuth],
+        )),
+        ca: ca.cert,
     }
 }
 

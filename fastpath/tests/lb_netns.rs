@@ -21,10 +21,6 @@ use std::{
     io::Read as _,
     net::IpAddr,
     path::Path,
-    sync::{
-        Arc,
-        atomic::{AtomicBool, AtomicUsize, Ordering},
-    },
     thread,
     time::{Duration, Instant},
 };
@@ -32,9 +28,12 @@ use std::{
 use fastpath::{
     config::{DEFAULT_CT_CAPACITY, Scheduler, ServiceConfig},
     datapath::{LbWriter, ServicesApplied, apply_services},
-    testkit::netns::{
-        Daemon, HttpServer, LbTopology, Spawned, TempDir, parse_services, predicted_backend,
-        prepare_test, test_lb_topology, unique_pin_dir,
+    testkit::{
+        netns::{
+            Daemon, HttpServer, LbTopology, Spawned, TempDir, parse_services, predicted_backend,
+            prepare_test, test_lb_topology, unique_pin_dir,
+        },
+        traffic::{SlowDownload, tcp_resets},
     },
 };
 use fastpath_common::{
@@ -1096,7 +1095,12 @@ fn ten_thousand_service_updates_under_traffic_fail_no_connection() {
     let long_port = (20000..21000u16)
         .find(|&p| predicted_in(&parsed[0], 0, client, p, vip, 80) == 0)
         .expect("a port the table gives backend 0");
-    let long = SlowDownload::start(&lb, &dir, long_port, "big.bin");
+    let long = SlowDownload::start(
+        lb.client(),
+        dir.path(),
+        &format!("http://{VIP4}/big.bin"),
+        Some(long_port),
+    );
 
     // The client loop: batches of 20 requests, each a new connection, until told to stop.
     let batch = dir.join("batch.curlrc");
@@ -1128,7 +1132,7 @@ fn ten_thousand_service_updates_under_traffic_fail_no_connection() {
             Instant::now() < deadline,
             "no traffic 10 s after starting it; loop: {:?}, long download: {:?}",
             fs::read_to_string(&loop_err),
-            long.curl.log()
+            long.curl_log()
         );
         thread::sleep(Duration::from_millis(10));
     }
@@ -1211,120 +1215,8 @@ fn ten_thousand_service_updates_under_traffic_fail_no_connection() {
 /// How long the update test spreads its updates over.
 const UPDATE_SPAN: Duration = Duration::from_secs(5);
 /// The long-lived download of the update test: large enough that the slow reader
-/// ([`SLOW_READ`] per 10 ms, 1.6 MB/s) is far from its end when the updates are over.
+/// ([`fastpath::testkit::traffic::SLOW_READ`] per 10 ms, 1.6 MB/s) is far from its end when the updates are over.
 const LONG_BYTES: usize = 32 << 20;
-const SLOW_READ: usize = 16 << 10;
-
-/// A download through the VIP kept open by a slow reader: curl in the client namespace writes
-/// the body into a FIFO that a thread of the test reads [`SLOW_READ`] bytes at a time, every
-/// 10 ms, until [`SlowDownload::finish`] — a slow client, its connection held open by TCP
-/// flow control for as long as the test needs. (curl's own `--limit-rate` proved no limit
-/// here: 512K let 8 MiB through in 0.07 s.)
-struct SlowDownload {
-    curl: Spawned,
-    read: Arc<AtomicUsize>,
-    done: Arc<AtomicBool>,
-    reader: thread::JoinHandle<std::io::Result<Vec<u8>>>,
-}
-
-impl SlowDownload {
-    /// GETs `http://VIP4/{path}` from source port `sport`.
-    fn start(lb: &LbTopology, dir: &TempDir, sport: u16, path: &str) -> SlowDownload {
-        let fifo = dir.join("slow.fifo");
-        fastpath::testkit::netns::host_run(&["mkfifo", fifo.to_str().expect("utf-8")])
-            .unwrap_or_else(|e| panic!("{e}"));
-        let curl = lb
-            .client()
-            .spawn(&[
-                "sh",
-                "-c",
-                &format!(
-                    "exec curl -q -sS --fail --local-port {sport} http://{VIP4}/{path} > {}",
-                    fifo.display()
-                ),
-            ])
-            .expect("slow download");
-        let (read, done) = (
-            Arc::new(AtomicUsize::new(0)),
-            Arc::new(AtomicBool::new(false)),
-        );
-        let (r, d) = (read.clone(), done.clone());
-        let reader = thread::spawn(move || {
-            let mut f = fs::File::open(&fifo)?;
-            let (mut body, mut buf) = (Vec::new(), vec![0u8; SLOW_READ]);
-            loop {
-                let n = f.read(&mut buf)?;
-                if n == 0 {
-                    return Ok(body);
-                }
-                body.extend_from_slice(&buf[..n]);
-                r.store(body.len(), Ordering::Relaxed);
-                if !d.load(Ordering::Relaxed) {
-                    // The reading rate, not synchronisation.
-                    thread::sleep(Duration::from_millis(10));
-                }
-            }
-        });
-        SlowDownload {
-            curl,
-            read,
-            done,
-            reader,
-        }
-    }
-
-    fn bytes_read(&self) -> usize {
-        self.read.load(Ordering::Relaxed)
-    }
-
-    /// Reads the rest at full speed: curl's exit status (`None`: still running after 60 s)
-    /// and the body.
-    fn finish(mut self) -> (Option<std::process::ExitStatus>, Vec<u8>) {
-        self.done.store(true, Ordering::Relaxed);
-        let status = self.curl.wait_exit(Duration::from_secs(60));
-        let body = self
-            .reader
-            .join()
-            .expect("the reader thread")
-            .unwrap_or_else(|e| panic!("reading the download: {e}"));
-        (status, body)
-    }
-}
-
-/// TCP resets a namespace's stack has sent and seen so far (`/proc/net/snmp`: OutRsts,
-/// EstabResets): a reset on either end shows here, whoever caused it.
-fn tcp_resets(ns: &fastpath::testkit::netns::Netns) -> (u64, u64) {
-    let snmp = ns
-        .run(&["cat", "/proc/net/snmp"])
-        .unwrap_or_else(|e| panic!("{e}"));
-    let mut tcp = snmp.lines().filter(|l| l.starts_with("Tcp:"));
-    let (names, values) = (tcp.next().unwrap_or(""), tcp.next().unwrap_or(""));
-    let field = |want: &str| {
-        names
-            .split_whitespace()
-            .zip(values.split_whitespace())
-            .find(|(n, _)| *n == want)
-            .and_then(|(_, v)| v.parse().ok())
-            .unwrap_or_else(|| panic!("no Tcp {want} in /proc/net/snmp:\n{snmp}"))
-    };
-    (field("OutRsts"), field("EstabResets"))
-}
-
-/// Waits until `long` has read `more` bytes beyond `from`; panics after 20 s.
-fn progressed(long: &SlowDownload, from: usize, more: usize, when: &str) -> usize {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let now = long.bytes_read();
-        if now >= from + more {
-            return now;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{when}: the download stalled at {now} bytes (was {from})"
-        );
-        thread::sleep(Duration::from_millis(20));
-    }
-}
 
 /// The daemon restarts under a live NAT'ed TCP stream, the way a service manager does it
 /// (config/fastpath.service: SIGTERM with --leave-attached, then start) and after kill -9:
@@ -1350,19 +1242,24 @@ fn a_tcp_stream_flows_across_daemon_stop_start_and_kill9() {
     let mut daemon = Daemon::start_with_args(bin(), lb.fp(), &config, &["--leave-attached"]);
     let (client0, backend0) = (tcp_resets(lb.client()), tcp_resets(lb.backend(0)));
 
-    let long = SlowDownload::start(&lb, &dir, 20_500, "big.bin");
-    let mut at = progressed(&long, 0, 1 << 20, "before the stop");
+    let long = SlowDownload::start(
+        lb.client(),
+        dir.path(),
+        &format!("http://{VIP4}/big.bin"),
+        Some(20_500),
+    );
+    let mut at = long.progressed(0, 1 << 20, "before the stop");
 
     let status = daemon.stop();
     assert!(status.success(), "daemon stop: {status}\n{}", daemon.log());
-    at = progressed(&long, at, 1 << 20, "with the daemon stopped");
+    at = long.progressed(at, 1 << 20, "with the daemon stopped");
     daemon.restart();
-    at = progressed(&long, at, 1 << 20, "after the start");
+    at = long.progressed(at, 1 << 20, "after the start");
 
     daemon.kill9();
-    at = progressed(&long, at, 1 << 20, "after kill -9, no daemon");
+    at = long.progressed(at, 1 << 20, "after kill -9, no daemon");
     daemon.restart();
-    progressed(&long, at, 1 << 20, "after the restart");
+    long.progressed(at, 1 << 20, "after the restart");
     let log = daemon.log();
     assert!(
         log.contains("Reusing pinned maps"),

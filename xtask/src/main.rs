@@ -43,6 +43,8 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "wrk",
     "haproxy",
     "iptables",
+    // The HA failover test: VRRP moves the VIP between the two fastpath nodes.
+    "keepalived",
 ];
 
 const USAGE: &str = "\

@@ -5,8 +5,10 @@
 pub mod cases;
 pub mod ct_cases;
 pub mod fixture;
+pub mod ha;
 pub mod netns;
 pub mod packet;
+pub mod traffic;
 
 /// The check every root-only test (and the demo) starts with. It panics, never skips: a test
 /// that did not run must not pass. Under CI=true the message says the CI job must run as root;
