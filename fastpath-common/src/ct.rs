@@ -435,6 +435,9 @@ pub mod ct_event {
     pub const EARLY_DROP: u8 = 5;
     /// The datapath removed this entry: a RST before any reply (as Linux does).
     pub const KILLED: u8 = 6;
+    /// The first reply was seen (TCP: the SYN-ACK, now SYN_RECV) — Linux's IPCT_REPLY
+    /// UPDATE; HA replication needs it, as the entry's state changed.
+    pub const REPLIED: u8 = 7;
 }
 
 /// One conntrack event (ring buffer record). Append-only.

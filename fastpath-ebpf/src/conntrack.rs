@@ -1032,8 +1032,8 @@ fn update(
         emit(key, ct_event::ESTABLISHED, e, now);
     }
     // perf: an atomic or only the first time (a plain read first).
-    if dir == DIR_REPLY && e.flags & CT_F_SEEN_REPLY == 0 {
-        set_flag(e, CT_F_SEEN_REPLY);
+    if dir == DIR_REPLY && e.flags & CT_F_SEEN_REPLY == 0 && set_flag(e, CT_F_SEEN_REPLY) {
+        emit(key, ct_event::REPLIED, e, now);
     }
     let d = dir & 1;
     e.packets[d] += 1;

@@ -112,7 +112,7 @@ pub fn kind_name(ev: &CtEvent) -> &'static str {
     match ev.kind {
         ct_event::NEW => "NEW",
         ct_event::ESTABLISHED => "UPDATE",
-        ct_event::CLOSED => "UPDATE",
+        ct_event::CLOSED | ct_event::REPLIED => "UPDATE",
         ct_event::EXPIRED | ct_event::EARLY_DROP | ct_event::KILLED => "DESTROY",
         _ => "UNKNOWN",
     }

@@ -275,7 +275,10 @@ impl Ha {
             };
             for ev in events {
                 match ev.kind {
-                    ct_event::NEW | ct_event::ESTABLISHED | ct_event::CLOSED => {
+                    ct_event::NEW
+                    | ct_event::REPLIED
+                    | ct_event::ESTABLISHED
+                    | ct_event::CLOSED => {
                         let Some(e) = table.get(&ev.key) else {
                             // Gone already: its removal is an event of its own.
                             continue;

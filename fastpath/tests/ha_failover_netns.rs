@@ -361,7 +361,6 @@ fn assert_takeover(out: &Outcome) {
 /// The acceptance check of replication, NAT mode, with the stateful firewall on: without
 /// it, B would pick the connections up mid-stream even without sync (see the baseline above).
 #[test]
-#[ignore = "needs [ha] sync: enabled when the daemon's sync lands"]
 fn nat_failover_keeps_1000_connections_and_a_bulk_transfer() {
     let out = failover(LbMode::Nat, true, true);
     assert_kept(&out);
@@ -370,7 +369,6 @@ fn nat_failover_keeps_1000_connections_and_a_bulk_transfer() {
 /// The acceptance check of replication, full-NAT mode (the backends see the floating
 /// gateway address with a port A chose; B must translate with A's port).
 #[test]
-#[ignore = "needs [ha] sync: enabled when the daemon's sync lands"]
 fn full_nat_failover_keeps_1000_connections_and_a_bulk_transfer() {
     let out = failover(LbMode::FullNat, true, false);
     assert_kept(&out);
