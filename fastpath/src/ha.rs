@@ -858,17 +858,22 @@ async fn send_snapshot(
         };
         let walked = table.walk(|keys, entries| {
             for (k, e) in keys.iter().zip(entries) {
-                if !owned_here(&table, k, e) {
+                // An alias goes right after its connection's entry, never before it: the
+                // peer's expiry removes an alias whose connection it does not have.
+                if e.flags & CT_F_LB_ALIAS != 0 || !owned_here(&table, k, e) {
                     continue;
                 }
-                if let Some(c) = sync::to_wire(k, e, now, &ix) {
-                    changes.push(pb::Change {
-                        seq: 0,
-                        op: Some(pb::change::Op::Upsert(c)),
-                    });
-                    if changes.len() == BATCH {
-                        flush(&mut changes);
+                let alias = lb_peer_key(k, e).and_then(|ak| table.get(&ak).map(|a| (ak, a)));
+                for (k, e) in std::iter::once((*k, *e)).chain(alias) {
+                    if let Some(c) = sync::to_wire(&k, &e, now, &ix) {
+                        changes.push(pb::Change {
+                            seq: 0,
+                            op: Some(pb::change::Op::Upsert(c)),
+                        });
                     }
+                }
+                if changes.len() >= BATCH {
+                    flush(&mut changes);
                 }
             }
         });

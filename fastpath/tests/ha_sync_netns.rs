@@ -258,7 +258,8 @@ fn replication_heals_after_peer_restart_link_cut_ring_overflow_and_flush() {
         p.b.log()
     );
 
-    // The sync link cut for 2 s and healed while A makes connections.
+    // The sync link cut for 5 s (longer than the streams' 2 s keepalive timeout: both ends
+    // give the stream up) and healed while A makes connections.
     let connects_before = ha_json(&p.a)["peers_out"][0]["connects"]
         .as_u64()
         .unwrap_or(0);
@@ -267,7 +268,7 @@ fn replication_heals_after_peer_restart_link_cut_ring_overflow_and_flush() {
     p.lb.fp()
         .ip(&["link", "set", SYNC_IF, "down"])
         .expect("link down");
-    std::thread::sleep(Duration::from_secs(2));
+    std::thread::sleep(Duration::from_secs(5));
     p.lb.fp()
         .ip(&["link", "set", SYNC_IF, "up"])
         .expect("link up");
