@@ -1170,15 +1170,17 @@ pub async fn ha_status(target: &Target, check: bool, out: OutputArg) -> ExitCode
                     .collect();
                 return print_json(&json!({
                     "node_id": s.node_id, "epoch": s.epoch, "in_sync": s.in_sync,
-                    "events_lost": s.events_lost, "peers_out": outs, "peers_in": ins,
+                    "events_lost": s.events_lost, "rejected_messages": s.rejected_messages,
+                    "peers_out": outs, "peers_in": ins,
                 }));
             }
             println!(
-                "node {}  epoch {}  {}  events lost {}",
+                "node {}  epoch {}  {}  events lost {}  messages refused {}",
                 s.node_id,
                 s.epoch,
                 if s.in_sync { "IN SYNC" } else { "NOT IN SYNC" },
-                s.events_lost
+                s.events_lost,
+                s.rejected_messages
             );
             println!("to peers:");
             println!(

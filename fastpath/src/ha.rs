@@ -529,6 +529,7 @@ impl Ha {
             peers_out,
             peers_in,
             events_lost: self.events_lost.load(Ordering::Relaxed),
+            rejected_messages: self.rejected_messages.load(Ordering::Relaxed),
         }
     }
 }

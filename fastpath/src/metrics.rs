@@ -378,6 +378,16 @@ fn ha_metrics(o: &mut Out, s: &crate::api::pb::HaStatus) {
         "Conntrack events replication missed (ring or hub overflow); each makes the peers resync.",
     );
     o.sample("fastpath_ha_events_lost_total", &[], s.events_lost);
+    o.family(
+        "fastpath_ha_rejected_messages_total",
+        "counter",
+        "Peer messages refused whole (no or a wrong node id); their stream was closed.",
+    );
+    o.sample(
+        "fastpath_ha_rejected_messages_total",
+        &[],
+        s.rejected_messages,
+    );
     type Get = fn(&crate::api::pb::HaPeerOut) -> f64;
     let outs: [(&str, &str, &str, Get); 10] = [
         (
