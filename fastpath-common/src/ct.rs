@@ -435,8 +435,10 @@ pub mod ct_event {
     pub const EARLY_DROP: u8 = 5;
     /// The datapath removed this entry: a RST before any reply (as Linux does).
     pub const KILLED: u8 = 6;
-    /// The first reply was seen (TCP: the SYN-ACK, now SYN_RECV) — Linux's IPCT_REPLY
-    /// UPDATE; HA replication needs it, as the entry's state changed.
+    /// The first reply was seen: `CT_F_SEEN_REPLY` was set (TCP: usually the SYN-ACK, now
+    /// SYN_RECV; a simultaneous open's SYN, SYN_SENT2; the answer to a connection picked up
+    /// mid-stream, ESTABLISHED; or a reply the state machine ignores, state unchanged) —
+    /// Linux's IPCT_REPLY UPDATE. HA replication needs it, as the entry changed.
     pub const REPLIED: u8 = 7;
 }
 

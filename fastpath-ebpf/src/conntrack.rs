@@ -1008,11 +1008,10 @@ fn update(
                 }
             }
             TcpStep::Ignore => {
-                // Accepted, so a reply still counts as seen (as in Linux), but not accounted.
+                // Accepted, so a reply still counts as seen, with its event (as in Linux:
+                // IPCT_REPLY follows any accepted reply), but not accounted.
                 count(ct_stat::IGNORED);
-                if dir == DIR_REPLY && e.flags & CT_F_SEEN_REPLY == 0 {
-                    set_flag(e, CT_F_SEEN_REPLY);
-                }
+                mark_replied(key, e, dir, now);
                 return None;
             }
             TcpStep::Invalid => {
@@ -1031,15 +1030,23 @@ fn update(
         count(ct_stat::ASSURED);
         emit(key, ct_event::ESTABLISHED, e, now);
     }
-    // perf: an atomic or only the first time (a plain read first).
-    if dir == DIR_REPLY && e.flags & CT_F_SEEN_REPLY == 0 && set_flag(e, CT_F_SEEN_REPLY) {
-        emit(key, ct_event::REPLIED, e, now);
-    }
+    mark_replied(key, e, dir, now);
     let d = dir & 1;
     e.packets[d] += 1;
     e.bytes[d] += len as u64;
     e.last_seen_ns = now;
     None
+}
+
+/// A reply-direction packet the connection accepted: the first one sets `CT_F_SEEN_REPLY`,
+/// with a REPLIED event (Linux's IPCT_REPLY) from the CPU whose atomic set it, so every
+/// transition has exactly one event.
+#[inline(always)]
+fn mark_replied(key: &CtKey, e: &mut CtEntry, dir: usize, now: u64) {
+    // perf: an atomic or only the first time (a plain read first).
+    if dir == DIR_REPLY && e.flags & CT_F_SEEN_REPLY == 0 && set_flag(e, CT_F_SEEN_REPLY) {
+        emit(key, ct_event::REPLIED, e, now);
+    }
 }
 
 /// A TCP state move this CPU made (see `claim_tcp_step`).

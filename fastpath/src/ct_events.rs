@@ -195,7 +195,7 @@ pub async fn log_to_file(
 
 #[cfg(test)]
 mod tests {
-    use fastpath_common::ct::{CT_F_ASSURED, CT_F_ORIG_IS_LO, ct_key, tcp_state};
+    use fastpath_common::ct::{CT_F_ASSURED, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, ct_key, tcp_state};
 
     use super::*;
 
@@ -301,6 +301,16 @@ mod tests {
         assert_eq!(
             line,
             "[12.000345] [UPDATE] tcp 6 ESTABLISHED src=10.0.0.2 dst=10.0.0.1 sport=40000 dport=80 [ASSURED]"
+        );
+        // The first reply: an UPDATE, as Linux prints its IPCT_REPLY event.
+        let line = render(&event(
+            ct_event::REPLIED,
+            tcp_state::SYN_RECV,
+            CT_F_SEEN_REPLY,
+        ));
+        assert_eq!(
+            line,
+            "[12.000345] [UPDATE] tcp 6 SYN_RECV src=10.0.0.2 dst=10.0.0.1 sport=40000 dport=80"
         );
     }
 }

@@ -142,8 +142,8 @@ enum Command {
         /// Keep programs attached and pins in place on exit.
         #[arg(long)]
         leave_attached: bool,
-        /// Append every conntrack event (NEW, UPDATE on established/closed) to FILE, one
-        /// `conntrack -E -o timestamp` style line each.
+        /// Append every conntrack event (NEW, UPDATE on the first reply and on
+        /// established/closed) to FILE, one `conntrack -E -o timestamp` style line each.
         #[arg(long, value_name = "FILE")]
         ct_events_log: Option<PathBuf>,
     },

@@ -596,10 +596,11 @@ fn tcp_exchange_through_fp_matches_kernel_conntrack() {
         summary,
         [
             ("NEW", "SYN_SENT", false),
+            ("UPDATE", "SYN_RECV", false),
             ("UPDATE", "ESTABLISHED", true),
             ("UPDATE", last_state, true)
         ],
-        "expected NEW SYN_SENT, UPDATE ESTABLISHED [ASSURED], UPDATE TIME_WAIT|CLOSE [ASSURED] for {flow}; its events:\n{}",
+        "expected NEW SYN_SENT, UPDATE SYN_RECV (the SYN-ACK, the first reply), UPDATE ESTABLISHED [ASSURED], UPDATE TIME_WAIT|CLOSE [ASSURED] for {flow}; its events:\n{}",
         render_events(&events)
     );
     assert!(
@@ -700,13 +701,14 @@ fn tcp_exchange_through_fp_matches_kernel_conntrack() {
     );
 }
 
-/// Waits until `flow` has a NEW event in the log, then (when `assured`) an assured UPDATE, and
-/// no other event; returns its events.
+/// Waits until `flow` (UDP or ICMP echo, answered) has a NEW event in the log, an UPDATE for
+/// its first reply, then (when `assured`) an assured UPDATE, and no other event; returns its
+/// events.
 fn wait_events(events_log: &Path, flow: &Flow, assured: bool) -> Vec<Event> {
     let want: &[(&str, bool)] = if assured {
-        &[("NEW", false), ("UPDATE", true)]
+        &[("NEW", false), ("UPDATE", false), ("UPDATE", true)]
     } else {
-        &[("NEW", false)]
+        &[("NEW", false), ("UPDATE", false)]
     };
     poll(SETTLE, || {
         let all = read_events(events_log);
@@ -1088,12 +1090,19 @@ fn ct_flush_empties_the_table_and_flows_are_picked_up_again() {
         (1, 0),
         "the pickup creates exactly one entry and refuses no packet; ct stats before the flush {stats_before:?}, after the pickup {stats_picked:?}"
     );
-    // Its ESTABLISHED events: the handshake's (under `flow`), then the pickup's NEW and
-    // assured UPDATE (under the picked-up entry's originator, `flow` or its reverse).
+    // Its ESTABLISHED events: the handshake's assured UPDATE (under `flow`; its first reply's
+    // UPDATE was SYN_RECV), then the pickup's NEW, the UPDATE of the first packet the other way
+    // (the reply is seen; the entry stays ESTABLISHED, not yet assured) and the assured UPDATE
+    // of the packet after it — under the picked-up entry's originator, `flow` or its reverse.
     let want_pickup: &[(&str, bool)] = if picked.flow() == flow {
-        &[("UPDATE", true), ("NEW", false), ("UPDATE", true)]
+        &[
+            ("UPDATE", true),
+            ("NEW", false),
+            ("UPDATE", false),
+            ("UPDATE", true),
+        ]
     } else {
-        &[("NEW", false), ("UPDATE", true)]
+        &[("NEW", false), ("UPDATE", false), ("UPDATE", true)]
     };
     poll(SETTLE, || {
         let all = read_events(&events_log);

@@ -138,8 +138,8 @@ fn upsert(seq: u64, c: pb::Connection) -> pb::Change {
 /// What a hand-made peer saw of one stream.
 #[derive(Debug)]
 enum Outcome {
-    /// The stream could not be opened (TLS refused).
-    Refused(String),
+    /// The stream could not be opened (TLS refused), and why (shown on failure).
+    Refused(#[allow(dead_code, reason = "shown by Debug in assertion messages")] String),
     /// The acknowledgements it got before the stream ended (or it stopped reading).
     Acks(Vec<pb::Ack>),
 }

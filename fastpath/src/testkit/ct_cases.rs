@@ -47,6 +47,7 @@ const SEEN: u8 = CT_F_SEEN_REPLY;
 const SEEN_ASSURED: u8 = CT_F_SEEN_REPLY | CT_F_ASSURED;
 
 const NEW_EV: u8 = ct_event::NEW;
+const REPLIED_EV: u8 = ct_event::REPLIED;
 const EST_EV: u8 = ct_event::ESTABLISHED;
 const CLOSED_EV: u8 = ct_event::CLOSED;
 
@@ -789,7 +790,7 @@ impl Seq {
     /// The three-way handshake on the current flow, from nothing to ESTABLISHED.
     fn handshake(self) -> Self {
         self.tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
-            .tcp(R, SYNACK, SR, SEEN, HIT, &[])
+            .tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
             .tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
     }
 
@@ -862,7 +863,7 @@ fn tcp_sequences() -> Vec<Seq> {
             .tcp(R, FIN, TW, SEEN_ASSURED, HIT, &[]),
         Seq::xdp("tcp_simultaneous_open", tcp4())
             .tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
-            .tcp(R, SYN, S2, SEEN, HIT, &[])
+            .tcp(R, SYN, S2, SEEN, HIT, &[(REPLIED_EV, S2)])
             .tcp(O, SYNACK, SR, SEEN, HIT, &[])
             // The other side's SYN/ACK in SYN_RECV: Linux ignores it (sIG).
             .tcp(R, SYNACK, SR, SEEN, HIT_IGNORED, &[])
@@ -871,7 +872,7 @@ fn tcp_sequences() -> Vec<Seq> {
             .table_len(1),
         Seq::xdp("tcp_simultaneous_open_synack_from_reply", tcp4())
             .tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
-            .tcp(R, SYN, S2, SEEN, HIT, &[])
+            .tcp(R, SYN, S2, SEEN, HIT, &[(REPLIED_EV, S2)])
             .tcp(O, SYN, S2, SEEN, HIT, &[])
             .tcp(R, ACK, S2, SEEN, HIT_IGNORED, &[])
             .tcp(R, SYNACK, SR, SEEN, HIT, &[])
@@ -880,12 +881,12 @@ fn tcp_sequences() -> Vec<Seq> {
             .tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
             .tcp(O, SYN, SS, NOFLAGS, HIT, &[])
             .counts([2, 0], [2 * tcp_len(&tcp4(), 0), 0])
-            .tcp(R, SYNACK, SR, SEEN, HIT, &[])
+            .tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
             .tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
             .table_len(1),
         Seq::xdp("tcp_synack_and_syn_retransmitted_in_syn_recv", tcp4())
             .tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
-            .tcp(R, SYNACK, SR, SEEN, HIT, &[])
+            .tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
             .tcp(R, SYNACK, SR, SEEN, HIT_IGNORED, &[])
             .tcp(O, SYN, SR, SEEN, HIT_IGNORED, &[])
             .tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)]),
@@ -908,11 +909,11 @@ fn tcp_sequences() -> Vec<Seq> {
             .table_len(0),
         Seq::xdp("tcp_rst_in_syn_recv", tcp4())
             .tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
-            .tcp(R, SYNACK, SR, SEEN, HIT, &[])
+            .tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
             .tcp(O, RST, CL, SEEN, HIT_CLOSED, &[(CLOSED_EV, CL)]),
         Seq::xdp("tcp_rst_in_syn_sent2", tcp4())
             .tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
-            .tcp(R, SYN, S2, SEEN, HIT, &[])
+            .tcp(R, SYN, S2, SEEN, HIT, &[(REPLIED_EV, S2)])
             .tcp(R, RST, CL, SEEN, HIT_CLOSED, &[(CLOSED_EV, CL)]),
         Seq::xdp("tcp_rst_from_responder_in_established", tcp4())
             .handshake()
@@ -931,7 +932,16 @@ fn tcp_sequences() -> Vec<Seq> {
         Seq::xdp("tcp_ack_in_syn_sent_is_invalid", tcp4())
             .tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
             .tcp(O, ACK, SS, NOFLAGS, HIT_INVALID, &[])
-            .tcp(R, SYNACK, SR, SEEN, HIT, &[]),
+            .tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)]),
+        // A reply the state machine ignores (an ACK answering the SYN: Linux's sIG) is still
+        // accepted, so the reply is seen — with its event, as Linux sends IPCT_REPLY for any
+        // accepted reply — though not accounted; the handshake goes on.
+        Seq::xdp("tcp_ignored_first_reply_is_seen_with_its_event", tcp4())
+            .tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+            .tcp(R, ACK, SS, SEEN, HIT_IGNORED, &[(REPLIED_EV, SS)])
+            .counts([1, 0], [tcp_len(&tcp4(), 0), 0])
+            .tcp(R, SYNACK, SR, SEEN, HIT, &[])
+            .tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)]),
         Seq::xdp(
             "tcp_fin_and_synack_from_originator_in_syn_sent_are_invalid",
             tcp4(),
@@ -955,7 +965,7 @@ fn tcp_sequences() -> Vec<Seq> {
         // assured only by a packet after the reply was seen — as in Linux.
         Seq::xdp("tcp_loose_pickup_of_bare_ack", tcp4())
             .tcp(O, ACK, ES, NOFLAGS, CREATED, &[(NEW_EV, ES)])
-            .tcp(R, ACK, ES, SEEN, HIT, &[])
+            .tcp(R, ACK, ES, SEEN, HIT, &[(REPLIED_EV, ES)])
             .counts([1, 1], [tcp_len(&tcp4(), 0), tcp_len(&tcp4(), 0)])
             .tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)]),
         Seq::xdp("tcp_loose_pickup_is_not_assured_without_reply", tcp4())
@@ -967,7 +977,7 @@ fn tcp_sequences() -> Vec<Seq> {
             .tcp(O, SYN, SS, NOFLAGS, HIT_REOPENED, &[(NEW_EV, SS)])
             .counts([1, 0], [tcp_len(&tcp4(), 0), 0])
             .table_len(1)
-            .tcp(R, SYNACK, SR, SEEN, HIT, &[])
+            .tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
             .tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)]),
         // The responder's SYN re-opens TIME_WAIT (Linux: reply SYN in TIME_WAIT → SYN_SENT);
         // the new connection's originator is the old responder.
@@ -975,7 +985,7 @@ fn tcp_sequences() -> Vec<Seq> {
             .active_close()
             .tcp(R, SYN, SS, NOFLAGS, HIT_REOPENED, &[(NEW_EV, SS)])
             .counts([1, 0], [tcp_len(&tcp4(), 0), 0])
-            .tcp(O, SYNACK, SR, SEEN, HIT, &[])
+            .tcp(O, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
             .tcp(R, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
             .counts([2, 1], [2 * tcp_len(&tcp4(), 0), tcp_len(&tcp4(), 0)]),
         Seq::xdp("tcp_syn_reopens_close_after_rst", tcp4())
@@ -1017,7 +1027,7 @@ fn direction_sequences() -> Vec<Seq> {
         Seq::xdp("tcp_both_directions_one_entry", hi_client)
             .tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
             .table_len(1)
-            .tcp(R, SYNACK, SR, SEEN, HIT, &[])
+            .tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
             .table_len(1)
             .tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
             .table_len(1)
@@ -1027,7 +1037,7 @@ fn direction_sequences() -> Vec<Seq> {
         Seq::xdp("tcp_per_direction_counters", tcp4())
             .tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
             .counts([1, 0], [54, 0])
-            .tcp(R, SYNACK, SR, SEEN, HIT, &[])
+            .tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
             .counts([1, 1], [54, 54])
             .tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
             .counts([2, 1], [108, 54])
@@ -1058,7 +1068,7 @@ fn udp_icmp_sequences() -> Vec<Seq> {
         Seq::xdp("udp_first_packet_reply_and_hits", udp4())
             .udp(O, b"query", NOFLAGS, CREATED, &[(NEW_EV, 0)])
             .udp(O, b"query2", NOFLAGS, HIT, &[])
-            .udp(R, b"answer", SEEN, HIT, &[])
+            .udp(R, b"answer", SEEN, HIT, &[(REPLIED_EV, 0)])
             .udp(R, b"answer2", SEEN, HIT, &[])
             .udp(O, b"q", SEEN, HIT, &[])
             .counts(
@@ -1071,7 +1081,7 @@ fn udp_icmp_sequences() -> Vec<Seq> {
             .table_len(1),
         Seq::xdp("udp_replied_and_active_after_2s_is_assured", udp4())
             .udp(O, b"query", NOFLAGS, CREATED, &[(NEW_EV, 0)])
-            .udp(R, b"answer", SEEN, HIT, &[])
+            .udp(R, b"answer", SEEN, HIT, &[(REPLIED_EV, 0)])
             .wait(1)
             .udp(O, b"within 2 s", SEEN, HIT, &[])
             .wait(2)
@@ -1080,7 +1090,7 @@ fn udp_icmp_sequences() -> Vec<Seq> {
         Seq::xdp("udp_first_reply_after_2s_is_not_yet_assured", udp4())
             .udp(O, b"query", NOFLAGS, CREATED, &[(NEW_EV, 0)])
             .wait(3)
-            .udp(R, b"late answer", SEEN, HIT, &[])
+            .udp(R, b"late answer", SEEN, HIT, &[(REPLIED_EV, 0)])
             .udp(O, b"next", SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, 0)]),
         Seq::xdp("udp_unreplied_is_never_assured", udp4())
             .udp(O, b"query", NOFLAGS, CREATED, &[(NEW_EV, 0)])
@@ -1088,7 +1098,7 @@ fn udp_icmp_sequences() -> Vec<Seq> {
             .udp(O, b"again", NOFLAGS, HIT, &[]),
         Seq::xdp("udp_ipv6_assured_after_2s", udp6())
             .udp(O, b"query", NOFLAGS, CREATED, &[(NEW_EV, 0)])
-            .udp(R, b"answer", SEEN, HIT, &[])
+            .udp(R, b"answer", SEEN, HIT, &[(REPLIED_EV, 0)])
             .udp(O, b"again", SEEN, HIT, &[])
             .counts([2, 1], [2 * udp_len(&udp6(), 5), udp_len(&udp6(), 6)])
             .wait(3)
@@ -1097,12 +1107,12 @@ fn udp_icmp_sequences() -> Vec<Seq> {
         // Same address on both sides (loopback traffic): the ports order the key.
         Seq::xdp("udp_same_address_both_sides", lo)
             .udp(O, b"query", NOFLAGS, CREATED, &[(NEW_EV, 0)])
-            .udp(R, b"answer", SEEN, HIT, &[])
+            .udp(R, b"answer", SEEN, HIT, &[(REPLIED_EV, 0)])
             .counts([1, 1], [udp_len(&lo, 5), udp_len(&lo, 6)])
             .table_len(1),
         Seq::xdp("icmp_echo_request_and_reply", Flow::icmp4(A4, B4, 0x4242))
             .echo(O, 1, NOFLAGS, CREATED, &[(NEW_EV, 0)])
-            .echo(R, 1, SEEN, HIT, &[])
+            .echo(R, 1, SEEN, HIT, &[(REPLIED_EV, 0)])
             .echo(O, 2, SEEN, HIT, &[])
             .echo(R, 2, SEEN, HIT, &[])
             .counts([2, 2], [2 * 46, 2 * 46])
@@ -1121,13 +1131,13 @@ fn udp_icmp_sequences() -> Vec<Seq> {
         .echo(O, 1, NOFLAGS, CREATED, &[(NEW_EV, 0)])
         .table_len(2)
         .flow(Flow::icmp4(A4, B4, 1))
-        .echo(R, 1, SEEN, HIT, &[])
+        .echo(R, 1, SEEN, HIT, &[(REPLIED_EV, 0)])
         .flow(Flow::icmp4(A4, B4, 3))
         .echo_refused(1)
         .table_len(2),
         Seq::xdp("icmpv6_echo_request_and_reply", Flow::icmp6(A6, B6, 0x77))
             .echo(O, 1, NOFLAGS, CREATED, &[(NEW_EV, 0)])
-            .echo(R, 1, SEEN, HIT, &[])
+            .echo(R, 1, SEEN, HIT, &[(REPLIED_EV, 0)])
             .echo(O, 2, SEEN, HIT, &[])
             .counts([2, 1], [2 * 66, 66])
             .table_len(1),
@@ -1289,7 +1299,7 @@ fn firewall_sequences() -> Vec<Seq> {
             .tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
             .tcp(O, ACK, SS, NOFLAGS, HIT_INVALID, &[])
             .dropped(reason::FW_INVALID_STATE)
-            .tcp(R, SYNACK, SR, SEEN, HIT, &[])
+            .tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
             .tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
             .tcp(O, 0, ES, SEEN_ASSURED, HIT_INVALID, &[])
             .dropped(reason::FW_INVALID_STATE)
@@ -1300,10 +1310,10 @@ fn firewall_sequences() -> Vec<Seq> {
             udp4(),
         )
         .udp(O, b"query", NOFLAGS, CREATED, &[(NEW_EV, 0)])
-        .udp(R, b"answer", SEEN, HIT, &[])
+        .udp(R, b"answer", SEEN, HIT, &[(REPLIED_EV, 0)])
         .flow(Flow::icmp4(A4, B4, 11))
         .echo(O, 1, NOFLAGS, CREATED, &[(NEW_EV, 0)])
-        .echo(R, 1, SEEN, HIT, &[])
+        .echo(R, 1, SEEN, HIT, &[(REPLIED_EV, 0)])
         .flow(Flow::icmp6(A6, B6, 12))
         .echo_refused(1)
         .dropped(reason::FW_NO_CONNECTION)
@@ -1332,7 +1342,7 @@ fn firewall_sequences() -> Vec<Seq> {
         )
         .tcp(O, ACK, ES, NOFLAGS, CREATED, &[(NEW_EV, ES)])
         .on(Hook::TcIngress)
-        .tcp(R, ACK, ES, SEEN, HIT, &[]),
+        .tcp(R, ACK, ES, SEEN, HIT, &[(REPLIED_EV, ES)]),
     ]
 }
 
@@ -1361,7 +1371,7 @@ pub fn pressure_sequences() -> Vec<CtSequence> {
         .flow(tcp4())
         .tcp(O, SYN, SS, NOFLAGS, CREATED_EARLY_DROP, &[(NEW_EV, SS)])
         .early_drops(udp(1002).key())
-        .tcp(R, SYNACK, SR, SEEN, HIT, &[])
+        .tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
         .tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
         .flow(udp(1006))
         .udp(O, b"6", NOFLAGS, CREATED_EARLY_DROP, &[(NEW_EV, 0)])
@@ -1569,7 +1579,7 @@ fn hook_sequences() -> Vec<Seq> {
             udp4(),
         )
         .udp(O, b"q", NOFLAGS, CREATED, &[(NEW_EV, 0)])
-        .udp(R, b"a", SEEN, HIT, &[])
+        .udp(R, b"a", SEEN, HIT, &[(REPLIED_EV, 0)])
         .flow(Flow::icmp6(A6, B6, 5))
         .echo(O, 1, NOFLAGS, CREATED, &[(NEW_EV, 0)])
         .table_len(2),
@@ -1597,7 +1607,7 @@ fn hook_sequences() -> Vec<Seq> {
         )
         .tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
         .on(Hook::Xdp)
-        .tcp(R, SYNACK, SR, SEEN, HIT, &[])
+        .tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
         .on(Hook::TcEgress)
         .tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
         .counts([2, 1], [108, 54])
@@ -1750,7 +1760,7 @@ fn full_nat_sequences() -> Vec<Seq> {
             .snat(v4(SNAT4), sp)
             .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
             .table_len(2)
-            .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[])
+            .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
             .lb_tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
             .lb_tcp(O, DATA, ES, SEEN_ASSURED, HIT, &[])
             .lb_tcp(R, DATA, ES, SEEN_ASSURED, HIT, &[])
@@ -1763,13 +1773,13 @@ fn full_nat_sequences() -> Vec<Seq> {
             .via(BE6, 8443)
             .snat(SNAT6, sp6t)
             .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
-            .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[])
+            .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
             .lb_tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)]),
         Seq::lb("lb_full_nat_udp_v6_query_and_answer", udp6_vip, &udp6_svc)
             .via(BE6, 5353)
             .snat(SNAT6, sp6)
             .lb_udp(O, b"query", NOFLAGS, CREATED, &[(NEW_EV, 0)])
-            .lb_udp(R, b"answer", SEEN, HIT, &[])
+            .lb_udp(R, b"answer", SEEN, HIT, &[(REPLIED_EV, 0)])
             .lb_udp(O, b"again", SEEN, HIT, &[])
             .table_len(2),
         Seq::lb(
@@ -1979,7 +1989,7 @@ fn lb_sequences() -> Vec<Seq> {
         .via(be0, 8080)
         .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
         .table_len(2)
-        .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[])
+        .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
         .lb_tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
         .lb_tcp(O, FIN, FW, SEEN_ASSURED, HIT, &[])
         .lb_tcp(R, ACK, CW, SEEN_ASSURED, HIT, &[])
@@ -1990,12 +2000,12 @@ fn lb_sequences() -> Vec<Seq> {
         Seq::lb("lb_tcp_v6_handshake", tcp6_vip, &tcp6_svc)
             .via(BE6, 8443)
             .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
-            .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[])
+            .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
             .lb_tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)]),
         Seq::lb("lb_udp_v6_query_and_answer", udp6_vip, &udp6_svc)
             .via(BE6, 5353)
             .lb_udp(O, b"query", NOFLAGS, CREATED, &[(NEW_EV, 0)])
-            .lb_udp(R, b"answer", SEEN, HIT, &[])
+            .lb_udp(R, b"answer", SEEN, HIT, &[(REPLIED_EV, 0)])
             .lb_udp(O, b"again", SEEN, HIT, &[])
             .table_len(2),
         // UDP over IPv4 may carry no checksum: a translated datagram keeps none.
@@ -2017,7 +2027,7 @@ fn lb_sequences() -> Vec<Seq> {
                 None,
                 SEEN,
                 HIT,
-                &[],
+                &[(REPLIED_EV, 0)],
             ),
         predicted.table_len(24),
         // An established connection stays on its backend when the service changes; a new one
@@ -2029,7 +2039,7 @@ fn lb_sequences() -> Vec<Seq> {
         )
         .via(be0, 8080)
         .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
-        .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[])
+        .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
         .lb_tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
         .reseed(&moved)
         .lb_tcp(O, DATA, ES, SEEN_ASSURED, HIT, &[])
@@ -2057,7 +2067,7 @@ fn lb_sequences() -> Vec<Seq> {
             &[(NEW_EV, SS)],
         )
         .table_len(2)
-        .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[]),
+        .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)]),
         // A SYN on the tuple of a closed connection is a new connection: balanced again by
         // the service as it is now, its old entry and alias replaced.
         Seq::lb(
@@ -2067,7 +2077,7 @@ fn lb_sequences() -> Vec<Seq> {
         )
         .via(be0, 8080)
         .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
-        .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[])
+        .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
         .lb_tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
         .lb_tcp(O, FIN, FW, SEEN_ASSURED, HIT, &[])
         .lb_tcp(R, FIN, LA, SEEN_ASSURED, HIT, &[])
@@ -2165,7 +2175,7 @@ pub fn dsr_sequences() -> Vec<CtSequence> {
         let mut s = Seq::lb(name, flow, &svcs);
         for (dir, flags, state, ct_flags, stats, events) in [
             (O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)][..]),
-            (R, SYNACK, SR, SEEN, HIT, &[][..]),
+            (R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)][..]),
             (O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)][..]),
             (O, DATA, ES, SEEN_ASSURED, HIT, &[][..]),
         ] {

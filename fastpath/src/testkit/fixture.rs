@@ -1464,6 +1464,7 @@ fn events_name(events: &[(u8, u8)]) -> String {
         .map(|&(kind, state)| {
             let kind = match kind {
                 ct_event::NEW => "NEW".to_owned(),
+                ct_event::REPLIED => "REPLIED".to_owned(),
                 ct_event::ESTABLISHED => "ESTABLISHED".to_owned(),
                 ct_event::CLOSED => "CLOSED".to_owned(),
                 ct_event::EXPIRED => "EXPIRED".to_owned(),
