@@ -327,12 +327,7 @@ async fn bind_tcp(
         Some(addr) => {
             let addr = *addr.get_ref();
             let tls = crate::api::server::server_tls(config).map_err(DaemonError::Tls)?;
-            let l = tokio::net::TcpListener::bind(addr)
-                .await
-                .map_err(|e| DaemonError::Listen {
-                    what: format!("the API address {addr}"),
-                    source: e,
-                })?;
+            let l = bind(addr, "the API address").await?;
             listeners.push(format!(
                 "{}://{addr}",
                 if tls.is_some() { "https" } else { "http" }
@@ -344,18 +339,26 @@ async fn bind_tcp(
     let metrics = match &config.api.metrics_listen {
         Some(addr) => {
             let addr = *addr.get_ref();
-            let l = tokio::net::TcpListener::bind(addr)
-                .await
-                .map_err(|e| DaemonError::Listen {
-                    what: format!("the metrics address {addr}"),
-                    source: e,
-                })?;
+            let l = bind(addr, "the metrics address").await?;
             listeners.push(format!("metrics:http://{addr}/metrics"));
             Some(l)
         }
         None => None,
     };
     Ok((tcp, metrics))
+}
+
+/// A TCP listener on `addr`; an address in use names `what` it was for.
+async fn bind(
+    addr: std::net::SocketAddr,
+    what: &str,
+) -> Result<tokio::net::TcpListener, DaemonError> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| DaemonError::Listen {
+            what: format!("{what} {addr}"),
+            source: e,
+        })
 }
 
 /// The HA sync listener and its TLS, if `[ha]` is configured.
@@ -368,12 +371,7 @@ async fn bind_ha(
     };
     let tls = crate::ha::server_tls(ha)?;
     let addr = *ha.listen.get_ref();
-    let l = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| DaemonError::Listen {
-            what: format!("the HA sync address {addr} (ha.listen)"),
-            source: e,
-        })?;
+    let l = bind(addr, "the HA sync address (ha.listen)").await?;
     listeners.push(format!("ha:https://{addr}"));
     Ok(Some((l, tls)))
 }
