@@ -52,6 +52,8 @@ use crate::{
 const BATCH: usize = 1024;
 /// Acknowledgements whose lag the percentiles cover.
 const LAG_SAMPLES: usize = 4096;
+/// How long the feeder waits after an event for more before reading the table.
+const COALESCE: Duration = Duration::from_millis(2);
 /// How often lost ring events are looked for.
 const LOSS_POLL: Duration = Duration::from_millis(200);
 /// A peer's largest message (a batch of 1024 changes is about 150 KiB).
@@ -264,48 +266,64 @@ impl Ha {
             .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
 
-    /// Queues the changes `events` describe for every peer.
+    /// Queues the changes `events` describe for every peer. Several events of one
+    /// connection in the batch (a short connection's NEW, REPLIED, ESTABLISHED, CLOSED) make
+    /// one change: its entry as it is now, or its removal if that came last.
     fn on_events(&self, events: &[CtEvent]) {
         let ix = self.lb.borrow().clone();
         let now = conntrack::monotonic_ns();
-        let mut out = Vec::with_capacity(events.len() * 2);
+        // Per connection: the first event's time (the lag counts from it) and whether the
+        // last event removed it.
+        let mut order: Vec<CtKey> = Vec::with_capacity(events.len());
+        let mut last: HashMap<CtKey, (u64, bool)> = HashMap::with_capacity(events.len());
+        for ev in events {
+            let removed = match ev.kind {
+                ct_event::NEW | ct_event::REPLIED | ct_event::ESTABLISHED | ct_event::CLOSED => {
+                    false
+                }
+                ct_event::EXPIRED | ct_event::EARLY_DROP | ct_event::KILLED => true,
+                _ => continue,
+            };
+            last.entry(ev.key)
+                .and_modify(|(_, r)| *r = removed)
+                .or_insert_with(|| {
+                    order.push(ev.key);
+                    (ev.ts_ns, removed)
+                });
+        }
+        let mut out = Vec::with_capacity(order.len() * 2);
         {
             let Ok(table) = self.table.lock() else {
                 return;
             };
-            for ev in events {
-                match ev.kind {
-                    ct_event::NEW
-                    | ct_event::REPLIED
-                    | ct_event::ESTABLISHED
-                    | ct_event::CLOSED => {
-                        let Some(e) = table.get(&ev.key) else {
-                            // Gone already: its removal is an event of its own.
-                            continue;
-                        };
-                        if !owned_here(&table, &ev.key, &e) {
-                            continue;
-                        }
-                        let alias =
-                            lb_peer_key(&ev.key, &e).and_then(|k| table.get(&k).map(|a| (k, a)));
-                        for (k, e) in std::iter::once((ev.key, e)).chain(alias) {
-                            if let Some(c) = sync::to_wire(&k, &e, now, &ix) {
-                                out.push(Pending {
-                                    at_ns: ev.ts_ns,
-                                    op: pb::change::Op::Upsert(c),
-                                });
-                            }
-                        }
+            for key in &order {
+                let Some(&(at_ns, removed)) = last.get(key) else {
+                    continue;
+                };
+                if removed {
+                    if let Some(c) = sync::to_wire(key, &CtEntry::default(), 0, &ix) {
+                        out.push(Pending {
+                            at_ns,
+                            op: pb::change::Op::Delete(c),
+                        });
                     }
-                    ct_event::EXPIRED | ct_event::EARLY_DROP | ct_event::KILLED => {
-                        if let Some(c) = sync::to_wire(&ev.key, &CtEntry::default(), 0, &ix) {
-                            out.push(Pending {
-                                at_ns: ev.ts_ns,
-                                op: pb::change::Op::Delete(c),
-                            });
-                        }
+                    continue;
+                }
+                let Some(e) = table.get(key) else {
+                    // Gone already: its removal is an event of its own.
+                    continue;
+                };
+                if !owned_here(&table, key, &e) {
+                    continue;
+                }
+                let alias = lb_peer_key(key, &e).and_then(|k| table.get(&k).map(|a| (k, a)));
+                for (k, e) in std::iter::once((*key, e)).chain(alias) {
+                    if let Some(c) = sync::to_wire(&k, &e, now, &ix) {
+                        out.push(Pending {
+                            at_ns,
+                            op: pb::change::Op::Upsert(c),
+                        });
                     }
-                    _ => {}
                 }
             }
         }
@@ -622,11 +640,21 @@ async fn feed(
                     Err(broadcast::error::RecvError::Lagged(n)) => ha.lost(n, "the event hub"),
                     Err(broadcast::error::RecvError::Closed) => return,
                 }
-                while batch.len() < BATCH {
-                    match events.try_recv() {
-                        Ok(ev) => batch.push(ev),
-                        Err(broadcast::error::TryRecvError::Lagged(n)) => ha.lost(n, "the event hub"),
-                        Err(_) => break,
+                // When the batch is not full, a moment for the connections' next events to
+                // join (fewer table reads and changes; the lag grows by at most this much).
+                for wait in [None, Some(COALESCE)] {
+                    if let Some(w) = wait {
+                        if batch.len() >= BATCH {
+                            break;
+                        }
+                        tokio::time::sleep(w).await;
+                    }
+                    while batch.len() < BATCH {
+                        match events.try_recv() {
+                            Ok(ev) => batch.push(ev),
+                            Err(broadcast::error::TryRecvError::Lagged(n)) => ha.lost(n, "the event hub"),
+                            Err(_) => break,
+                        }
                     }
                 }
                 if !batch.is_empty() {
