@@ -849,7 +849,7 @@ pub enum PairError {
     Table {
         pin_dir: PathBuf,
         #[source]
-        source: DatapathError,
+        source: Box<DatapathError>,
     },
     #[error("walking the conntrack table under {}: {source}", pin_dir.display())]
     Walk {
@@ -857,17 +857,15 @@ pub enum PairError {
         #[source]
         source: std::io::Error,
     },
+    /// `detail`: both nodes' `ha status` and logs.
     #[error(
-        "{what}: after {timeout:?} B does not hold A's load-balanced entries: {diff}\nA: {a_status}\nB: {b_status}\nA's log:\n{a_log}\nB's log:\n{b_log}"
+        "{what}: after {timeout:?} B does not hold A's load-balanced entries: {diff}\n{detail}"
     )]
     TablesDiffer {
         what: String,
         timeout: Duration,
-        diff: LbTableDiff,
-        a_status: String,
-        b_status: String,
-        a_log: String,
-        b_log: String,
+        diff: Box<LbTableDiff>,
+        detail: String,
     },
 }
 
@@ -922,7 +920,7 @@ pub fn lb_entries(pin_dir: &Path, origin: u32) -> Result<LbEntries, PairError> {
     let table = CtTable::open_pin(&pin_dir.join("maps").join(map_names::CT)).map_err(|source| {
         PairError::Table {
             pin_dir: pin_dir.to_owned(),
-            source,
+            source: Box::new(source),
         }
     })?;
     let mut out = LbEntries::default();
@@ -1024,15 +1022,18 @@ pub fn wait_tables_agree(
         }
         if start.elapsed() >= timeout {
             let status =
-                |d: &Daemon| String::from_utf8_lossy(&d.cli(&["ha", "status"]).stdout).into();
+                |d: &Daemon| String::from_utf8_lossy(&d.cli(&["ha", "status"]).stdout).into_owned();
             return Err(PairError::TablesDiffer {
                 what: what.into(),
                 timeout,
-                diff,
-                a_status: status(a),
-                b_status: status(b),
-                a_log: a.log(),
-                b_log: b.log(),
+                diff: Box::new(diff),
+                detail: format!(
+                    "A: {}\nB: {}\nA's log:\n{}\nB's log:\n{}",
+                    status(a),
+                    status(b),
+                    a.log(),
+                    b.log()
+                ),
             });
         }
         thread::sleep(Duration::from_millis(300));
