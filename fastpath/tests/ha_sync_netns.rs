@@ -8,22 +8,11 @@
 //! tables entry for entry: every load-balanced entry A's datapath made is in B's table marked
 //! as A's, with the same key, TCP state, flags and NAT binding, and B holds nothing else of A's.
 
-use std::{
-    collections::BTreeSet,
-    path::Path,
-    time::{Duration, Instant},
-};
+use std::time::Duration;
 
-use fastpath::{
-    datapath::CtTable,
-    testkit::netns::{
-        Daemon, DaemonConfig, LbTopology, TempDir, VethEnd, prepare_test, test_lb_topology,
-        unique_pin_dir,
-    },
-};
-use fastpath_common::{
-    ct::{CT_F_LB, CT_F_LB_ALIAS},
-    map_names,
+use fastpath::testkit::{
+    ha::{self, Node, NodeTls, SyncPair},
+    netns::{Daemon, LbTopology, Spawned, TempDir, prepare_test, test_lb_topology, unique_pin_dir},
 };
 use rcgen::ExtendedKeyUsagePurpose;
 
@@ -32,14 +21,9 @@ mod pki;
 use pki::TestCa;
 
 const VIP: &str = "10.200.250.1";
-const A_SYNC: &str = "10.201.0.1";
-const B_SYNC: &str = "10.201.0.2";
-const SYNC_IF: &str = "sync0";
-const A_ID: u32 = 11;
-const B_ID: u32 = 22;
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
+fn bin() -> &'static std::path::Path {
+    std::path::Path::new(env!("CARGO_BIN_EXE_fastpath"))
 }
 
 struct Pair {
@@ -49,23 +33,22 @@ struct Pair {
     _dir: TempDir,
 }
 
-/// `[ha]` of one node, its certificate naming its sync address.
-fn ha_section(id: u32, me: &str, peer: &str, ca: &TestCa, dir: &TempDir, name: &str) -> String {
+/// `node`'s certificate (naming its server name), key and the CA.
+fn node_tls(ca: &TestCa, dir: &TempDir, node: Node) -> NodeTls {
     let cert = ca.leaf(
         dir,
-        name,
-        &[me],
+        node.server_name(),
+        &[node.server_name()],
         &[
             ExtendedKeyUsagePurpose::ServerAuth,
             ExtendedKeyUsagePurpose::ClientAuth,
         ],
     );
-    format!(
-        "[ha]\nnode_id = {id}\nlisten = \"{me}:7946\"\ntls_cert = \"{}\"\ntls_key = \"{}\"\ntls_ca = \"{}\"\n[[ha.peers]]\naddress = \"{peer}:7946\"\n",
-        cert.cert.display(),
-        cert.key.display(),
-        ca.cert.display()
-    )
+    NodeTls {
+        cert: cert.cert,
+        key: cert.key,
+        ca: ca.cert.clone(),
+    }
 }
 
 fn service() -> String {
@@ -79,27 +62,20 @@ fn start_pair(role: &str) -> Pair {
     prepare_test(&["hping3", "curl", "nginx"]);
     let dir = TempDir::new(role).expect("temp dir");
     let mut lb = test_lb_topology(1);
-    lb.topo.add_ns("peer").expect("peer namespace");
-    lb.topo
-        .veth(
-            VethEnd::new(LbTopology::FP, SYNC_IF).addr(&format!("{A_SYNC}/24")),
-            VethEnd::new("peer", SYNC_IF).addr(&format!("{B_SYNC}/24")),
-        )
-        .expect("sync link");
+    SyncPair::add_to(&mut lb).unwrap_or_else(|e| panic!("sync link: {e}"));
     lb.checksum_offloads_off().unwrap_or_else(|e| panic!("{e}"));
     let ca = TestCa::new(&dir, "fastpath-ha-test-ca", "ca");
     let a_cfg = lb
         .fp_config(&unique_pin_dir(&format!("{role}-a")))
         .conntrack("capacity", 1 << 20)
         .services(&service())
-        .raw(&ha_section(A_ID, A_SYNC, B_SYNC, &ca, &dir, "node-a"));
-    let b_cfg = DaemonConfig::new(&unique_pin_dir(&format!("{role}-b")))
-        .interface(SYNC_IF)
+        .raw(&SyncPair::ha_toml(Node::A, &node_tls(&ca, &dir, Node::A)));
+    let b_cfg = SyncPair::peer_config(&unique_pin_dir(&format!("{role}-b")))
         .conntrack("capacity", 1 << 20)
         .services(&service())
-        .raw(&ha_section(B_ID, B_SYNC, A_SYNC, &ca, &dir, "node-b"));
-    let b = Daemon::start(bin(), lb.topo.ns("peer"), &b_cfg);
-    let a = Daemon::start(bin(), lb.fp(), &a_cfg);
+        .raw(&SyncPair::ha_toml(Node::B, &node_tls(&ca, &dir, Node::B)));
+    let b = Daemon::start(bin(), SyncPair::ns(&lb, Node::B), &b_cfg);
+    let a = Daemon::start(bin(), SyncPair::ns(&lb, Node::A), &a_cfg);
     let pair = Pair {
         lb,
         a,
@@ -112,99 +88,30 @@ fn start_pair(role: &str) -> Pair {
 
 /// Waits until `node`'s `ha status --check` passes.
 fn wait_in_sync(node: &Daemon, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let out = node.cli(&["ha", "status", "--check"]);
-        if out.status.success() {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: not in sync after 20 s: {}\n{}\nlog:\n{}",
-            String::from_utf8_lossy(&out.stderr),
-            node.cli_ok(&["ha", "status"]),
-            node.log()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-/// The load-balanced entries of a table (`origin`: 0 for the node's own, or a peer's id), as
-/// comparable text: key, TCP state, flags and NAT binding — what a takeover needs.
-fn lb_entries(pin_dir: &Path, origin: u32) -> BTreeSet<String> {
-    let table = CtTable::open_pin(&pin_dir.join("maps").join(map_names::CT))
-        .unwrap_or_else(|e| panic!("opening {}: {e}", pin_dir.display()));
-    let mut out = BTreeSet::new();
-    table
-        .walk(|keys, entries| {
-            for (k, e) in keys.iter().zip(entries) {
-                if e.origin == origin && e.flags & (CT_F_LB | CT_F_LB_ALIAS) != 0 {
-                    out.insert(format!(
-                        "{k:?} state={} flags={:#x} nat={:?}",
-                        e.state, e.flags, e.nat
-                    ));
-                }
-            }
-        })
-        .expect("walking the conntrack table");
-    out
+    ha::wait_in_sync(node, what, Duration::from_secs(20)).unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// Waits until B holds exactly A's load-balanced entries; returns how many there are.
 fn wait_tables_agree(p: &Pair, what: &str) -> usize {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let a = lb_entries(p.a.pin_dir(), 0);
-        let b = lb_entries(p.b.pin_dir(), A_ID);
-        if a == b {
-            eprintln!("{what}: the tables agree on {} entries", a.len());
-            return a.len();
-        }
-        if Instant::now() >= deadline {
-            let missing: Vec<_> = a.difference(&b).take(3).collect();
-            let extra: Vec<_> = b.difference(&a).take(3).collect();
-            panic!(
-                "{what}: after 30 s B does not hold A's entries: A {} B {}, {} missing on B (e.g. {missing:?}), {} extra on B (e.g. {extra:?})\nA: {}\nB: {}\nA's log:\n{}\nB's log:\n{}",
-                a.len(),
-                b.len(),
-                a.difference(&b).count(),
-                b.difference(&a).count(),
-                p.a.cli_ok(&["ha", "status"]),
-                p.b.cli_ok(&["ha", "status"]),
-                p.a.log(),
-                p.b.log()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(300));
-    }
+    let diff = ha::wait_tables_agree(&p.a, &p.b, what, Duration::from_secs(30))
+        .unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("{what}: the tables agree on {} entries", diff.a_entries);
+    diff.a_entries
 }
 
 /// `count` SYNs to the VIP from random sources, `gap_us` apart: each a new connection.
-fn syn_burst(lb: &LbTopology, count: u32, gap_us: u32) -> fastpath::testkit::netns::Spawned {
-    lb.client()
-        .spawn(&[
-            "hping3",
-            "-q",
-            "-S",
-            "-p",
-            "80",
-            "--rand-source",
-            "-c",
-            &count.to_string(),
-            "-i",
-            &format!("u{gap_us}"),
-            VIP,
-        ])
+fn syn_burst(lb: &LbTopology, count: u32, gap_us: u32) -> Spawned {
+    ha::syn_burst(lb.client(), VIP.parse().expect("VIP"), 80, count, gap_us)
         .unwrap_or_else(|e| panic!("hping3: {e}"))
 }
 
-fn wait_exit(mut s: fastpath::testkit::netns::Spawned, what: &str) {
+fn wait_exit(mut s: Spawned, what: &str) {
     s.wait_exit(Duration::from_secs(60))
         .unwrap_or_else(|| panic!("{what} did not finish in 60 s"));
 }
 
 fn ha_json(node: &Daemon) -> serde_json::Value {
-    serde_json::from_str(&node.cli_ok(&["ha", "status", "-o", "json"])).expect("ha status json")
+    ha::ha_status(node).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn curl_vip(lb: &LbTopology, n: usize) {
@@ -266,11 +173,11 @@ fn replication_heals_after_peer_restart_link_cut_ring_overflow_and_flush() {
     let burst = syn_burst(&p.lb, 30_000, 50);
     std::thread::sleep(Duration::from_millis(300));
     p.lb.fp()
-        .ip(&["link", "set", SYNC_IF, "down"])
+        .ip(&["link", "set", SyncPair::SYNC_IF, "down"])
         .expect("link down");
     std::thread::sleep(Duration::from_secs(5));
     p.lb.fp()
-        .ip(&["link", "set", SYNC_IF, "up"])
+        .ip(&["link", "set", SyncPair::SYNC_IF, "up"])
         .expect("link up");
     wait_exit(burst, "the SYN burst across the link cut");
     let n = wait_tables_agree(&p, "after the sync link was cut and healed");

@@ -5,7 +5,10 @@
 //! the client talking to backend 0 directly through fp (the baseline, no LB), the fastpath
 //! daemon (XDP, NAT mode, Maglev), iptables DNAT with the `statistic` match (kube-proxy's
 //! scheme), nftables DNAT through a `numgen random` map, and HAProxy in TCP mode listening on
-//! the VIP. wrk, single-threaded, runs in the client for a fixed time: new connection per
+//! the VIP, and "fastpath + HA sync": the fastpath contender's setup plus `[ha]` on fp,
+//! streaming its conntrack changes to a peer daemon (node B) in a peer namespace on its own
+//! sync link (the replication test's pair, `testkit::ha::SyncPair`); after each of its runs B
+//! must have received and installed A's changes with nothing refused. wrk, single-threaded, runs in the client for a fixed time: new connection per
 //! request, keep-alive, and a large file over keep-alive (throughput). Rounds are interleaved
 //! (every contender once per round, the starting one rotating); medians over rounds are
 //! reported with ratios to the baseline and to fastpath. Every run must show requests answered
@@ -17,9 +20,12 @@
 use std::{fmt::Write as _, fs, net::Ipv4Addr, path::Path, time::Duration};
 
 use anyhow::{Context as _, Result, bail};
-use fastpath::testkit::netns::{
-    Daemon, HttpServer, LbTopology, Netns, Spawned, TempDir, find_tools, lb_topology,
-    unique_pin_dir,
+use fastpath::testkit::{
+    ha::{self as pair, Node, NodeTls, SyncPair},
+    netns::{
+        Daemon, HttpServer, LbTopology, Netns, Spawned, TempDir, find_tools, lb_topology,
+        unique_pin_dir,
+    },
 };
 use fastpath_common::reason;
 use serde::Serialize;
@@ -72,15 +78,18 @@ enum Contender {
     Iptables,
     Nftables,
     Haproxy,
+    /// Fastpath's setup plus `[ha]`, streaming to a peer daemon.
+    FastpathHa,
 }
 
 impl Contender {
-    const ALL: [Contender; 5] = [
+    const ALL: [Contender; 6] = [
         Contender::Direct,
         Contender::Fastpath,
         Contender::Iptables,
         Contender::Nftables,
         Contender::Haproxy,
+        Contender::FastpathHa,
     ];
 
     /// Short name, for JSON and progress.
@@ -91,6 +100,7 @@ impl Contender {
             Contender::Iptables => "iptables",
             Contender::Nftables => "nftables",
             Contender::Haproxy => "haproxy",
+            Contender::FastpathHa => "fastpath-ha",
         }
     }
 
@@ -102,6 +112,9 @@ impl Contender {
             Contender::Iptables => "iptables DNAT, `-m statistic --mode random` (kube-proxy)",
             Contender::Nftables => "nftables DNAT, `numgen random mod 3` map",
             Contender::Haproxy => "HAProxy, TCP mode, roundrobin",
+            Contender::FastpathHa => {
+                "fastpath + HA sync (the same daemon with `[ha]`, streaming to a peer daemon)"
+            }
         }
     }
 
@@ -207,6 +220,11 @@ pub struct ContenderRow {
     /// HAProxy) took during the new-connection, keep-alive and throughput runs, in % of one
     /// CPU; `None` where no process of its own runs (the kernel does the work).
     process_cpu_percent: Option<[f64; 3]>,
+    /// The HA contender: node B's CPU, as `process_cpu_percent`, and what was replicated.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    peer_process_cpu_percent: Option<[f64; 3]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ha: Option<HaTotals>,
 }
 
 /// The comparison's results and method.
@@ -235,6 +253,9 @@ struct Samples {
     conntrack: Vec<f64>,
     /// CPU of the contender's process (daemon, HAProxy) per run, in % of one CPU, by [`Mode`].
     process_cpu: [Vec<f64>; 3],
+    /// HA sync: the peer daemon's CPU per run, by [`Mode`], and what replication did.
+    peer_cpu: [Vec<f64>; 3],
+    ha: HaTotals,
     /// The client's retransmitted SYNs and segments, summed over the measured runs.
     syn_retransmits: u64,
     retransmitted_segments: u64,
@@ -243,10 +264,29 @@ struct Samples {
     requests: u64,
 }
 
+/// Replication over the HA contender's measured runs.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct HaTotals {
+    /// Changes A made for B (its `last_seq` delta) and B received, summed over the runs.
+    changes: u64,
+    received_changes: u64,
+    /// Medians over the new-connection runs of A's lag percentiles (change made → B applied,
+    /// over A's last 4096 acks, read after the run), µs.
+    lag_p50_us: f64,
+    lag_p99_us: f64,
+    /// A's `events_lost` and resyncs (snapshots after the first), summed.
+    events_lost: u64,
+    resyncs: u64,
+    /// Per new-connection run, for the medians above.
+    #[serde(skip)]
+    lags: Vec<(f64, f64)>,
+}
+
 /// What is running on fp for one contender; [`Bench::teardown`] removes it.
 enum Running {
     Nothing,
-    Daemon(Daemon),
+    /// The daemon on fp and, for the HA contender, its peer (node B).
+    Daemon(Daemon, Option<Box<Daemon>>),
     Haproxy(Spawned, TempDir),
 }
 
@@ -255,14 +295,22 @@ impl Running {
     fn pid(&self) -> Option<u32> {
         match self {
             Running::Nothing => None,
-            Running::Daemon(d) => d.pid(),
+            Running::Daemon(d, _) => d.pid(),
             Running::Haproxy(p, _) => Some(p.pid()),
+        }
+    }
+
+    /// The HA contender's pair: node A (on fp) and node B.
+    fn pair(&self) -> Option<(&Daemon, &Daemon)> {
+        match self {
+            Running::Daemon(a, Some(b)) => Some((a, b)),
+            _ => None,
         }
     }
 }
 
 /// CPU seconds (user + system, all threads) process `pid` has used, from /proc/PID/stat.
-fn process_cpu_s(pid: u32) -> Result<f64> {
+pub fn process_cpu_s(pid: u32) -> Result<f64> {
     let path = format!("/proc/{pid}/stat");
     let stat = fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
     // Fields after the command name (which may hold spaces, so split after its ')'): state
@@ -292,6 +340,8 @@ struct Bench {
     /// stop before their namespaces go.
     _servers: Vec<HttpServer>,
     lb: LbTopology,
+    /// The HA contender's certificates (A, B), in `dir`.
+    tls: [NodeTls; 2],
     dir: TempDir,
 }
 
@@ -343,6 +393,17 @@ pub fn run(bin: &Path) -> Result<CompareReport> {
             kernel_conntrack_entries: crate::stats(&s.conntrack).0,
             process_cpu_percent: (!s.process_cpu[0].is_empty())
                 .then(|| s.process_cpu.each_ref().map(|v| crate::stats(v).0)),
+            peer_process_cpu_percent: (!s.peer_cpu[0].is_empty())
+                .then(|| s.peer_cpu.each_ref().map(|v| crate::stats(v).0)),
+            ha: (c == Contender::FastpathHa).then(|| {
+                let p50: Vec<f64> = s.ha.lags.iter().map(|l| l.0).collect();
+                let p99: Vec<f64> = s.ha.lags.iter().map(|l| l.1).collect();
+                HaTotals {
+                    lag_p50_us: crate::stats(&p50).0,
+                    lag_p99_us: crate::stats(&p99).0,
+                    ..s.ha.clone()
+                }
+            }),
         })
         .collect();
     // The first line a tool prints about its version (some print it on stderr).
@@ -382,7 +443,10 @@ impl Bench {
     /// The topology with checksum offloads off on every interface, nginx on every backend
     /// serving [`PAGE`] and [`BULK`], and wrk's script.
     fn new(bin: &Path) -> Result<Bench> {
-        let lb = lb_topology(BACKENDS).context("building the namespace topology")?;
+        let mut lb = lb_topology(BACKENDS).context("building the namespace topology")?;
+        // Node B's namespace and the sync link: used by the HA contender only (fastpath does
+        // not hook the link; the other contenders do not route over it).
+        SyncPair::add_to(&mut lb).context("adding the HA peer namespace and sync link")?;
         // MTU-sized packets with full checksums on every link, as on a wire, for every
         // contender alike: with offloads on, veth hands over partial checksums and 64 KiB GSO
         // packets — the kernel contenders would forward one packet where fastpath, whose XDP
@@ -412,6 +476,7 @@ impl Bench {
             bin: bin.to_owned(),
             _servers: servers,
             lb,
+            tls: crate::ha::write_tls(&dir),
             dir,
         })
     }
@@ -444,6 +509,9 @@ impl Bench {
             })?;
         self.wrk(&url(PAGE), CONNECTIONS, WARMUP_S, true)?;
         for (m, mode) in Mode::ALL.into_iter().enumerate() {
+            let ha_before = running.pair().map(ha_counts).transpose()?;
+            let peer_pid = running.pair().and_then(|(_, b)| b.pid());
+            let peer_cpu_before = peer_pid.map(process_cpu_s).transpose()?;
             let cpu_before = running.pid().map(process_cpu_s).transpose()?;
             let before = self.counters(c, running)?;
             let run = match mode {
@@ -455,8 +523,15 @@ impl Bench {
             if let (Some(b), Some(pid)) = (cpu_before, running.pid()) {
                 s.process_cpu[m].push((process_cpu_s(pid)? - b) / run.duration_s * 100.0);
             }
+            if let (Some(b), Some(pid)) = (peer_cpu_before, peer_pid) {
+                s.peer_cpu[m].push((process_cpu_s(pid)? - b) / run.duration_s * 100.0);
+            }
             check_run(c, mode, &run, &before, &after)
                 .with_context(|| format!("{} run{}", mode.name(), daemon_log(running)))?;
+            if let (Some(before), Some(pair)) = (ha_before, running.pair()) {
+                check_replication(pair, mode, &run, &before, &mut s.ha)
+                    .with_context(|| format!("{} run: HA replication", mode.name()))?;
+            }
             s.requests += run.requests;
             s.syn_retransmits += after.client_retransmits[0] - before.client_retransmits[0];
             s.retransmitted_segments += after.client_retransmits[1] - before.client_retransmits[1];
@@ -520,7 +595,7 @@ impl Bench {
         let backends: Vec<Ipv4Addr> = (0..BACKENDS).map(LbTopology::backend_v4).collect();
         match c {
             Contender::Direct => Ok(Running::Nothing),
-            Contender::Fastpath => {
+            Contender::Fastpath | Contender::FastpathHa => {
                 let mut toml = format!("[[service]]\nvip = \"{VIP}\"\nport = {PORT}\n");
                 for b in &backends {
                     let _ = write!(
@@ -528,10 +603,32 @@ impl Bench {
                         "[[service.backend]]\naddress = \"{b}\"\nport = {PORT}\n"
                     );
                 }
-                let config = self.lb.fp_config(&unique_pin_dir("lbcmp")).services(&toml);
+                let mut config = self.lb.fp_config(&unique_pin_dir("lbcmp")).services(&toml);
+                // The HA contender: node B first (same service, attached to its end of the
+                // sync link), then A with `[ha]`; B must hold A's snapshot before the runs.
+                let peer = if c == Contender::FastpathHa {
+                    config = config.raw(&SyncPair::ha_toml(Node::A, &self.tls[0]));
+                    let b = SyncPair::peer_config(&unique_pin_dir("lbcmp-b"))
+                        .services(&toml)
+                        .raw(&SyncPair::ha_toml(Node::B, &self.tls[1]));
+                    Some(Box::new(
+                        Daemon::try_start(
+                            &self.bin,
+                            SyncPair::ns(&self.lb, Node::B).name(),
+                            &b.pin_dir,
+                            &b.to_toml(),
+                        )
+                        .context("starting the HA peer daemon (node B)")?,
+                    ))
+                } else {
+                    None
+                };
                 let daemon =
                     Daemon::try_start(&self.bin, fp.name(), &config.pin_dir, &config.to_toml())
                         .context("starting the fastpath daemon")?;
+                if let Some(b) = &peer {
+                    pair::wait_in_sync(b, "node B before the runs", Duration::from_secs(20))?;
+                }
                 if !daemon.log().contains("Services applied") {
                     bail!(
                         "the fastpath daemon did not apply the service; its log:\n{}",
@@ -548,7 +645,7 @@ impl Bench {
                         );
                     }
                 }
-                Ok(Running::Daemon(daemon))
+                Ok(Running::Daemon(daemon, peer))
             }
             Contender::Iptables => {
                 // kube-proxy's layout: PREROUTING jumps to a per-service chain whose rules
@@ -639,10 +736,17 @@ impl Bench {
         let fp = self.fp();
         let pins = match running {
             Running::Nothing => None,
-            Running::Daemon(daemon) => {
+            Running::Daemon(daemon, peer) => {
                 let pins = daemon.pin_dir().to_owned();
                 // SIGTERM: the daemon detaches; the guard runs `fastpath detach` if it did not.
                 drop(daemon);
+                if let Some(b) = peer {
+                    let b_pins = b.pin_dir().to_owned();
+                    drop(b);
+                    if b_pins.exists() {
+                        bail!("the HA peer's pins are still under {}", b_pins.display());
+                    }
+                }
                 Some(pins)
             }
             Running::Haproxy(mut process, _dir) => {
@@ -687,7 +791,7 @@ impl Bench {
             backend_packets.push(rx_packets(self.lb.backend(i))?);
         }
         let contender = match (c, running) {
-            (Contender::Fastpath, Running::Daemon(d)) => Some(
+            (Contender::Fastpath | Contender::FastpathHa, Running::Daemon(d, _)) => Some(
                 fastpath::datapath::pinned_stats(d.pin_dir())
                     .context("reading the daemon's counters")?
                     .packets_for_reason(reason::LB_TO_BACKEND),
@@ -828,7 +932,7 @@ fn check_run(
         // Keep-alive connections open once per connection; new-connection runs once per request.
         let want = match mode {
             Mode::NewConnection => run.requests,
-            _ if c == Contender::Fastpath => run.requests,
+            _ if matches!(c, Contender::Fastpath | Contender::FastpathHa) => run.requests,
             _ => 1,
         };
         if seen < want {
@@ -902,9 +1006,115 @@ fn nft_counter_packets(chain: &str) -> Option<u64> {
 /// The daemon's log, for errors, when it runs.
 fn daemon_log(running: &Running) -> String {
     match running {
-        Running::Daemon(d) => format!("; fastpath daemon log:\n{}", d.log()),
+        Running::Daemon(d, None) => format!("; fastpath daemon log:\n{}", d.log()),
+        Running::Daemon(a, Some(b)) => format!(
+            "; fastpath daemon (node A) log:\n{}\nnode B's log:\n{}",
+            a.log(),
+            b.log()
+        ),
         _ => String::new(),
     }
+}
+
+/// What the HA pair's status says about A's stream to B.
+#[derive(Clone, Copy, Debug)]
+struct HaCounts {
+    /// A: the newest change's seq, acknowledged seq, refused acks, changes B refused,
+    /// events lost, snapshots sent.
+    last_seq: u64,
+    acked_seq: u64,
+    rejected: u64,
+    peer_rejected: u64,
+    events_lost: u64,
+    snapshots: u64,
+    lag_p50_us: u64,
+    lag_p99_us: u64,
+    /// B: A's entries installed now, changes received from A, changes refused, applied seq.
+    installed: u64,
+    received_changes: u64,
+    b_rejected: u64,
+    applied_seq: u64,
+}
+
+fn ha_counts((a, b): (&Daemon, &Daemon)) -> Result<HaCounts> {
+    let (sa, sb) = (pair::ha_status(a)?, pair::ha_status(b)?);
+    let out = &sa["peers_out"][0];
+    let inb = sb["peers_in"]
+        .as_array()
+        .and_then(|v| {
+            v.iter()
+                .find(|p| p["node_id"].as_u64() == Some(u64::from(Node::A.node_id())))
+        })
+        .with_context(|| format!("B has no stream from A: {sb}"))?;
+    let n = |v: &serde_json::Value, k: &str| -> Result<u64> {
+        v[k].as_u64()
+            .with_context(|| format!("no {k} in ha status: {v}"))
+    };
+    Ok(HaCounts {
+        last_seq: n(out, "last_seq")?,
+        acked_seq: n(out, "acked_seq")?,
+        rejected: n(out, "rejected")?,
+        peer_rejected: n(out, "peer_rejected")?,
+        events_lost: n(&sa, "events_lost")?,
+        snapshots: n(out, "snapshots")?,
+        lag_p50_us: n(out, "lag_p50_us")?,
+        lag_p99_us: n(out, "lag_p99_us")?,
+        installed: n(inb, "installed")?,
+        received_changes: n(inb, "received_changes")?,
+        b_rejected: n(inb, "rejected")?,
+        applied_seq: n(inb, "applied_seq")?,
+    })
+}
+
+/// After an HA contender's run (outside its timing): waits until B acknowledged A's last
+/// change, then fails unless B received changes in the run (at least one per request in a
+/// new-connection run: each request is a connection), holds A's entries, and nobody refused
+/// anything. Adds the run's replication to `totals`.
+fn check_replication(
+    pair: (&Daemon, &Daemon),
+    mode: Mode,
+    run: &WrkRun,
+    before: &HaCounts,
+    totals: &mut HaTotals,
+) -> Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let after = loop {
+        let now = ha_counts(pair)?;
+        if now.acked_seq == now.last_seq && now.applied_seq == now.last_seq {
+            break now;
+        }
+        if std::time::Instant::now() >= deadline {
+            bail!("B did not catch up with A within 20 s of the run: {now:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let received = after.received_changes - before.received_changes;
+    let want = match mode {
+        Mode::NewConnection => run.requests,
+        _ => 1,
+    };
+    if received < want {
+        bail!(
+            "B received {received} changes from A during a run of {} requests (expected at least {want}): {before:?} → {after:?}",
+            run.requests
+        );
+    }
+    if after.installed == 0 {
+        bail!("B holds none of A's entries after the run: {after:?}");
+    }
+    if after.rejected > 0 || after.peer_rejected > 0 || after.b_rejected > 0 {
+        bail!("changes or acks refused: {after:?}");
+    }
+    totals.changes += after.last_seq - before.last_seq;
+    totals.received_changes += received;
+    totals.events_lost += after.events_lost - before.events_lost;
+    totals.resyncs += after.snapshots - before.snapshots;
+    if mode == Mode::NewConnection {
+        totals
+            .lags
+            .push((after.lag_p50_us as f64, after.lag_p99_us as f64));
+    }
+    Ok(())
 }
 
 /// The "Load balancers compared" section.
@@ -978,6 +1188,80 @@ pub fn markdown(r: &CompareReport) -> String {
         "Kernel conntrack is part of what is compared: iptables and nftables DNAT need nf_conntrack in fp (the NAT binding lives in the connection's conntrack entry; the last column counts fp's entries right after a new-connection run), fastpath keeps its own connection table in a BPF map and leaves nf_conntrack unused in fp, and HAProxy terminates the client's connection in fp's TCP stack and opens its own to the backend (no NAT, no conntrack, but two TCP connections per request). Client retransmits are summed over the measured runs: packets get lost on this machine when both CPUs are busy (the kernel's per-CPU receive backlog, where a veth with no XDP program queues what it receives, holds `netdev_max_backlog` = 1000 packets, and /proc/net/softnet_stat shows it dropping), and every lost SYN stalls its connection for the 1 s retransmission timeout, which shows in that run's new-connection rate. The last column is the CPU the contender's own process took during the runs (user and system time of all its threads, ÷ the run's duration): the fastpath daemon drains the conntrack event ring (the datapath's connection events) and runs the expiry pass on the same 2 CPUs, HAProxy relays every byte through its sockets; the kernel contenders' work happens in softirq context and is not attributed. Versions: {}; {}; {}. The machine's 2 CPUs run everything — wrk, the three nginx, HAProxy's threads (its default: one per CPU) and the kernel's packet processing in every namespace — so these numbers compare the contenders' CPU cost per request on one box rather than what each could do on its own hardware; another engineer's tests may share the machine during a run.\n",
         r.haproxy, r.iptables, r.nftables
     );
+    md.push_str(&ha_markdown(r));
+    md
+}
+
+/// The acceptance bound of the HA sync penalty on new-connection req/s.
+const HA_MAX_PENALTY: f64 = 0.03;
+
+/// HA sync on against off: the two fastpath rows side by side.
+fn ha_markdown(r: &CompareReport) -> String {
+    let find = |key: &str| r.contenders.iter().find(|c| c.contender == key);
+    let (Some(plain), Some(sync)) = (find("fastpath"), find("fastpath-ha")) else {
+        return String::new();
+    };
+    let Some(ha) = &sync.ha else {
+        return String::new();
+    };
+    let mut md = String::from(
+        "### fastpath with HA sync on and off
+
+",
+    );
+    let _ = writeln!(
+        md,
+        "The \"fastpath + HA sync\" contender is the fastpath contender's setup (same config, same runs, in the same interleaved rounds) plus `[ha]` on fp: the daemon turns every conntrack event into a change and streams it over gRPC with mutual TLS to a peer daemon (node B) in a peer namespace joined to fp by its own veth, which installs A's entries in its table. B starts first and must hold A's snapshot (`ha status --check`) before the runs; after each run (outside its timing) B must have acknowledged A's last change, received at least one change per request in a new-connection run (each request is a connection), hold A's entries, and neither side may have refused anything, or the benchmark fails. B runs on the same 2 CPUs as everything else here, so its CPU is charged to the run, unlike on a second machine. {} rounds; medians (min–max); ratio = sync ÷ plain of the medians, and the median of the per-round ratios (the two contenders' runs in one round).\n",
+        r.rounds
+    );
+    let per_round: Vec<f64> = sync
+        .new_connection_rps
+        .samples
+        .iter()
+        .zip(&plain.new_connection_rps.samples)
+        .map(|(a, b)| a / b)
+        .collect();
+    let (pr_median, pr_min, pr_max) = crate::stats(&per_round);
+    let cell = |m: &Metric| format!("{:.0} ({:.0}–{:.0})", m.median, m.min, m.max);
+    let cpu = |p: Option<[f64; 3]>| {
+        p.map_or_else(
+            || "—".to_string(),
+            |p| format!("{:.0} / {:.0} / {:.0}", p[0], p[1], p[2]),
+        )
+    };
+    let ratio = sync.new_connection_rps.median / plain.new_connection_rps.median;
+    let _ = writeln!(
+        md,
+        "| | new conn req/s | keep-alive req/s | node A (fp) daemon CPU % of one CPU (new / keep-alive / throughput) | node B daemon CPU % (new / keep-alive / throughput) |\n|---|---:|---:|---|---|"
+    );
+    for (what, c) in [("fastpath, sync off", plain), ("fastpath, sync on", sync)] {
+        let _ = writeln!(
+            md,
+            "| {what} | {} | {} | {} | {} |",
+            cell(&c.new_connection_rps),
+            cell(&c.keep_alive_rps),
+            cpu(c.process_cpu_percent),
+            cpu(c.peer_process_cpu_percent)
+        );
+    }
+    let _ = writeln!(md);
+    let _ = writeln!(
+        md,
+        "New-connection req/s, sync on ÷ off: **{ratio:.3}** (ratio of medians); per round {pr_median:.3} ({pr_min:.3}–{pr_max:.3}). Penalty {:.1}% against the ≤ {:.0}% target: **{}**. Replicated over the sync contender's runs: {} changes made by A, {} received by B; A's lag (change made → applied by B, over its last 4096 acks, after each new-connection run) p50 {:.2} ms, p99 {:.2} ms (medians over rounds); events lost {}, resyncs {}.\n",
+        (1.0 - ratio) * 100.0,
+        HA_MAX_PENALTY * 100.0,
+        if 1.0 - ratio <= HA_MAX_PENALTY {
+            "met"
+        } else {
+            "MISSED"
+        },
+        ha.changes,
+        ha.received_changes,
+        ha.lag_p50_us / 1e3,
+        ha.lag_p99_us / 1e3,
+        ha.events_lost,
+        ha.resyncs
+    );
     md
 }
 
@@ -985,7 +1269,12 @@ pub fn markdown(r: &CompareReport) -> String {
 /// median beats fastpath's by more than 2%, and what this topology charges XDP.
 pub fn where_we_lose(r: &CompareReport) -> String {
     let mut lost = Vec::new();
-    for c in r.contenders.iter().filter(|c| c.contender != "fastpath") {
+    // The HA contender is fastpath itself (its cost is in the HA sync table).
+    for c in r
+        .contenders
+        .iter()
+        .filter(|c| !c.contender.starts_with("fastpath"))
+    {
         for (what, m) in [
             ("new-connection req/s", &c.new_connection_rps),
             ("keep-alive req/s", &c.keep_alive_rps),

@@ -58,7 +58,10 @@ use tokio::{
 };
 
 mod api;
+mod ha;
 mod lb_compare;
+#[path = "../../tests/support/pki.rs"]
+mod pki;
 
 /// Runs per BPF_PROG_TEST_RUN call (the kernel loops in-kernel and reports the mean).
 const REPEAT: u32 = 1_000_000;
@@ -145,6 +148,9 @@ struct Report {
     service_updates: Vec<UpdateRow>,
     api_changes: api::ApiReport,
     lb_compare: lb_compare::CompareReport,
+    /// Written to its own file, docs/bench/ha.json.
+    #[serde(skip)]
+    ha: ha::HaReport,
 }
 
 /// Time from an `apply_services` call to the datapath using the result (the call returns
@@ -179,7 +185,8 @@ struct Config<'a> {
 
 /// Sections that run alone (printed, nothing written): `bench SECTION` or
 /// `bench --only SECTION`.
-const SECTIONS: &str = "updates, api, drain, lb (the LB rows of the conntrack table), lb-compare";
+const SECTIONS: &str =
+    "updates, api, drain, lb (the LB rows of the conntrack table), lb-compare, ha";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--").collect();
@@ -228,6 +235,12 @@ fn main() -> Result<()> {
             let report = bench_lb_compare()?;
             eprintln!();
             print!("{}", lb_compare::markdown(&report));
+            return Ok(());
+        }
+        Some("ha") => {
+            let report = bench_ha()?;
+            eprintln!();
+            print!("{}", ha::markdown(&report));
             return Ok(());
         }
         Some(other) => bail!("unknown section {other:?}; sections: {SECTIONS}"),
@@ -353,6 +366,7 @@ fn main() -> Result<()> {
     drop(fx);
     let api_changes = bench_api()?;
     let lb_compare = bench_lb_compare()?;
+    let ha_report = bench_ha()?;
     eprintln!();
     let report = Report {
         generated_by: "cargo xtask bench",
@@ -367,6 +381,7 @@ fn main() -> Result<()> {
         service_updates,
         api_changes,
         lb_compare,
+        ha: ha_report,
     };
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     fs::create_dir_all(root.join("docs/bench"))?;
@@ -375,9 +390,10 @@ fn main() -> Result<()> {
         serde_json::to_string_pretty(&report)? + "\n",
     )?;
     let md = markdown(&report);
+    ha::write_json(&report.ha, &root.join("docs/bench/ha.json"))?;
     fs::write(root.join("docs/BENCHMARKS.md"), &md)?;
     print!("{md}");
-    eprintln!("wrote docs/bench/datapath.json and docs/BENCHMARKS.md");
+    eprintln!("wrote docs/bench/datapath.json, docs/bench/ha.json and docs/BENCHMARKS.md");
     Ok(())
 }
 
@@ -1029,6 +1045,14 @@ fn bench_api() -> Result<api::ApiReport> {
     api::run(&bin)
 }
 
+/// 100k connections replicated to a peer (see `ha`), with the daemon built beside this
+/// example.
+fn bench_ha() -> Result<ha::HaReport> {
+    let bin = example_fastpath_bin()?;
+    sweep_stale(PREFIX).context("removing leftovers of earlier runs")?;
+    ha::run(&bin)
+}
+
 fn bench_lb_compare() -> Result<lb_compare::CompareReport> {
     let bin = example_fastpath_bin()?;
     let swept = sweep_stale(PREFIX).context("removing leftovers of earlier runs")?;
@@ -1149,6 +1173,7 @@ fn markdown(r: &Report) -> String {
     md.push_str(&updates_markdown(&r.service_updates));
     md.push_str(&api::markdown(&r.api_changes));
     md.push_str(&lb_compare::markdown(&r.lb_compare));
+    md.push_str(&ha::markdown(&r.ha));
     let _ = writeln!(md, "## Where we lose\n");
     let floor_xdp = r
         .floors

@@ -17,8 +17,16 @@
 //! namespace test (processes stopped, namespaces deleted). keepalived runs per node in the
 //! foreground with its pid files and transition log in a private temp dir; [`HaTopology::crash`]
 //! kills it hard and cuts the node's links, as a dead machine would.
+//!
+//! Also here: the sync pair on the load-balancer topology ([`SyncPair`]: node A is the LB
+//! topology's `fp`, node B a `peer` namespace joined to it by a sync link, no VRRP) that the
+//! replication test and the HA benchmarks share, the `[ha]` tables of a node ([`ha_toml`]),
+//! waiting for `ha status --check`, and the load-balanced entries of two tables compared
+//! entry for entry ([`lb_entries`], [`compare_lb_entries`]). Certificates are made by the
+//! callers (rcgen is a dev-dependency); these take their paths.
 
 use std::{
+    collections::BTreeSet,
     fs,
     net::{Ipv4Addr, SocketAddr},
     path::{Path, PathBuf},
@@ -26,7 +34,15 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::netns::{DaemonConfig, Netns, NetnsError, Spawned, TempDir, Topology, VethEnd};
+use fastpath_common::{
+    ct::{CT_F_LB, CT_F_LB_ALIAS},
+    map_names,
+};
+
+use super::netns::{
+    Daemon, DaemonConfig, LbTopology, Netns, NetnsError, Spawned, TempDir, Topology, VethEnd,
+};
+use crate::datapath::{CtTable, DatapathError};
 
 /// One of the two load-balancer nodes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -225,16 +241,15 @@ impl HaTopology {
     /// The `[ha]` tables for `node`: it listens on its sync address, its peer is the other
     /// node's sync address, named by the other node's [`Node::server_name`].
     pub fn ha_toml(node: Node, cert: &Path, key: &Path, ca: &Path) -> String {
-        format!(
-            "[ha]\nnode_id = {}\nlisten = \"{}\"\ntls_cert = {:?}\ntls_key = {:?}\ntls_ca = {:?}\n\
-             [[ha.peers]]\naddress = \"{}\"\nserver_name = \"{}\"\n",
-            node.node_id(),
+        ha_toml(
+            node,
             Self::sync_listen(node),
-            cert.display().to_string(),
-            key.display().to_string(),
-            ca.display().to_string(),
             Self::sync_listen(node.other()),
-            node.other().server_name()
+            &NodeTls {
+                cert: cert.to_owned(),
+                key: key.to_owned(),
+                ca: ca.to_owned(),
+            },
         )
     }
 
@@ -709,6 +724,320 @@ impl Keepalived {
 
 fn read_pid(path: &Path) -> Option<i32> {
     fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// A node's sync certificate, key and the CA it trusts for its peers, as PEM files.
+#[derive(Clone, Debug)]
+pub struct NodeTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: PathBuf,
+}
+
+/// The `[ha]` tables of `node`: its [`Node::node_id`], listening on `listen`, with one peer
+/// at `peer` whose certificate names the other node's [`Node::server_name`].
+pub fn ha_toml(node: Node, listen: SocketAddr, peer: SocketAddr, tls: &NodeTls) -> String {
+    format!(
+        "[ha]\nnode_id = {}\nlisten = \"{listen}\"\ntls_cert = {:?}\ntls_key = {:?}\ntls_ca = {:?}\n\
+         [[ha.peers]]\naddress = \"{peer}\"\nserver_name = \"{}\"\n",
+        node.node_id(),
+        tls.cert.display().to_string(),
+        tls.key.display().to_string(),
+        tls.ca.display().to_string(),
+        node.other().server_name()
+    )
+}
+
+/// A sync pair on the load-balancer topology ([`super::netns::lb_topology`]), without VRRP:
+/// node A is `fp` (it balances the client's connections), node B is the [`SyncPair::PEER`]
+/// namespace, joined to fp by its own veth ([`SyncPair::SYNC_IF`], 10.201.0.1 on fp, .2 on
+/// the peer), so B only receives A's stream. The sync link is not one of
+/// [`LbTopology::fp_interfaces`]: fastpath does not hook it.
+pub struct SyncPair;
+
+impl SyncPair {
+    /// Node B's namespace role.
+    pub const PEER: &'static str = "peer";
+    /// Both ends of the sync link (B's daemon attaches here: a daemon needs an interface).
+    pub const SYNC_IF: &'static str = "sync0";
+    pub const SYNC_PORT: u16 = 7946;
+
+    pub fn sync_addr(node: Node) -> Ipv4Addr {
+        Ipv4Addr::new(10, 201, 0, node.host())
+    }
+
+    pub fn sync_listen(node: Node) -> SocketAddr {
+        SocketAddr::from((Self::sync_addr(node), Self::SYNC_PORT))
+    }
+
+    /// Adds node B's namespace and the sync link to `lb`.
+    pub fn add_to(lb: &mut LbTopology) -> Result<(), NetnsError> {
+        lb.topo.add_ns(Self::PEER)?;
+        lb.topo.veth(
+            VethEnd::new(LbTopology::FP, Self::SYNC_IF)
+                .addr(&format!("{}/24", Self::sync_addr(Node::A))),
+            VethEnd::new(Self::PEER, Self::SYNC_IF)
+                .addr(&format!("{}/24", Self::sync_addr(Node::B))),
+        )
+    }
+
+    /// The namespace node `node` runs in.
+    pub fn ns(lb: &LbTopology, node: Node) -> &Netns {
+        match node {
+            Node::A => lb.fp(),
+            Node::B => lb.topo.ns(Self::PEER),
+        }
+    }
+
+    /// `node`'s `[ha]` tables on the sync link; its certificate must name its
+    /// [`Node::server_name`].
+    pub fn ha_toml(node: Node, tls: &NodeTls) -> String {
+        ha_toml(
+            node,
+            Self::sync_listen(node),
+            Self::sync_listen(node.other()),
+            tls,
+        )
+    }
+
+    /// Node B's daemon config without services or `[ha]`: attached to its end of the sync
+    /// link (it balances nothing; it holds A's connections).
+    pub fn peer_config(pin_dir: &Path) -> DaemonConfig {
+        DaemonConfig::new(pin_dir).interface(Self::SYNC_IF)
+    }
+}
+
+/// hping3 in `client`: `count` SYNs to `vip`:`port` from random source addresses, `gap_us`
+/// microseconds apart (1: as fast as hping3 sends with a count), quiet. Through a load
+/// balancer each is a new connection: an entry and its alias.
+pub fn syn_burst(
+    client: &Netns,
+    vip: Ipv4Addr,
+    port: u16,
+    count: u32,
+    gap_us: u32,
+) -> Result<Spawned, NetnsError> {
+    client.spawn(&[
+        "hping3",
+        "-q",
+        "-S",
+        "-p",
+        &port.to_string(),
+        "--rand-source",
+        "-c",
+        &count.to_string(),
+        "-i",
+        &format!("u{gap_us}"),
+        &vip.to_string(),
+    ])
+}
+
+/// Why a pair did not get where a test or benchmark waited for it to be.
+#[derive(Debug, thiserror::Error)]
+pub enum PairError {
+    #[error("{what}: not in sync after {timeout:?}: {reason}\nha status:\n{status}\nlog:\n{log}")]
+    NotInSync {
+        what: String,
+        timeout: Duration,
+        reason: String,
+        status: String,
+        log: String,
+    },
+    #[error("`fastpath ha status -o json` failed or printed no JSON: {detail}")]
+    Status { detail: String },
+    #[error("reading the conntrack table under {}: {source}", pin_dir.display())]
+    Table {
+        pin_dir: PathBuf,
+        #[source]
+        source: Box<DatapathError>,
+    },
+    #[error("walking the conntrack table under {}: {source}", pin_dir.display())]
+    Walk {
+        pin_dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// `detail`: both nodes' `ha status` and logs.
+    #[error(
+        "{what}: after {timeout:?} B does not hold A's load-balanced entries: {diff}\n{detail}"
+    )]
+    TablesDiffer {
+        what: String,
+        timeout: Duration,
+        diff: Box<LbTableDiff>,
+        detail: String,
+    },
+}
+
+/// `node`'s `ha status -o json`.
+pub fn ha_status(node: &Daemon) -> Result<serde_json::Value, PairError> {
+    let out = node.cli(&["ha", "status", "-o", "json"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        return Err(PairError::Status {
+            detail: format!("{}: {}", out.status, String::from_utf8_lossy(&out.stderr)),
+        });
+    }
+    serde_json::from_str(&text).map_err(|e| PairError::Status {
+        detail: format!("{e}: {text}"),
+    })
+}
+
+/// Waits until `node`'s `ha status --check` passes (it holds every peer's snapshot);
+/// returns how long that took.
+pub fn wait_in_sync(node: &Daemon, what: &str, timeout: Duration) -> Result<Duration, PairError> {
+    let start = Instant::now();
+    loop {
+        let out = node.cli(&["ha", "status", "--check"]);
+        if out.status.success() {
+            return Ok(start.elapsed());
+        }
+        if start.elapsed() >= timeout {
+            return Err(PairError::NotInSync {
+                what: what.into(),
+                timeout,
+                reason: String::from_utf8_lossy(&out.stderr).trim().into(),
+                status: String::from_utf8_lossy(&node.cli(&["ha", "status"]).stdout).into(),
+                log: node.log(),
+            });
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The load-balanced entries (connections and their aliases) of one table with one origin,
+/// as comparable text: key, TCP state, flags and NAT binding — what a takeover needs.
+#[derive(Clone, Debug, Default)]
+pub struct LbEntries {
+    pub entries: BTreeSet<String>,
+    /// Of them, the connections' own entries (`CT_F_LB`; the rest are their aliases).
+    pub connections: usize,
+}
+
+/// The load-balanced entries of the table pinned under `pin_dir` whose origin is `origin`
+/// (0: the node's own; a peer's node id: replicated from it).
+pub fn lb_entries(pin_dir: &Path, origin: u32) -> Result<LbEntries, PairError> {
+    let table = CtTable::open_pin(&pin_dir.join("maps").join(map_names::CT)).map_err(|source| {
+        PairError::Table {
+            pin_dir: pin_dir.to_owned(),
+            source: Box::new(source),
+        }
+    })?;
+    let mut out = LbEntries::default();
+    table
+        .walk(|keys, entries| {
+            for (k, e) in keys.iter().zip(entries) {
+                if e.origin == origin && e.flags & (CT_F_LB | CT_F_LB_ALIAS) != 0 {
+                    out.connections += usize::from(e.flags & CT_F_LB != 0);
+                    out.entries.insert(format!(
+                        "{k:?} state={} flags={:#x} nat={:?}",
+                        e.state, e.flags, e.nat
+                    ));
+                }
+            }
+        })
+        .map_err(|source| PairError::Walk {
+            pin_dir: pin_dir.to_owned(),
+            source,
+        })?;
+    Ok(out)
+}
+
+/// Node A's own load-balanced entries against those node B holds as A's.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct LbTableDiff {
+    /// A's entries (connections and aliases), and of them the connections.
+    pub a_entries: usize,
+    pub a_connections: usize,
+    /// B's entries marked as A's, and of them the connections.
+    pub b_entries: usize,
+    pub b_connections: usize,
+    /// A's entries B lacks or holds differently, and B's that A does not have.
+    pub missing_on_b: usize,
+    pub extra_on_b: usize,
+    /// Up to three of each, for messages.
+    pub missing_examples: Vec<String>,
+    pub extra_examples: Vec<String>,
+}
+
+impl LbTableDiff {
+    /// B holds exactly A's entries.
+    pub fn agree(&self) -> bool {
+        self.missing_on_b == 0 && self.extra_on_b == 0
+    }
+}
+
+impl std::fmt::Display for LbTableDiff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "A {} entries ({} connections), B {} ({} connections); {} missing on B (e.g. {:?}), {} extra on B (e.g. {:?})",
+            self.a_entries,
+            self.a_connections,
+            self.b_entries,
+            self.b_connections,
+            self.missing_on_b,
+            self.missing_examples,
+            self.extra_on_b,
+            self.extra_examples
+        )
+    }
+}
+
+/// Compares A's own load-balanced entries (under `a_pins`) with the entries B (under
+/// `b_pins`) holds as A's (origin `a_id`), entry for entry.
+pub fn compare_lb_entries(
+    a_pins: &Path,
+    b_pins: &Path,
+    a_id: u32,
+) -> Result<LbTableDiff, PairError> {
+    let (a, b) = (lb_entries(a_pins, 0)?, lb_entries(b_pins, a_id)?);
+    let missing = || a.entries.difference(&b.entries);
+    let extra = || b.entries.difference(&a.entries);
+    Ok(LbTableDiff {
+        a_entries: a.entries.len(),
+        a_connections: a.connections,
+        b_entries: b.entries.len(),
+        b_connections: b.connections,
+        missing_on_b: missing().count(),
+        extra_on_b: extra().count(),
+        missing_examples: missing().take(3).cloned().collect(),
+        extra_examples: extra().take(3).cloned().collect(),
+    })
+}
+
+/// Waits until B holds exactly A's load-balanced entries (A's node id: [`Node::A`]'s, as
+/// [`SyncPair::ha_toml`] configures it); returns the agreeing comparison.
+pub fn wait_tables_agree(
+    a: &Daemon,
+    b: &Daemon,
+    what: &str,
+    timeout: Duration,
+) -> Result<LbTableDiff, PairError> {
+    let start = Instant::now();
+    loop {
+        let diff = compare_lb_entries(a.pin_dir(), b.pin_dir(), Node::A.node_id())?;
+        if diff.agree() {
+            return Ok(diff);
+        }
+        if start.elapsed() >= timeout {
+            let status =
+                |d: &Daemon| String::from_utf8_lossy(&d.cli(&["ha", "status"]).stdout).into_owned();
+            return Err(PairError::TablesDiffer {
+                what: what.into(),
+                timeout,
+                diff: Box::new(diff),
+                detail: format!(
+                    "A: {}\nB: {}\nA's log:\n{}\nB's log:\n{}",
+                    status(a),
+                    status(b),
+                    a.log(),
+                    b.log()
+                ),
+            });
+        }
+        thread::sleep(Duration::from_millis(300));
+    }
 }
 
 #[cfg(test)]
