@@ -284,8 +284,15 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
     let _ = std::fs::remove_file(&socket);
     let _ = gc_task.await;
     if let Some((_, tasks)) = ha {
+        // A stream in the middle of a snapshot to an unresponsive peer must not hold the stop.
         for t in tasks {
-            let _ = t.await;
+            let abort = t.abort_handle();
+            if tokio::time::timeout(2 * crate::api::server::SHUTDOWN_GRACE, t)
+                .await
+                .is_err()
+            {
+                abort.abort();
+            }
         }
     }
     // Closing the hub ends the subscribers once they have written what they hold.

@@ -996,12 +996,18 @@ pub async fn serve(
         }
     };
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    if let Err(e) = server
-        .serve_with_incoming_shutdown(incoming, async move {
-            let _ = stop.wait_for(|s| *s).await;
-        })
-        .await
-    {
-        warn!(error = %e, "HA sync listener failed");
+    let mut stopping = stop.clone();
+    let task = tokio::spawn(server.serve_with_incoming_shutdown(incoming, async move {
+        let _ = stopping.wait_for(|s| *s).await;
+    }));
+    let _ = stop.wait_for(|s| *s).await;
+    // A graceful shutdown waits for every stream to end, and a peer's stream into this node
+    // never does: the peers get the API's grace, then their connections are closed (they
+    // reconnect to this node's next start, which they get a snapshot from).
+    let abort = task.abort_handle();
+    match tokio::time::timeout(crate::api::server::SHUTDOWN_GRACE, task).await {
+        Ok(Ok(Err(e))) => warn!(error = %e, "HA sync listener failed"),
+        Ok(_) => {}
+        Err(_) => abort.abort(),
     }
 }

@@ -231,4 +231,16 @@ fn replication_heals_after_peer_restart_link_cut_ring_overflow_and_flush() {
         p.a.cli_ok(&["ha", "status"]),
         p.b.cli_ok(&["ha", "status"])
     );
+
+    // A node stops promptly on SIGTERM although its peer's stream into it never ends.
+    for (who, node) in [("A", &mut p.a), ("B", &mut p.b)] {
+        let started = std::time::Instant::now();
+        let status = node.stop();
+        assert!(status.success(), "{who} stopped with {status}");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{who} took {:?} to stop",
+            started.elapsed()
+        );
+    }
 }
