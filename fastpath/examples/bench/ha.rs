@@ -120,9 +120,6 @@ pub fn run(bin: &Path) -> Result<HaReport> {
         lb,
         _dir: dir,
     };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
     let mut rates = vec![HaRate {
         label: "full rate (hping3 -i u1)".into(),
         gap_us: FULL_GAP_US,
@@ -130,7 +127,7 @@ pub fn run(bin: &Path) -> Result<HaReport> {
     }];
     for i in 0..RUNS {
         let r = bench
-            .run_once(&rt, FULL_GAP_US)
+            .run_once(FULL_GAP_US)
             .with_context(|| format!("full-rate run {}", i + 1))?;
         rates[0].runs.push(r);
         eprint!("h");
@@ -143,7 +140,7 @@ pub fn run(bin: &Path) -> Result<HaReport> {
         };
         for i in 0..RUNS {
             let r = bench
-                .run_once(&rt, PACED_GAP_US)
+                .run_once(PACED_GAP_US)
                 .with_context(|| format!("paced run {}", i + 1))?;
             paced.runs.push(r);
             eprint!("h");
@@ -189,7 +186,7 @@ fn in_of(s: &pb::HaStatus) -> Result<&pb::HaPeerIn> {
 }
 
 impl Bench {
-    fn run_once(&self, rt: &tokio::runtime::Runtime, gap_us: u32) -> Result<HaRun> {
+    fn run_once(&self, gap_us: u32) -> Result<HaRun> {
         let b_cfg = node_config(
             SyncPair::peer_config(&unique_pin_dir("habench-b")),
             Node::B,
@@ -212,6 +209,11 @@ impl Bench {
             a.pid().context("A is not running")?,
             b.pid().context("B is not running")?,
         );
+        // Declared after the daemons, so dropped before them: its API connections are closed
+        // when the daemons are asked to stop.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
         rt.block_on(async {
             let (ta, tb) = (
                 client::Target::Unix(a.socket()),

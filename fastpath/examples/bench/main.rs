@@ -16,7 +16,10 @@
 //! The load-balancer comparison (`lb_compare`) runs the real daemon and its competitors in
 //! network namespaces and measures them with wrk; see that module.
 //!
-//! Writes docs/bench/datapath.json and regenerates docs/BENCHMARKS.md. `bench --only SECTION`
+//! HA replication (`ha`) makes 100k load-balanced connections through node A of a sync pair
+//! and measures their replication to node B; see that module.
+//!
+//! Writes docs/bench/datapath.json and docs/bench/ha.json and regenerates docs/BENCHMARKS.md. `bench --only SECTION`
 //! (or `bench SECTION`) runs one section and prints it, writing nothing; see [`SECTIONS`].
 
 use std::{
