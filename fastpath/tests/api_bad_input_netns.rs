@@ -1473,14 +1473,7 @@ fn metrics_count_the_traffic_and_the_api_calls() {
     for n in 0..N {
         let body = lb
             .client()
-            .run(&[
-                "curl",
-                "-sS",
-                "--fail",
-                "--max-time",
-                "5",
-                &format!("http://{VIP4}/"),
-            ])
+            .http_get(&format!("http://{VIP4}/"))
             .unwrap_or_else(|e| panic!("curl {n}: {e}\n{}", daemon.log()));
         let b: usize = body
             .trim()

@@ -117,14 +117,7 @@ fn ha_json(node: &Daemon) -> serde_json::Value {
 fn curl_vip(lb: &LbTopology, n: usize) {
     for _ in 0..n {
         lb.client()
-            .run(&[
-                "curl",
-                "-sS",
-                "--fail",
-                "--max-time",
-                "5",
-                &format!("http://{VIP}/"),
-            ])
+            .http_get(&format!("http://{VIP}/"))
             .unwrap_or_else(|e| panic!("curl through the VIP: {e}"));
     }
 }

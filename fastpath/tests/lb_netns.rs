@@ -288,14 +288,7 @@ fn nginx_backends(lb: &LbTopology, name: &str, page: impl Fn(usize) -> String) -
 fn fetch_vip(lb: &LbTopology, daemon: &Daemon) -> usize {
     let body = lb
         .client()
-        .run(&[
-            "curl",
-            "-sS",
-            "--fail",
-            "--max-time",
-            "5",
-            &format!("http://{VIP4}/"),
-        ])
+        .http_get(&format!("http://{VIP4}/"))
         .unwrap_or_else(|e| panic!("curl: {e}\n{}", daemon.log()));
     backend_of(&body)
 }

@@ -450,6 +450,12 @@ impl Netns {
         checked(desc, output_within(cmd, EXEC_TIMEOUT)?)
     }
 
+    /// The body of `url`, fetched with curl from this namespace (5 s at most, an HTTP error
+    /// status fails).
+    pub fn http_get(&self, url: &str) -> Result<String, NetnsError> {
+        self.run(&["curl", "-sS", "--fail", "--max-time", "5", url])
+    }
+
     /// `ip -n <name> args...`; fails unless it exits 0.
     pub fn ip<S: AsRef<OsStr>>(&self, args: &[S]) -> Result<String, NetnsError> {
         let mut cmd = Command::new("ip");
