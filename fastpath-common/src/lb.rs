@@ -287,6 +287,48 @@ pub fn lb_peer_key(key: &crate::ct::CtKey, e: &crate::ct::CtEntry) -> Option<cra
     Some(ct_key(key.family, key.proto, one.0, one.1, other.0, other.1).0)
 }
 
+/// The alias of a load-balanced connection (`CT_F_LB`, not DSR) as the datapath makes it
+/// beside the connection's entry: key and entry, everything in it derived from the
+/// connection's (the alias carries no state of its own: the datapath never updates it). HA
+/// peers build it from the replicated connection instead of receiving it. `None` for other
+/// entries.
+pub fn lb_alias(
+    key: &crate::ct::CtKey,
+    e: &crate::ct::CtEntry,
+) -> Option<(crate::ct::CtKey, crate::ct::CtEntry)> {
+    use crate::ct::{CT_F_FULL_NAT, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, CT_F_SNAT, CtEntry};
+    if e.flags & CT_F_LB == 0 {
+        return None;
+    }
+    let alias_key = lb_peer_key(key, e)?;
+    // The connection's key is client ↔ VIP (or, gateway SNAT, client ↔ destination).
+    let (client, vip) = if e.flags & CT_F_ORIG_IS_LO != 0 {
+        ((&key.addr_lo, key.port_lo), (&key.addr_hi, key.port_hi))
+    } else {
+        ((&key.addr_hi, key.port_hi), (&key.addr_lo, key.port_lo))
+    };
+    let full = e.flags & CT_F_FULL_NAT != 0;
+    let mut alias = CtEntry {
+        created_ns: e.created_ns,
+        last_seen_ns: e.created_ns,
+        flags: CT_F_LB_ALIAS | (e.flags & (CT_F_SNAT | CT_F_FULL_NAT)),
+        origin: e.origin,
+        ..CtEntry::default()
+    };
+    alias.nat.addr = *vip.0;
+    alias.nat.port = vip.1;
+    alias.nat.service = e.nat.service;
+    alias.nat.backend = e.nat.backend;
+    // Where the backend's replies go: full-NAT, the client; NAT, the alias's backend side
+    // (which tells the client's side apart).
+    (alias.nat.addr2, alias.nat.port2) = if full {
+        (*client.0, client.1)
+    } else {
+        (e.nat.addr, e.nat.port)
+    };
+    Some((alias_key, alias))
+}
+
 /// The hash that picks a connection's slot in its service's selection table: the same on
 /// every node for the same connection (the key is direction-independent and laid out the
 /// same everywhere), so Maglev sends it to the same backend on a peer that takes over, and the
@@ -369,6 +411,20 @@ mod tests {
                 ct_key(4, TCP, &client, 40000, &backend, 8080).0
             };
             assert_eq!(lb_peer_key(&conn, &e), Some(alias_key), "full-NAT {full}");
+            // The alias built from the connection is the one the datapath makes.
+            e.nat.service = 7;
+            e.nat.backend = 2;
+            e.created_ns = 1000;
+            e.last_seen_ns = 5000;
+            alias.nat.service = 7;
+            alias.nat.backend = 2;
+            alias.created_ns = 1000;
+            alias.last_seen_ns = 1000;
+            assert_eq!(
+                lb_alias(&conn, &e),
+                Some((alias_key, alias)),
+                "full-NAT {full}"
+            );
             assert_eq!(
                 lb_peer_key(&alias_key, &alias),
                 Some(conn),
@@ -376,5 +432,6 @@ mod tests {
             );
         }
         assert_eq!(lb_peer_key(&conn, &CtEntry::default()), None);
+        assert_eq!(lb_alias(&conn, &CtEntry::default()), None);
     }
 }

@@ -198,19 +198,20 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
                 Ok(ha) => ha,
                 Err(e) => return Err(fail(rules.into_datapath(), e.into())),
             };
-            let mut tasks = ha.spawn(hub.subscribe(), stop_rx.clone());
-            tasks.push(tokio::spawn(crate::ha::serve(
-                ha.clone(),
-                listener,
-                tls,
-                stop_rx.clone(),
-            )));
+            let running = listener
+                .into_std()
+                .map_err(crate::ha::HaError::Runtime)
+                .and_then(|l| ha.start(hub.subscribe(), l, tls, stop_rx.clone()));
+            let running = match running {
+                Ok(r) => r,
+                Err(e) => return Err(fail(rules.into_datapath(), e.into())),
+            };
             info!(
                 node_id = *cfg.node_id.get_ref(),
                 peers = cfg.peers.len(),
                 "HA replication running"
             );
-            Some((ha, tasks))
+            Some((ha, running))
         }
         _ => None,
     };
@@ -283,17 +284,8 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
     }
     let _ = std::fs::remove_file(&socket);
     let _ = gc_task.await;
-    if let Some((_, tasks)) = ha {
-        // A stream in the middle of a snapshot to an unresponsive peer must not hold the stop.
-        for t in tasks {
-            let abort = t.abort_handle();
-            if tokio::time::timeout(2 * crate::api::server::SHUTDOWN_GRACE, t)
-                .await
-                .is_err()
-            {
-                abort.abort();
-            }
-        }
+    if let Some((_, running)) = ha {
+        running.stopped().await;
     }
     // Closing the hub ends the subscribers once they have written what they hold.
     drop(hub);

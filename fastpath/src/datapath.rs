@@ -1196,6 +1196,24 @@ impl CtTable {
             })
     }
 
+    /// Creates the entry of `key` unless one exists: `Ok(false)` when it does (untouched).
+    pub fn insert_new(&mut self, key: &CtKey, entry: &CtEntry) -> Result<bool, DatapathError> {
+        /// The map update flag of `bpf(2)`: create only.
+        const BPF_NOEXIST: u64 = 1;
+        match self.table.insert(key, entry, BPF_NOEXIST) {
+            Ok(()) => Ok(true),
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::EEXIST) =>
+            {
+                Ok(false)
+            }
+            Err(source) => Err(DatapathError::Map {
+                what: "writing an FP_CT entry".into(),
+                source,
+            }),
+        }
+    }
+
     /// Counts a load-balanced connection of backend `idx` that went without closing (this
     /// process is the only writer of `FP_BACKEND_GONE`).
     pub fn backend_gone(&mut self, idx: u32) {

@@ -29,7 +29,7 @@ use std::{
 
 use fastpath_common::{
     ct::{CT_F_LB_ALIAS, CtEntry, CtEvent, CtKey, ct_event, ct_stat},
-    lb::lb_peer_key,
+    lb::{lb_alias, lb_peer_key},
     map_names,
 };
 use tokio::sync::{Notify, broadcast, mpsc, watch};
@@ -135,6 +135,47 @@ pub enum HaError {
     Datapath(#[from] DatapathError),
     #[error("reading the conntrack table: {0}")]
     Walk(#[source] std::io::Error),
+    #[error("starting the HA replication thread: {0}")]
+    Runtime(#[source] std::io::Error),
+}
+
+/// The nice value of the replication thread(s): below everything at the default 0 (packet
+/// processing happens in softirq context and always comes first).
+pub const NICE: i32 = 10;
+
+fn lower_priority() {
+    // SAFETY: setpriority has no memory preconditions; `who` 0 is the calling thread (Linux
+    // keeps a nice value per thread).
+    if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, NICE) } != 0 {
+        warn!(
+            error = %std::io::Error::last_os_error(),
+            "Could not lower the HA replication thread's priority; it runs at the default"
+        );
+    }
+}
+
+/// Replication running on its own runtime (see [`Ha::start`]).
+pub struct Running {
+    rt: tokio::runtime::Runtime,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Running {
+    /// Waits for the tasks to end after `stop` turned true (a stream in the middle of a
+    /// snapshot to an unresponsive peer does not hold the stop: it is aborted after twice the
+    /// API's grace), then ends the runtime.
+    pub async fn stopped(self) {
+        for t in self.tasks {
+            let abort = t.abort_handle();
+            if tokio::time::timeout(2 * crate::api::server::SHUTDOWN_GRACE, t)
+                .await
+                .is_err()
+            {
+                abort.abort();
+            }
+        }
+        self.rt.shutdown_background();
+    }
 }
 
 fn read_pem(p: &std::path::Path) -> Result<Vec<u8>, HaError> {
@@ -177,7 +218,8 @@ impl Ha {
         table
             .walk(|keys, entries| {
                 for (k, e) in keys.iter().zip(entries) {
-                    if e.origin != 0 {
+                    // An alias goes with its connection's entry (removing one removes both).
+                    if e.origin != 0 && e.flags & CT_F_LB_ALIAS == 0 {
                         inbound
                             .entry(e.origin)
                             .or_insert_with(PeerIn::new)
@@ -243,21 +285,39 @@ impl Ha {
         }))
     }
 
-    /// Starts the event feeder and one stream per peer; they end when `stop` turns true.
-    pub fn spawn(
+    /// Starts replication on its own runtime thread at a lower CPU priority ([`NICE`]): the
+    /// event feeder, one stream per peer and the sync service on `listener`, until `stop`
+    /// turns true. Replication then never takes a CPU from packet processing, the
+    /// management API or anything else on the node; on a node with no CPU to spare its
+    /// queues grow instead, and a peer that falls behind them is resynced.
+    pub fn start(
         self: &Arc<Ha>,
         events: broadcast::Receiver<CtEvent>,
+        listener: std::net::TcpListener,
+        tls: ServerTlsConfig,
         stop: watch::Receiver<bool>,
-    ) -> Vec<tokio::task::JoinHandle<()>> {
-        let mut tasks = vec![tokio::spawn(feed(self.clone(), events, stop.clone()))];
+    ) -> Result<Running, HaError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("fastpath-ha")
+            .on_thread_start(lower_priority)
+            .enable_all()
+            .build()
+            .map_err(HaError::Runtime)?;
+        let mut tasks = vec![rt.spawn(feed(self.clone(), events, stop.clone()))];
         for p in &self.peers {
-            tasks.push(tokio::spawn(peer_stream(
-                self.clone(),
-                p.clone(),
-                stop.clone(),
-            )));
+            tasks.push(rt.spawn(peer_stream(self.clone(), p.clone(), stop.clone())));
         }
-        tasks
+        let ha = self.clone();
+        tasks.push(rt.spawn(async move {
+            match tokio::net::TcpListener::from_std(listener) {
+                Ok(l) => serve(ha, l, tls, stop).await,
+                Err(e) => {
+                    warn!(error = %e, "HA sync listener unusable; peers cannot reach this node")
+                }
+            }
+        }));
+        Ok(Running { rt, tasks })
     }
 
     pub fn service(self: &Arc<Ha>) -> pb::sync_server::SyncServer<SyncService> {
@@ -313,17 +373,15 @@ impl Ha {
                     // Gone already: its removal is an event of its own.
                     continue;
                 };
-                if !owned_here(&table, key, &e) {
+                // An alias is not sent: the peer builds it from its connection's entry.
+                if e.flags & CT_F_LB_ALIAS != 0 || !owned_here(&table, key, &e) {
                     continue;
                 }
-                let alias = lb_peer_key(key, &e).and_then(|k| table.get(&k).map(|a| (k, a)));
-                for (k, e) in std::iter::once((*key, e)).chain(alias) {
-                    if let Some(c) = sync::to_wire(&k, &e, now, &ix) {
-                        out.push(Pending {
-                            at_ns,
-                            op: pb::change::Op::Upsert(c),
-                        });
-                    }
+                if let Some(c) = sync::to_wire(key, &e, now, &ix) {
+                    out.push(Pending {
+                        at_ns,
+                        op: pb::change::Op::Upsert(c),
+                    });
                 }
             }
         }
@@ -581,6 +639,13 @@ fn apply(table: &mut CtTable, peer: &mut PeerIn, origin: u32, acts: Vec<Action<C
                 if let Err(err) = table.insert(&k, &e) {
                     peer.refused += 1;
                     warn!(error = %err, "Could not install a replicated connection");
+                    continue;
+                }
+                if let Some((ak, alias)) = lb_alias(&k, &e)
+                    && let Err(err) = install_alias(table, &ak, &alias)
+                {
+                    peer.refused += 1;
+                    warn!(error = %err, "Could not install a replicated connection's alias");
                 }
             }
             Action::Remove(k) => {
@@ -602,6 +667,25 @@ fn apply(table: &mut CtTable, peer: &mut PeerIn, origin: u32, acts: Vec<Action<C
                 }
             }
         }
+    }
+}
+
+/// Installs the alias a replicated connection's entry implies. Usually it is new; if the key
+/// is taken, an alias of the same origin is brought up to date and anything else (this node's
+/// own entry on that tuple) is kept.
+fn install_alias(table: &mut CtTable, key: &CtKey, alias: &CtEntry) -> Result<(), DatapathError> {
+    if table.insert_new(key, alias)? {
+        return Ok(());
+    }
+    match table.get(key) {
+        Some(local)
+            if local.flags & CT_F_LB_ALIAS != 0
+                && local.origin == alias.origin
+                && local.nat != alias.nat =>
+        {
+            table.insert(key, alias)
+        }
+        _ => Ok(()),
     }
 }
 
@@ -887,19 +971,15 @@ async fn send_snapshot(
         };
         let walked = table.walk(|keys, entries| {
             for (k, e) in keys.iter().zip(entries) {
-                // An alias goes right after its connection's entry, never before it: the
-                // peer's expiry removes an alias whose connection it does not have.
+                // Aliases are not sent: the peer builds each from its connection's entry.
                 if e.flags & CT_F_LB_ALIAS != 0 || !owned_here(&table, k, e) {
                     continue;
                 }
-                let alias = lb_peer_key(k, e).and_then(|ak| table.get(&ak).map(|a| (ak, a)));
-                for (k, e) in std::iter::once((*k, *e)).chain(alias) {
-                    if let Some(c) = sync::to_wire(&k, &e, now, &ix) {
-                        changes.push(pb::Change {
-                            seq: 0,
-                            op: Some(pb::change::Op::Upsert(c)),
-                        });
-                    }
+                if let Some(c) = sync::to_wire(k, e, now, &ix) {
+                    changes.push(pb::Change {
+                        seq: 0,
+                        op: Some(pb::change::Op::Upsert(c)),
+                    });
                 }
                 if changes.len() >= BATCH {
                     flush(&mut changes);
@@ -977,7 +1057,7 @@ impl pb::sync_server::Sync for SyncService {
 }
 
 /// Serves the sync service on `listener` with mutual TLS until `stop`.
-pub async fn serve(
+async fn serve(
     ha: Arc<Ha>,
     listener: tokio::net::TcpListener,
     tls: ServerTlsConfig,

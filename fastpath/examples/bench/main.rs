@@ -201,6 +201,9 @@ fn main() -> Result<()> {
         ),
     };
     match only.as_deref() {
+        None if std::env::var_os("FP_BENCH_CONTENDERS").is_some() => bail!(
+            "FP_BENCH_CONTENDERS is for `bench --only lb-compare`; a full run writes docs/ and runs every contender: unset it"
+        ),
         None => {}
         Some("updates") => {
             let mut fx = Fixture::new().context("loading the datapath (run as root)")?;
