@@ -4,10 +4,15 @@
 //! resync, snapshots) are `crate::sync`'s; this module is its I/O.
 //!
 //! Sending: the conntrack events of this node's datapath (ring buffer → hub) say which
-//! connection changed; its entry (and, for a load-balanced one, its alias) is read from the
-//! table and queued for each peer. The datapath never waits: the queues are bounded, and a
+//! connection changed; its entry is read from the table and queued for each peer (a
+//! load-balanced connection's alias is not sent: a peer builds it from the entry,
+//! `lb::lb_alias`). The datapath never waits: the queues are bounded, and a
 //! peer that falls behind them, a lost event (ring or hub overflow) or a new stream gets a
 //! snapshot of the table with a watermark, then the tail.
+//!
+//! Replication runs on its own runtime thread at nice [`NICE`], below packet processing and
+//! the management API: on a node with no CPU to spare its queues grow rather than the
+//! datapath's latency.
 //!
 //! Receiving: a peer's entries are installed marked with its node id (`CtEntry::origin`).
 //! This node's own traffic owns a connection: an entry it made, or one its packets have
@@ -52,8 +57,10 @@ use crate::{
 const BATCH: usize = 1024;
 /// Acknowledgements whose lag the percentiles cover.
 const LAG_SAMPLES: usize = 4096;
-/// How long the feeder waits after an event for more before reading the table.
-const COALESCE: Duration = Duration::from_millis(2);
+/// How long the feeder waits after an event for more before reading the table: a short
+/// connection's events (NEW, REPLIED, ESTABLISHED, CLOSED) mostly become one change, and a
+/// busy node's feeder wakes 200 times a second rather than once per event.
+const COALESCE: Duration = Duration::from_millis(5);
 /// How often lost ring events are looked for.
 const LOSS_POLL: Duration = Duration::from_millis(200);
 /// A peer's largest message (a batch of 1024 changes is about 150 KiB).
@@ -388,10 +395,17 @@ impl Ha {
         if out.is_empty() {
             return;
         }
-        for p in &self.peers {
+        let mut out = Some(out);
+        for (i, p) in self.peers.iter().enumerate() {
+            // The last peer takes the changes; the others get copies.
+            let changes = if i + 1 == self.peers.len() {
+                out.take().unwrap_or_default()
+            } else {
+                out.clone().unwrap_or_default()
+            };
             if let Ok(mut s) = p.sender.lock() {
-                for c in &out {
-                    s.push(c.clone());
+                for c in changes {
+                    s.push(c);
                 }
             }
             p.wake.notify_one();
@@ -741,8 +755,11 @@ async fn feed(
                         }
                     }
                 }
+                // Table reads on the replication thread itself: it has nothing else to do
+                // meanwhile, and `block_in_place` would hand its runtime to another thread
+                // (two context switches per batch).
                 if !batch.is_empty() {
-                    tokio::task::block_in_place(|| ha.on_events(&batch));
+                    ha.on_events(&batch);
                     batch.clear();
                 }
             }
@@ -1032,7 +1049,8 @@ impl pb::sync_server::Sync for SyncService {
             let mut node = None;
             loop {
                 match batches.message().await {
-                    Ok(Some(b)) => match tokio::task::block_in_place(|| ha.receive(&mut node, b)) {
+                    // Inline on the replication thread, as the feeder's reads.
+                    Ok(Some(b)) => match ha.receive(&mut node, b) {
                         Ok(Some(ack)) => {
                             tx.send_replace(Some(ack));
                         }

@@ -37,7 +37,7 @@ const BACKENDS: usize = 3;
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 100);
 const PORT: u16 = 80;
 /// Measured rounds; each runs every contender once.
-const ROUNDS: usize = 5;
+const ROUNDS: usize = 7;
 /// Seconds per wrk run.
 const DURATION_S: u32 = 5;
 /// Seconds of discarded load after each setup (ARP, caches, conntrack warm).
@@ -1244,7 +1244,7 @@ fn ha_markdown(r: &CompareReport) -> String {
     );
     let _ = writeln!(
         md,
-        "The \"fastpath + HA sync\" contender is the fastpath contender's setup (same config, same runs, in the same interleaved rounds) plus `[ha]` on fp: the daemon turns every conntrack event into a change and streams it over gRPC with mutual TLS to a peer daemon (node B) in a peer namespace joined to fp by its own veth, which installs A's entries in its table. B starts first and must hold A's snapshot (`ha status --check`) before the runs; after each run (outside its timing) B must have acknowledged A's last change, received at least one change per request in a new-connection run (each request is a connection), hold A's entries, and neither side may have refused anything, or the benchmark fails. B runs on the same 2 CPUs as everything else here, so its CPU is charged to the run, unlike on a second machine. {} rounds; medians (min–max); ratio = sync ÷ plain of the medians, and the median of the per-round ratios (the two contenders' runs in one round).\n",
+        "The \"fastpath + HA sync\" contender is the fastpath contender's setup (same config, same runs, in the same interleaved rounds) plus `[ha]` on fp: the daemon turns every conntrack event into a change and streams it over gRPC with mutual TLS to a peer daemon (node B) in a peer namespace joined to fp by its own veth, which installs A's entries in its table. B starts first and must hold A's snapshot (`ha status --check`) before the runs; after each run (outside its timing) B must have acknowledged A's last change, received at least one change per request in a new-connection run (each request is a connection), hold A's entries, and neither side may have refused anything, or the benchmark fails. B stands for a second machine but shares this one's 2 CPUs, so it runs under SCHED_IDLE (`chrt --idle`, every thread): it gets only CPU time nothing else wants, and its CPU is reported apart (last column); A's replication runs as the daemon always runs it, on its own thread at nice 10. The target is met when both the ratio of medians and the median of the per-round ratios are within it. {} rounds; medians (min–max); ratio = sync ÷ plain of the medians, and the median of the per-round ratios (the two contenders' runs in one round).\n",
         r.rounds
     );
     let per_round: Vec<f64> = sync
@@ -1280,10 +1280,11 @@ fn ha_markdown(r: &CompareReport) -> String {
     let _ = writeln!(md);
     let _ = writeln!(
         md,
-        "New-connection req/s, sync on ÷ off: **{ratio:.3}** (ratio of medians); per round {pr_median:.3} ({pr_min:.3}–{pr_max:.3}). Penalty {:.1}% against the ≤ {:.0}% target: **{}**. Replicated over the sync contender's runs: {} changes made by A, {} received by B; A's lag (change made → applied by B, over its last 4096 acks, after each new-connection run) p50 {:.2} ms, p99 {:.2} ms (medians over rounds); events lost {}, resyncs {}.\n",
+        "New-connection req/s, sync on ÷ off: **{ratio:.3}** (ratio of medians); per round {pr_median:.3} ({pr_min:.3}–{pr_max:.3}). Penalty {:.1}% (ratio of medians), {:.1}% (per round) against the ≤ {:.0}% target: **{}**. Replicated over the sync contender's runs: {} changes made by A, {} received by B; A's lag (change made → applied by B, over its last 4096 acks, after each new-connection run) p50 {:.2} ms, p99 {:.2} ms (medians over rounds); events lost {}, resyncs {}.\n",
         (1.0 - ratio) * 100.0,
+        (1.0 - pr_median) * 100.0,
         HA_MAX_PENALTY * 100.0,
-        if 1.0 - ratio <= HA_MAX_PENALTY {
+        if 1.0 - ratio <= HA_MAX_PENALTY && 1.0 - pr_median <= HA_MAX_PENALTY {
             "met"
         } else {
             "MISSED"
