@@ -455,10 +455,16 @@ pub struct CtEvent {
     /// `CT_F_*` after the packet.
     pub flags: u8,
     pub _pad: [u8; 5],
+    /// The connection's NAT binding (`CtEntry::nat`; zero when it has none): with it an event
+    /// says all HA replication sends, with no table read.
+    pub nat: crate::lb::CtNat,
 }
-const _: () = assert!(core::mem::size_of::<CtEvent>() == 56);
-const _: () =
-    assert!(core::mem::offset_of!(CtEvent, key) == 8 && core::mem::offset_of!(CtEvent, kind) == 48);
+const _: () = assert!(core::mem::size_of::<CtEvent>() == 104);
+const _: () = assert!(
+    core::mem::offset_of!(CtEvent, key) == 8
+        && core::mem::offset_of!(CtEvent, kind) == 48
+        && core::mem::offset_of!(CtEvent, nat) == 56
+);
 
 /// Per-interface datapath settings (`FP_IFACE`, keyed by ifindex), written by the daemon.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -22,7 +22,7 @@ use fastpath_common::{
         UDP_STREAM_AFTER_NS, ct_event, ct_stat, tcp_class, tcp_classify, tcp_state, tcp_step,
     },
     lb::{
-        SNAT_TRIES, SVC_F_DSR, SVC_F_FULL_NAT, SVC_F_GATEWAY, SVC_F_NO_BACKEND_DROP,
+        CtNat, SNAT_TRIES, SVC_F_DSR, SVC_F_FULL_NAT, SVC_F_GATEWAY, SVC_F_NO_BACKEND_DROP,
         SVC_F_NO_BACKEND_REJECT, Service, flow_hash,
     },
     reason,
@@ -1159,9 +1159,10 @@ pub(crate) fn emit(key: &CtKey, kind: u8, e: &CtEntry, now: u64) {
     // BPF `memset` call (tens of ns where `ret` is mitigated).
     let words = slot.as_mut_ptr().cast::<u64>();
     let key_words = (key as *const CtKey).cast::<u64>();
-    // SAFETY: the slot is a reserved, 8-aligned CtEvent (7 words: ts, 5 key words, then
-    // kind/state/flags and padding); CtKey is 5 words and 8-aligned. Any bytes are a valid
-    // CtEvent.
+    let nat_words = (&e.nat as *const CtNat).cast::<u64>();
+    // SAFETY: the slot is a reserved, 8-aligned CtEvent (13 words: ts, 5 key words,
+    // kind/state/flags and padding, then the 6 words of the NAT binding); CtKey is 5 words and
+    // CtNat 6, both 8-aligned. Any bytes are a valid CtEvent.
     unsafe {
         core::ptr::write_volatile(words, now);
         let mut i = 0;
@@ -1173,6 +1174,11 @@ pub(crate) fn emit(key: &CtKey, kind: u8, e: &CtEntry, now: u64) {
             words.add(6),
             u64::from_ne_bytes([kind, e.state, e.flags, 0, 0, 0, 0, 0]),
         );
+        let mut i = 0;
+        while i < 6 {
+            core::ptr::write_volatile(words.add(7 + i), core::ptr::read_volatile(nat_words.add(i)));
+            i += 1;
+        }
     }
     slot.submit(0);
 }

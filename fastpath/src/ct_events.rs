@@ -211,6 +211,7 @@ mod tests {
             state,
             flags: flags | orig,
             _pad: [0; 5],
+            nat: Default::default(),
         }
     }
 

@@ -96,6 +96,7 @@ pub fn pass(table: &mut CtTable, t: &Timeouts, hub: &EventHub, stats: &GcStats, 
                 state: entry.state,
                 flags: entry.flags,
                 _pad: [0; 5],
+                nat: entry.nat,
             });
         }
     }

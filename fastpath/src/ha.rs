@@ -335,61 +335,67 @@ impl Ha {
 
     /// Queues the changes `events` describe for every peer. Several events of one
     /// connection in the batch (a short connection's NEW, REPLIED, ESTABLISHED, CLOSED) make
-    /// one change: its entry as it is now, or its removal if that came last.
+    /// one change: the connection as its last event describes it (state, flags and NAT
+    /// binding after that packet: no table read), or its removal if that came last. Every
+    /// event but a removal comes from a packet this node's datapath handled, so the entry is
+    /// this node's own (`owned_here`).
     fn on_events(&self, events: &[CtEvent]) {
         let ix = self.lb.borrow().clone();
         let now = conntrack::monotonic_ns();
-        // Per connection: the first event's time (the lag counts from it) and whether the
-        // last event removed it.
+        // Per connection: the first event's time (the lag counts from it) and the last event.
         let mut order: Vec<CtKey> = Vec::with_capacity(events.len());
-        let mut last: HashMap<CtKey, (u64, bool)> = HashMap::with_capacity(events.len());
+        let mut last: HashMap<CtKey, (u64, &CtEvent)> = HashMap::with_capacity(events.len());
         for ev in events {
-            let removed = match ev.kind {
-                ct_event::NEW | ct_event::REPLIED | ct_event::ESTABLISHED | ct_event::CLOSED => {
-                    false
-                }
-                ct_event::EXPIRED | ct_event::EARLY_DROP | ct_event::KILLED => true,
-                _ => continue,
-            };
+            if !matches!(
+                ev.kind,
+                ct_event::NEW
+                    | ct_event::REPLIED
+                    | ct_event::ESTABLISHED
+                    | ct_event::CLOSED
+                    | ct_event::EXPIRED
+                    | ct_event::EARLY_DROP
+                    | ct_event::KILLED
+            ) || ev.flags & CT_F_LB_ALIAS != 0
+            {
+                continue;
+            }
             last.entry(ev.key)
-                .and_modify(|(_, r)| *r = removed)
+                .and_modify(|(_, l)| *l = ev)
                 .or_insert_with(|| {
                     order.push(ev.key);
-                    (ev.ts_ns, removed)
+                    (ev.ts_ns, ev)
                 });
         }
-        let mut out = Vec::with_capacity(order.len() * 2);
-        {
-            let Ok(table) = self.table.lock() else {
-                return;
+        let mut out = Vec::with_capacity(order.len());
+        for key in &order {
+            let Some(&(at_ns, ev)) = last.get(key) else {
+                continue;
             };
-            for key in &order {
-                let Some(&(at_ns, removed)) = last.get(key) else {
-                    continue;
-                };
-                if removed {
-                    if let Some(c) = sync::to_wire(key, &CtEntry::default(), 0, &ix) {
-                        out.push(Pending {
-                            at_ns,
-                            op: pb::change::Op::Delete(c),
-                        });
-                    }
-                    continue;
+            let removed = matches!(
+                ev.kind,
+                ct_event::EXPIRED | ct_event::EARLY_DROP | ct_event::KILLED
+            );
+            // A removal names the connection only.
+            let entry = if removed {
+                CtEntry::default()
+            } else {
+                CtEntry {
+                    last_seen_ns: ev.ts_ns,
+                    state: ev.state,
+                    flags: ev.flags,
+                    nat: ev.nat,
+                    ..CtEntry::default()
                 }
-                let Some(e) = table.get(key) else {
-                    // Gone already: its removal is an event of its own.
-                    continue;
-                };
-                // An alias is not sent: the peer builds it from its connection's entry.
-                if e.flags & CT_F_LB_ALIAS != 0 || !owned_here(&table, key, &e) {
-                    continue;
-                }
-                if let Some(c) = sync::to_wire(key, &e, now, &ix) {
-                    out.push(Pending {
-                        at_ns,
-                        op: pb::change::Op::Upsert(c),
-                    });
-                }
+            };
+            if let Some(c) = sync::to_wire(key, &entry, if removed { 0 } else { now }, &ix) {
+                out.push(Pending {
+                    at_ns,
+                    op: if removed {
+                        pb::change::Op::Delete(c)
+                    } else {
+                        pb::change::Op::Upsert(c)
+                    },
+                });
             }
         }
         if out.is_empty() {

@@ -182,7 +182,7 @@ fn replication_heals_after_peer_restart_link_cut_ring_overflow_and_flush() {
     );
 
     // The event ring overflowed: A's daemon stopped (SIGSTOP) while its datapath makes 100k
-    // connections (200k entries, 100k+ events; the ring holds 65536).
+    // connections (200k entries, 100k+ events; the ring holds 74898).
     let pid = p.a.pid().expect("A runs");
     let lost_before = a["events_lost"].as_u64().unwrap_or(0);
     // SAFETY: kill(2) on our own child's pid.

@@ -377,13 +377,13 @@ pub fn markdown(r: &HaReport) -> String {
         if full.runs.iter().any(|x| x.events_lost > 0) {
             let _ = writeln!(
                 md,
-                "At full rate A's replication lost conntrack events (per run: {}; the event ring holds 65536): each loss makes A resync B with a snapshot, so B still ends with A's table, entry for entry, but through snapshots rather than the change stream; \"changes replicated\" then counts the stream's changes only. The paced row is the same burst at a rate that loses nothing.\n",
+                "At full rate A's replication lost conntrack events (per run: {}; the event ring holds 74898): each loss makes A resync B with a snapshot, so B still ends with A's table, entry for entry, but through snapshots rather than the change stream; \"changes replicated\" then counts the stream's changes only. The paced row is the same burst at a rate that loses nothing.\n",
                 lost.join(", ")
             );
         } else {
             let _ = writeln!(
                 md,
-                "No event was lost at full rate (the event ring holds 65536 events), so no paced run was needed.\n"
+                "No event was lost at full rate (the event ring holds 74898 events), so no paced run was needed.\n"
             );
         }
     }
