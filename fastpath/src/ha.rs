@@ -50,17 +50,22 @@ use crate::{
     config::HaSection,
     conntrack,
     datapath::{self, CtTable, DatapathError},
-    sync::{self, Action, Ask, Batch, LbIndex, Op, Receiver, Reply, Sender, Stamp, pb},
+    sync::{
+        self, Action, Ask, Batch, LbIndex, Op, Receiver, Reply, Sender, Stamp, WireBatch, WireOp,
+        pb,
+    },
 };
 
 /// Changes per message.
 const BATCH: usize = 1024;
 /// Acknowledgements whose lag the percentiles cover.
 const LAG_SAMPLES: usize = 4096;
-/// How long the feeder waits after an event for more before reading the table: a short
+/// How long the feeder waits after an event for more before making changes: a short
 /// connection's events (NEW, REPLIED, ESTABLISHED, CLOSED) mostly become one change, and a
-/// busy node's feeder wakes 200 times a second rather than once per event.
-const COALESCE: Duration = Duration::from_millis(5);
+/// busy node sends 50 messages a second, each one TLS record, write and acknowledgement,
+/// rather than one per event. The lag grows by at most this much, far below a failover's
+/// detection time (keepalived's `advert_int` is 1 s).
+const COALESCE: Duration = Duration::from_millis(20);
 /// How often lost ring events are looked for.
 const LOSS_POLL: Duration = Duration::from_millis(200);
 /// A peer's largest message (a batch of 1024 changes is about 150 KiB).
@@ -70,7 +75,7 @@ const MAX_MESSAGE_BYTES: usize = 16 << 20;
 #[derive(Clone, Debug)]
 struct Pending {
     at_ns: u64,
-    op: pb::change::Op,
+    op: WireOp,
 }
 
 /// This node's stream to one peer.
@@ -344,7 +349,8 @@ impl Ha {
         let now = conntrack::monotonic_ns();
         // Per connection: the first event's time (the lag counts from it) and the last event.
         let mut order: Vec<CtKey> = Vec::with_capacity(events.len());
-        let mut last: HashMap<CtKey, (u64, &CtEvent)> = HashMap::with_capacity(events.len());
+        let mut last: foldhash::HashMap<CtKey, (u64, &CtEvent)> =
+            foldhash::HashMap::with_capacity_and_hasher(events.len(), Default::default());
         for ev in events {
             if !matches!(
                 ev.kind,
@@ -390,11 +396,11 @@ impl Ha {
             if let Some(c) = sync::to_wire(key, &entry, if removed { 0 } else { now }, &ix) {
                 out.push(Pending {
                     at_ns,
-                    op: if removed {
+                    op: WireOp::new(if removed {
                         pb::change::Op::Delete(c)
                     } else {
                         pb::change::Op::Upsert(c)
-                    },
+                    }),
                 });
             }
         }
@@ -649,14 +655,22 @@ fn apply(table: &mut CtTable, peer: &mut PeerIn, origin: u32, acts: Vec<Action<C
     for act in acts {
         match act {
             Action::Install(k, mut e) => {
-                if let Some(local) = table.get(&k)
-                    && owned_here(table, &k, &local)
-                {
-                    peer.kept_local += 1;
-                    continue;
-                }
                 e.origin = origin;
-                if let Err(err) = table.insert(&k, &e) {
+                // Mostly the connection is new here: one write that fails if the key is
+                // taken. If it is, this node's own entry is kept and a replicated one is
+                // brought up to date.
+                let installed = match table.insert_new(&k, &e) {
+                    Ok(true) => Ok(()),
+                    Ok(false) => match table.get(&k) {
+                        Some(local) if owned_here(table, &k, &local) => {
+                            peer.kept_local += 1;
+                            continue;
+                        }
+                        _ => table.insert(&k, &e),
+                    },
+                    Err(err) => Err(err),
+                };
+                if let Err(err) = installed {
                     peer.refused += 1;
                     warn!(error = %err, "Could not install a replicated connection");
                     continue;
@@ -839,15 +853,10 @@ async fn run_stream(
         .connect()
         .await
         .map_err(|e| fail("connecting", &e, false))?;
-    let mut client = pb::sync_client::SyncClient::new(channel)
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    let (tx, rx) = mpsc::channel::<pb::Batch>(4);
-    let mut acks = client
-        .replicate(tokio_stream::wrappers::ReceiverStream::new(rx))
+    let (tx, rx) = mpsc::channel::<WireBatch>(4);
+    let mut acks = open_replicate(channel, rx)
         .await
-        .map_err(|e| fail("opening the stream", &e, false))?
-        .into_inner();
+        .map_err(|e| fail("opening the stream", &e, false))?;
     peer.connected.store(true, Ordering::Relaxed);
     peer.connects.fetch_add(1, Ordering::Relaxed);
     if let Ok(mut last) = peer.last_error.lock() {
@@ -879,17 +888,16 @@ async fn run_stream(
             let next = match peer.sender.lock() {
                 Ok(mut s) => match s.next_batch(BATCH) {
                     Batch::Changes(list) if list.is_empty() => None,
-                    Batch::Changes(list) => Some(Ok(pb::Batch {
-                        node_id: u64::from(ha.node_id),
-                        epoch: ha.epoch,
+                    Batch::Changes(list) => Some(Ok(WireBatch {
+                        head: pb::Batch {
+                            node_id: u64::from(ha.node_id),
+                            epoch: ha.epoch,
+                            ..Default::default()
+                        },
                         changes: list
                             .into_iter()
-                            .map(|(st, c)| pb::Change {
-                                seq: st.seq,
-                                op: Some(c.op.clone()),
-                            })
+                            .map(|(st, c)| (st.seq, c.op.clone()))
                             .collect(),
-                        ..Default::default()
                     })),
                     Batch::Snapshot { epoch, watermark } => Some(Err((epoch, watermark))),
                 },
@@ -920,6 +928,28 @@ async fn run_stream(
             _ = stop.changed() => return Ok(()),
         }
     }
+}
+
+/// Opens `Sync/Replicate` on `channel`, sending `batches`: what the generated client does,
+/// with `WireBatch` (already encoded changes) in place of `pb::Batch`.
+async fn open_replicate(
+    channel: tonic::transport::Channel,
+    batches: mpsc::Receiver<WireBatch>,
+) -> Result<Streaming<pb::Ack>, Status> {
+    let mut grpc = tonic::client::Grpc::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    grpc.ready()
+        .await
+        .map_err(|e| Status::unavailable(format!("the channel is not ready: {e}")))?;
+    let mut request = Request::new(tokio_stream::wrappers::ReceiverStream::new(batches));
+    request
+        .extensions_mut()
+        .insert(tonic::GrpcMethod::new("fastpath.sync.v1.Sync", "Replicate"));
+    let path =
+        tonic::codegen::http::uri::PathAndQuery::from_static("/fastpath.sync.v1.Sync/Replicate");
+    let codec = tonic_prost::ProstCodec::<WireBatch, pb::Ack>::default();
+    Ok(grpc.streaming(request, path, codec).await?.into_inner())
 }
 
 /// A peer's acknowledgement: releases what it confirms, records the lag, and says whether a
@@ -961,7 +991,7 @@ fn on_ack(ha: &Ha, peer: &PeerOut, ack: &pb::Ack) -> Option<Reply> {
 async fn send_snapshot(
     ha: &Arc<Ha>,
     peer: &Arc<PeerOut>,
-    tx: &mpsc::Sender<pb::Batch>,
+    tx: &mpsc::Sender<WireBatch>,
     epoch: u64,
     watermark: u64,
 ) -> Result<(), ()> {
@@ -977,17 +1007,19 @@ async fn send_snapshot(
         let now = conntrack::monotonic_ns();
         let mut changes = Vec::with_capacity(BATCH);
         let mut ok = true;
-        let mut flush = |changes: &mut Vec<pb::Change>| {
+        let mut flush = |changes: &mut Vec<(u64, WireOp)>| {
             if changes.is_empty() || !ok {
                 return;
             }
             let n = changes.len() as u64;
-            let b = pb::Batch {
-                node_id,
-                epoch,
+            let b = WireBatch {
+                head: pb::Batch {
+                    node_id,
+                    epoch,
+                    snapshot: true,
+                    ..Default::default()
+                },
                 changes: std::mem::take(changes),
-                snapshot: true,
-                ..Default::default()
             };
             ok = tx2.blocking_send(b).is_ok();
             peer2.snapshot_entries.fetch_add(n, Ordering::Relaxed);
@@ -999,10 +1031,7 @@ async fn send_snapshot(
                     continue;
                 }
                 if let Some(c) = sync::to_wire(k, e, now, &ix) {
-                    changes.push(pb::Change {
-                        seq: 0,
-                        op: Some(pb::change::Op::Upsert(c)),
-                    });
+                    changes.push((0, WireOp::new(pb::change::Op::Upsert(c))));
                 }
                 if changes.len() >= BATCH {
                     flush(&mut changes);
@@ -1019,13 +1048,16 @@ async fn send_snapshot(
     if !matches!(sent, Ok(Ok(()))) {
         return Err(());
     }
-    tx.send(pb::Batch {
-        node_id,
-        epoch,
-        snapshot: true,
-        snapshot_done: true,
-        watermark,
-        ..Default::default()
+    tx.send(WireBatch {
+        head: pb::Batch {
+            node_id,
+            epoch,
+            snapshot: true,
+            snapshot_done: true,
+            watermark,
+            ..Default::default()
+        },
+        changes: Vec::new(),
     })
     .await
     .map_err(|_| ())

@@ -38,6 +38,10 @@ const VIP: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 100);
 const PORT: u16 = 80;
 /// Measured rounds; each runs every contender once.
 const ROUNDS: usize = 7;
+/// Further rounds of the fastpath contender and the HA one alone, new-connection runs only:
+/// the HA penalty is a few percent, and one pair's ratio varies by several, so its
+/// comparison takes the pairs of all `ROUNDS + HA_EXTRA_ROUNDS` rounds.
+const HA_EXTRA_ROUNDS: usize = 8;
 /// Seconds per wrk run.
 const DURATION_S: u32 = 5;
 /// Seconds of discarded load after each setup (ARP, caches, conntrack warm).
@@ -203,6 +207,10 @@ pub struct ContenderRow {
     contender: &'static str,
     what: &'static str,
     new_connection_rps: Metric,
+    /// fastpath and its HA contender: the new-connection req/s of the `ha_extra_rounds`
+    /// (empty for the others); the HA comparison pairs them after `new_connection_rps`'s.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    new_connection_extra_rps: Vec<f64>,
     keep_alive_rps: Metric,
     throughput_gbit_s: Metric,
     /// Totals over every measured run: socket errors (connect, read, write, timeout) and
@@ -232,6 +240,7 @@ pub struct ContenderRow {
 pub struct CompareReport {
     backends: usize,
     rounds: usize,
+    ha_extra_rounds: usize,
     duration_s: u32,
     warmup_s: u32,
     connections: u32,
@@ -248,6 +257,8 @@ pub struct CompareReport {
 #[derive(Default)]
 struct Samples {
     new_connection: Vec<f64>,
+    /// New-connection runs of the `HA_EXTRA_ROUNDS` (fastpath and its HA contender only).
+    new_connection_extra: Vec<f64>,
     keep_alive: Vec<f64>,
     throughput: Vec<f64>,
     conntrack: Vec<f64>,
@@ -376,9 +387,21 @@ pub fn run(bin: &Path) -> Result<CompareReport> {
                 continue;
             }
             bench
-                .measure(c, &mut samples[i])
+                .measure(c, &Mode::ALL, &mut samples[i])
                 .with_context(|| format!("{} (round {})", c.what(), round + 1))?;
             eprint!("w");
+        }
+    }
+    let pair = [Contender::Fastpath, Contender::FastpathHa];
+    if pair.iter().all(|&c| runs(c)) {
+        for round in 0..HA_EXTRA_ROUNDS {
+            for k in 0..pair.len() {
+                let c = pair[(round + k) % pair.len()];
+                bench
+                    .measure(c, &[Mode::NewConnection], &mut samples[c as usize])
+                    .with_context(|| format!("{} (HA round {})", c.what(), round + 1))?;
+                eprint!("h");
+            }
         }
     }
     drop(bench);
@@ -404,6 +427,7 @@ pub fn run(bin: &Path) -> Result<CompareReport> {
             contender: c.key(),
             what: c.what(),
             new_connection_rps: metric(c, |s| &s.new_connection),
+            new_connection_extra_rps: s.new_connection_extra.clone(),
             keep_alive_rps: metric(c, |s| &s.keep_alive),
             throughput_gbit_s: metric(c, |s| &s.throughput),
             socket_errors: s.socket_errors,
@@ -447,6 +471,7 @@ pub fn run(bin: &Path) -> Result<CompareReport> {
     Ok(CompareReport {
         backends: BACKENDS,
         rounds: ROUNDS,
+        ha_extra_rounds: HA_EXTRA_ROUNDS,
         duration_s: DURATION_S,
         warmup_s: WARMUP_S,
         connections: CONNECTIONS,
@@ -508,15 +533,24 @@ impl Bench {
 
     /// One round of contender `c`: set up, check one request goes through, warm up, the three
     /// runs (each checked), tear down (checked).
-    fn measure(&self, c: Contender, s: &mut Samples) -> Result<()> {
+    /// Sets `c` up, runs `modes` and tears it down. Only a run of every mode is one of the
+    /// `ROUNDS`; a new-connection run alone is one of the `HA_EXTRA_ROUNDS`.
+    fn measure(&self, c: Contender, modes: &[Mode], s: &mut Samples) -> Result<()> {
         let running = self.setup(c)?;
-        let result = self.measure_running(c, &running, s);
+        let result = self.measure_running(c, &running, modes, s);
         // Torn down whatever happened: the next contender must find fp clean.
         let down = self.teardown(running);
         result.and(down)
     }
 
-    fn measure_running(&self, c: Contender, running: &Running, s: &mut Samples) -> Result<()> {
+    fn measure_running(
+        &self,
+        c: Contender,
+        running: &Running,
+        modes: &[Mode],
+        s: &mut Samples,
+    ) -> Result<()> {
+        let extra = modes.len() < Mode::ALL.len();
         let url = |file: &str| format!("http://{}:{PORT}/{file}", c.target());
         self.lb
             .client()
@@ -529,7 +563,8 @@ impl Bench {
                 )
             })?;
         self.wrk(&url(PAGE), CONNECTIONS, WARMUP_S, true)?;
-        for (m, mode) in Mode::ALL.into_iter().enumerate() {
+        for &mode in modes {
+            let m = mode as usize;
             let ha_before = running.pair().map(ha_counts).transpose()?;
             let peer_pid = running.pair().and_then(|(_, b)| b.pid());
             let peer_cpu_before = peer_pid.map(process_cpu_s).transpose()?;
@@ -559,6 +594,9 @@ impl Bench {
             s.socket_errors += run.socket_errors();
             s.non_2xx += run.non_2xx;
             match mode {
+                Mode::NewConnection if extra => s
+                    .new_connection_extra
+                    .push(run.requests as f64 / run.duration_s),
                 Mode::NewConnection => {
                     s.new_connection.push(run.requests as f64 / run.duration_s);
                     s.conntrack.push(self.kernel_conntrack_entries()? as f64);
@@ -1237,6 +1275,17 @@ fn ha_markdown(r: &CompareReport) -> String {
     let Some(ha) = &sync.ha else {
         return String::new();
     };
+    // New-connection req/s over every round of the pair, the extra ones included.
+    let new_conn = |c: &ContenderRow| {
+        let all = [
+            c.new_connection_rps.samples.as_slice(),
+            &c.new_connection_extra_rps,
+        ]
+        .concat();
+        let (median, min, max) = crate::stats(&all);
+        (all, median, min, max)
+    };
+    let (plain_new, sync_new) = (new_conn(plain), new_conn(sync));
     let mut md = String::from(
         "### fastpath with HA sync on and off
 
@@ -1244,14 +1293,16 @@ fn ha_markdown(r: &CompareReport) -> String {
     );
     let _ = writeln!(
         md,
-        "The \"fastpath + HA sync\" contender is the fastpath contender's setup (same config, same runs, in the same interleaved rounds) plus `[ha]` on fp: the daemon turns every conntrack event into a change and streams it over gRPC with mutual TLS to a peer daemon (node B) in a peer namespace joined to fp by its own veth, which installs A's entries in its table. B starts first and must hold A's snapshot (`ha status --check`) before the runs; after each run (outside its timing) B must have acknowledged A's last change, received at least one change per request in a new-connection run (each request is a connection), hold A's entries, and neither side may have refused anything, or the benchmark fails. B stands for a second machine but shares this one's 2 CPUs, so it runs under SCHED_IDLE (`chrt --idle`, every thread): it gets only CPU time nothing else wants, and its CPU is reported apart (last column); A's replication runs as the daemon always runs it, on its own thread at nice 10. The target is met when both the ratio of medians and the median of the per-round ratios are within it. {} rounds; medians (min–max); ratio = sync ÷ plain of the medians, and the median of the per-round ratios (the two contenders' runs in one round).\n",
+        "The \"fastpath + HA sync\" contender is the fastpath contender's setup (same config, same runs, in the same interleaved rounds) plus `[ha]` on fp: the daemon turns every conntrack event into a change and streams it over gRPC with mutual TLS to a peer daemon (node B) in a peer namespace joined to fp by its own veth, which installs A's entries in its table. B's daemon attaches to a stub link of its own, not the sync link: between two machines, A's stream leaves with segmentation offload and B's packet processing runs on B's CPU (on veth, B's XDP program on the sync link would turn A's segmentation offload off and run B's receive path for every segment in A's sending context). B starts first and must hold A's snapshot (`ha status --check`) before the runs; after each run (outside its timing) B must have acknowledged A's last change, received at least one change per request in a new-connection run (each request is a connection), hold A's entries, and neither side may have refused anything, or the benchmark fails. B stands for a second machine but shares this one's 2 CPUs, so it runs under SCHED_IDLE (`chrt --idle`, every thread): it gets only CPU time nothing else wants, and its CPU is reported apart (last column); A's replication runs as the daemon always runs it, on its own thread at nice 10. The target is met when both the ratio of medians and the median of the per-round ratios are within it. One pair's ratio varies by several percent on this shared machine, so after the {} rounds of every contender, {} more rounds set up and run these two alone, new-connection runs only (the first one alternating); new-connection figures are over all {} pairs, keep-alive over the first {}. Medians (min–max); ratio = sync ÷ plain of the medians, and the median of the per-round ratios (the two contenders' runs in one round).\n",
+        r.rounds,
+        r.ha_extra_rounds,
+        sync_new.0.len(),
         r.rounds
     );
-    let per_round: Vec<f64> = sync
-        .new_connection_rps
-        .samples
+    let per_round: Vec<f64> = sync_new
+        .0
         .iter()
-        .zip(&plain.new_connection_rps.samples)
+        .zip(&plain_new.0)
         .map(|(a, b)| a / b)
         .collect();
     let (pr_median, pr_min, pr_max) = crate::stats(&per_round);
@@ -1262,16 +1313,21 @@ fn ha_markdown(r: &CompareReport) -> String {
             |p| format!("{:.0} / {:.0} / {:.0}", p[0], p[1], p[2]),
         )
     };
-    let ratio = sync.new_connection_rps.median / plain.new_connection_rps.median;
+    let ratio = sync_new.1 / plain_new.1;
     let _ = writeln!(
         md,
         "| | new conn req/s | keep-alive req/s | node A (fp) daemon CPU % of one CPU (new / keep-alive / throughput) | node B daemon CPU % (new / keep-alive / throughput) |\n|---|---:|---:|---|---|"
     );
-    for (what, c) in [("fastpath, sync off", plain), ("fastpath, sync on", sync)] {
+    for (what, c, n) in [
+        ("fastpath, sync off", plain, &plain_new),
+        ("fastpath, sync on", sync, &sync_new),
+    ] {
         let _ = writeln!(
             md,
-            "| {what} | {} | {} | {} | {} |",
-            cell(&c.new_connection_rps),
+            "| {what} | {:.0} ({:.0}–{:.0}) | {} | {} | {} |",
+            n.1,
+            n.2,
+            n.3,
             cell(&c.keep_alive_rps),
             cpu(c.process_cpu_percent),
             cpu(c.peer_process_cpu_percent)

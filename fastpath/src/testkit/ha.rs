@@ -752,14 +752,21 @@ pub fn ha_toml(node: Node, listen: SocketAddr, peer: SocketAddr, tls: &NodeTls) 
 /// node A is `fp` (it balances the client's connections), node B is the [`SyncPair::PEER`]
 /// namespace, joined to fp by its own veth ([`SyncPair::SYNC_IF`], 10.201.0.1 on fp, .2 on
 /// the peer), so B only receives A's stream. The sync link is not one of
-/// [`LbTopology::fp_interfaces`]: fastpath does not hook it.
+/// [`LbTopology::fp_interfaces`]: fastpath does not hook it, on either end.
 pub struct SyncPair;
 
 impl SyncPair {
     /// Node B's namespace role.
     pub const PEER: &'static str = "peer";
-    /// Both ends of the sync link (B's daemon attaches here: a daemon needs an interface).
+    /// Both ends of the sync link.
     pub const SYNC_IF: &'static str = "sync0";
+    /// The ends of a stub link inside B's namespace, where B's daemon attaches (a daemon
+    /// needs an interface). Not the sync link: between two machines, A's stream leaves with
+    /// segmentation offload and B's packet processing runs on B's CPU. On veth, a native XDP
+    /// program on one end turns segmentation offload off on the other, so B's program on the
+    /// sync link would make A segment its stream in software and run B's receive path (its
+    /// XDP program included) for every segment in A's sending context.
+    pub const HOLD_IF: [&'static str; 2] = ["hold0", "hold1"];
     pub const SYNC_PORT: u16 = 7946;
 
     pub fn sync_addr(node: Node) -> Ipv4Addr {
@@ -778,6 +785,10 @@ impl SyncPair {
                 .addr(&format!("{}/24", Self::sync_addr(Node::A))),
             VethEnd::new(Self::PEER, Self::SYNC_IF)
                 .addr(&format!("{}/24", Self::sync_addr(Node::B))),
+        )?;
+        lb.topo.veth(
+            VethEnd::new(Self::PEER, Self::HOLD_IF[0]),
+            VethEnd::new(Self::PEER, Self::HOLD_IF[1]),
         )
     }
 
@@ -800,10 +811,10 @@ impl SyncPair {
         )
     }
 
-    /// Node B's daemon config without services or `[ha]`: attached to its end of the sync
-    /// link (it balances nothing; it holds A's connections).
+    /// Node B's daemon config without services or `[ha]`: attached to its stub link
+    /// ([`Self::HOLD_IF`]; it balances nothing, it holds A's connections).
     pub fn peer_config(pin_dir: &Path) -> DaemonConfig {
-        DaemonConfig::new(pin_dir).interface(Self::SYNC_IF)
+        DaemonConfig::new(pin_dir).interface(Self::HOLD_IF[0])
     }
 }
 
