@@ -925,6 +925,38 @@ mod tests {
     use super::*;
 
     #[test]
+    fn an_ipv4_nat_change_encodes_in_under_96_bytes() {
+        // As `to_wire` makes it: a load-balanced IPv4 TCP connection in NAT mode, client
+        // port past 16383 (a 3-byte varint), every endpoint, the service and the backend.
+        let ep = |a: [u8; 4], port: u16| pb::Endpoint {
+            address: a.to_vec(),
+            port: u32::from(port),
+        };
+        let op = WireOp::new(pb::change::Op::Upsert(pb::Connection {
+            family: 4,
+            protocol: 6,
+            lo: Some(ep([10, 0, 0, 2], 51234)),
+            hi: Some(ep([10, 200, 0, 100], 80)),
+            original_is_lo: true,
+            tcp_state: 4,
+            seen_reply: true,
+            assured: true,
+            lb: true,
+            idle_ms: 999,
+            nat: Some(ep([10, 1, 0, 2], 80)),
+            nat2: Some(ep([0, 0, 0, 0], 0)),
+            service: Some(pb::ServiceRef {
+                vip: vec![10, 200, 0, 100],
+                port: 80,
+                protocol: 6,
+            }),
+            backend: Some(ep([10, 1, 0, 2], 80)),
+            ..Default::default()
+        }));
+        assert!(op.0.len() < 96, "{} bytes", op.0.len());
+    }
+
+    #[test]
     fn wire_batch_is_a_batch() {
         use prost::Message as _;
         let conn = |port: u32| pb::Connection {
