@@ -760,7 +760,7 @@ impl SyncPair {
     pub const PEER: &'static str = "peer";
     /// Both ends of the sync link.
     pub const SYNC_IF: &'static str = "sync0";
-    /// The ends of a stub link inside B's namespace, where B's daemon attaches (a daemon
+    /// The ends of a spare link inside B's namespace, where B's daemon attaches (a daemon
     /// needs an interface). Not the sync link: between two machines, A's stream leaves with
     /// segmentation offload and B's packet processing runs on B's CPU. On veth, a native XDP
     /// program on one end turns segmentation offload off on the other, so B's program on the
@@ -811,7 +811,7 @@ impl SyncPair {
         )
     }
 
-    /// Node B's daemon config without services or `[ha]`: attached to its stub link
+    /// Node B's daemon config without services or `[ha]`: attached to its spare link
     /// ([`Self::HOLD_IF`]; it balances nothing, it holds A's connections).
     pub fn peer_config(pin_dir: &Path) -> DaemonConfig {
         DaemonConfig::new(pin_dir).interface(Self::HOLD_IF[0])
