@@ -68,7 +68,7 @@ const LAG_SAMPLES: usize = 4096;
 const COALESCE: Duration = Duration::from_millis(20);
 /// How often lost ring events are looked for.
 const LOSS_POLL: Duration = Duration::from_millis(200);
-/// A peer's largest message (a batch of 1024 changes is about 150 KiB).
+/// A peer's largest message (a batch of 1024 IPv4 NAT changes is about 90 KiB).
 const MAX_MESSAGE_BYTES: usize = 16 << 20;
 
 /// A change queued for the peers, with the datapath time of the event that made it.
