@@ -1295,13 +1295,11 @@ fn ha_markdown(r: &CompareReport) -> String {
     };
     // New-connection req/s over every round of the pair, the extra ones included.
     let new_conn = |c: &ContenderRow| {
-        let all = [
+        [
             c.new_connection_rps.samples.as_slice(),
             &c.new_connection_extra_rps,
         ]
-        .concat();
-        let (median, min, max) = crate::stats(&all);
-        (all, median, min, max)
+        .concat()
     };
     let (plain_new, sync_new) = (new_conn(plain), new_conn(sync));
     let mut md = String::from(
@@ -1315,13 +1313,12 @@ fn ha_markdown(r: &CompareReport) -> String {
         MIN_CHANGES_PER_REQUEST,
         r.rounds,
         r.ha_extra_rounds,
-        sync_new.0.len(),
+        sync_new.len(),
         r.rounds
     );
     let per_round: Vec<f64> = sync_new
-        .0
         .iter()
-        .zip(&plain_new.0)
+        .zip(&plain_new)
         .map(|(a, b)| a / b)
         .collect();
     let (pr_median, pr_min, pr_max) = crate::stats(&per_round);
@@ -1332,7 +1329,7 @@ fn ha_markdown(r: &CompareReport) -> String {
             |p| format!("{:.0} / {:.0} / {:.0}", p[0], p[1], p[2]),
         )
     };
-    let ratio = sync_new.1 / plain_new.1;
+    let ratio = crate::stats(&sync_new).0 / crate::stats(&plain_new).0;
     let _ = writeln!(
         md,
         "| | new conn req/s | keep-alive req/s | node A (fp) daemon CPU % of one CPU (new / keep-alive / throughput) | node B daemon CPU % (new / keep-alive / throughput) |\n|---|---:|---:|---|---|"
@@ -1341,12 +1338,10 @@ fn ha_markdown(r: &CompareReport) -> String {
         ("fastpath, sync off", plain, &plain_new),
         ("fastpath, sync on", sync, &sync_new),
     ] {
+        let (median, min, max) = crate::stats(n);
         let _ = writeln!(
             md,
-            "| {what} | {:.0} ({:.0}–{:.0}) | {} | {} | {} |",
-            n.1,
-            n.2,
-            n.3,
+            "| {what} | {median:.0} ({min:.0}–{max:.0}) | {} | {} | {} |",
             cell(&c.keep_alive_rps),
             cpu(c.process_cpu_percent),
             cpu(c.peer_process_cpu_percent)
