@@ -393,15 +393,10 @@ impl Ha {
                     ..CtEntry::default()
                 }
             };
-            if let Some(c) = sync::to_wire(key, &entry, if removed { 0 } else { now }, &ix) {
-                out.push(Pending {
-                    at_ns,
-                    op: WireOp::new(if removed {
-                        pb::change::Op::Delete(c)
-                    } else {
-                        pb::change::Op::Upsert(c)
-                    }),
-                });
+            if let Some(op) =
+                WireOp::connection(removed, key, &entry, if removed { 0 } else { now }, &ix)
+            {
+                out.push(Pending { at_ns, op });
             }
         }
         if out.is_empty() {
@@ -1030,8 +1025,8 @@ async fn send_snapshot(
                 if e.flags & CT_F_LB_ALIAS != 0 || !owned_here(&table, k, e) {
                     continue;
                 }
-                if let Some(c) = sync::to_wire(k, e, now, &ix) {
-                    changes.push((0, WireOp::new(pb::change::Op::Upsert(c))));
+                if let Some(op) = WireOp::connection(false, k, e, now, &ix) {
+                    changes.push((0, op));
                 }
                 if changes.len() >= BATCH {
                     flush(&mut changes);

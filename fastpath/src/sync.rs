@@ -647,14 +647,6 @@ pub enum WireError {
     Flags,
 }
 
-fn endpoint(addr: &[u8; 16], family: u8, port: u16) -> pb::Endpoint {
-    let len = if family == 4 { 4 } else { 16 };
-    pb::Endpoint {
-        address: addr[..len].to_vec(),
-        port: u32::from(port),
-    }
-}
-
 fn parse_endpoint(
     e: Option<&pb::Endpoint>,
     family: u8,
@@ -688,46 +680,16 @@ fn service_text(k: &SvcKey) -> String {
 }
 
 /// A conntrack entry for the wire; `None` for a load-balanced one whose service or backend
-/// this node's index does not know (a service being removed: not worth replicating).
+/// this node's index does not know (a service being removed: not worth replicating). The
+/// message form of what [`WireOp::connection`] writes (for tests and tools; replication sends
+/// the bytes).
 pub fn to_wire(key: &CtKey, e: &CtEntry, now_ns: u64, ix: &LbIndex) -> Option<pb::Connection> {
-    let f = |bit: u8| e.flags & bit != 0;
-    let lb = f(CT_F_LB) || f(CT_F_LB_ALIAS);
-    let gateway = lb && e.nat.service == GATEWAY_ID;
-    let (service, backend) = if lb && !gateway {
-        let k = ix.by_id.get(&e.nat.service)?;
-        let (addr, port) = ix.backend_at.get(&(e.nat.service, e.nat.backend))?;
-        (
-            Some(pb::ServiceRef {
-                vip: k.vip[..if k.family == 4 { 4 } else { 16 }].to_vec(),
-                port: u32::from(k.port),
-                protocol: u32::from(k.proto),
-            }),
-            Some(endpoint(addr, key.family, *port)),
-        )
-    } else {
-        (None, None)
-    };
-    Some(pb::Connection {
-        family: u32::from(key.family),
-        protocol: u32::from(key.proto),
-        lo: Some(endpoint(&key.addr_lo, key.family, key.port_lo)),
-        hi: Some(endpoint(&key.addr_hi, key.family, key.port_hi)),
-        original_is_lo: f(CT_F_ORIG_IS_LO),
-        tcp_state: u32::from(e.state),
-        seen_reply: f(CT_F_SEEN_REPLY),
-        assured: f(CT_F_ASSURED),
-        lb: f(CT_F_LB),
-        lb_alias: f(CT_F_LB_ALIAS),
-        full_nat: f(CT_F_FULL_NAT),
-        snat: f(CT_F_SNAT),
-        dsr: f(CT_F_DSR),
-        idle_ms: now_ns.saturating_sub(e.last_seen_ns) / 1_000_000,
-        nat: lb.then(|| endpoint(&e.nat.addr, key.family, e.nat.port)),
-        nat2: lb.then(|| endpoint(&e.nat.addr2, key.family, e.nat.port2)),
-        service,
-        backend,
-        gateway,
-    })
+    let change: pb::Change =
+        prost::Message::decode(WireOp::connection(false, key, e, now_ns, ix)?.0).ok()?;
+    match change.op? {
+        pb::change::Op::Upsert(c) => Some(c),
+        pb::change::Op::Delete(_) => None,
+    }
 }
 
 /// A received connection as this node's entry (its service and backend numbers, its clock:
@@ -838,7 +800,115 @@ pub fn from_wire(
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WireOp(bytes::Bytes);
 
+/// Bytes before a connection's fields in [`WireOp::connection`]'s buffer: room for the
+/// change's field key and the connection's length (a connection is under 16 KiB: a 2-byte
+/// varint at most).
+const OP_PREFIX: usize = 3;
+
 impl WireOp {
+    /// The upsert of connection `key` as its entry `e` has it (or, with `delete`, its
+    /// removal), written straight from the entry: the bytes prost writes for
+    /// `Change { seq: 0, op: Upsert(c) }` (or `Delete(c)`), `c` being the `pb::Connection`
+    /// with the fields below, without building one (one allocation, not one per address).
+    /// `None` as [`to_wire`].
+    pub fn connection(
+        delete: bool,
+        key: &CtKey,
+        e: &CtEntry,
+        now_ns: u64,
+        ix: &LbIndex,
+    ) -> Option<WireOp> {
+        use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint};
+        let f = |bit: u8| e.flags & bit != 0;
+        let lb = f(CT_F_LB) || f(CT_F_LB_ALIAS);
+        let gateway = lb && e.nat.service == GATEWAY_ID;
+        let (service, backend) = if lb && !gateway {
+            let k = ix.by_id.get(&e.nat.service)?;
+            let b = ix.backend_at.get(&(e.nat.service, e.nat.backend))?;
+            (Some(k), Some(b))
+        } else {
+            (None, None)
+        };
+        let alen = if key.family == 4 { 4 } else { 16 };
+        // proto3 as prost writes it: fields in number order, scalars only when not zero
+        // or false, present messages always.
+        fn varint(w: &mut Vec<u8>, tag: u32, v: u64) {
+            if v != 0 {
+                encode_key(tag, WireType::Varint, w);
+                encode_varint(v, w);
+            }
+        }
+        fn varint_len(v: u64) -> usize {
+            if v == 0 { 0 } else { 1 + encoded_len_varint(v) }
+        }
+        fn bytes(w: &mut Vec<u8>, tag: u32, b: &[u8]) {
+            encode_key(tag, WireType::LengthDelimited, w);
+            encode_varint(b.len() as u64, w);
+            w.extend_from_slice(b);
+        }
+        fn bytes_len(b: &[u8]) -> usize {
+            1 + encoded_len_varint(b.len() as u64) + b.len()
+        }
+        // Endpoint { address = 1; port = 2 }, ServiceRef { vip = 1; port = 2; protocol = 3 }.
+        let message = |w: &mut Vec<u8>, tag: u32, addr: &[u8], port: u16, proto: Option<u8>| {
+            let port = u64::from(port);
+            let proto = proto.map_or(0, u64::from);
+            let len = bytes_len(addr) + varint_len(port) + varint_len(proto);
+            encode_key(tag, WireType::LengthDelimited, w);
+            encode_varint(len as u64, w);
+            bytes(w, 1, addr);
+            varint(w, 2, port);
+            varint(w, 3, proto);
+        };
+        let mut w = Vec::with_capacity(OP_PREFIX + 2 * 64 + 4 * alen);
+        w.resize(OP_PREFIX, 0);
+        varint(&mut w, 1, u64::from(key.family));
+        varint(&mut w, 2, u64::from(key.proto));
+        message(&mut w, 3, &key.addr_lo[..alen], key.port_lo, None);
+        message(&mut w, 4, &key.addr_hi[..alen], key.port_hi, None);
+        varint(&mut w, 5, u64::from(f(CT_F_ORIG_IS_LO)));
+        varint(&mut w, 6, u64::from(e.state));
+        for (tag, bit) in [
+            (7, CT_F_SEEN_REPLY),
+            (8, CT_F_ASSURED),
+            (9, CT_F_LB),
+            (10, CT_F_LB_ALIAS),
+            (11, CT_F_FULL_NAT),
+            (12, CT_F_SNAT),
+            (13, CT_F_DSR),
+        ] {
+            varint(&mut w, tag, u64::from(f(bit)));
+        }
+        varint(
+            &mut w,
+            14,
+            now_ns.saturating_sub(e.last_seen_ns) / 1_000_000,
+        );
+        if lb {
+            message(&mut w, 15, &e.nat.addr[..alen], e.nat.port, None);
+            message(&mut w, 16, &e.nat.addr2[..alen], e.nat.port2, None);
+        }
+        if let Some(k) = service {
+            let vlen = if k.family == 4 { 4 } else { 16 };
+            message(&mut w, 17, &k.vip[..vlen], k.port, Some(k.proto));
+        }
+        if let Some((addr, port)) = backend {
+            message(&mut w, 18, &addr[..alen], *port, None);
+        }
+        varint(&mut w, 19, u64::from(gateway));
+        // The change's field key and the connection's length, just before the fields.
+        let len = (w.len() - OP_PREFIX) as u64;
+        let start = OP_PREFIX.checked_sub(1 + encoded_len_varint(len))?;
+        let mut head = &mut w[start..OP_PREFIX];
+        encode_key(
+            if delete { 3 } else { 2 },
+            WireType::LengthDelimited,
+            &mut head,
+        );
+        encode_varint(len, &mut head);
+        Some(WireOp(bytes::Bytes::from(w).slice(start..)))
+    }
+
     pub fn new(op: pb::change::Op) -> WireOp {
         // A `Change` whose seq is 0 encodes its `op` alone (proto3 omits default values).
         WireOp(
@@ -924,15 +994,85 @@ impl prost::Message for WireBatch {
 mod tests {
     use super::*;
 
+    fn v4(a: [u8; 4]) -> [u8; 16] {
+        let mut x = [0u8; 16];
+        x[..4].copy_from_slice(&a);
+        x
+    }
+
+    /// Service 7 (10.200.0.100:80/TCP, or [2001:db8::64]:80/TCP with `v6`) with backend 3
+    /// (10.1.0.2:80 or [2001:db8:1::2]:80).
+    fn index(v6: bool) -> LbIndex {
+        let (vip, backend) = if v6 {
+            let a = |last: u8, net: u8| {
+                let mut x = [0u8; 16];
+                x[..4].copy_from_slice(&[0x20, 0x01, 0x0d, 0xb8]);
+                x[5] = net;
+                x[15] = last;
+                x
+            };
+            (a(100, 0), a(2, 1))
+        } else {
+            (v4([10, 200, 0, 100]), v4([10, 1, 0, 2]))
+        };
+        let family = if v6 { 6 } else { 4 };
+        let key = SvcKey {
+            vip,
+            port: 80,
+            proto: 6,
+            family,
+            ..SvcKey::default()
+        };
+        let svc = Service {
+            id: 7,
+            backends_off: 3,
+            backends_len: 1,
+            ..Service::default()
+        };
+        LbIndex::new(&[(key, svc)], |i| {
+            (i == 3).then_some(Backend {
+                addr: backend,
+                port: 80,
+                family,
+                ..Backend::default()
+            })
+        })
+    }
+
     #[test]
-    fn an_ipv4_nat_change_encodes_in_under_96_bytes() {
-        // As `to_wire` makes it: a load-balanced IPv4 TCP connection in NAT mode, client
-        // port past 16383 (a 3-byte varint), every endpoint, the service and the backend.
+    fn a_connection_is_written_field_by_field_in_under_96_bytes_for_ipv4_nat() {
+        // A load-balanced IPv4 TCP connection in NAT mode, client port past 16383 (a 3-byte
+        // varint): every endpoint, the service and the backend.
+        let key = CtKey {
+            addr_lo: v4([10, 0, 0, 2]),
+            addr_hi: v4([10, 200, 0, 100]),
+            port_lo: 51234,
+            port_hi: 80,
+            proto: 6,
+            family: 4,
+            ..CtKey::default()
+        };
+        let entry = CtEntry {
+            last_seen_ns: 1_000_000_000,
+            state: 4,
+            flags: CT_F_ORIG_IS_LO | CT_F_SEEN_REPLY | CT_F_ASSURED | CT_F_LB,
+            nat: CtNat {
+                addr: v4([10, 1, 0, 2]),
+                port: 80,
+                backend: 3,
+                service: 7,
+                ..CtNat::default()
+            },
+            ..CtEntry::default()
+        };
+        let now = 1_000_000_000 + 999_400_000;
+        let op = WireOp::connection(false, &key, &entry, now, &index(false)).expect("known");
+        assert!(op.0.len() < 96, "{} bytes", op.0.len());
         let ep = |a: [u8; 4], port: u16| pb::Endpoint {
             address: a.to_vec(),
             port: u32::from(port),
         };
-        let op = WireOp::new(pb::change::Op::Upsert(pb::Connection {
+        let want = pb::Connection {
             family: 4,
             protocol: 6,
             lo: Some(ep([10, 0, 0, 2], 51234)),
@@ -952,8 +1092,103 @@ mod tests {
             }),
             backend: Some(ep([10, 1, 0, 2], 80)),
             ..Default::default()
-        }));
-        assert!(op.0.len() < 96, "{} bytes", op.0.len());
+        };
+        let got: pb::Change = prost::Message::decode(op.0.clone()).expect("a Change");
+        assert_eq!(got.op, Some(pb::change::Op::Upsert(want)));
+        // A removal is the same connection under the other field.
+        let del = WireOp::connection(true, &key, &entry, now, &index(false)).expect("known");
+        assert_eq!(del.0[0], (3 << 3) | 2);
+        assert_eq!(del.0[1..], op.0[1..]);
+    }
+
+    #[test]
+    fn a_written_connection_is_the_bytes_prost_writes_for_it() {
+        // Decoded and encoded again by prost, every connection comes back byte for byte: the
+        // fields are in order and defaults are left out, as prost (and every proto3 encoder
+        // that peers may run) writes them. Over families, modes, flags, states and ports,
+        // zero ones included.
+        let mut checked = 0;
+        for v6 in [false, true] {
+            let ix = index(v6);
+            let family = if v6 { 6 } else { 4 };
+            let addr = |last: u8| {
+                let mut a = if v6 { [0x20; 16] } else { v4([10, 0, 0, 0]) };
+                a[if v6 { 15 } else { 3 }] = last;
+                a
+            };
+            for flags in [
+                0,
+                CT_F_ORIG_IS_LO,
+                CT_F_SEEN_REPLY | CT_F_ASSURED,
+                CT_F_LB | CT_F_ORIG_IS_LO,
+                CT_F_LB_ALIAS | CT_F_SEEN_REPLY,
+                CT_F_LB | CT_F_FULL_NAT | CT_F_ASSURED,
+                CT_F_LB | CT_F_DSR,
+                CT_F_LB | CT_F_SNAT,
+            ] {
+                for (service, ports, state, idle_ns) in [
+                    (7, (0, 0), 0, 0),
+                    (7, (80, 65535), 4, 5_000_000),
+                    (GATEWAY_ID, (1, 127), 9, u64::from(u32::MAX) * 1_000_000),
+                ] {
+                    let key = CtKey {
+                        addr_lo: addr(2),
+                        addr_hi: addr(100),
+                        port_lo: ports.0,
+                        port_hi: ports.1,
+                        proto: if v6 { 58 } else { 17 },
+                        family,
+                        ..CtKey::default()
+                    };
+                    let entry = CtEntry {
+                        last_seen_ns: 7,
+                        state,
+                        flags,
+                        nat: CtNat {
+                            addr: addr(9),
+                            addr2: addr(10),
+                            port: ports.1,
+                            port2: ports.0,
+                            backend: 3,
+                            service,
+                            ..CtNat::default()
+                        },
+                        ..CtEntry::default()
+                    };
+                    for delete in [false, true] {
+                        let op = WireOp::connection(delete, &key, &entry, 7 + idle_ns, &ix)
+                            .expect("known service and backend");
+                        let change: pb::Change =
+                            prost::Message::decode(op.0.clone()).expect("a Change");
+                        assert_eq!(
+                            prost::Message::encode_to_vec(&change),
+                            op.0.to_vec(),
+                            "{key:?} {entry:?}"
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(checked, 2 * 8 * 3 * 2);
+        // A service this node does not know: not written.
+        let entry = CtEntry {
+            flags: CT_F_LB,
+            nat: CtNat {
+                service: 8,
+                ..CtNat::default()
+            },
+            ..CtEntry::default()
+        };
+        let key = CtKey {
+            family: 4,
+            proto: 6,
+            ..CtKey::default()
+        };
+        assert_eq!(
+            WireOp::connection(false, &key, &entry, 0, &index(false)),
+            None
+        );
     }
 
     #[test]

@@ -227,6 +227,11 @@ pub struct ContenderRow {
     /// lost on the way stalls its connection for a second (the retransmission timeout).
     client_syn_retransmits: u64,
     client_retransmitted_segments: u64,
+    /// Packets the host's receive backlogs dropped during the contender's runs (every
+    /// namespace's: the counter is per CPU, not per namespace).
+    backlog_drops: u64,
+    /// CPU time the hypervisor stole during a run, in % of the machine's: median and max.
+    steal_percent: [f64; 2],
     /// Median over rounds of fp's kernel conntrack entries right after the new-connection run.
     kernel_conntrack_entries: f64,
     /// Medians over rounds of the CPU the contender's own process (the fastpath daemon,
@@ -272,6 +277,10 @@ struct Samples {
     /// HA sync: the peer daemon's CPU per run, by [`Mode`], and what replication did.
     peer_cpu: [Vec<f64>; 3],
     ha: HaTotals,
+    /// Packets the host's receive backlogs dropped, summed over the measured runs.
+    backlog_drops: u64,
+    /// CPU time the hypervisor stole per run, in % of the machine's.
+    steal: Vec<f64>,
     /// The client's retransmitted SYNs and segments, summed over the measured runs.
     syn_retransmits: u64,
     retransmitted_segments: u64,
@@ -341,12 +350,28 @@ pub fn process_cpu_s(pid: u32) -> Result<f64> {
             .and_then(|f| f.parse().ok())
             .with_context(|| format!("no field {} in {path}: {stat:?}", i + 3))
     };
+    Ok(ticks_s(ticks(11)? + ticks(12)?))
+}
+
+/// Seconds in `ticks` clock ticks (USER_HZ, as /proc counts CPU time).
+fn ticks_s(ticks: u64) -> f64 {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if hz <= 0 {
-        bail!("sysconf(_SC_CLK_TCK) returned {hz}");
-    }
-    Ok((ticks(11)? + ticks(12)?) as f64 / hz as f64)
+    // Linux's USER_HZ is 100 on every architecture; sysconf only fails on a broken libc.
+    ticks as f64 / if hz > 0 { hz as f64 } else { 100.0 }
+}
+
+/// The machine's CPUs: the `cpuN` lines of /proc/stat, which its first line sums over.
+fn cpus() -> f64 {
+    let stat = fs::read_to_string("/proc/stat").unwrap_or_default();
+    let n = stat
+        .lines()
+        .filter(|l| {
+            l.strip_prefix("cpu")
+                .is_some_and(|r| r.starts_with(|c: char| c.is_ascii_digit()))
+        })
+        .count();
+    n.max(1) as f64
 }
 
 /// The topology, the backends' servers and the files the runs need.
@@ -359,6 +384,75 @@ struct Bench {
     /// The HA contender's certificates (A, B), in `dir`.
     tls: [NodeTls; 2],
     dir: TempDir,
+    /// The receive backlog raised for the runs; restored when the bench ends.
+    _backlog: Backlog,
+}
+
+/// Packets the per-CPU receive backlog holds during the runs (`net.core.netdev_max_backlog`,
+/// a host-wide setting; the kernel's default is 1000).
+const BACKLOG: u64 = 10_000;
+const BACKLOG_SYSCTL: &str = "/proc/sys/net/core/netdev_max_backlog";
+
+/// `netdev_max_backlog` raised to at least [`BACKLOG`] while it lives, then set back. With
+/// both CPUs busy, the backlog where a veth with no XDP program queues what it receives
+/// overflows at the default 1000 packets (/proc/net/softnet_stat counted hundreds of
+/// thousands of drops over a run of this bench), and every lost SYN stalls its connection
+/// for the 1 s retransmission timeout: a random 10–40% off one run's new-connection rate, for
+/// whichever contender it hits. A box that forwards for a living raises it too.
+struct Backlog {
+    was: u64,
+}
+
+impl Backlog {
+    fn raise() -> Result<Backlog> {
+        let was: u64 = fs::read_to_string(BACKLOG_SYSCTL)
+            .with_context(|| format!("reading {BACKLOG_SYSCTL}"))?
+            .trim()
+            .parse()
+            .with_context(|| format!("parsing {BACKLOG_SYSCTL}"))?;
+        fs::write(BACKLOG_SYSCTL, BACKLOG.max(was).to_string())
+            .with_context(|| format!("raising {BACKLOG_SYSCTL} to {BACKLOG}"))?;
+        Ok(Backlog { was })
+    }
+}
+
+impl Drop for Backlog {
+    fn drop(&mut self) {
+        if let Err(e) = fs::write(BACKLOG_SYSCTL, self.was.to_string()) {
+            eprintln!("could not set {BACKLOG_SYSCTL} back to {}: {e}", self.was);
+        }
+    }
+}
+
+/// Host-wide counters, read before and after a run: packets the receive backlogs dropped
+/// (/proc/net/softnet_stat, summed over CPUs), CPU time the hypervisor stole and CPU time
+/// nothing ran (/proc/stat, clock ticks).
+fn machine_noise() -> Result<[u64; 3]> {
+    let softnet = fs::read_to_string("/proc/net/softnet_stat").context("reading softnet_stat")?;
+    let mut dropped = 0;
+    for line in softnet.lines() {
+        let field = line
+            .split_whitespace()
+            .nth(1)
+            .context("a short softnet_stat line")?;
+        dropped += u64::from_str_radix(field, 16).context("softnet_stat's drop count")?;
+    }
+    let stat = fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
+    // cpu user nice system idle iowait irq softirq steal ...
+    let cpu: Vec<u64> = stat
+        .lines()
+        .next()
+        .map(|l| {
+            l.split_whitespace()
+                .skip(1)
+                .filter_map(|f| f.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    let (Some(idle), Some(steal)) = (cpu.get(3), cpu.get(7)) else {
+        bail!("no idle or steal time in /proc/stat's cpu line: {cpu:?}");
+    };
+    Ok([dropped, *steal, *idle])
 }
 
 /// Runs the comparison. `bin` is the fastpath binary.
@@ -394,7 +488,6 @@ pub fn run(bin: &Path) -> Result<CompareReport> {
             bench
                 .measure(c, &Mode::ALL, &mut samples[i])
                 .with_context(|| format!("{} (round {})", c.what(), round + 1))?;
-            eprint!("w");
         }
     }
     let pair = [Contender::Fastpath, Contender::FastpathHa];
@@ -405,7 +498,6 @@ pub fn run(bin: &Path) -> Result<CompareReport> {
                 bench
                     .measure(c, &[Mode::NewConnection], &mut samples[c as usize])
                     .with_context(|| format!("{} (HA round {})", c.what(), round + 1))?;
-                eprint!("h");
             }
         }
     }
@@ -440,6 +532,11 @@ pub fn run(bin: &Path) -> Result<CompareReport> {
             requests: s.requests,
             client_syn_retransmits: s.syn_retransmits,
             client_retransmitted_segments: s.retransmitted_segments,
+            backlog_drops: s.backlog_drops,
+            steal_percent: {
+                let (median, _, max) = crate::stats(&s.steal);
+                [median, max]
+            },
             kernel_conntrack_entries: crate::stats(&s.conntrack).0,
             process_cpu_percent: (!s.process_cpu[0].is_empty())
                 .then(|| s.process_cpu.each_ref().map(|v| crate::stats(v).0)),
@@ -494,6 +591,7 @@ impl Bench {
     /// The topology with checksum offloads off on every interface, nginx on every backend
     /// serving [`PAGE`] and [`BULK`], and wrk's script.
     fn new(bin: &Path) -> Result<Bench> {
+        let backlog = Backlog::raise()?;
         let mut lb = lb_topology(BACKENDS).context("building the namespace topology")?;
         // Node B's namespace and the sync link: used by the HA contender only (fastpath does
         // not hook the link; the other contenders do not route over it).
@@ -529,6 +627,7 @@ impl Bench {
             lb,
             tls: crate::ha::write_tls(&dir),
             dir,
+            _backlog: backlog,
         })
     }
 
@@ -575,18 +674,40 @@ impl Bench {
             let peer_cpu_before = peer_pid.map(process_cpu_s).transpose()?;
             let cpu_before = running.pid().map(process_cpu_s).transpose()?;
             let before = self.counters(c, running)?;
+            let noise_before = machine_noise()?;
             let run = match mode {
                 Mode::NewConnection => self.wrk(&url(PAGE), CONNECTIONS, DURATION_S, true)?,
                 Mode::KeepAlive => self.wrk(&url(PAGE), CONNECTIONS, DURATION_S, false)?,
                 Mode::Throughput => self.wrk(&url(BULK), BULK_CONNECTIONS, DURATION_S, false)?,
             };
             let after = self.counters(c, running)?;
-            if let (Some(b), Some(pid)) = (cpu_before, running.pid()) {
-                s.process_cpu[m].push((process_cpu_s(pid)? - b) / run.duration_s * 100.0);
-            }
-            if let (Some(b), Some(pid)) = (peer_cpu_before, peer_pid) {
-                s.peer_cpu[m].push((process_cpu_s(pid)? - b) / run.duration_s * 100.0);
-            }
+            let noise = machine_noise()?;
+            let [dropped, stolen, idle] = [0, 1, 2].map(|i| noise[i] - noise_before[i]);
+            let share = |ticks| ticks_s(ticks) / (run.duration_s * cpus()) * 100.0;
+            s.backlog_drops += dropped;
+            s.steal.push(share(stolen));
+            let cpu = |before: Option<f64>, pid: Option<u32>| -> Result<Option<f64>> {
+                Ok(match (before, pid) {
+                    (Some(b), Some(pid)) => {
+                        Some((process_cpu_s(pid)? - b) / run.duration_s * 100.0)
+                    }
+                    _ => None,
+                })
+            };
+            let own = cpu(cpu_before, running.pid())?;
+            let peer = cpu(peer_cpu_before, peer_pid)?;
+            eprintln!(
+                "{}, {}: {:.0} req/s; machine idle {:.1}%, steal {:.1}%, backlog drops {dropped}; process CPU {:.0}%, peer {:.0}%",
+                c.key(),
+                mode.name(),
+                run.requests as f64 / run.duration_s,
+                share(idle),
+                share(stolen),
+                own.unwrap_or(0.0),
+                peer.unwrap_or(0.0),
+            );
+            s.process_cpu[m].extend(own);
+            s.peer_cpu[m].extend(peer);
             check_run(c, mode, &run, &before, &after)
                 .with_context(|| format!("{} run{}", mode.name(), daemon_log(running)))?;
             if let (Some(before), Some(pair)) = (ha_before, running.pair()) {
@@ -1230,7 +1351,7 @@ pub fn markdown(r: &CompareReport) -> String {
     );
     let _ = writeln!(
         md,
-        "| contender | new conn req/s | keep-alive req/s | throughput Gbit/s | ÷ direct (new / keep-alive / throughput) | ÷ fastpath (new / keep-alive / throughput) | socket errors / non-2xx / requests | client retransmits: SYNs / segments | kernel conntrack entries after a new-conn run | LB process CPU % of one CPU (new / keep-alive / throughput) |\n|---|---:|---:|---:|---|---|---:|---:|---:|---|"
+        "| contender | new conn req/s | keep-alive req/s | throughput Gbit/s | ÷ direct (new / keep-alive / throughput) | ÷ fastpath (new / keep-alive / throughput) | socket errors / non-2xx / requests | client retransmits: SYNs / segments | backlog drops / steal % (median, max) | kernel conntrack entries after a new-conn run | LB process CPU % of one CPU (new / keep-alive / throughput) |\n|---|---:|---:|---:|---|---|---:|---:|---:|---:|---|"
     );
     for c in &r.contenders {
         let cell = |m: &Metric, digits: usize| {
@@ -1252,7 +1373,7 @@ pub fn markdown(r: &CompareReport) -> String {
         };
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} / {} / {} | {} / {} | {:.0} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} / {} / {} | {} / {} | {} / {:.1}, {:.1} | {:.0} | {} |",
             c.what,
             cell(&c.new_connection_rps, 0),
             cell(&c.keep_alive_rps, 0),
@@ -1264,6 +1385,9 @@ pub fn markdown(r: &CompareReport) -> String {
             c.requests,
             c.client_syn_retransmits,
             c.client_retransmitted_segments,
+            c.backlog_drops,
+            c.steal_percent[0],
+            c.steal_percent[1],
             c.kernel_conntrack_entries,
             c.process_cpu_percent.map_or_else(
                 || "— (kernel only)".to_string(),
@@ -1274,8 +1398,8 @@ pub fn markdown(r: &CompareReport) -> String {
     let _ = writeln!(md);
     let _ = writeln!(
         md,
-        "Kernel conntrack is part of what is compared: iptables and nftables DNAT need nf_conntrack in fp (the NAT binding lives in the connection's conntrack entry; the last column counts fp's entries right after a new-connection run), fastpath keeps its own connection table in a BPF map and leaves nf_conntrack unused in fp, and HAProxy terminates the client's connection in fp's TCP stack and opens its own to the backend (no NAT, no conntrack, but two TCP connections per request). Client retransmits are summed over the measured runs: packets get lost on this machine when both CPUs are busy (the kernel's per-CPU receive backlog, where a veth with no XDP program queues what it receives, holds `netdev_max_backlog` = 1000 packets, and /proc/net/softnet_stat shows it dropping), and every lost SYN stalls its connection for the 1 s retransmission timeout, which shows in that run's new-connection rate. The last column is the CPU the contender's own process took during the runs (user and system time of all its threads, ÷ the run's duration): the fastpath daemon drains the conntrack event ring (the datapath's connection events) and runs the expiry pass on the same 2 CPUs, HAProxy relays every byte through its sockets; the kernel contenders' work happens in softirq context and is not attributed. Versions: {}; {}; {}. The machine's 2 CPUs run everything — wrk, the three nginx, HAProxy's threads (its default: one per CPU) and the kernel's packet processing in every namespace — so these numbers compare the contenders' CPU cost per request on one box rather than what each could do on its own hardware; another engineer's tests may share the machine during a run.\n",
-        r.haproxy, r.iptables, r.nftables
+        "Kernel conntrack is part of what is compared: iptables and nftables DNAT need nf_conntrack in fp (the NAT binding lives in the connection's conntrack entry; the last column counts fp's entries right after a new-connection run), fastpath keeps its own connection table in a BPF map and leaves nf_conntrack unused in fp, and HAProxy terminates the client's connection in fp's TCP stack and opens its own to the backend (no NAT, no conntrack, but two TCP connections per request). Client retransmits are summed over the measured runs, and so are the packets the host's per-CPU receive backlogs dropped (/proc/net/softnet_stat; a veth with no XDP program queues what it receives there): with both CPUs busy, the kernel's default backlog of 1000 packets overflowed by hundreds of thousands of packets over a run of this bench, and every lost SYN stalls its connection for the 1 s retransmission timeout, a random 10–40% off one run's new-connection rate — so the bench raises `net.core.netdev_max_backlog` to {} for its runs (host-wide, set back afterwards), as a box that forwards for a living would. Steal is the CPU time the hypervisor gave to other guests during a run, in % of the machine's (/proc/stat): runs it hits go slower whatever the contender. The last column is the CPU the contender's own process took during the runs (user and system time of all its threads, ÷ the run's duration): the fastpath daemon drains the conntrack event ring (the datapath's connection events) and runs the expiry pass on the same 2 CPUs, HAProxy relays every byte through its sockets; the kernel contenders' work happens in softirq context and is not attributed. Versions: {}; {}; {}. The machine's 2 CPUs run everything — wrk, the three nginx, HAProxy's threads (its default: one per CPU) and the kernel's packet processing in every namespace — so these numbers compare the contenders' CPU cost per request on one box rather than what each could do on its own hardware; another engineer's tests may share the machine during a run.\n",
+        BACKLOG, r.haproxy, r.iptables, r.nftables
     );
     md.push_str(&ha_markdown(r));
     md
