@@ -841,6 +841,7 @@ impl WireOp {
         fn varint_len(v: u64) -> usize {
             if v == 0 { 0 } else { 1 + encoded_len_varint(v) }
         }
+        // Only ever given an address (4 or 16 bytes): never the empty default prost omits.
         fn bytes(w: &mut Vec<u8>, tag: u32, b: &[u8]) {
             encode_key(tag, WireType::LengthDelimited, w);
             encode_varint(b.len() as u64, w);
@@ -860,7 +861,8 @@ impl WireOp {
             varint(w, 2, port);
             varint(w, 3, proto);
         };
-        let mut w = Vec::with_capacity(OP_PREFIX + 2 * 64 + 4 * alen);
+        // At most: 36 bytes of scalars, 5 endpoints of 9 + alen, a service of 11 + alen.
+        let mut w = Vec::with_capacity(OP_PREFIX + 92 + 6 * alen);
         w.resize(OP_PREFIX, 0);
         varint(&mut w, 1, u64::from(key.family));
         varint(&mut w, 2, u64::from(key.proto));
@@ -906,7 +908,13 @@ impl WireOp {
             &mut head,
         );
         encode_varint(len, &mut head);
-        Some(WireOp(bytes::Bytes::from(w).slice(start..)))
+        // Shrinking gives the queue back the unused capacity (in place: no copy) and lets the
+        // buffer become `Bytes` without a second allocation; `advance`, unlike `slice`, keeps
+        // it that way.
+        w.shrink_to_fit();
+        let mut b = bytes::Bytes::from(w);
+        bytes::Buf::advance(&mut b, start);
+        Some(WireOp(b))
     }
 
     pub fn new(op: pb::change::Op) -> WireOp {

@@ -697,10 +697,12 @@ impl Bench {
             let own = cpu(cpu_before, running.pid())?;
             let peer = cpu(peer_cpu_before, peer_pid)?;
             eprintln!(
-                "{}, {}: {:.0} req/s; machine idle {:.1}%, steal {:.1}%, backlog drops {dropped}; process CPU {:.0}%, peer {:.0}%",
+                "{}, {}: {:.0} req/s; retransmits: client {}, backends {}; machine idle {:.1}%, steal {:.1}%, backlog drops {dropped}; process CPU {:.0}%, peer {:.0}%",
                 c.key(),
                 mode.name(),
                 run.requests as f64 / run.duration_s,
+                after.client_retransmits[1] - before.client_retransmits[1],
+                after.backend_retransmits - before.backend_retransmits,
                 share(idle),
                 share(stolen),
                 own.unwrap_or(0.0),
@@ -1011,7 +1013,10 @@ impl Bench {
         Ok(Counters {
             backend_packets,
             contender,
-            client_retransmits: client_retransmits(self.lb.client())?,
+            client_retransmits: tcp_retransmits(self.lb.client())?,
+            backend_retransmits: (0..BACKENDS)
+                .map(|i| Ok(tcp_retransmits(self.lb.backend(i))?[1]))
+                .sum::<Result<u64>>()?,
         })
     }
 
@@ -1034,7 +1039,7 @@ fn conntrack_checksum_off(ns: &Netns) -> Result<()> {
 }
 
 /// The TCP retransmissions `ns` counted so far: [SYNs, segments].
-fn client_retransmits(ns: &Netns) -> Result<[u64; 2]> {
+fn tcp_retransmits(ns: &Netns) -> Result<[u64; 2]> {
     let keys = ["TcpExtTCPSynRetrans", "TcpRetransSegs"];
     // -a: absolute values, -z: zeros too, -s: leave nstat's history file alone.
     let out = ns.run(&[&["nstat", "-a", "-z", "-s"][..], &keys[..]].concat())?;
@@ -1064,6 +1069,8 @@ struct Counters {
     contender: Option<u64>,
     /// The client's retransmitted SYNs and segments (TcpExtTCPSynRetrans, TcpRetransSegs).
     client_retransmits: [u64; 2],
+    /// Segments the backends retransmitted (their SYN-ACKs and responses), summed.
+    backend_retransmits: u64,
 }
 
 /// Fails unless the run answered requests, with no non-2xx response and few socket errors,
