@@ -395,10 +395,10 @@ const BACKLOG_SYSCTL: &str = "/proc/sys/net/core/netdev_max_backlog";
 
 /// `netdev_max_backlog` raised to at least [`BACKLOG`] while it lives, then set back. With
 /// both CPUs busy, the backlog where a veth with no XDP program queues what it receives
-/// overflows at the default 1000 packets (/proc/net/softnet_stat counted hundreds of
-/// thousands of drops over a run of this bench), and every lost SYN stalls its connection
-/// for the 1 s retransmission timeout: a random 10–40% off one run's new-connection rate, for
-/// whichever contender it hits. A box that forwards for a living raises it too.
+/// overflowed at the default 1000 packets (/proc/net/softnet_stat had counted 1.4 million
+/// drops on this machine over earlier runs of this bench), and every lost SYN stalls its
+/// connection for the 1 s retransmission timeout, in whichever contender's run it happens.
+/// A box that forwards for a living raises it too.
 struct Backlog {
     was: u64,
 }
@@ -424,35 +424,58 @@ impl Drop for Backlog {
     }
 }
 
-/// Host-wide counters, read before and after a run: packets the receive backlogs dropped
-/// (/proc/net/softnet_stat, summed over CPUs), CPU time the hypervisor stole and CPU time
-/// nothing ran (/proc/stat, clock ticks).
-fn machine_noise() -> Result<[u64; 3]> {
-    let softnet = fs::read_to_string("/proc/net/softnet_stat").context("reading softnet_stat")?;
-    let mut dropped = 0;
-    for line in softnet.lines() {
-        let field = line
-            .split_whitespace()
-            .nth(1)
-            .context("a short softnet_stat line")?;
-        dropped += u64::from_str_radix(field, 16).context("softnet_stat's drop count")?;
-    }
-    let stat = fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
-    // cpu user nice system idle iowait irq softirq steal ...
-    let cpu: Vec<u64> = stat
-        .lines()
-        .next()
-        .map(|l| {
-            l.split_whitespace()
-                .skip(1)
-                .filter_map(|f| f.parse().ok())
-                .collect()
+/// Host-wide counters, read before and after a run.
+#[derive(Clone, Copy)]
+struct Machine {
+    /// Packets the receive backlogs dropped (/proc/net/softnet_stat, summed over CPUs).
+    backlog_drops: u64,
+    /// CPU time the hypervisor stole, and CPU time nothing ran (/proc/stat, clock ticks).
+    steal_ticks: u64,
+    idle_ticks: u64,
+}
+
+impl Machine {
+    fn read() -> Result<Machine> {
+        let softnet =
+            fs::read_to_string("/proc/net/softnet_stat").context("reading softnet_stat")?;
+        let mut backlog_drops = 0;
+        for line in softnet.lines() {
+            let field = line
+                .split_whitespace()
+                .nth(1)
+                .context("a short softnet_stat line")?;
+            backlog_drops += u64::from_str_radix(field, 16).context("softnet_stat's drop count")?;
+        }
+        let stat = fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
+        // cpu user nice system idle iowait irq softirq steal ...
+        let cpu: Vec<u64> = stat
+            .lines()
+            .next()
+            .map(|l| {
+                l.split_whitespace()
+                    .skip(1)
+                    .filter_map(|f| f.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let (Some(&idle_ticks), Some(&steal_ticks)) = (cpu.get(3), cpu.get(7)) else {
+            bail!("no idle or steal time in /proc/stat's cpu line: {cpu:?}");
+        };
+        Ok(Machine {
+            backlog_drops,
+            steal_ticks,
+            idle_ticks,
         })
-        .unwrap_or_default();
-    let (Some(idle), Some(steal)) = (cpu.get(3), cpu.get(7)) else {
-        bail!("no idle or steal time in /proc/stat's cpu line: {cpu:?}");
-    };
-    Ok([dropped, *steal, *idle])
+    }
+
+    /// What happened between `before` and this reading.
+    fn since(self, before: Machine) -> Machine {
+        Machine {
+            backlog_drops: self.backlog_drops - before.backlog_drops,
+            steal_ticks: self.steal_ticks - before.steal_ticks,
+            idle_ticks: self.idle_ticks - before.idle_ticks,
+        }
+    }
 }
 
 /// Runs the comparison. `bin` is the fastpath binary.
@@ -688,18 +711,17 @@ impl Bench {
             let peer_cpu_before = peer_pid.map(process_cpu_s).transpose()?;
             let cpu_before = running.pid().map(process_cpu_s).transpose()?;
             let before = self.counters(c, running)?;
-            let noise_before = machine_noise()?;
+            let machine_before = Machine::read()?;
             let run = match mode {
                 Mode::NewConnection => self.wrk(&url(PAGE), CONNECTIONS, DURATION_S, true)?,
                 Mode::KeepAlive => self.wrk(&url(PAGE), CONNECTIONS, DURATION_S, false)?,
                 Mode::Throughput => self.wrk(&url(BULK), BULK_CONNECTIONS, DURATION_S, false)?,
             };
             let after = self.counters(c, running)?;
-            let noise = machine_noise()?;
-            let [dropped, stolen, idle] = [0, 1, 2].map(|i| noise[i] - noise_before[i]);
+            let machine = Machine::read()?.since(machine_before);
             let share = |ticks| ticks_s(ticks) / (run.duration_s * cpus()) * 100.0;
-            s.backlog_drops += dropped;
-            s.steal.push(share(stolen));
+            s.backlog_drops += machine.backlog_drops;
+            s.steal.push(share(machine.steal_ticks));
             let cpu = |before: Option<f64>, pid: Option<u32>| -> Result<Option<f64>> {
                 Ok(match (before, pid) {
                     (Some(b), Some(pid)) => {
@@ -711,14 +733,15 @@ impl Bench {
             let own = cpu(cpu_before, running.pid())?;
             let peer = cpu(peer_cpu_before, peer_pid)?;
             eprintln!(
-                "{}, {}: {:.0} req/s; retransmits: client {}, backends {}; machine idle {:.1}%, steal {:.1}%, backlog drops {dropped}; process CPU {:.0}%, peer {:.0}%",
+                "{}, {}: {:.0} req/s; retransmits: client {}, backends {}; machine idle {:.1}%, steal {:.1}%, backlog drops {}; process CPU {:.0}%, peer {:.0}%",
                 c.key(),
                 mode.name(),
                 run.requests as f64 / run.duration_s,
                 after.client_retransmits[1] - before.client_retransmits[1],
                 after.backend_retransmits - before.backend_retransmits,
-                share(idle),
-                share(stolen),
+                share(machine.idle_ticks),
+                share(machine.steal_ticks),
+                machine.backlog_drops,
                 own.unwrap_or(0.0),
                 peer.unwrap_or(0.0),
             );
@@ -1419,7 +1442,7 @@ pub fn markdown(r: &CompareReport) -> String {
     let _ = writeln!(md);
     let _ = writeln!(
         md,
-        "Kernel conntrack is part of what is compared: iptables and nftables DNAT need nf_conntrack in fp (the NAT binding lives in the connection's conntrack entry; the last column counts fp's entries right after a new-connection run), fastpath keeps its own connection table in a BPF map and leaves nf_conntrack unused in fp, and HAProxy terminates the client's connection in fp's TCP stack and opens its own to the backend (no NAT, no conntrack, but two TCP connections per request). Client retransmits are summed over the measured runs, and so are the packets the host's per-CPU receive backlogs dropped (/proc/net/softnet_stat; a veth with no XDP program queues what it receives there): with both CPUs busy, the kernel's default backlog of 1000 packets overflowed by hundreds of thousands of packets over a run of this bench, and every lost SYN stalls its connection for the 1 s retransmission timeout, a random 10–40% off one run's new-connection rate — so the bench raises `net.core.netdev_max_backlog` to {} for its runs (host-wide, set back afterwards), as a box that forwards for a living would. The backends keep no TIME_WAIT (`net.ipv4.tcp_max_tw_buckets` = 0 in their namespaces): the one client address reuses each of its ports every few seconds, and a SYN that meets its tuple's TIME_WAIT from a run of another contender (the direct one dials the backend, the load balancers' clients the VIP, and the client derives the SYN's sequence number and timestamp from a hash of what it dials) was answered with an ACK and retried after 1 s, thousands of times per run for the contenders that ran within a minute after the direct one. Steal is the CPU time the hypervisor gave to other guests during a run, in % of the machine's (/proc/stat): runs it hits go slower whatever the contender. The last column is the CPU the contender's own process took during the runs (user and system time of all its threads, ÷ the run's duration): the fastpath daemon drains the conntrack event ring (the datapath's connection events) and runs the expiry pass on the same 2 CPUs, HAProxy relays every byte through its sockets; the kernel contenders' work happens in softirq context and is not attributed. Versions: {}; {}; {}. The machine's 2 CPUs run everything — wrk, the three nginx, HAProxy's threads (its default: one per CPU) and the kernel's packet processing in every namespace — so these numbers compare the contenders' CPU cost per request on one box rather than what each could do on its own hardware; another engineer's tests may share the machine during a run.\n",
+        "Kernel conntrack is part of what is compared: iptables and nftables DNAT need nf_conntrack in fp (the NAT binding lives in the connection's conntrack entry; the last column counts fp's entries right after a new-connection run), fastpath keeps its own connection table in a BPF map and leaves nf_conntrack unused in fp, and HAProxy terminates the client's connection in fp's TCP stack and opens its own to the backend (no NAT, no conntrack, but two TCP connections per request). Client retransmits are summed over the measured runs, and so are the packets the host's per-CPU receive backlogs dropped (/proc/net/softnet_stat; a veth with no XDP program queues what it receives there): with both CPUs busy, the kernel's default backlog of 1000 packets overflowed (1.4 million drops counted on this machine over earlier runs of this bench), and every lost SYN stalls its connection for the 1 s retransmission timeout — so the bench raises `net.core.netdev_max_backlog` to {} for its runs (host-wide, set back afterwards), as a box that forwards for a living would. The backends keep no TIME_WAIT (`net.ipv4.tcp_max_tw_buckets` = 0 in their namespaces): the one client address reuses each of its ports every few seconds, and a SYN that meets its tuple's TIME_WAIT from a run of another contender (the direct one dials the backend, the load balancers' clients the VIP, and the client derives the SYN's sequence number and timestamp from a hash of what it dials) was answered with an ACK and retried after 1 s, thousands of times per run for the contenders that ran within a minute after the direct one. Steal is the CPU time the hypervisor gave to other guests during a run, in % of the machine's (/proc/stat): runs it hits go slower whatever the contender. The last column is the CPU the contender's own process took during the runs (user and system time of all its threads, ÷ the run's duration): the fastpath daemon drains the conntrack event ring (the datapath's connection events) and runs the expiry pass on the same 2 CPUs, HAProxy relays every byte through its sockets; the kernel contenders' work happens in softirq context and is not attributed. Versions: {}; {}; {}. The machine's 2 CPUs run everything — wrk, the three nginx, HAProxy's threads (its default: one per CPU) and the kernel's packet processing in every namespace — so these numbers compare the contenders' CPU cost per request on one box rather than what each could do on its own hardware; another engineer's tests may share the machine during a run.\n",
         BACKLOG, r.haproxy, r.iptables, r.nftables
     );
     md.push_str(&ha_markdown(r));
