@@ -361,19 +361,6 @@ fn ticks_s(ticks: u64) -> f64 {
     ticks as f64 / if hz > 0 { hz as f64 } else { 100.0 }
 }
 
-/// The machine's CPUs: the `cpuN` lines of /proc/stat, which its first line sums over.
-fn cpus() -> f64 {
-    let stat = fs::read_to_string("/proc/stat").unwrap_or_default();
-    let n = stat
-        .lines()
-        .filter(|l| {
-            l.strip_prefix("cpu")
-                .is_some_and(|r| r.starts_with(|c: char| c.is_ascii_digit()))
-        })
-        .count();
-    n.max(1) as f64
-}
-
 /// The topology, the backends' servers and the files the runs need.
 struct Bench {
     bin: std::path::PathBuf,
@@ -429,9 +416,12 @@ impl Drop for Backlog {
 struct Machine {
     /// Packets the receive backlogs dropped (/proc/net/softnet_stat, summed over CPUs).
     backlog_drops: u64,
-    /// CPU time the hypervisor stole, and CPU time nothing ran (/proc/stat, clock ticks).
+    /// CPU time the hypervisor stole, and CPU time nothing ran (/proc/stat, clock ticks,
+    /// summed over CPUs).
     steal_ticks: u64,
     idle_ticks: u64,
+    /// The CPUs those sum over: /proc/stat's `cpuN` lines.
+    cpus: u64,
 }
 
 impl Machine {
@@ -461,10 +451,19 @@ impl Machine {
         let (Some(&idle_ticks), Some(&steal_ticks)) = (cpu.get(3), cpu.get(7)) else {
             bail!("no idle or steal time in /proc/stat's cpu line: {cpu:?}");
         };
+        let cpus = stat
+            .lines()
+            .filter(|l| {
+                l.strip_prefix("cpu")
+                    .is_some_and(|r| r.starts_with(|c: char| c.is_ascii_digit()))
+            })
+            .count()
+            .max(1) as u64;
         Ok(Machine {
             backlog_drops,
             steal_ticks,
             idle_ticks,
+            cpus,
         })
     }
 
@@ -474,6 +473,7 @@ impl Machine {
             backlog_drops: self.backlog_drops - before.backlog_drops,
             steal_ticks: self.steal_ticks - before.steal_ticks,
             idle_ticks: self.idle_ticks - before.idle_ticks,
+            cpus: self.cpus,
         }
     }
 }
@@ -719,7 +719,7 @@ impl Bench {
             };
             let after = self.counters(c, running)?;
             let machine = Machine::read()?.since(machine_before);
-            let share = |ticks| ticks_s(ticks) / (run.duration_s * cpus()) * 100.0;
+            let share = |ticks| ticks_s(ticks) / (run.duration_s * machine.cpus as f64) * 100.0;
             s.backlog_drops += machine.backlog_drops;
             s.steal.push(share(machine.steal_ticks));
             let cpu = |before: Option<f64>, pid: Option<u32>| -> Result<Option<f64>> {
