@@ -8,6 +8,7 @@
 //! out, with an event for each. Cost per pass is measured by `cargo xtask bench`.
 
 use std::{
+    hash::BuildHasher as _,
     sync::atomic::{AtomicU64, Ordering},
     time::Instant,
 };
@@ -52,15 +53,26 @@ pub fn pass(table: &mut CtTable, t: &Timeouts, hub: &EventHub, stats: &GcStats, 
     let start = Instant::now();
     let mut occupancy = 0u64;
     let mut candidates: Vec<CtKey> = Vec::new();
-    let mut aliases: Vec<(CtKey, CtEntry)> = Vec::new();
+    // Aliases as (alias, its connection's key), and a fingerprint of every connection the
+    // walk saw (a push each: tables without aliases pay no more): an alias whose connection
+    // was walked needs no read of its own.
+    let mut aliases: Vec<(CtKey, CtKey)> = Vec::new();
+    let seed = foldhash::quality::RandomState::default();
+    let mut walked_conns: Vec<u64> =
+        Vec::with_capacity(stats.occupancy.load(Ordering::Relaxed) as usize);
     let walked = table.walk(|keys, values| {
         occupancy += keys.len() as u64;
         for (k, e) in keys.iter().zip(values) {
             if e.flags & CT_F_LB_ALIAS != 0 {
                 // An alias lives as long as its connection's entry (checked below).
-                aliases.push((*k, *e));
-            } else if expired(t, k, e, now_ns) {
-                candidates.push(*k);
+                if let Some(conn) = lb_peer_key(k, e) {
+                    aliases.push((*k, conn));
+                }
+            } else {
+                walked_conns.push(seed.hash_one(k));
+                if expired(t, k, e, now_ns) {
+                    candidates.push(*k);
+                }
             }
         }
     });
@@ -100,13 +112,26 @@ pub fn pass(table: &mut CtTable, t: &Timeouts, hub: &EventHub, stats: &GcStats, 
             });
         }
     }
-    // Aliases whose connection is gone (expired above, dropped early, killed, flushed).
-    for (key, alias) in &aliases {
-        if let Some(conn) = lb_peer_key(key, alias)
-            && table.get(&conn).is_none()
-            && table.remove(key)
-        {
-            removed += 1;
+    // Aliases whose connection is gone (dropped early, killed, flushed; one expired above
+    // took its alias with it). A connection the walk saw is there (or went with its alias
+    // above): no read. Only an alias whose connection the walk did not see is read again —
+    // the connection may have been made after the walk passed its bucket. Fingerprints are
+    // seeded afresh each pass, so a collision can keep an orphan for one pass at most.
+    if !aliases.is_empty() {
+        let mut unseen: foldhash::HashSet<u64> = aliases
+            .iter()
+            .map(|(_, conn)| seed.hash_one(conn))
+            .collect();
+        for fp in &walked_conns {
+            unseen.remove(fp);
+        }
+        for (key, conn) in &aliases {
+            if unseen.contains(&seed.hash_one(conn))
+                && table.get(conn).is_none()
+                && table.remove(key)
+            {
+                removed += 1;
+            }
         }
     }
     stats

@@ -654,6 +654,9 @@ fn apply(table: &mut CtTable, peer: &mut PeerIn, origin: u32, acts: Vec<Action<C
                 // Mostly the connection is new here: one write that fails if the key is
                 // taken. If it is, this node's own entry is kept and a replicated one is
                 // brought up to date.
+                // The alias the entry had, when it was replicated from the same peer: its
+                // alias was installed with it, and stays right if it would be the same.
+                let mut had_alias = None;
                 let installed = match table.insert_new(&k, &e) {
                     Ok(true) => Ok(()),
                     Ok(false) => match table.get(&k) {
@@ -661,7 +664,12 @@ fn apply(table: &mut CtTable, peer: &mut PeerIn, origin: u32, acts: Vec<Action<C
                             peer.kept_local += 1;
                             continue;
                         }
-                        _ => table.insert(&k, &e),
+                        local => {
+                            had_alias = local
+                                .filter(|l| l.origin == origin)
+                                .map(|l| lb_alias(&k, &l));
+                            table.insert(&k, &e)
+                        }
                     },
                     Err(err) => Err(err),
                 };
@@ -670,7 +678,13 @@ fn apply(table: &mut CtTable, peer: &mut PeerIn, origin: u32, acts: Vec<Action<C
                     warn!(error = %err, "Could not install a replicated connection");
                     continue;
                 }
-                if let Some((ak, alias)) = lb_alias(&k, &e)
+                let alias = lb_alias(&k, &e);
+                if had_alias == Some(alias) {
+                    // A tuple reused with the same binding (a client reopening its port
+                    // within TIME_WAIT): a write and a read fewer.
+                    continue;
+                }
+                if let Some((ak, alias)) = alias
                     && let Err(err) = install_alias(table, &ak, &alias)
                 {
                     peer.refused += 1;
@@ -1140,5 +1154,110 @@ async fn serve(
         Ok(Ok(Err(e))) => warn!(error = %e, "HA sync listener failed"),
         Ok(_) => {}
         Err(_) => abort.abort(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use fastpath_common::{
+        Hook, Verdict,
+        ct::{CT_F_LB, IFACE_F_CT_XDP, tcp_state},
+    };
+
+    use super::*;
+    use crate::testkit::{
+        fixture::{Case, Fixture, Seed, raw_verdict},
+        packet::{Pkt, tcp_flags},
+        require_root,
+    };
+
+    /// A peer's connection installed again (a reused tuple): with the same binding the entry
+    /// is brought up to date and its alias kept; with another backend the new alias is made.
+    #[test]
+    fn a_reinstalled_connection_keeps_or_remakes_its_alias() {
+        require_root("ha apply");
+        let mut fx = Fixture::new().unwrap_or_else(|e| panic!("loading the datapath: {e}"));
+        let seed = Seed::iface(1, IFACE_F_CT_XDP).with_services(
+            "[[service]]\nvip = \"10.9.0.100\"\nport = 80\nprotocol = \"tcp\"\n\
+             [[service.backend]]\naddress = \"10.9.1.1\"\nport = 80\n\
+             [[service.backend]]\naddress = \"10.9.1.2\"\nport = 80\n",
+        );
+        let syn = Case {
+            name: "syn".into(),
+            hook: Hook::Xdp,
+            seed,
+            input: Pkt::eth()
+                .ipv4([10, 9, 2, 1], [10, 9, 0, 100])
+                .tcp(1000, 80, tcp_flags::SYN)
+                .build(),
+            expect_verdict: raw_verdict(Hook::Xdp, Verdict::Kernel),
+            expect_output: None,
+            expect_counters: vec![],
+        };
+        fx.run(&syn).unwrap_or_else(|e| panic!("{e}"));
+        let (k, made) = fx
+            .ct_entries()
+            .unwrap_or_else(|e| panic!("{e}"))
+            .into_iter()
+            .find(|(_, e)| e.flags & CT_F_LB != 0)
+            .expect("the SYN made a load-balanced connection");
+        fx.ct_clear().unwrap_or_else(|e| panic!("{e}"));
+        let mut table = CtTable::open_pin(&fx.pin_dir().join(map_names::CT)).expect("FP_CT pinned");
+        let mut peer = PeerIn::new();
+        let replicated = |e: &CtEntry| CtEntry {
+            packets: [0; 2],
+            bytes: [0; 2],
+            origin: 7,
+            ..*e
+        };
+        let alias_of = |e: &CtEntry| lb_alias(&k, &replicated(e)).expect("an LB alias");
+
+        apply(
+            &mut table,
+            &mut peer,
+            7,
+            vec![Action::Install(k, replicated(&made))],
+        );
+        let (ak, alias) = alias_of(&made);
+        assert_eq!(table.get(&ak), Some(alias), "the alias is made");
+
+        let closed = CtEntry {
+            state: tcp_state::TIME_WAIT,
+            ..made
+        };
+        apply(
+            &mut table,
+            &mut peer,
+            7,
+            vec![Action::Install(k, replicated(&closed))],
+        );
+        assert_eq!(
+            table.get(&k),
+            Some(replicated(&closed)),
+            "brought up to date"
+        );
+        assert_eq!(
+            table.get(&ak),
+            Some(alias),
+            "the same binding keeps its alias"
+        );
+
+        let mut moved = made;
+        moved.nat.addr[3] = if made.nat.addr[3] == 1 { 2 } else { 1 };
+        let (mk, malias) = alias_of(&moved);
+        assert_ne!(mk, ak, "another backend, another alias");
+        apply(
+            &mut table,
+            &mut peer,
+            7,
+            vec![Action::Install(k, replicated(&moved))],
+        );
+        assert_eq!(table.get(&k), Some(replicated(&moved)));
+        assert_eq!(
+            table.get(&mk),
+            Some(malias),
+            "another backend gets its alias"
+        );
+        assert_eq!((peer.refused, peer.kept_local), (0, 0));
     }
 }

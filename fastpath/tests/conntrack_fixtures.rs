@@ -1,10 +1,23 @@
 //! Runs the conntrack sequences through the real entry points with BPF_PROG_TEST_RUN and
 //! reports every failing sequence at once. Needs root; without it the test fails (never skips).
 
-use fastpath::testkit::{
-    ct_cases::{PRESSURE_CAPACITY, ct_sequences, pressure_sequences},
-    fixture::{CtSequence, Fixture},
-    require_root,
+use fastpath::{
+    conntrack::monotonic_ns,
+    ct_events::EventHub,
+    ct_gc::{self, GcStats},
+    datapath::CtTable,
+    testkit::{
+        ct_cases::{PRESSURE_CAPACITY, ct_sequences, pressure_sequences},
+        fixture::{Case, CtSequence, Fixture, Seed, raw_verdict},
+        packet::Pkt,
+        require_root,
+    },
+};
+use fastpath_common::{
+    Hook, Verdict,
+    ct::{CT_F_LB, CT_F_LB_ALIAS, DEFAULT_TIMEOUTS_S, IFACE_F_CT_XDP},
+    lb::lb_peer_key,
+    map_names,
 };
 
 #[test]
@@ -59,21 +72,6 @@ fn run_all(mut fixture: Fixture, sequences: &[CtSequence]) {
 /// left.
 #[test]
 fn least_connections_forgets_expired_connections() {
-    use fastpath::{
-        conntrack::monotonic_ns,
-        ct_events::EventHub,
-        ct_gc::{self, GcStats},
-        datapath::CtTable,
-        testkit::{
-            fixture::{Case, Seed, raw_verdict},
-            packet::Pkt,
-        },
-    };
-    use fastpath_common::{
-        Hook, Verdict,
-        ct::{DEFAULT_TIMEOUTS_S, IFACE_F_CT_XDP},
-        map_names,
-    };
     require_root("conntrack_fixtures");
     let mut fx = Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));
     let seed = Seed::iface(1, IFACE_F_CT_XDP).with_services(
@@ -121,4 +119,72 @@ fn least_connections_forgets_expired_connections() {
         "all expired"
     );
     assert_eq!(flow(&mut fx, 1003), 1, "expired flows no longer count");
+}
+
+/// The expiry pass removes an alias whose connection is gone (here deleted behind its back, as
+/// a flush or a kill would) and keeps every alias whose connection is there.
+#[test]
+fn expiry_removes_orphaned_aliases_and_keeps_the_others() {
+    require_root("conntrack_fixtures");
+    let mut fx = Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));
+    let seed = Seed::iface(1, IFACE_F_CT_XDP).with_services(
+        "[[service]]\nvip = \"10.9.0.100\"\nport = 80\nprotocol = \"tcp\"\n\
+         [[service.backend]]\naddress = \"10.9.1.1\"\nport = 80\n\
+         [[service.backend]]\naddress = \"10.9.1.2\"\nport = 80\n",
+    );
+    for port in 1000..1004 {
+        let case = Case {
+            name: "syn".into(),
+            hook: Hook::Xdp,
+            seed: seed.clone(),
+            input: Pkt::eth()
+                .ipv4([10, 9, 2, 1], [10, 9, 0, 100])
+                .tcp(port, 80, fastpath::testkit::packet::tcp_flags::SYN)
+                .build(),
+            expect_verdict: raw_verdict(Hook::Xdp, Verdict::Kernel),
+            expect_output: None,
+            expect_counters: vec![],
+        };
+        fx.run(&case).unwrap_or_else(|e| panic!("{e}"));
+    }
+    let before = fx.ct_entries().unwrap_or_else(|e| panic!("{e}"));
+    let conns: Vec<_> = before
+        .iter()
+        .filter(|(_, e)| e.flags & CT_F_LB != 0)
+        .map(|(k, e)| {
+            (
+                *k,
+                lb_peer_key(k, e).expect("an LB connection has an alias"),
+            )
+        })
+        .collect();
+    assert_eq!(conns.len(), 4, "four load-balanced connections: {before:?}");
+    assert_eq!(before.len(), 8, "each with its alias: {before:?}");
+    let (gone, gone_alias) = conns[1];
+    let mut table = CtTable::open_pin(&fx.pin_dir().join(map_names::CT)).expect("FP_CT pinned");
+    assert!(table.remove(&gone), "the connection's entry was there");
+    let stats = GcStats::default();
+    ct_gc::pass(
+        &mut table,
+        &DEFAULT_TIMEOUTS_S,
+        &EventHub::new(),
+        &stats,
+        monotonic_ns(),
+    );
+    let after = fx.ct_entries().unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        !after.contains_key(&gone_alias),
+        "the orphaned alias is removed"
+    );
+    for (conn, alias) in conns.iter().filter(|(c, _)| *c != gone) {
+        assert!(after.contains_key(conn), "a live connection is kept");
+        let a = after.get(alias).expect("a live connection's alias is kept");
+        assert_ne!(a.flags & CT_F_LB_ALIAS, 0);
+    }
+    assert_eq!(after.len(), 6);
+    assert_eq!(
+        stats.occupancy.load(std::sync::atomic::Ordering::Relaxed),
+        6,
+        "occupancy counts what is left"
+    );
 }

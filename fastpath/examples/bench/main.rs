@@ -132,6 +132,8 @@ struct CtRow {
 #[derive(Serialize)]
 struct GcRow {
     table_entries: u32,
+    /// What the entries are.
+    shape: &'static str,
     median_ms: f64,
     min_ms: f64,
     max_ms: f64,
@@ -188,8 +190,7 @@ struct Config<'a> {
 
 /// Sections that run alone (printed, nothing written): `bench SECTION` or
 /// `bench --only SECTION`.
-const SECTIONS: &str =
-    "updates, api, drain, lb (the LB rows of the conntrack table), lb-compare, ha";
+const SECTIONS: &str = "updates, api, drain, conntrack (CT hit, miss and the expiry pass), lb (the LB rows of the conntrack table), lb-compare, ha";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--").collect();
@@ -223,6 +224,25 @@ fn main() -> Result<()> {
             let drain = bench_ct_drain(&fx)?;
             eprintln!();
             print!("{}", drain_markdown(&drain));
+            return Ok(());
+        }
+        Some("conntrack") => {
+            let mut fx = Fixture::new().context("loading the datapath (run as root)")?;
+            let (rows, gc) = bench_conntrack(&mut fx)?;
+            eprintln!();
+            for r in &rows {
+                println!(
+                    "{} at {} entries: median {:.1} ns ({:.1}–{:.1}), floor {:.1} ns, over floor {:+.1} ns",
+                    r.path,
+                    r.table_entries,
+                    r.median_ns,
+                    r.min_ns,
+                    r.max_ns,
+                    r.floor_median_ns,
+                    r.over_floor_ns
+                );
+            }
+            print!("{}", gc_markdown(&gc));
             return Ok(());
         }
         Some("lb") => {
@@ -409,6 +429,61 @@ const CT_SIZES: [u32; 2] = [1_000, 1_000_000];
 const CT_MISS_FLOWS: u16 = 2_000;
 const GC_PASSES: usize = 5;
 
+/// The expiry pass table.
+fn gc_markdown(rows: &[GcRow]) -> String {
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "Expiry pass (the daemon's GC: batched walk of the whole table, nothing expired), {GC_PASSES} passes:\n"
+    );
+    let _ = writeln!(
+        md,
+        "| table entries | entries | median ms | min–max ms |\n|---:|---|---:|---:|"
+    );
+    for g in rows {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {:.1} | {:.1}–{:.1} |",
+            g.table_entries, g.shape, g.median_ms, g.min_ms, g.max_ms
+        );
+    }
+    let _ = writeln!(md);
+    md
+}
+
+/// [`GC_PASSES`] expiry passes over the table as it is (nothing in it expires); the table
+/// must hold at least `size` entries.
+fn gc_passes(fx: &Fixture, size: u32, shape: &'static str) -> Result<GcRow> {
+    let mut table = CtTable::open_pin(&fx.pin_dir().join(map_names::CT))?;
+    let (hub, gc_stats) = (EventHub::new(), GcStats::default());
+    let mut ms = vec![];
+    for _ in 0..GC_PASSES {
+        let t = std::time::Instant::now();
+        ct_gc::pass(
+            &mut table,
+            &DEFAULT_TIMEOUTS_S,
+            &hub,
+            &gc_stats,
+            monotonic_ns(),
+        );
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let occupancy = gc_stats
+        .occupancy
+        .load(std::sync::atomic::Ordering::Relaxed);
+    if occupancy < u64::from(size) {
+        bail!("expiry pass saw {occupancy} entries, expected at least {size}");
+    }
+    let (median_ms, min_ms, max_ms) = stats(&ms);
+    Ok(GcRow {
+        table_entries: size,
+        shape,
+        median_ms,
+        min_ms,
+        max_ms,
+    })
+}
+
 /// CT hit (an established TCP flow's ACK, repeated) and CT miss + insert (a new UDP flow per
 /// run, repeat = 1, against a floor also run with repeat = 1) at each table size, and the
 /// expiry pass cost.
@@ -468,33 +543,16 @@ fn bench_conntrack(fx: &mut Fixture) -> Result<(Vec<CtRow>, Vec<GcRow>)> {
             &miss_floor,
         ));
 
-        let mut table = CtTable::open_pin(&fx.pin_dir().join(map_names::CT))?;
-        let (hub, gc_stats) = (EventHub::new(), GcStats::default());
-        let mut ms = vec![];
-        for _ in 0..GC_PASSES {
-            let t = std::time::Instant::now();
-            ct_gc::pass(
-                &mut table,
-                &DEFAULT_TIMEOUTS_S,
-                &hub,
-                &gc_stats,
-                monotonic_ns(),
-            );
-            ms.push(t.elapsed().as_secs_f64() * 1e3);
-        }
-        let occupancy = gc_stats
-            .occupancy
-            .load(std::sync::atomic::Ordering::Relaxed);
-        if occupancy < u64::from(size) {
-            bail!("expiry pass saw {occupancy} entries, expected at least {size}");
-        }
-        let (median_ms, min_ms, max_ms) = stats(&ms);
-        gc_rows.push(GcRow {
-            table_entries: size,
-            median_ms,
-            min_ms,
-            max_ms,
-        });
+        gc_rows.push(gc_passes(fx, size, "plain connections")?);
+        // The load balancer's shape: half the entries are aliases, each checked against its
+        // connection.
+        fx.ct_clear()?;
+        fx.ct_fill_lb(size, monotonic_ns())?;
+        gc_rows.push(gc_passes(
+            fx,
+            size,
+            "load-balanced: connections and their aliases",
+        )?);
         eprint!("c");
     }
     fx.ct_clear()?;
@@ -1160,22 +1218,7 @@ fn markdown(r: &Report) -> String {
         );
     }
     let _ = writeln!(md);
-    let _ = writeln!(
-        md,
-        "Expiry pass (the daemon's GC: batched walk of the whole table, nothing expired), {GC_PASSES} passes:\n"
-    );
-    let _ = writeln!(
-        md,
-        "| table entries | median ms | min–max ms |\n|---:|---:|---:|"
-    );
-    for g in &r.conntrack_gc {
-        let _ = writeln!(
-            md,
-            "| {} | {:.1} | {:.1}–{:.1} |",
-            g.table_entries, g.median_ms, g.min_ms, g.max_ms
-        );
-    }
-    let _ = writeln!(md);
+    md.push_str(&gc_markdown(&r.conntrack_gc));
     md.push_str(&drain_markdown(&r.conntrack_drain));
     md.push_str(&updates_markdown(&r.service_updates));
     md.push_str(&api::markdown(&r.api_changes));

@@ -830,6 +830,17 @@ impl Fixture {
     /// Inserts `n` synthetic established TCP connections (10.128.0.0/9 ↔ 10.0.0.0/9 keys that
     /// no fixture packet uses), last seen `now_ns`: table pressure for benchmarks.
     pub fn ct_fill(&mut self, n: u32, now_ns: u64) -> Result<(), FixtureError> {
+        self.ct_fill_shaped(n, now_ns, false)
+    }
+
+    /// `n` entries as the load balancer makes them: `n / 2` assured NAT connections to a
+    /// backend, each with its alias (`lb_alias`).
+    pub fn ct_fill_lb(&mut self, n: u32, now_ns: u64) -> Result<(), FixtureError> {
+        self.ct_fill_shaped(n / 2, now_ns, true)
+    }
+
+    fn ct_fill_shaped(&mut self, n: u32, now_ns: u64, lb: bool) -> Result<(), FixtureError> {
+        use fastpath_common::ct::{CT_F_ASSURED, CT_F_LB, CT_F_ORIG_IS_LO, tcp_state};
         let name = map_names::CT;
         let mut table = self.ct_table_mut()?;
         for i in 0..n {
@@ -847,13 +858,21 @@ impl Fixture {
                 family: 4,
                 _pad: [0; 2],
             };
-            let entry = CtEntry {
+            let mut entry = CtEntry {
                 created_ns: now_ns,
                 last_seen_ns: now_ns,
-                state: fastpath_common::ct::tcp_state::ESTABLISHED,
-                flags: fastpath_common::ct::CT_F_ASSURED | fastpath_common::ct::CT_F_ORIG_IS_LO,
+                state: tcp_state::ESTABLISHED,
+                flags: CT_F_ASSURED | CT_F_ORIG_IS_LO,
                 ..CtEntry::default()
             };
+            if lb {
+                entry.flags |= CT_F_LB;
+                entry.nat.addr[..4].copy_from_slice(&[172, 16, b[3] & 0x7, 1]);
+                entry.nat.port = 8080;
+                if let Some((ak, alias)) = fastpath_common::lb::lb_alias(&key, &entry) {
+                    table.insert(&ak, &alias, 0).map_err(map_error(name))?;
+                }
+            }
             table.insert(&key, &entry, 0).map_err(map_error(name))?;
         }
         Ok(())
