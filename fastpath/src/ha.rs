@@ -1159,14 +1159,11 @@ async fn serve(
 
 #[cfg(test)]
 mod tests {
-    use fastpath_common::{
-        Hook, Verdict,
-        ct::{CT_F_LB, IFACE_F_CT_XDP, tcp_state},
-    };
+    use fastpath_common::ct::{CT_F_LB, IFACE_F_CT_XDP, tcp_state};
 
     use super::*;
     use crate::testkit::{
-        fixture::{Case, Fixture, Seed, raw_verdict},
+        fixture::{Case, Fixture, Seed},
         packet::{Pkt, tcp_flags},
         require_root,
     };
@@ -1182,18 +1179,14 @@ mod tests {
              [[service.backend]]\naddress = \"10.9.1.1\"\nport = 80\n\
              [[service.backend]]\naddress = \"10.9.1.2\"\nport = 80\n",
         );
-        let syn = Case {
-            name: "syn".into(),
-            hook: Hook::Xdp,
-            seed,
-            input: Pkt::eth()
+        let syn = Case::xdp_to_kernel(
+            "syn",
+            &seed,
+            Pkt::eth()
                 .ipv4([10, 9, 2, 1], [10, 9, 0, 100])
                 .tcp(1000, 80, tcp_flags::SYN)
                 .build(),
-            expect_verdict: raw_verdict(Hook::Xdp, Verdict::Kernel),
-            expect_output: None,
-            expect_counters: vec![],
-        };
+        );
         fx.run(&syn).unwrap_or_else(|e| panic!("{e}"));
         let (k, made) = fx
             .ct_entries()

@@ -8,13 +8,12 @@ use fastpath::{
     datapath::CtTable,
     testkit::{
         ct_cases::{PRESSURE_CAPACITY, ct_sequences, pressure_sequences},
-        fixture::{Case, CtSequence, Fixture, Seed, raw_verdict},
+        fixture::{Case, CtSequence, Fixture, Seed},
         packet::Pkt,
         require_root,
     },
 };
 use fastpath_common::{
-    Hook, Verdict,
     ct::{CT_F_LB, CT_F_LB_ALIAS, DEFAULT_TIMEOUTS_S, IFACE_F_CT_XDP},
     lb::lb_peer_key,
     map_names,
@@ -81,19 +80,15 @@ fn least_connections_forgets_expired_connections() {
     );
     // Which backend a new flow from client port `port` gets (the translated destination).
     let flow = |fx: &mut Fixture, port: u16| -> u8 {
-        let case = Case {
-            name: "lc".into(),
-            hook: Hook::Xdp,
-            seed: seed.clone(),
-            input: Pkt::eth()
+        let case = Case::xdp_to_kernel(
+            "lc",
+            &seed,
+            Pkt::eth()
                 .ipv4([10, 9, 2, 1], [10, 9, 0, 100])
                 .udp(port, 53)
                 .payload(b"q")
                 .build(),
-            expect_verdict: raw_verdict(Hook::Xdp, Verdict::Kernel),
-            expect_output: None,
-            expect_counters: vec![],
-        };
+        );
         let out = fx.run(&case).unwrap_or_else(|e| panic!("{e}"));
         // Ethernet 14 + IPv4 destination at 16: the last byte names the backend.
         out.output[14 + 19]
@@ -133,18 +128,14 @@ fn expiry_removes_orphaned_aliases_and_keeps_the_others() {
          [[service.backend]]\naddress = \"10.9.1.2\"\nport = 80\n",
     );
     for port in 1000..1004 {
-        let case = Case {
-            name: "syn".into(),
-            hook: Hook::Xdp,
-            seed: seed.clone(),
-            input: Pkt::eth()
+        let case = Case::xdp_to_kernel(
+            "syn",
+            &seed,
+            Pkt::eth()
                 .ipv4([10, 9, 2, 1], [10, 9, 0, 100])
                 .tcp(port, 80, fastpath::testkit::packet::tcp_flags::SYN)
                 .build(),
-            expect_verdict: raw_verdict(Hook::Xdp, Verdict::Kernel),
-            expect_output: None,
-            expect_counters: vec![],
-        };
+        );
         fx.run(&case).unwrap_or_else(|e| panic!("{e}"));
     }
     let before = fx.ct_entries().unwrap_or_else(|e| panic!("{e}"));

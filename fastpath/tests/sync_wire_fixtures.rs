@@ -9,13 +9,12 @@
 use fastpath::{
     sync::{LbIndex, WireError, from_wire, pb, to_wire},
     testkit::{
-        fixture::{Case, Fixture, Seed, raw_verdict},
+        fixture::{Case, Fixture, Seed},
         packet::{Pkt, tcp_flags},
         require_root,
     },
 };
 use fastpath_common::{
-    Hook, Verdict,
     ct::{CT_F_LB, CT_F_LB_ALIAS, CtEntry, IFACE_F_CT_XDP},
     lb::{Backend, Service, SvcKey},
 };
@@ -50,15 +49,7 @@ fn services() -> String {
 }
 
 fn case(seed: &Seed, input: Vec<u8>) -> Case {
-    Case {
-        name: "sync wire".into(),
-        hook: Hook::Xdp,
-        seed: seed.clone(),
-        input,
-        expect_verdict: raw_verdict(Hook::Xdp, Verdict::Kernel),
-        expect_output: None,
-        expect_counters: vec![],
-    }
+    Case::xdp_to_kernel("sync wire", seed, input)
 }
 
 /// What a peer must reproduce: everything but the clock and the counters.

@@ -43,13 +43,13 @@ use fastpath::{
     datapath::{CtEventRing, CtTable, open_ct_events_pin},
     testkit::{
         cases::parser_cases,
-        fixture::{Case, Fixture, Seed, raw_verdict},
+        fixture::{Case, Fixture, Seed},
         netns::{PREFIX, example_fastpath_bin, sweep_stale},
         packet::{Pkt, tcp_flags},
     },
 };
 use fastpath_common::{
-    Hook, Verdict,
+    Hook,
     bench::CT_EVENTS_PER_RUN,
     ct::{CtEvent, DEFAULT_TIMEOUTS_S, IFACE_F_CT_XDP, ct_event, ct_stat},
     map_names,
@@ -489,15 +489,7 @@ fn gc_passes(fx: &Fixture, size: u32, shape: &'static str) -> Result<GcRow> {
 /// expiry pass cost.
 fn bench_conntrack(fx: &mut Fixture) -> Result<(Vec<CtRow>, Vec<GcRow>)> {
     let seed = Seed::iface(1, IFACE_F_CT_XDP); // BPF_PROG_TEST_RUN runs on loopback (ifindex 1)
-    let case = |name: &str, input: Vec<u8>| Case {
-        name: name.into(),
-        hook: Hook::Xdp,
-        seed: seed.clone(),
-        input,
-        expect_verdict: raw_verdict(Hook::Xdp, Verdict::Kernel),
-        expect_output: None,
-        expect_counters: vec![],
-    };
+    let case = |name: &str, input: Vec<u8>| Case::xdp_to_kernel(name, &seed, input);
     let (a, b) = ([10, 255, 0, 1], [10, 255, 0, 2]);
     let hit = case(
         "ct_hit",
@@ -610,15 +602,7 @@ fn bench_lb_service(fx: &mut Fixture, n: usize) -> Result<Vec<CtRow>> {
         );
     }
     let seed = Seed::iface(1, IFACE_F_CT_XDP).with_services(&toml);
-    let case = |input: Vec<u8>| Case {
-        name: format!("lb_{n}_backends"),
-        hook: Hook::Xdp,
-        seed: seed.clone(),
-        input,
-        expect_verdict: raw_verdict(Hook::Xdp, Verdict::Kernel),
-        expect_output: None,
-        expect_counters: vec![],
-    };
+    let case = |input: Vec<u8>| Case::xdp_to_kernel(format!("lb_{n}_backends"), &seed, input);
     let to_vip = |sport, flags| {
         case(
             Pkt::eth()

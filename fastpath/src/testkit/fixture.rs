@@ -235,6 +235,23 @@ pub struct Case {
     pub expect_counters: Vec<CounterDelta>,
 }
 
+impl Case {
+    /// An XDP run of `input` that hands the packet to the kernel (`XDP_PASS`), with no
+    /// expectation on the output or the counters: a step that sets up state (a connection in
+    /// the table) or is measured, not checked.
+    pub fn xdp_to_kernel(name: impl Into<String>, seed: &Seed, input: Vec<u8>) -> Case {
+        Case {
+            name: name.into(),
+            hook: Hook::Xdp,
+            seed: seed.clone(),
+            input,
+            expect_verdict: raw_verdict(Hook::Xdp, Verdict::Kernel),
+            expect_output: None,
+            expect_counters: vec![],
+        }
+    }
+}
+
 /// What one run produced.
 #[derive(Clone, Debug)]
 pub struct Outcome {
