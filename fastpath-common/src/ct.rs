@@ -474,7 +474,9 @@ pub struct IfaceConfig {
     pub flags: u32,
     /// With `IFACE_F_SNAT`: the index of the interface's rule in `FP_SNAT`.
     pub snat: u32,
-    pub _reserved: [u32; 2],
+    /// The interface's MAC address: with `IFACE_F_ROUTE`, only frames sent to it are routed.
+    pub mac: [u8; 6],
+    pub _reserved: [u8; 2],
 }
 const _: () = assert!(core::mem::size_of::<IfaceConfig>() == 16);
 
@@ -497,6 +499,11 @@ pub const IFACE_F_FIREWALL: u32 = 1 << 3;
 /// translated by the rule `IfaceConfig::snat` (decided at XDP where they come in, from a FIB
 /// lookup of their destination).
 pub const IFACE_F_SNAT: u32 = 1 << 4;
+/// Route in the fast path: IPv4/IPv6 packets sent to this interface's MAC address
+/// (`IfaceConfig::mac`) and routed out of another interface with this flag are forwarded
+/// there at the hook they arrive at, TTL decremented and MAC addresses rewritten from the
+/// kernel's FIB and neighbour table (see the datapath's `route` stage).
+pub const IFACE_F_ROUTE: u32 = 1 << 5;
 
 #[cfg(feature = "user")]
 mod pod {

@@ -119,8 +119,38 @@ pub const LB_ICMP_ERROR: u32 = 42;
 /// "reject"`): a TCP RST or an ICMP/ICMPv6 port unreachable, sent back (forward verdict).
 pub const LB_REJECTED: u32 = 43;
 
+// --- Routing (interfaces with `route = true`). ---
+/// Routed in the fast path: TTL / hop limit decremented, MAC addresses of the next hop and
+/// the egress interface, redirected there (forward verdict).
+pub const ROUTED: u32 = 44;
+/// TTL / hop limit 1 or 0: the kernel sends the ICMP time exceeded.
+pub const ROUTE_TTL_EXPIRED: u32 = 45;
+/// The next hop's MAC address is not resolved (or is failed): the kernel resolves it.
+pub const ROUTE_NO_NEIGHBOR: u32 = 46;
+/// The FIB does not forward it — for this node itself, broadcast or multicast, or no route
+/// at all: the kernel's (it delivers it, or drops it with its ICMP error).
+pub const ROUTE_NOT_FORWARDED: u32 = 47;
+/// A blackhole, unreachable or prohibit route: the kernel drops it, with its ICMP error.
+pub const ROUTE_UNREACHABLE: u32 = 48;
+/// Longer than the route's MTU: the kernel fragments it or sends the ICMP error.
+pub const ROUTE_MTU: u32 = 49;
+/// IPv4 options or IPv6 extension headers: the kernel processes them.
+pub const ROUTE_IP_OPTIONS: u32 = 50;
+/// A fragment: the kernel forwards it (or reassembles, if its configuration says so).
+pub const ROUTE_FRAGMENT: u32 = 51;
+/// The route leaves through an interface without `route = true`: the kernel forwards it.
+pub const ROUTE_EGRESS_NOT_ROUTED: u32 = 52;
+/// Forwarding is off on the arriving interface (`net.ipv4.ip_forward`,
+/// `net.ipv6.conf.*.forwarding`): the kernel's to decide (it delivers or drops).
+pub const ROUTE_FORWARDING_OFF: u32 = 53;
+/// Not sent to the interface's MAC address (multicast, broadcast, another host's frame seen
+/// in promiscuous mode), or VLAN-tagged: the kernel's.
+pub const ROUTE_NOT_FOR_US: u32 = 54;
+/// Any other FIB answer (an unsupported lightweight tunnel route, ...): the kernel's.
+pub const ROUTE_OTHER: u32 = 55;
+
 /// One past the highest code in use. Append new codes above this line and bump it.
-pub const COUNT: u32 = 44;
+pub const COUNT: u32 = 56;
 /// Slots reserved per (hook, verdict) in the stats map; codes must stay below this.
 pub const SLOTS: u32 = 64;
 
@@ -172,6 +202,18 @@ pub const NAMES: [&str; COUNT as usize] = [
     "lb_dsr_no_neighbor",
     "lb_icmp_error",
     "lb_rejected",
+    "routed",
+    "route_ttl_expired",
+    "route_no_neighbor",
+    "route_not_forwarded",
+    "route_unreachable",
+    "route_mtu",
+    "route_ip_options",
+    "route_fragment",
+    "route_egress_not_routed",
+    "route_forwarding_off",
+    "route_not_for_us",
+    "route_other",
 ];
 
 /// Name of a code, or `"unknown"` for a code this build does not know (a newer datapath).

@@ -50,7 +50,9 @@ pub fn snat_service(pkt: &Packet, p: &Parsed, ifindex: u32) -> Option<&'static S
     if cfg.flags & CONFIG_F_SNAT == 0 {
         return None;
     }
-    let out = fib_lookup(pkt, p, ifindex, false, BPF_FIB_LOOKUP_SKIP_NEIGH)?.ifindex;
+    let out = fib_lookup(pkt, p, ifindex, false, BPF_FIB_LOOKUP_SKIP_NEIGH, 0)
+        .ok()?
+        .ifindex;
     let iface = FP_IFACE.get(out)?;
     if iface.flags & IFACE_F_SNAT == 0 {
         return None;
@@ -91,8 +93,9 @@ pub fn destination() -> Option<(u32, &'static Backend)> {
 
 /// The kernel's route for the packet that arrived on `ifindex` — to its own destination, or
 /// (`to_planned`) to the address of this CPU's NAT plan (`FP_NAT`) — as `bpf_fib_lookup`
-/// fills it in (`ifindex` out, and the MAC addresses unless `flags` skip the neighbour);
-/// `None` if it has no route (or neighbour).
+/// fills it in (`ifindex` out, and the MAC addresses unless `flags` skip the neighbour).
+/// `tot_len`, the IP packet's length, is checked against the route's MTU unless it is 0.
+/// `Err`: the helper's `BPF_FIB_LKUP_RET_*` code (no route, no neighbour, ...), or -1.
 #[inline(always)]
 pub fn fib_lookup(
     pkt: &Packet,
@@ -100,15 +103,16 @@ pub fn fib_lookup(
     ifindex: u32,
     to_planned: bool,
     flags: u32,
-) -> Option<&'static FibParams> {
-    let f = FP_FIB.get_ptr_mut(0)?;
+    tot_len: u16,
+) -> Result<&'static FibParams, i64> {
+    let f = FP_FIB.get_ptr_mut(0).ok_or(-1i64)?;
     // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
     let f = unsafe { &mut *f };
     let l3 = p.l3_off as usize;
     f.l4_protocol = p.l4_proto;
     f.sport = p.src_port.to_be();
     f.dport = p.dst_port.to_be();
-    f.tot_len = 0;
+    f.tot_len = tot_len;
     f.ifindex = ifindex;
     f.flowinfo = 0;
     // perf: word stores (an array assignment compiles to a memset call).
@@ -118,18 +122,18 @@ pub fn fib_lookup(
         core::ptr::write_volatile(&raw mut f.tail[1], 0);
     }
     if p.family == FAMILY_IPV4 {
-        let a = pkt.load::<[u8; 8]>(l3 + 12)?;
+        let a = pkt.load::<[u8; 8]>(l3 + 12).ok_or(-1i64)?;
         f.family = AF_INET;
         f.src = [u64::from(u32::from_ne_bytes([a[0], a[1], a[2], a[3]])), 0];
         f.dst = [u64::from(u32::from_ne_bytes([a[4], a[5], a[6], a[7]])), 0];
     } else {
-        let a = pkt.load::<[u64; 4]>(l3 + 8)?;
+        let a = pkt.load::<[u64; 4]>(l3 + 8).ok_or(-1i64)?;
         f.family = AF_INET6;
         f.src = [a[0], a[1]];
         f.dst = [a[2], a[3]];
     }
     if to_planned {
-        let plan = FP_NAT.get_ptr(0)?;
+        let plan = FP_NAT.get_ptr(0).ok_or(-1i64)?;
         let words = plan.cast::<u64>();
         // SAFETY: `dst_addr` is the first 16 bytes of this CPU's 8-aligned plan (IPv4 in
         // the first 4, the rest zero, as the lookup's IPv4 field wants).
@@ -150,7 +154,7 @@ pub fn fib_lookup(
             flags,
         )
     };
-    (rc == 0).then_some(f)
+    if rc == 0 { Ok(f) } else { Err(rc) }
 }
 
 impl FibParams {

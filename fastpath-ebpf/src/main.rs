@@ -18,6 +18,7 @@ mod parse;
 mod pipeline;
 mod ratelimit;
 mod reject;
+mod route;
 mod stats;
 
 use aya_ebpf::{
@@ -69,10 +70,10 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
     match verdict {
         Verdict::Drop => xdp_action::XDP_DROP,
         Verdict::Kernel => xdp_action::XDP_PASS,
-        // Direct server return: out of the interface `dsr::forward` chose (its MAC addresses
-        // are in place).
+        // Routed, or direct server return: out of the interface the stage chose (its MAC
+        // addresses are in place).
         // SAFETY: bpf_redirect has no preconditions; it returns the XDP action to take.
-        Verdict::Forward => unsafe { bpf_redirect(dsr::out_ifindex(), 0) as u32 },
+        Verdict::Forward => unsafe { bpf_redirect(route::out_ifindex(), 0) as u32 },
     }
 }
 
@@ -156,8 +157,9 @@ fn tc(ctx: TcContext, hook: Hook) -> i32 {
         // TC_ACT_UNSPEC is TCX_NEXT: later TCX programs and tc filters still run, then the
         // stack. TC_ACT_OK would end the chain here and hide the packet from them.
         Verdict::Kernel => TC_ACT_UNSPEC,
-        // No stage forwards yet; see fastpath_xdp.
-        Verdict::Forward => TC_ACT_UNSPEC,
+        // Routed at TC ingress (see fastpath_xdp): TC_ACT_REDIRECT.
+        // SAFETY: bpf_redirect has no preconditions; it returns the TC action to take.
+        Verdict::Forward => unsafe { bpf_redirect(route::out_ifindex(), 0) as i32 },
     }
 }
 

@@ -53,7 +53,8 @@ impl Packet {
     }
 
     /// Writes `v` at `off`; false (nothing written) if it is not inside the writable bytes.
-    /// XDP only: a TC program must make the skb writable first. `T` is a byte array.
+    /// In TC, the verifier's prologue unclones a cloned skb for programs that write, and the
+    /// writable bytes are the linear area. `T` is a byte array.
     #[inline(always)]
     pub fn store<T: Copy>(&self, off: usize, v: T) -> bool {
         if off > MAX_HDR_OFF {

@@ -11,6 +11,7 @@ use crate::{
     nat,
     packet::Packet,
     parse::{self, FAMILY_IPV4, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, Parsed},
+    route,
 };
 
 /// ICMPv6 router solicitation .. redirect (133..=137): neighbour discovery.
@@ -38,27 +39,40 @@ pub fn parse(pkt: &Packet) -> Result<&'static mut Parsed, u32> {
 /// (`local`: sent by this node, seen at egress); returns the verdict and its reason code.
 #[inline(always)]
 pub fn process(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32, local: bool) -> (Verdict, u32) {
-    match conntrack::track(hook, ifindex, local, pkt, p, pkt.len) {
-        Action::Pass => (Verdict::Kernel, unhandled_reason(p)),
-        Action::Drop(code) => (Verdict::Drop, code),
-        Action::Kernel(code) => (Verdict::Kernel, code),
-        // Translated packets are routed by the kernel (no FIB stage yet).
+    // Where packets arrive, the L3 stage routes what the earlier stages let through (at
+    // egress the kernel has routed them already). One call site: the stage is inlined once.
+    let (verdict, code) = match conntrack::track(hook, ifindex, local, pkt, p, pkt.len) {
+        Action::Pass => (Verdict::Kernel, reason::NONE),
+        Action::Drop(code) => return (Verdict::Drop, code),
+        Action::Kernel(code) => return (Verdict::Kernel, code),
         // Translated by the tail program the entry point calls for this reason.
-        Action::Nat(code) if nat::icmp_error_planned() => (Verdict::Kernel, code),
+        Action::Nat(code) if nat::icmp_error_planned() => return (Verdict::Kernel, code),
         Action::Nat(code) if nat::dsr_planned() => {
-            if dsr::forward(pkt, p, ifindex) {
+            return if dsr::forward(pkt, p, ifindex) {
                 (Verdict::Forward, code)
             } else {
                 (Verdict::Drop, reason::LB_DSR_NO_NEIGHBOR)
-            }
+            };
         }
         Action::Nat(code) => {
-            if nat::rewrite(pkt, p) {
-                (Verdict::Kernel, code)
-            } else {
-                (Verdict::Drop, reason::LB_REWRITE_FAILED)
+            if !nat::rewrite(pkt, p) {
+                return (Verdict::Drop, reason::LB_REWRITE_FAILED);
             }
+            (Verdict::Kernel, code)
         }
+    };
+    let routed = if hook == Hook::TcEgress {
+        Err(reason::NONE)
+    } else {
+        route::forward(pkt, p, ifindex)
+    };
+    // A translated packet keeps its translation's reason; the verdict says who routed it.
+    match (routed, code) {
+        (Ok(()), reason::NONE) => (Verdict::Forward, reason::ROUTED),
+        (Ok(()), code) => (Verdict::Forward, code),
+        (Err(reason::NONE), reason::NONE) => (verdict, unhandled_reason(p)),
+        (Err(why), reason::NONE) => (verdict, why),
+        (Err(_), code) => (verdict, code),
     }
 }
 

@@ -946,23 +946,24 @@ pub async fn interfaces(target: &Target, out: OutputArg) -> ExitCode {
                             json!({"name": i.name, "ifindex": i.ifindex, "xdp": i.xdp,
                                "tc_ingress": i.tc_ingress, "tc_egress": i.tc_egress,
                                "conntrack": i.conntrack, "stateful_firewall": i.stateful_firewall,
-                               "snat": i.snat, "hooks": i.hooks})
+                               "snat": i.snat, "route": i.route, "hooks": i.hooks})
                         })
                         .collect::<Vec<_>>(),
                 );
             }
             println!(
-                "{:<16} {:>7} {:<8} {:<5} {:<5} HOOKS",
-                "INTERFACE", "IFINDEX", "XDP", "CT", "SNAT"
+                "{:<16} {:>7} {:<8} {:<5} {:<5} {:<5} HOOKS",
+                "INTERFACE", "IFINDEX", "XDP", "CT", "SNAT", "ROUTE"
             );
             for i in &r.interfaces {
                 println!(
-                    "{:<16} {:>7} {:<8} {:<5} {:<5} {}",
+                    "{:<16} {:>7} {:<8} {:<5} {:<5} {:<5} {}",
                     i.name,
                     i.ifindex,
                     i.xdp,
                     i.conntrack,
                     i.snat,
+                    i.route,
                     i.hooks.join(" ")
                 );
             }

@@ -468,6 +468,13 @@ pub struct InterfaceConfig {
     /// The source ports for `snat`, `"FIRST-LAST"`. Default `"1024-32767"`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub snat_ports: Option<Spanned<PortRange>>,
+    /// Route in the fast path: IPv4/IPv6 packets sent to this interface's MAC address whose
+    /// route (the kernel's FIB, neighbour resolved) leaves through another interface with
+    /// `route = true` are forwarded at the arriving hook (XDP if attached, else TC ingress),
+    /// TTL decremented. Everything else goes to the kernel. Forwarded packets skip
+    /// netfilter's FORWARD hook. Default false.
+    #[serde(default)]
+    pub route: bool,
 }
 
 /// The management API's listeners and where its changes persist (`[api]`).
@@ -1052,6 +1059,15 @@ impl Config {
                     format!("interface[{i}].stateful_firewall"),
                     format!(
                         "interface {name:?} has stateful_firewall = true but does not track arriving connections; it needs conntrack = true and an ingress hook (xdp, or tc_ingress = true)"
+                    ),
+                ));
+            }
+            if iface.route && iface.xdp == XdpMode::Off && !iface.tc_ingress {
+                return Err(err(
+                    iface.name.span(),
+                    format!("interface[{i}].route"),
+                    format!(
+                        "interface {name:?} has route = true but no ingress hook; set xdp = \"auto\" (or tc_ingress = true)"
                     ),
                 ));
             }
@@ -1838,5 +1854,13 @@ mod tests {
         assert!(e.to_string().contains("nothing to attach"), "{e}");
         let e = parse("").expect_err("no interfaces");
         assert!(e.to_string().contains("[[interface]]"), "{e}");
+        let e =
+            parse("[[interface]]\nname = \"lo\"\nxdp = \"off\"\ntc_egress = true\nroute = true\n")
+                .expect_err("routing without an ingress hook");
+        assert!(e.to_string().contains("no ingress hook"), "{e}");
+        let ok =
+            parse("[[interface]]\nname = \"lo\"\nxdp = \"off\"\ntc_ingress = true\nroute = true\n")
+                .expect("routing at TC ingress");
+        assert!(ok.interfaces[0].route);
     }
 }

@@ -31,7 +31,7 @@ use fastpath_common::{
     Counter, DatapathConfig,
     ct::{
         CtEntry, CtKey, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP,
-        IFACE_F_FIREWALL, IFACE_F_SNAT, IFACE_SLOTS, IfaceConfig, ct_stat,
+        IFACE_F_FIREWALL, IFACE_F_ROUTE, IFACE_F_SNAT, IFACE_SLOTS, IfaceConfig, ct_stat,
     },
     lb::{Backend, MAX_SNAT_RULES, Service, SnatRule, SvcKey},
     map_names, program_names,
@@ -310,6 +310,18 @@ impl Datapath {
                 }
                 if iface.stateful_firewall {
                     cfg.flags |= IFACE_F_FIREWALL;
+                }
+            }
+            if iface.route {
+                cfg.flags |= IFACE_F_ROUTE;
+                cfg.mac = interface_mac(name)?;
+                for (family, sysctl) in [
+                    ("IPv4", format!("/proc/sys/net/ipv4/conf/{name}/forwarding")),
+                    ("IPv6", format!("/proc/sys/net/ipv6/conf/{name}/forwarding")),
+                ] {
+                    if std::fs::read_to_string(&sysctl).is_ok_and(|v| v.trim() == "0") {
+                        warn!(iface = %name, "route = true but {family} forwarding is off here ({sysctl} = 0): the kernel's FIB answers no forwarding lookups, so these packets go to the kernel (reason route_forwarding_off)");
+                    }
                 }
             }
             if iface.snat {
@@ -1349,6 +1361,24 @@ pub struct BackendRow {
     pub connections: u64,
     /// Of those, tracked now and not closed (TIME_WAIT/CLOSE excluded).
     pub active: u64,
+}
+
+/// Interface `name`'s MAC address (`/sys/class/net/NAME/address`).
+fn interface_mac(name: &str) -> Result<[u8; 6], DatapathError> {
+    let path = format!("/sys/class/net/{name}/address");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| DatapathError::Config(format!("reading {path}: {e}")))?;
+    let bytes: Vec<u8> = text
+        .trim()
+        .split(':')
+        .filter_map(|b| u8::from_str_radix(b, 16).ok())
+        .collect();
+    <[u8; 6]>::try_from(bytes.as_slice()).map_err(|_| {
+        DatapathError::Config(format!(
+            "interface {name:?} has no Ethernet MAC address ({path}: {:?}); route = true needs one",
+            text.trim()
+        ))
+    })
 }
 
 /// The SNAT rule of an interface with `snat = true`: its configured addresses, or its own

@@ -5,6 +5,7 @@
 
 use fastpath::testkit::{
     ct_cases::{DSR_NETNS_SETUP, dsr_sequences},
+    enter_fresh_netns,
     fixture::Fixture,
     require_root,
 };
@@ -12,27 +13,7 @@ use fastpath::testkit::{
 #[test]
 fn dsr_sequences_through_bpf_prog_test_run() {
     require_root("dsr_fixtures");
-    // This thread (and the commands it starts) moves to a fresh network namespace; the
-    // datapath's test runs see its FIB.
-    // SAFETY: unshare has no memory-safety preconditions.
-    let rc = unsafe { libc::unshare(libc::CLONE_NEWNET) };
-    assert_eq!(
-        rc,
-        0,
-        "unshare(CLONE_NEWNET): {}",
-        std::io::Error::last_os_error()
-    );
-    for cmd in DSR_NETNS_SETUP {
-        let out = std::process::Command::new(cmd[0])
-            .args(&cmd[1..])
-            .output()
-            .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
-        assert!(
-            out.status.success(),
-            "{cmd:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    enter_fresh_netns(DSR_NETNS_SETUP);
     let sequences = dsr_sequences();
     let mut fixture =
         Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));

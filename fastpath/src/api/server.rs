@@ -555,6 +555,7 @@ impl pb::fastpath_server::Fastpath for Api {
                         conntrack: i.conntrack,
                         stateful_firewall: i.stateful_firewall,
                         snat: i.snat,
+                        route: i.route,
                         hooks: attachments
                             .iter()
                             .filter(|a| &a.iface == name)

@@ -20,7 +20,14 @@ const B6: [u8; 16] = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2];
 const C6: [u8; 16] = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3];
 
 /// One packet counted once under (hook, verdict, reason); output = input.
-fn case(hook: Hook, what: &str, seed: Seed, input: Vec<u8>, verdict: Verdict, reason: u32) -> Case {
+pub fn case(
+    hook: Hook,
+    what: &str,
+    seed: Seed,
+    input: Vec<u8>,
+    verdict: Verdict,
+    reason: u32,
+) -> Case {
     let bytes = input.len() as u64;
     Case {
         name: format!("{}_{what}", hook.name()),
@@ -30,6 +37,7 @@ fn case(hook: Hook, what: &str, seed: Seed, input: Vec<u8>, verdict: Verdict, re
         expect_output: None,
         expect_counters: vec![CounterDelta::new(hook, verdict, reason, 1, bytes)],
         input,
+        arrives_on: None,
     }
 }
 

@@ -65,11 +65,11 @@ pub const fn raw_verdict(hook: Hook, verdict: Verdict) -> u32 {
     match (hook, verdict) {
         (Hook::Xdp, Verdict::Drop) => XDP_DROP,
         (Hook::Xdp, Verdict::Kernel) => XDP_PASS,
-        // The only forward at XDP so far: a redirect (direct server return).
+        // Forwards are redirects (routed, direct server return).
         (Hook::Xdp, Verdict::Forward) => XDP_REDIRECT,
         (Hook::TcIngress | Hook::TcEgress, Verdict::Drop) => TC_ACT_SHOT,
         (Hook::TcIngress | Hook::TcEgress, Verdict::Kernel) => TC_ACT_UNSPEC,
-        (Hook::TcIngress | Hook::TcEgress, Verdict::Forward) => TC_ACT_OK,
+        (Hook::TcIngress | Hook::TcEgress, Verdict::Forward) => TC_ACT_REDIRECT,
     }
 }
 
@@ -118,19 +118,24 @@ impl Seed {
     }
 
     /// This seed with interface `ifindex` (also) set to `IFACE_F_*` `flags`.
-    pub fn with_iface(mut self, ifindex: u32, flags: u32) -> Self {
-        assert!(
-            ifindex < FIXTURE_IFINDEXES,
-            "fixture ifindexes stay below {FIXTURE_IFINDEXES}"
-        );
-        self.ifaces.retain(|(i, _)| *i != ifindex);
-        self.ifaces.push((
+    pub fn with_iface(self, ifindex: u32, flags: u32) -> Self {
+        self.with_iface_config(
             ifindex,
             IfaceConfig {
                 flags,
                 ..IfaceConfig::default()
             },
-        ));
+        )
+    }
+
+    /// This seed with interface `ifindex`'s settings (also) set to `cfg`.
+    pub fn with_iface_config(mut self, ifindex: u32, cfg: IfaceConfig) -> Self {
+        assert!(
+            ifindex < FIXTURE_IFINDEXES,
+            "fixture ifindexes stay below {FIXTURE_IFINDEXES}"
+        );
+        self.ifaces.retain(|(i, _)| *i != ifindex);
+        self.ifaces.push((ifindex, cfg));
         self
     }
 
@@ -227,6 +232,10 @@ pub struct Case {
     pub seed: Seed,
     /// The frame, from the destination MAC on (at least [`MIN_INPUT_LEN`] bytes).
     pub input: Vec<u8>,
+    /// The interface the frame arrives on (XDP: `ingress_ifindex`; TC: `ifindex` and
+    /// `ingress_ifindex`), which must exist in the test's network namespace; `None`: the
+    /// kernel's default (loopback).
+    pub arrives_on: Option<u32>,
     /// The program's raw return value (`XDP_PASS`, `TC_ACT_SHOT`, ...).
     pub expect_verdict: u32,
     /// The frame after the program; `None` = the input, unchanged.
@@ -245,6 +254,7 @@ impl Case {
             hook: Hook::Xdp,
             seed: seed.clone(),
             input,
+            arrives_on: None,
             expect_verdict: raw_verdict(Hook::Xdp, Verdict::Kernel),
             expect_output: None,
             expect_counters: vec![],
@@ -435,7 +445,7 @@ impl Fixture {
         case.seed.apply(&mut self.ebpf, &mut self.lb_writer)?;
         let before = self.stats()?;
         let mut out = vec![0u8; case.input.len() + OUTPUT_SLACK];
-        let res = self.test_run(case.hook, &case.input, &mut out, 1)?;
+        let res = self.test_run(case, &mut out, 1)?;
         let after = self.stats()?;
         out.truncate(res.data_size_out as usize);
         Ok(Outcome {
@@ -461,7 +471,7 @@ impl Fixture {
     pub fn rerun_repeat(&mut self, case: &Case, repeat: u32) -> Result<RepeatRun, FixtureError> {
         check_input(case)?;
         let mut out = vec![0u8; case.input.len() + OUTPUT_SLACK];
-        let res = self.test_run(case.hook, &case.input, &mut out, repeat.max(1))?;
+        let res = self.test_run(case, &mut out, repeat.max(1))?;
         Ok(RepeatRun {
             verdict: res.return_value,
             per_run: res.duration,
@@ -551,14 +561,25 @@ impl Fixture {
         StatsSnapshot::read(&stats).map_err(|source| FixtureError::Stats { source })
     }
 
+    /// Runs the case's input through its hook's entry point `repeat` times, arriving where
+    /// the case says.
     fn test_run(
         &self,
-        hook: Hook,
-        input: &[u8],
+        case: &Case,
         out: &mut [u8],
         repeat: u32,
     ) -> Result<TestRunResult, FixtureError> {
-        self.test_run_program(program_name(hook), hook, input, out, repeat, None)
+        let ctx = case
+            .arrives_on
+            .map(|i| arrival_ctx(case.hook, i, case.input.len()));
+        self.test_run_program(
+            program_name(case.hook),
+            case.hook,
+            &case.input,
+            out,
+            repeat,
+            ctx.as_deref(),
+        )
     }
 
     /// Runs program `name`, of `hook`'s kind, on `input`, with the context `ctx` (`None`: the
@@ -1051,6 +1072,31 @@ fn pin_to_current_cpu() {
 const SKB_INGRESS_IFINDEX_OFF: usize = 36;
 /// Up to the end of `ifindex`: what BPF_PROG_TEST_RUN accepts with every other field zero.
 const SKB_CTX_LEN: usize = 44;
+
+/// Offset of `ifindex` in `struct __sk_buff`.
+const SKB_IFINDEX_OFF: usize = 40;
+/// `struct xdp_md`: data, data_end, data_meta, ingress_ifindex, rx_queue_index,
+/// egress_ifindex (u32 each).
+const XDP_MD_LEN: usize = 24;
+
+/// A test-run context for a frame of `len` bytes arriving on interface `ifindex` at `hook`.
+fn arrival_ctx(hook: Hook, ifindex: u32, len: usize) -> Vec<u8> {
+    let i = ifindex.to_ne_bytes();
+    match hook {
+        Hook::Xdp => {
+            let mut ctx = vec![0u8; XDP_MD_LEN];
+            // data_end must be the frame's length; data and data_meta 0.
+            ctx[4..8].copy_from_slice(&(len as u32).to_ne_bytes());
+            ctx[12..16].copy_from_slice(&i);
+            ctx
+        }
+        Hook::TcIngress | Hook::TcEgress => {
+            let mut ctx = skb_ctx_forwarded_from(ifindex).to_vec();
+            ctx[SKB_IFINDEX_OFF..SKB_IFINDEX_OFF + 4].copy_from_slice(&i);
+            ctx
+        }
+    }
+}
 
 /// A TC test-run context for a packet that arrived on `ingress_ifindex` (its
 /// `skb->skb_iif`): forwarded rather than sent by this node. `ifindex` stays 0, so the packet
@@ -1634,5 +1680,10 @@ mod tests {
         assert_eq!(raw_verdict(Hook::Xdp, Verdict::Drop), XDP_DROP);
         assert_eq!(raw_verdict(Hook::TcIngress, Verdict::Kernel), TC_ACT_UNSPEC);
         assert_eq!(raw_verdict(Hook::TcEgress, Verdict::Drop), TC_ACT_SHOT);
+        assert_eq!(raw_verdict(Hook::Xdp, Verdict::Forward), XDP_REDIRECT);
+        assert_eq!(
+            raw_verdict(Hook::TcIngress, Verdict::Forward),
+            TC_ACT_REDIRECT
+        );
     }
 }

@@ -8,6 +8,7 @@ pub mod fixture;
 pub mod ha;
 pub mod netns;
 pub mod packet;
+pub mod route_cases;
 pub mod traffic;
 
 /// The check every root-only test (and the demo) starts with. It panics, never skips: a test
@@ -30,4 +31,30 @@ pub fn require_root(what: &str) {
         "{what} needs root (euid is {euid}): it loads eBPF programs and creates network \
          namespaces; run it as root (e.g. `sudo env PATH=\"$PATH\" cargo xtask test`)"
     );
+}
+
+/// Moves this thread (and the commands it starts from now on) to a fresh network namespace
+/// and runs `setup` there (`ip ...`, `sysctl ...`), for fixtures whose datapath asks the
+/// kernel's FIB: their test runs see this namespace's routes and neighbours. Panics on any
+/// failure. Needs root.
+pub fn enter_fresh_netns(setup: &[&[&str]]) {
+    // SAFETY: unshare has no memory-safety preconditions.
+    let rc = unsafe { libc::unshare(libc::CLONE_NEWNET) };
+    assert_eq!(
+        rc,
+        0,
+        "unshare(CLONE_NEWNET): {}",
+        std::io::Error::last_os_error()
+    );
+    for cmd in setup {
+        let out = std::process::Command::new(cmd[0])
+            .args(&cmd[1..])
+            .output()
+            .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
+        assert!(
+            out.status.success(),
+            "{cmd:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }

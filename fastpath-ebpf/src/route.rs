@@ -1,0 +1,121 @@
+//! L3 stage: IPv4 and IPv6 routing in the fast path, on interfaces with `route = true`.
+//!
+//! A packet addressed to this interface's MAC address is looked up in the kernel's FIB
+//! (`bpf_fib_lookup`, with its neighbour table, policy rules and egress MTU); when the route
+//! leaves through another routing interface and the next hop is resolved, the TTL / hop limit
+//! goes down by one (IPv4 checksum updated incrementally), the MAC addresses become the next
+//! hop's and the egress interface's, and the packet is redirected there. Everything else is
+//! the kernel's, with a reason: TTL expiry (it sends the ICMP error), local delivery and
+//! broadcast, unresolved neighbours (it resolves them), unreachable routes, MTU exceeded,
+//! IPv4 options and IPv6 extension headers, fragments, VLAN-tagged frames.
+
+use fastpath_common::{csum, ct::IFACE_F_ROUTE, reason};
+
+use crate::{
+    gateway,
+    maps::{FP_IFACE, FP_NAT},
+    packet::Packet,
+    parse::{FAMILY_IPV4, Parsed},
+};
+
+/// `bpf_fib_lookup` results (`BPF_FIB_LKUP_RET_*`).
+const FIB_BLACKHOLE: i64 = 1;
+const FIB_UNREACHABLE: i64 = 2;
+const FIB_PROHIBIT: i64 = 3;
+const FIB_NOT_FWDED: i64 = 4;
+const FIB_FWD_DISABLED: i64 = 5;
+const FIB_NO_NEIGH: i64 = 7;
+const FIB_FRAG_NEEDED: i64 = 8;
+
+/// Routes the packet that arrived on `ifindex`: `Ok` when it is ready to be redirected to
+/// [`out_ifindex`] (TTL and MAC addresses rewritten), else the reason it goes to the kernel
+/// unchanged — [`reason::NONE`] when `ifindex` does not route in the fast path.
+#[inline(always)]
+pub fn forward(pkt: &Packet, p: &Parsed, ifindex: u32) -> Result<(), u32> {
+    let Some(iface) = FP_IFACE.get(ifindex) else {
+        return Err(reason::NONE);
+    };
+    if iface.flags & IFACE_F_ROUTE == 0 {
+        return Err(reason::NONE);
+    }
+    // Not addressed to this interface (a frame seen in promiscuous mode, multicast,
+    // broadcast) or tagged: the kernel decides.
+    let dst: [u8; 6] = pkt.load(0).ok_or(reason::ROUTE_NOT_FOR_US)?;
+    if dst != iface.mac || p.vlan_count != 0 {
+        return Err(reason::ROUTE_NOT_FOR_US);
+    }
+    if p.fragment != 0 {
+        return Err(reason::ROUTE_FRAGMENT);
+    }
+    let v4 = p.family == FAMILY_IPV4;
+    let l3 = p.l3_off as usize;
+    if p.l4_off - p.l3_off != if v4 { 20 } else { 40 } {
+        return Err(reason::ROUTE_IP_OPTIONS);
+    }
+    // IPv4: TTL, protocol and the header checksum (bytes 8-11); IPv6: next header and hop
+    // limit (bytes 6-7). verifier: loads of 2+ bytes (a 1-byte load's bounds check compiles
+    // to a comparison the verifier does not take as a range).
+    let hdr: [u8; 4] = if v4 {
+        pkt.load(l3 + 8).ok_or(reason::ROUTE_OTHER)?
+    } else {
+        let h: [u8; 2] = pkt.load(l3 + 6).ok_or(reason::ROUTE_OTHER)?;
+        [h[1], h[0], 0, 0]
+    };
+    let ttl = hdr[0];
+    if ttl <= 1 {
+        return Err(reason::ROUTE_TTL_EXPIRED);
+    }
+    let tot_len = (p.l3_end - p.l3_off) as u16;
+    let route = match gateway::fib_lookup(pkt, p, ifindex, false, 0, tot_len) {
+        Ok(r) => r,
+        Err(FIB_NOT_FWDED) => return Err(reason::ROUTE_NOT_FORWARDED),
+        Err(FIB_NO_NEIGH) => return Err(reason::ROUTE_NO_NEIGHBOR),
+        Err(FIB_FRAG_NEEDED) => return Err(reason::ROUTE_MTU),
+        Err(FIB_BLACKHOLE | FIB_UNREACHABLE | FIB_PROHIBIT) => {
+            return Err(reason::ROUTE_UNREACHABLE);
+        }
+        Err(FIB_FWD_DISABLED) => return Err(reason::ROUTE_FORWARDING_OFF),
+        Err(_) => return Err(reason::ROUTE_OTHER),
+    };
+    let out = route.ifindex;
+    match FP_IFACE.get(out) {
+        Some(e) if e.flags & IFACE_F_ROUTE != 0 => {}
+        _ => return Err(reason::ROUTE_EGRESS_NOT_ROUTED),
+    }
+    // Every write below is to bytes read above, so none can fail once the first succeeded
+    // (the checks stay for the verifier).
+    let written = if v4 {
+        let old = u16::from_be_bytes([ttl, hdr[1]]);
+        let check = csum::replace2(u16::from_be_bytes([hdr[2], hdr[3]]), old, old - 0x0100);
+        let [c0, c1] = check.to_be_bytes();
+        pkt.store(l3 + 8, [ttl - 1, hdr[1], c0, c1])
+    } else {
+        pkt.store(l3 + 6, [hdr[1], ttl - 1])
+    };
+    if !written {
+        return Err(reason::ROUTE_OTHER);
+    }
+    if !pkt.store(0, route.macs()) {
+        return Err(reason::ROUTE_OTHER);
+    }
+    redirect_to(out);
+    Ok(())
+}
+
+/// Records `ifindex` as where this CPU's packet is redirected on a forward verdict.
+#[inline(always)]
+pub fn redirect_to(ifindex: u32) {
+    if let Some(plan) = FP_NAT.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
+        unsafe { (*plan).out_ifindex = ifindex };
+    }
+}
+
+/// The interface a stage chose for this packet's forward verdict ([`redirect_to`]).
+#[inline(always)]
+pub fn out_ifindex() -> u32 {
+    match FP_NAT.get(0) {
+        Some(plan) => plan.out_ifindex,
+        None => 0,
+    }
+}
