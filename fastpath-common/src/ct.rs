@@ -499,11 +499,13 @@ pub const IFACE_F_FIREWALL: u32 = 1 << 3;
 /// translated by the rule `IfaceConfig::snat` (decided at XDP where they come in, from a FIB
 /// lookup of their destination).
 pub const IFACE_F_SNAT: u32 = 1 << 4;
-/// Route in the fast path: IPv4/IPv6 packets sent to this interface's MAC address
-/// (`IfaceConfig::mac`) and routed out of another interface with this flag are forwarded
-/// there at the hook they arrive at, TTL decremented and MAC addresses rewritten from the
-/// kernel's FIB and neighbour table (see the datapath's `route` stage).
+/// Route in the fast path at this interface's XDP hook: IPv4/IPv6 packets sent to its MAC
+/// address (`IfaceConfig::mac`) and routed out of another routing interface (either flag)
+/// are forwarded there, TTL decremented and MAC addresses rewritten from the kernel's FIB
+/// and neighbour table (see the datapath's `route` stage).
 pub const IFACE_F_ROUTE: u32 = 1 << 5;
+/// The same at TC ingress, for an interface without XDP (one hook routes, as one tracks).
+pub const IFACE_F_ROUTE_TC: u32 = 1 << 6;
 
 #[cfg(feature = "user")]
 mod pod {

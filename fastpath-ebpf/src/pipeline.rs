@@ -64,7 +64,7 @@ pub fn process(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32, local: bool) 
     let routed = if hook == Hook::TcEgress {
         Err(reason::NONE)
     } else {
-        route::forward(pkt, p, ifindex)
+        route::forward(pkt, p, hook, ifindex)
     };
     // A translated packet keeps its translation's reason; the verdict says who routed it.
     match (routed, code) {

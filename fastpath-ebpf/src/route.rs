@@ -9,7 +9,11 @@
 //! broadcast, unresolved neighbours (it resolves them), unreachable routes, MTU exceeded,
 //! IPv4 options and IPv6 extension headers, fragments, VLAN-tagged frames.
 
-use fastpath_common::{csum, ct::IFACE_F_ROUTE, reason};
+use fastpath_common::{
+    Hook, csum,
+    ct::{IFACE_F_ROUTE, IFACE_F_ROUTE_TC},
+    reason,
+};
 
 use crate::{
     gateway,
@@ -27,15 +31,21 @@ const FIB_FWD_DISABLED: i64 = 5;
 const FIB_NO_NEIGH: i64 = 7;
 const FIB_FRAG_NEEDED: i64 = 8;
 
-/// Routes the packet that arrived on `ifindex`: `Ok` when it is ready to be redirected to
-/// [`out_ifindex`] (TTL and MAC addresses rewritten), else the reason it goes to the kernel
-/// unchanged — [`reason::NONE`] when `ifindex` does not route in the fast path.
+/// Routes the packet that arrived on `ifindex` at `hook` (XDP or TC ingress): `Ok` when it
+/// is ready to be redirected to [`out_ifindex`] (TTL and MAC addresses rewritten), else the
+/// reason it goes to the kernel unchanged — [`reason::NONE`] when `ifindex` does not route
+/// at this hook.
 #[inline(always)]
-pub fn forward(pkt: &Packet, p: &Parsed, ifindex: u32) -> Result<(), u32> {
+pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> Result<(), u32> {
     let Some(iface) = FP_IFACE.get(ifindex) else {
         return Err(reason::NONE);
     };
-    if iface.flags & IFACE_F_ROUTE == 0 {
+    let here = if hook == Hook::Xdp {
+        IFACE_F_ROUTE
+    } else {
+        IFACE_F_ROUTE_TC
+    };
+    if iface.flags & here == 0 {
         return Err(reason::NONE);
     }
     // Not addressed to this interface (a frame seen in promiscuous mode, multicast,
@@ -79,7 +89,7 @@ pub fn forward(pkt: &Packet, p: &Parsed, ifindex: u32) -> Result<(), u32> {
     };
     let out = route.ifindex;
     match FP_IFACE.get(out) {
-        Some(e) if e.flags & IFACE_F_ROUTE != 0 => {}
+        Some(e) if e.flags & (IFACE_F_ROUTE | IFACE_F_ROUTE_TC) != 0 => {}
         _ => return Err(reason::ROUTE_EGRESS_NOT_ROUTED),
     }
     // Every write below is to bytes read above, so none can fail once the first succeeded

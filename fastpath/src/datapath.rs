@@ -7,6 +7,7 @@
 //! On restart a pinned link is kept and its program swapped atomically (bpf_link_update):
 //! traffic never sees a moment without a program.
 
+use std::os::fd::FromRawFd as _;
 use std::{
     collections::BTreeSet,
     ffi::CString,
@@ -31,7 +32,8 @@ use fastpath_common::{
     Counter, DatapathConfig,
     ct::{
         CtEntry, CtKey, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP,
-        IFACE_F_FIREWALL, IFACE_F_ROUTE, IFACE_F_SNAT, IFACE_SLOTS, IfaceConfig, ct_stat,
+        IFACE_F_FIREWALL, IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IFACE_F_SNAT, IFACE_SLOTS, IfaceConfig,
+        ct_stat,
     },
     lb::{Backend, MAX_SNAT_RULES, Service, SnatRule, SvcKey},
     map_names, program_names,
@@ -313,7 +315,11 @@ impl Datapath {
                 }
             }
             if iface.route {
-                cfg.flags |= IFACE_F_ROUTE;
+                cfg.flags |= if iface.xdp != XdpMode::Off {
+                    IFACE_F_ROUTE
+                } else {
+                    IFACE_F_ROUTE_TC
+                };
                 cfg.mac = interface_mac(name)?;
                 for (family, sysctl) in [
                     ("IPv4", format!("/proc/sys/net/ipv4/conf/{name}/forwarding")),
@@ -1363,22 +1369,40 @@ pub struct BackendRow {
     pub active: u64,
 }
 
-/// Interface `name`'s MAC address (`/sys/class/net/NAME/address`).
+/// Interface `name`'s MAC address, asked of the kernel in this process's network namespace
+/// (`SIOCGIFHWADDR`; sysfs may show another namespace's interfaces).
 fn interface_mac(name: &str) -> Result<[u8; 6], DatapathError> {
-    let path = format!("/sys/class/net/{name}/address");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| DatapathError::Config(format!("reading {path}: {e}")))?;
-    let bytes: Vec<u8> = text
-        .trim()
-        .split(':')
-        .filter_map(|b| u8::from_str_radix(b, 16).ok())
-        .collect();
-    <[u8; 6]>::try_from(bytes.as_slice()).map_err(|_| {
+    let fail = |why: String| {
         DatapathError::Config(format!(
-            "interface {name:?} has no Ethernet MAC address ({path}: {:?}); route = true needs one",
-            text.trim()
+            "reading the MAC address of interface {name:?}: {why}; route = true needs an Ethernet interface"
         ))
-    })
+    };
+    if name.len() >= libc::IFNAMSIZ {
+        return Err(fail("name too long".into()));
+    }
+    // SAFETY: a plain socket(2) call; the fd is owned right below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(fail(std::io::Error::last_os_error().to_string()));
+    }
+    // SAFETY: `fd` is a new descriptor nothing else owns.
+    let sock = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ifreq is plain old data; all zeroes is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in req.ifr_name.iter_mut().zip(name.bytes()) {
+        *d = s as libc::c_char;
+    }
+    // SAFETY: SIOCGIFHWADDR reads the NUL-terminated name and writes the address into `req`.
+    let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFHWADDR, &mut req) };
+    if rc != 0 {
+        return Err(fail(std::io::Error::last_os_error().to_string()));
+    }
+    // SAFETY: after a successful SIOCGIFHWADDR the union holds `ifru_hwaddr`.
+    let hw = unsafe { req.ifr_ifru.ifru_hwaddr };
+    if hw.sa_family != libc::ARPHRD_ETHER {
+        return Err(fail(format!("link type {} is not Ethernet", hw.sa_family)));
+    }
+    Ok(std::array::from_fn(|i| hw.sa_data[i] as u8))
 }
 
 /// The SNAT rule of an interface with `snat = true`: its configured addresses, or its own

@@ -7,7 +7,7 @@
 
 use fastpath_common::{
     Hook, Verdict,
-    ct::{IFACE_F_ROUTE, IfaceConfig},
+    ct::{IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IfaceConfig},
     reason,
 };
 
@@ -159,10 +159,11 @@ pub struct RouteIfaces {
     pub r2: u32,
 }
 
-/// `r0` and `r1` route in the fast path (`route = true`); `r2` is not configured.
-pub fn route_seed(ifx: RouteIfaces) -> Seed {
+/// `r0` and `r1` route in the fast path (`route = true`) at `flag`'s hook (`IFACE_F_ROUTE`:
+/// XDP, `IFACE_F_ROUTE_TC`: TC ingress); `r2` is not configured.
+pub fn route_seed(ifx: RouteIfaces, flag: u32) -> Seed {
     let routed = |mac| IfaceConfig {
-        flags: IFACE_F_ROUTE,
+        flags: flag,
         mac,
         ..IfaceConfig::default()
     };
@@ -205,12 +206,14 @@ fn v6addr(prefix: u16, host: u8) -> [u8; 16] {
 
 /// Every routing case, arriving on `r0`.
 pub fn route_cases(ifx: RouteIfaces) -> Vec<Case> {
-    let seed = route_seed(ifx);
+    let seed = route_seed(ifx, IFACE_F_ROUTE);
+    let tc_seed = route_seed(ifx, IFACE_F_ROUTE_TC);
     let arriving = |mut c: Case| {
         c.arrives_on = Some(ifx.r0);
         c
     };
     let routed = |hook: Hook, what: &str, pkt: Pkt, out_mac: [u8; 6], ttl: u8| {
+        let seed = if hook == Hook::Xdp { &seed } else { &tc_seed };
         let mut c = case(
             hook,
             what,
@@ -387,6 +390,21 @@ pub fn route_cases(ifx: RouteIfaces) -> Vec<Case> {
     ] {
         cases.push(to_kernel(&format!("route_{what}"), &seed, pkt.build(), why));
     }
+    // One hook routes: XDP where attached, TC ingress where not; the other passes.
+    cases.push(arriving(case(
+        Hook::TcIngress,
+        "route_at_xdp_not_at_tc",
+        seed.clone(),
+        v4([10, 2, 0, 1]).build(),
+        Verdict::Kernel,
+        reason::NO_STAGE_IPV4_TCP,
+    )));
+    cases.push(to_kernel(
+        "route_at_tc_not_at_xdp",
+        &tc_seed,
+        v4([10, 2, 0, 1]).build(),
+        reason::NO_STAGE_IPV4_TCP,
+    ));
     // Without `route = true` on the arriving interface the stage stays out of the way.
     cases.push(to_kernel(
         "route_off_on_this_interface",
