@@ -46,6 +46,8 @@ pub mod map_names {
     pub const SNAT: &str = "FP_SNAT";
     /// XDP tail programs (`program_names::XDP_TAILS`), filled by the loader.
     pub const TAILS: &str = "FP_TAILS";
+    /// The routing benchmark generator's frame headers (`bench::BENCH_FRAME_WORDS` words).
+    pub const BENCH_FRAME: &str = "FP_BENCH_FRAME";
 }
 
 /// Names of the programs in the eBPF object.
@@ -58,6 +60,9 @@ pub mod program_names {
     pub const BENCH_FLOOR_TC: &str = "bench_floor_tc";
     /// Synthetic conntrack event producer for the ring-drain benchmark; never attached.
     pub const BENCH_CT_EVENTS: &str = "bench_ct_events";
+    /// XDP_TX for every frame: the routing benchmark's in-kernel traffic generator
+    /// (BPF_PROG_TEST_RUN in live-frames mode); never attached.
+    pub const BENCH_XDP_TX: &str = "bench_xdp_tx";
     /// XDP programs the main one tail-calls (`FP_TAILS`), by index: rare paths whose stack
     /// would not fit beside the main program's.
     pub const XDP_TAILS: [&str; 4] = [
@@ -84,4 +89,7 @@ pub mod bench {
     /// and whose `ts_ns` is the full sequence number: consecutive over every run of one loaded
     /// object, so a consumer sees any loss or reordering.
     pub const CT_EVENTS_PER_RUN: u32 = 32;
+    /// Words of the routing benchmark's generator frame `bench_xdp_tx` restores in every
+    /// frame it sends (48 bytes: Ethernet, IPv4 and UDP headers, and some payload).
+    pub const BENCH_FRAME_WORDS: usize = 6;
 }

@@ -230,6 +230,20 @@ pub fn bench_ct_events(_ctx: XdpContext) -> u32 {
     xdp_action::XDP_PASS
 }
 
+/// Sends every frame back out of the interface it came in on: run by BPF_PROG_TEST_RUN in
+/// live-frames mode on a namespace's veth, an in-kernel traffic generator for the routing
+/// benchmark. Never attached.
+/// The frame comes back from the page pool with the headers the path rewrote (MAC
+/// addresses, TTL): they are restored from `FP_BENCH_FRAME` first.
+#[xdp]
+pub fn bench_xdp_tx(ctx: XdpContext) -> u32 {
+    let pkt = xdp_packet(&ctx);
+    if let Some(words) = maps::FP_BENCH_FRAME.get(0) {
+        pkt.store_words(0, *words);
+    }
+    xdp_action::XDP_TX
+}
+
 /// Empty TC program: the floor for the TC entry points. Never attached.
 #[classifier]
 pub fn bench_floor_tc(_ctx: TcContext) -> i32 {

@@ -8,6 +8,7 @@ use aya_ebpf::{
 };
 use fastpath_common::{
     Counter, DatapathConfig,
+    bench::BENCH_FRAME_WORDS,
     ct::{CtEntry, CtKey, IFACE_SLOTS, IfaceConfig, ct_stat},
     lb::{
         AFFINITY_ENTRIES, Affinity, AffinityKey, Backend, BackendCounters, BackendLoad, LB_SLOTS,
@@ -90,6 +91,12 @@ pub static FP_CT_KEY: PerCpuArray<CtKey> = PerCpuArray::with_max_entries(1, 0);
 /// load starts at 0.
 #[map(name = "FP_BENCH_SEQ")]
 pub static FP_BENCH_SEQ: Array<u64> = Array::with_max_entries(1, 0);
+
+/// The routing benchmark's generator frame, its first `BENCH_FRAME_WORDS` words: written
+/// over every frame `bench_xdp_tx` sends, since a frame comes back to the generator with the
+/// headers the path rewrote (live frames are recycled, not reset). Not pinned.
+#[map(name = "FP_BENCH_FRAME")]
+pub static FP_BENCH_FRAME: Array<[u64; BENCH_FRAME_WORDS]> = Array::with_max_entries(1, 0);
 
 /// Services: (VIP, port, protocol) → `Service`, written by the daemon (one value write
 /// switches a service to its new selection table).

@@ -167,26 +167,26 @@ impl Mode {
 
 /// What wrk reported for one run (printed by the `done` hook of [`WRK_SCRIPT`]).
 #[derive(Clone, Copy, Debug, Default, Serialize)]
-struct WrkRun {
-    requests: u64,
+pub(crate) struct WrkRun {
+    pub(crate) requests: u64,
     bytes: u64,
-    duration_s: f64,
+    pub(crate) duration_s: f64,
     connect_errors: u64,
     read_errors: u64,
     write_errors: u64,
     timeouts: u64,
     /// Responses with a status over 399.
-    non_2xx: u64,
+    pub(crate) non_2xx: u64,
 }
 
 impl WrkRun {
-    fn socket_errors(&self) -> u64 {
+    pub(crate) fn socket_errors(&self) -> u64 {
         self.connect_errors + self.read_errors + self.write_errors + self.timeouts
     }
 }
 
 /// wrk's Lua hook: one machine-readable summary line.
-const WRK_SCRIPT: &str = r#"done = function(summary, latency, requests)
+pub(crate) const WRK_SCRIPT: &str = r#"done = function(summary, latency, requests)
   local e = summary.errors
   io.write(string.format("FPBENCH requests=%d bytes=%d duration_us=%d connect=%d read=%d write=%d timeout=%d status=%d\n",
     summary.requests, summary.bytes, summary.duration, e.connect, e.read, e.write, e.timeout, e.status))
@@ -229,7 +229,7 @@ pub struct ContenderRow {
     client_retransmitted_segments: u64,
     /// Packets the host's receive backlogs dropped during the contender's runs (every
     /// namespace's: the counter is per CPU, not per namespace).
-    backlog_drops: u64,
+    pub(crate) backlog_drops: u64,
     /// CPU time the hypervisor stole during a run, in % of the machine's: median and max.
     steal_percent: [f64; 2],
     /// Median over rounds of fp's kernel conntrack entries right after the new-connection run.
@@ -386,12 +386,12 @@ const BACKLOG_SYSCTL: &str = "/proc/sys/net/core/netdev_max_backlog";
 /// drops on this machine over earlier runs of this bench), and every lost SYN stalls its
 /// connection for the 1 s retransmission timeout, in whichever contender's run it happens.
 /// A box that forwards for a living raises it too.
-struct Backlog {
+pub(crate) struct Backlog {
     was: u64,
 }
 
 impl Backlog {
-    fn raise() -> Result<Backlog> {
+    pub(crate) fn raise() -> Result<Backlog> {
         let was: u64 = fs::read_to_string(BACKLOG_SYSCTL)
             .with_context(|| format!("reading {BACKLOG_SYSCTL}"))?
             .trim()
@@ -413,19 +413,19 @@ impl Drop for Backlog {
 
 /// Host-wide counters, read before and after a run.
 #[derive(Clone, Copy)]
-struct Machine {
+pub(crate) struct Machine {
     /// Packets the receive backlogs dropped (/proc/net/softnet_stat, summed over CPUs).
     backlog_drops: u64,
     /// CPU time the hypervisor stole, and CPU time nothing ran (/proc/stat, clock ticks,
     /// summed over CPUs).
-    steal_ticks: u64,
-    idle_ticks: u64,
+    pub(crate) steal_ticks: u64,
+    pub(crate) idle_ticks: u64,
     /// The CPUs those sum over: /proc/stat's `cpuN` lines.
-    cpus: u64,
+    pub(crate) cpus: u64,
 }
 
 impl Machine {
-    fn read() -> Result<Machine> {
+    pub(crate) fn read() -> Result<Machine> {
         let softnet =
             fs::read_to_string("/proc/net/softnet_stat").context("reading softnet_stat")?;
         let mut backlog_drops = 0;
@@ -468,7 +468,7 @@ impl Machine {
     }
 
     /// What happened between `before` and this reading.
-    fn since(self, before: Machine) -> Machine {
+    pub(crate) fn since(self, before: Machine) -> Machine {
         Machine {
             backlog_drops: self.backlog_drops - before.backlog_drops,
             steal_ticks: self.steal_ticks - before.steal_ticks,
@@ -1188,7 +1188,7 @@ fn check_run(
 }
 
 /// Parses [`WRK_SCRIPT`]'s summary line.
-fn parse_wrk(stdout: &str) -> Result<WrkRun> {
+pub(crate) fn parse_wrk(stdout: &str) -> Result<WrkRun> {
     let line = stdout
         .lines()
         .find_map(|l| l.strip_prefix("FPBENCH "))

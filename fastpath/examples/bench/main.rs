@@ -65,6 +65,7 @@ mod ha;
 mod lb_compare;
 #[path = "../../tests/support/pki.rs"]
 mod pki;
+mod route_compare;
 
 /// Runs per BPF_PROG_TEST_RUN call (the kernel loops in-kernel and reports the mean).
 const REPEAT: u32 = 1_000_000;
@@ -153,6 +154,7 @@ struct Report {
     service_updates: Vec<UpdateRow>,
     api_changes: api::ApiReport,
     lb_compare: lb_compare::CompareReport,
+    route_compare: route_compare::RouteReport,
     /// Written to its own file, docs/bench/ha.json.
     #[serde(skip)]
     ha: ha::HaReport,
@@ -190,7 +192,7 @@ struct Config<'a> {
 
 /// Sections that run alone (printed, nothing written): `bench SECTION` or
 /// `bench --only SECTION`.
-const SECTIONS: &str = "updates, api, drain, conntrack (CT hit, miss and the expiry pass), lb (the LB rows of the conntrack table), lb-compare, ha";
+const SECTIONS: &str = "updates, api, drain, conntrack (CT hit, miss and the expiry pass), lb (the LB rows of the conntrack table), lb-compare, route-compare, ha";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--").collect();
@@ -261,6 +263,12 @@ fn main() -> Result<()> {
             let report = bench_lb_compare()?;
             eprintln!();
             print!("{}", lb_compare::markdown(&report));
+            return Ok(());
+        }
+        Some("route-compare") => {
+            let report = bench_route_compare()?;
+            eprintln!();
+            print!("{}", route_compare::markdown(&report));
             return Ok(());
         }
         Some("ha") => {
@@ -392,6 +400,7 @@ fn main() -> Result<()> {
     drop(fx);
     let api_changes = bench_api()?;
     let lb_compare = bench_lb_compare()?;
+    let route_compare = bench_route_compare()?;
     let ha_report = bench_ha()?;
     eprintln!();
     let report = Report {
@@ -407,6 +416,7 @@ fn main() -> Result<()> {
         service_updates,
         api_changes,
         lb_compare,
+        route_compare,
         ha: ha_report,
     };
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -1111,6 +1121,15 @@ fn bench_lb_compare() -> Result<lb_compare::CompareReport> {
     lb_compare::run(&bin)
 }
 
+fn bench_route_compare() -> Result<route_compare::RouteReport> {
+    let bin = example_fastpath_bin()?;
+    let swept = sweep_stale(PREFIX).context("removing leftovers of earlier runs")?;
+    if !swept.is_empty() {
+        eprintln!("removed leftovers of earlier runs: {}", swept.join(", "));
+    }
+    route_compare::run(&bin)
+}
+
 fn markdown(r: &Report) -> String {
     let mut md = String::new();
     let _ = writeln!(md, "# fastpath benchmarks\n");
@@ -1207,6 +1226,7 @@ fn markdown(r: &Report) -> String {
     md.push_str(&updates_markdown(&r.service_updates));
     md.push_str(&api::markdown(&r.api_changes));
     md.push_str(&lb_compare::markdown(&r.lb_compare));
+    md.push_str(&route_compare::markdown(&r.route_compare));
     md.push_str(&ha::markdown(&r.ha));
     let _ = writeln!(md, "## Where we lose\n");
     let floor_xdp = r

@@ -384,6 +384,7 @@ impl Fixture {
             program_names::XDP,
             program_names::BENCH_FLOOR_XDP,
             program_names::BENCH_CT_EVENTS,
+            program_names::BENCH_XDP_TX,
         ] {
             let xdp: &mut Xdp = program_mut(&mut ebpf, name)?;
             xdp.load()
@@ -518,6 +519,61 @@ impl Fixture {
             verdict: res.return_value,
             per_run: res.duration,
         })
+    }
+
+    /// Transmits `frame` `packets` times out of interface `ifindex` (of this thread's network
+    /// namespace; it must take XDP frames, e.g. a veth whose peer runs NAPI), from the kernel:
+    /// BPF_PROG_TEST_RUN of `bench_xdp_tx` in live-frames mode, `batch` frames per batch.
+    /// Returns the time the kernel took. `frame` must be at least 48 bytes long: its start is
+    /// restored in every frame sent (see `bench_xdp_tx`).
+    pub fn transmit_live(
+        &mut self,
+        ifindex: u32,
+        frame: &[u8],
+        packets: u32,
+        batch: u32,
+    ) -> Result<Duration, FixtureError> {
+        const WORDS: usize = fastpath_common::bench::BENCH_FRAME_WORDS;
+        let name = map_names::BENCH_FRAME;
+        let map_err = map_error(name);
+        let head: [u64; WORDS] = std::array::from_fn(|i| {
+            let mut w = [0u8; 8];
+            if let Some(b) = frame.get(8 * i..8 * i + 8) {
+                w.copy_from_slice(b);
+            }
+            u64::from_ne_bytes(w)
+        });
+        if frame.len() < 8 * WORDS {
+            return Err(FixtureError::InputTooShort { len: frame.len() });
+        }
+        let map = self
+            .ebpf
+            .map_mut(name)
+            .ok_or(FixtureError::MissingMap { name })?;
+        let mut template: Array<_, [u64; WORDS]> = Array::try_from(map).map_err(map_err)?;
+        template.set(0, &head, 0).map_err(map_err)?;
+        let name = program_names::BENCH_XDP_TX;
+        let mut ctx = vec![0u8; XDP_MD_LEN];
+        ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+        ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+        let opts = TestRunOptions {
+            data_in: Some(frame),
+            ctx_in: Some(&ctx),
+            repeat: packets,
+            attrs: aya::programs::TestRunAttrs::new().xdp_live_frames(batch),
+            ..Default::default()
+        };
+        let prog = self
+            .ebpf
+            .program(name)
+            .ok_or(FixtureError::MissingProgram { name })?;
+        let xdp: &Xdp = prog
+            .try_into()
+            .map_err(|source| FixtureError::Program { name, source })?;
+        let started = std::time::Instant::now();
+        xdp.test_run(opts)
+            .map_err(|source| FixtureError::Program { name, source })?;
+        Ok(started.elapsed())
     }
 
     /// Runs the case and compares everything it states; `Err` says what differed.
