@@ -1112,22 +1112,23 @@ fn bench_ha() -> Result<ha::HaReport> {
     ha::run(&bin)
 }
 
-fn bench_lb_compare() -> Result<lb_compare::CompareReport> {
+/// The daemon built beside this example, after removing (and naming) what earlier runs of
+/// the namespace benchmarks left behind.
+fn daemon_bin_swept() -> Result<PathBuf> {
     let bin = example_fastpath_bin()?;
     let swept = sweep_stale(PREFIX).context("removing leftovers of earlier runs")?;
     if !swept.is_empty() {
         eprintln!("removed leftovers of earlier runs: {}", swept.join(", "));
     }
-    lb_compare::run(&bin)
+    Ok(bin)
+}
+
+fn bench_lb_compare() -> Result<lb_compare::CompareReport> {
+    lb_compare::run(&daemon_bin_swept()?)
 }
 
 fn bench_route_compare() -> Result<route_compare::RouteReport> {
-    let bin = example_fastpath_bin()?;
-    let swept = sweep_stale(PREFIX).context("removing leftovers of earlier runs")?;
-    if !swept.is_empty() {
-        eprintln!("removed leftovers of earlier runs: {}", swept.join(", "));
-    }
-    route_compare::run(&bin)
+    route_compare::run(&daemon_bin_swept()?)
 }
 
 fn markdown(r: &Report) -> String {
