@@ -149,8 +149,12 @@ pub const ROUTE_NOT_FOR_US: u32 = 54;
 /// Any other FIB answer (an unsupported lightweight tunnel route, ...): the kernel's.
 pub const ROUTE_OTHER: u32 = 55;
 
+/// An address the kernel never forwards (loopback, unspecified, a multicast or broadcast
+/// source, IPv6 link-local, IPv4-mapped IPv6): the kernel's (it drops it as a martian).
+pub const ROUTE_MARTIAN: u32 = 56;
+
 /// One past the highest code in use. Append new codes above this line and bump it.
-pub const COUNT: u32 = 56;
+pub const COUNT: u32 = 57;
 /// Slots reserved per (hook, verdict) in the stats map; codes must stay below this.
 pub const SLOTS: u32 = 64;
 
@@ -214,6 +218,7 @@ pub const NAMES: [&str; COUNT as usize] = [
     "route_forwarding_off",
     "route_not_for_us",
     "route_other",
+    "route_martian",
 ];
 
 /// Name of a code, or `"unknown"` for a code this build does not know (a newer datapath).

@@ -7,7 +7,7 @@
 //! hop's and the egress interface's, and the packet is redirected there. Everything else is
 //! the kernel's, with a reason: TTL expiry (it sends the ICMP error), local delivery and
 //! broadcast, unresolved neighbours (it resolves them), unreachable routes, MTU exceeded,
-//! IPv4 options and IPv6 extension headers, fragments, VLAN-tagged frames.
+//! IPv4 options and IPv6 extension headers, fragments, VLAN-tagged frames, martian addresses.
 
 use fastpath_common::{
     Hook, csum,
@@ -72,6 +72,11 @@ pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> Result<(),
         [h[1], h[0], 0, 0]
     };
     let ttl = hdr[0];
+    // verifier: after the loads above (read first, their bounds checks are not folded into
+    // these wider ones).
+    if martian(pkt, l3, v4).unwrap_or(true) {
+        return Err(reason::ROUTE_MARTIAN);
+    }
     if ttl <= 1 {
         return Err(reason::ROUTE_TTL_EXPIRED);
     }
@@ -110,6 +115,27 @@ pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> Result<(),
     }
     redirect_to(out);
     Ok(())
+}
+
+/// Whether the packet has an address the kernel never forwards (the FIB lookup does not
+/// look at the source, nor refuse these destinations): IPv4 source in 0/8, 127/8 or
+/// 224/3 (multicast, reserved, broadcast), destination in 0/8 or 127/8; IPv6 source or
+/// destination in ::/8 (unspecified, loopback, IPv4-mapped) or fe80::/10 (link-local),
+/// source in ff00::/8 (multicast). `None`: the addresses are not readable.
+#[inline(always)]
+fn martian(pkt: &Packet, l3: usize, v4: bool) -> Option<bool> {
+    if v4 {
+        // Source and destination: bytes 12-19.
+        // verifier: `load_now` keeps each read next to its bounds check.
+        let a: [u8; 8] = pkt.load_now(l3 + 12)?;
+        let (src, dst) = (a[0], a[4]);
+        Some(src == 0 || src == 127 || src >= 224 || dst == 0 || dst == 127)
+    } else {
+        let src: [u8; 2] = pkt.load_now(l3 + 8)?;
+        let dst: [u8; 2] = pkt.load_now(l3 + 24)?;
+        let link_local = |a: [u8; 2]| a[0] == 0xfe && a[1] & 0xc0 == 0x80;
+        Some(src[0] == 0 || src[0] == 0xff || dst[0] == 0 || link_local(src) || link_local(dst))
+    }
 }
 
 /// Records `ifindex` as where this CPU's packet is redirected on a forward verdict.

@@ -173,9 +173,13 @@ pub fn route_seed(ifx: RouteIfaces, flag: u32) -> Seed {
 }
 
 fn v4(dst: [u8; 4]) -> Pkt {
+    v4_from(CLIENT4, dst)
+}
+
+fn v4_from(src: [u8; 4], dst: [u8; 4]) -> Pkt {
     Pkt::eth()
         .macs(R0_MAC, CLIENT_MAC)
-        .ipv4(CLIENT4, dst)
+        .ipv4(src, dst)
         .tcp(40000, 80, tcp::ACK)
         .payload(b"routed by the fast path")
 }
@@ -190,9 +194,13 @@ fn v4_sized(dst: [u8; 4], ip_len: usize) -> Pkt {
 }
 
 fn v6(dst: [u8; 16]) -> Pkt {
+    v6_from(CLIENT6, dst)
+}
+
+fn v6_from(src: [u8; 16], dst: [u8; 16]) -> Pkt {
     Pkt::eth()
         .macs(R0_MAC, CLIENT_MAC)
-        .ipv6(CLIENT6, dst)
+        .ipv6(src, dst)
         .udp(40000, 53)
         .payload(b"routed by the fast path")
 }
@@ -367,6 +375,49 @@ pub fn route_cases(ifx: RouteIfaces) -> Vec<Case> {
             "egress_not_routed_v4",
             v4([10, 4, 0, 1]),
             reason::ROUTE_EGRESS_NOT_ROUTED,
+        ),
+        (
+            "martian_loopback_source_v4",
+            v4_from([127, 0, 0, 1], [10, 2, 0, 1]),
+            reason::ROUTE_MARTIAN,
+        ),
+        (
+            "martian_multicast_source_v4",
+            v4_from([224, 0, 0, 5], [10, 2, 0, 1]),
+            reason::ROUTE_MARTIAN,
+        ),
+        (
+            "martian_zero_source_v4",
+            v4_from([0, 0, 0, 0], [10, 2, 0, 1]),
+            reason::ROUTE_MARTIAN,
+        ),
+        (
+            "martian_loopback_destination_v4",
+            v4([127, 0, 0, 1]),
+            reason::ROUTE_MARTIAN,
+        ),
+        (
+            "martian_link_local_source_v6",
+            v6_from(v6addr(0xfe80, 1), v6addr(0xfd02, 1)),
+            reason::ROUTE_MARTIAN,
+        ),
+        (
+            "martian_link_local_destination_v6",
+            v6(v6addr(0xfe80, 1)),
+            reason::ROUTE_MARTIAN,
+        ),
+        (
+            "martian_v4_mapped_source_v6",
+            v6_from(
+                [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 1, 0, 1],
+                v6addr(0xfd02, 1),
+            ),
+            reason::ROUTE_MARTIAN,
+        ),
+        (
+            "martian_multicast_source_v6",
+            v6_from(v6addr(0xff02, 1), v6addr(0xfd02, 1)),
+            reason::ROUTE_MARTIAN,
         ),
         (
             "not_for_this_mac_v4",
