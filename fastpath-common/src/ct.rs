@@ -507,6 +507,20 @@ pub const IFACE_F_ROUTE: u32 = 1 << 5;
 /// The same at TC ingress, for an interface without XDP (one hook routes, as one tracks).
 pub const IFACE_F_ROUTE_TC: u32 = 1 << 6;
 
+/// A connection's entry to create, as the installer program (`program_names::CT_INSTALL`)
+/// reads a batch of them: key and entry back to back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct CtRecord {
+    pub key: CtKey,
+    pub entry: CtEntry,
+}
+const _: () = assert!(core::mem::size_of::<CtRecord>() == 144);
+
+/// Records one run of the installer takes at most: BPF_PROG_TEST_RUN gives an XDP program
+/// at most a page less its headroom and `skb_shared_info` (3520 bytes with 4 KiB pages).
+pub const CT_INSTALL_MAX: usize = 24;
+
 #[cfg(feature = "user")]
 mod pod {
     // SAFETY: #[repr(C)], fixed-width fields, explicit padding (sizes asserted above).

@@ -17,9 +17,10 @@ use fastpath_common::{
     Hook,
     ct::{
         CT_F_ASSURED, CT_F_DSR, CT_F_FULL_NAT, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO,
-        CT_F_SEEN_REPLY, CT_F_SNAT, CtEntry, CtEvent, CtKey, DIR_ORIGINAL, DIR_REPLY,
-        IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL, TcpStep,
-        UDP_STREAM_AFTER_NS, ct_event, ct_stat, tcp_class, tcp_classify, tcp_state, tcp_step,
+        CT_F_SEEN_REPLY, CT_F_SNAT, CT_INSTALL_MAX, CtEntry, CtEvent, CtKey, CtRecord,
+        DIR_ORIGINAL, DIR_REPLY, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP,
+        IFACE_F_FIREWALL, TcpStep, UDP_STREAM_AFTER_NS, ct_event, ct_stat, tcp_class, tcp_classify,
+        tcp_state, tcp_step,
     },
     lb::{
         CtNat, SNAT_TRIES, SVC_F_DSR, SVC_F_FULL_NAT, SVC_F_GATEWAY, SVC_F_NO_BACKEND_DROP,
@@ -573,6 +574,29 @@ fn scratch_entry(i: u32) -> Option<&'static mut CtEntry> {
     }
     // SAFETY: this CPU's slot, used by this program run only.
     Some(unsafe { &mut *e })
+}
+
+/// Creates the entries of the [`CtRecord`]s that make up `pkt` (the daemon's batch, see
+/// `fastpath_ct_install`), in order, each only if its key is free; stops at the first one not
+/// created (key taken, table full): the caller handles that one itself. Returns how many were.
+/// No early drop: the daemon's writes never push out the datapath's connections.
+#[inline(always)]
+pub fn install(pkt: &Packet) -> u32 {
+    let mut n = 0;
+    while n < CT_INSTALL_MAX {
+        let at = pkt.data + n * core::mem::size_of::<CtRecord>();
+        if at + core::mem::size_of::<CtRecord>() > pkt.data_end {
+            break;
+        }
+        // SAFETY: the record lies within [data, data_end), checked just above; the input
+        // starts 8-byte aligned (XDP headroom) and records are a multiple of 8 bytes long.
+        let rec = unsafe { &*(at as *const CtRecord) };
+        if FP_CT.insert(&rec.key, &rec.entry, BPF_NOEXIST).is_err() {
+            break;
+        }
+        n += 1;
+    }
+    n as u32
 }
 
 /// Inserts a new entry, making room by early drop when the table is full.

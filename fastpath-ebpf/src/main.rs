@@ -244,6 +244,15 @@ pub fn bench_xdp_tx(ctx: XdpContext) -> u32 {
     xdp_action::XDP_TX
 }
 
+/// The daemon's batch writer of conntrack entries: the "packet" is a run of `CtRecord`s,
+/// created in order while their keys are free; returns how many were (see
+/// `conntrack::install`). Run by BPF_PROG_TEST_RUN, one syscall for up to `CT_INSTALL_MAX`
+/// entries instead of one each. Never attached.
+#[xdp]
+pub fn fastpath_ct_install(ctx: XdpContext) -> u32 {
+    conntrack::install(&xdp_packet(&ctx))
+}
+
 /// Empty TC program: the floor for the TC entry points. Never attached.
 #[classifier]
 pub fn bench_floor_tc(_ctx: TcContext) -> i32 {

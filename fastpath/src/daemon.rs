@@ -194,7 +194,12 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
     // HA replication: the peers' streams in, this node's changes out.
     let ha = match (&rules.config().ha, ha_listener) {
         (Some(cfg), Some((listener, tls))) => {
-            let ha = match crate::ha::Ha::new(cfg, pin_dir.clone(), rules.lb_index()) {
+            let ha = match crate::ha::Ha::new(
+                cfg,
+                pin_dir.clone(),
+                rules.lb_index(),
+                rules.datapath().ct_installer().ok(),
+            ) {
                 Ok(ha) => ha,
                 Err(e) => return Err(fail(rules.into_datapath(), e.into())),
             };

@@ -31,9 +31,9 @@ use aya::{
 use fastpath_common::{
     Counter, DatapathConfig,
     ct::{
-        CtEntry, CtKey, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP,
-        IFACE_F_FIREWALL, IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IFACE_F_SNAT, IFACE_SLOTS, IfaceConfig,
-        ct_stat,
+        CT_INSTALL_MAX, CtEntry, CtKey, CtRecord, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS,
+        IFACE_F_CT_XDP, IFACE_F_FIREWALL, IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IFACE_F_SNAT,
+        IFACE_SLOTS, IfaceConfig, ct_stat,
     },
     lb::{Backend, MAX_SNAT_RULES, Service, SnatRule, SvcKey},
     map_names, program_names,
@@ -222,11 +222,13 @@ impl Datapath {
                 source,
             })?;
         }
-        let xdp: &mut Xdp = program(&mut ebpf, program_names::XDP)?;
-        xdp.load().map_err(|source| DatapathError::Program {
-            what: format!("loading {}", program_names::XDP),
-            source,
-        })?;
+        for name in [program_names::XDP, program_names::CT_INSTALL] {
+            let xdp: &mut Xdp = program(&mut ebpf, name)?;
+            xdp.load().map_err(|source| DatapathError::Program {
+                what: format!("loading {name}"),
+                source,
+            })?;
+        }
         // Before anything is attached: the main program tail-calls these.
         install_xdp_tails(&mut ebpf)?;
         Ok(Datapath {
@@ -259,7 +261,17 @@ impl Datapath {
         let gone = MapData::from_pin(self.pin_dir.join("maps").join(map_names::BACKEND_GONE))
             .ok()
             .and_then(|d| Array::try_from(aya::maps::Map::Array(d)).ok());
-        Ok(CtTable { table, gone })
+        Ok(CtTable {
+            table,
+            gone,
+            installer: ct_installer(&self.ebpf).ok(),
+            installer_runs: 0,
+        })
+    }
+
+    /// The conntrack installer program (see [`CtTable::with_installer`]).
+    pub fn ct_installer(&self) -> Result<aya::programs::ProgramFd, DatapathError> {
+        ct_installer(&self.ebpf)
     }
 
     /// Takes the conntrack event ring so the daemon can drain it.
@@ -1148,6 +1160,54 @@ pub struct CtTable {
     /// `FP_BACKEND_GONE`: the expiry counts load-balanced connections that went without
     /// closing, for least-connections (the datapath counts the ones that closed).
     gone: Option<Array<MapData, u64>>,
+    /// The loaded `fastpath_ct_install` program, for [`CtTable::insert_new_run`].
+    installer: Option<aya::programs::ProgramFd>,
+    /// Runs of it so far.
+    installer_runs: u64,
+}
+
+/// The loaded `fastpath_ct_install` program of `ebpf`, writing to that object's `FP_CT`.
+pub fn ct_installer(ebpf: &Ebpf) -> Result<aya::programs::ProgramFd, DatapathError> {
+    let name = program_names::CT_INSTALL;
+    let prog = ebpf
+        .program(name)
+        .ok_or(DatapathError::MissingProgram { name })?;
+    prog.fd()
+        .and_then(|fd| fd.try_clone().map_err(ProgramError::from))
+        .map_err(|source| DatapathError::Program {
+            what: format!("the fd of {name}"),
+            source,
+        })
+}
+
+const BPF_PROG_TEST_RUN: libc::c_long = 10;
+
+/// One BPF_PROG_TEST_RUN of `prog` on `data` (no output wanted): the program's return value.
+fn prog_test_run(prog: std::os::fd::BorrowedFd<'_>, data: &[u8]) -> io::Result<u32> {
+    // union bpf_attr, test: prog_fd, retval, data_size_in, data_size_out, data_in, data_out,
+    // repeat, duration, ctx_size_in, ctx_size_out, ctx_in, ctx_out, flags, cpu, batch_size.
+    let mut attr = [0u32; 20];
+    attr[0] = prog.as_raw_fd() as u32;
+    attr[2] = data.len() as u32;
+    let ptr = data.as_ptr() as u64;
+    attr[4] = ptr as u32;
+    attr[5] = (ptr >> 32) as u32;
+    attr[8] = 1;
+    // SAFETY: the kernel reads `data_size_in` bytes from `data_in`, which `data` holds, and
+    // writes `retval` and `duration` into `attr`; it writes no data or context out (none
+    // asked for).
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_PROG_TEST_RUN,
+            attr.as_mut_ptr(),
+            size_of_val(&attr),
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(attr[1])
 }
 
 /// Entries fetched per BPF_MAP_LOOKUP_BATCH call.
@@ -1173,7 +1233,19 @@ impl CtTable {
             .map(|dir| dir.join(map_names::BACKEND_GONE))
             .and_then(|p| MapData::from_pin(p).ok())
             .and_then(|d| Array::try_from(aya::maps::Map::Array(d)).ok());
-        Ok(CtTable { table, gone })
+        Ok(CtTable {
+            table,
+            gone,
+            installer: None,
+            installer_runs: 0,
+        })
+    }
+
+    /// Creates entries with `installer` ([`ct_installer`] of the object whose `FP_CT` this
+    /// is) in [`CtTable::insert_new_run`]: one syscall per `CT_INSTALL_MAX` entries.
+    pub fn with_installer(mut self, installer: aya::programs::ProgramFd) -> CtTable {
+        self.installer = Some(installer);
+        self
     }
 
     /// Every entry, read with BPF_MAP_LOOKUP_BATCH (about 4k entries per syscall instead of
@@ -1230,6 +1302,53 @@ impl CtTable {
                 source,
             }),
         }
+    }
+
+    /// Creates the entries of `records` in order, each only if its key is free, and stops at
+    /// the first one not created (its key is taken, or it could not be written): returns how
+    /// many were. The caller finds out about that one with [`CtTable::insert_new`]. With the
+    /// installer program, one BPF_PROG_TEST_RUN per `CT_INSTALL_MAX` records; without it (or
+    /// if it cannot run), one write each.
+    pub fn insert_new_run(&mut self, records: &[CtRecord]) -> usize {
+        let mut done = 0;
+        if let Some(prog) = &self.installer {
+            for chunk in records.chunks(CT_INSTALL_MAX) {
+                // SAFETY: CtRecord is repr(C) plain data without padding (size asserted).
+                let bytes = unsafe {
+                    std::slice::from_raw_parts(chunk.as_ptr().cast::<u8>(), size_of_val(chunk))
+                };
+                match prog_test_run(std::os::fd::AsFd::as_fd(prog), bytes) {
+                    Ok(n) => {
+                        self.installer_runs += 1;
+                        let n = (n as usize).min(chunk.len());
+                        done += n;
+                        if n < chunk.len() {
+                            return done;
+                        }
+                    }
+                    Err(e) => {
+                        warn!(error = %e, "The conntrack installer program did not run; writing entries one by one");
+                        self.installer = None;
+                        break;
+                    }
+                }
+            }
+            if self.installer.is_some() {
+                return done;
+            }
+        }
+        for r in &records[done..] {
+            if !matches!(self.insert_new(&r.key, &r.entry), Ok(true)) {
+                break;
+            }
+            done += 1;
+        }
+        done
+    }
+
+    /// Runs of the installer program so far (0 without it).
+    pub fn installer_runs(&self) -> u64 {
+        self.installer_runs
     }
 
     /// Counts a load-balanced connection of backend `idx` that went without closing (this

@@ -33,7 +33,7 @@ use std::{
 };
 
 use fastpath_common::{
-    ct::{CT_F_LB_ALIAS, CtEntry, CtEvent, CtKey, ct_event, ct_stat},
+    ct::{CT_F_LB_ALIAS, CtEntry, CtEvent, CtKey, CtRecord, ct_event, ct_stat},
     lb::{lb_alias, lb_peer_key},
     map_names,
 };
@@ -219,12 +219,18 @@ fn owned_here(table: &CtTable, key: &CtKey, e: &CtEntry) -> bool {
 impl Ha {
     /// Replication for `cfg`; entries already in the table from a peer (this process
     /// restarted) are adopted, so that peer's next snapshot removes what it no longer has.
+    /// `installer`: the datapath's conntrack installer program (see
+    /// [`CtTable::with_installer`]); without it, replicated entries are written one by one.
     pub fn new(
         cfg: &HaSection,
         pin_dir: PathBuf,
         lb: watch::Receiver<Arc<LbIndex>>,
+        installer: Option<aya::programs::ProgramFd>,
     ) -> Result<Arc<Ha>, HaError> {
-        let table = CtTable::open_pin(&pin_dir.join("maps").join(map_names::CT))?;
+        let mut table = CtTable::open_pin(&pin_dir.join("maps").join(map_names::CT))?;
+        if let Some(installer) = installer {
+            table = table.with_installer(installer);
+        }
         let mut inbound: HashMap<u32, PeerIn> = HashMap::new();
         let mut adopted = 0usize;
         table
@@ -470,20 +476,20 @@ impl Ha {
         peer.last_message = Some(Instant::now());
         peer.epoch = peer.epoch.max(b.epoch);
         let mut ask = None;
+        // The message's actions, carried out together: new connections are then created in
+        // batches (see `apply`).
+        let mut acts = Vec::new();
         if b.snapshot {
             for ch in b.changes {
                 peer.received += 1;
                 match ch.op.map(|op| read_op(op, now, &ix)) {
-                    Some(Op::Upsert(k, e)) => {
-                        let acts = peer.rx.snapshot_entry(b.epoch, k, e);
-                        apply(&mut table, peer, id, acts);
-                    }
+                    Some(Op::Upsert(k, e)) => acts.extend(peer.rx.snapshot_entry(b.epoch, k, e)),
                     _ => peer.refused += 1,
                 }
             }
             if b.snapshot_done {
-                let (acts, a) = peer.rx.snapshot_done(b.epoch, b.watermark);
-                apply(&mut table, peer, id, acts);
+                let (done, a) = peer.rx.snapshot_done(b.epoch, b.watermark);
+                acts.extend(done);
                 peer.snapshots += 1;
                 ask = Some(a);
             }
@@ -498,14 +504,15 @@ impl Ha {
                 if matches!(op, Op::Refused) {
                     peer.refused += 1;
                 }
-                let (acts, a) = peer.rx.change(stamp, op);
-                apply(&mut table, peer, id, acts);
+                let (these, a) = peer.rx.change(stamp, op);
+                acts.extend(these);
                 ask = Some(a);
                 if !matches!(a, Ask::Ack(_)) {
                     break;
                 }
             }
         }
+        apply(&mut table, peer, id, acts);
         let rejected = peer.rx.rejected + peer.refused;
         Ok(ask.map(|a| {
             let (at, resend, resync) = match a {
@@ -645,71 +652,136 @@ fn read_op(op: pb::change::Op, now: u64, ix: &LbIndex) -> Op<CtKey, CtEntry> {
     }
 }
 
-/// Carries out a peer's actions on this node's table, this node's own connections kept.
+/// Carries out a peer's actions on this node's table, in order, this node's own connections
+/// kept. Runs of installs are created in batches; an entry whose key is taken (or that could
+/// not be written) falls back to [`install`].
 fn apply(table: &mut CtTable, peer: &mut PeerIn, origin: u32, acts: Vec<Action<CtKey, CtEntry>>) {
+    let mut run = Vec::new();
     for act in acts {
         match act {
             Action::Install(k, mut e) => {
                 e.origin = origin;
-                // Mostly the connection is new here: one write that fails if the key is
-                // taken. If it is, this node's own entry is kept and a replicated one is
-                // brought up to date.
-                // The alias the entry had, when it was replicated from the same peer: its
-                // alias was installed with it, and stays right if it would be the same.
-                let mut had_alias = None;
-                let installed = match table.insert_new(&k, &e) {
-                    Ok(true) => Ok(()),
-                    Ok(false) => match table.get(&k) {
-                        Some(local) if owned_here(table, &k, &local) => {
-                            peer.kept_local += 1;
-                            continue;
-                        }
-                        local => {
-                            had_alias = local
-                                .filter(|l| l.origin == origin)
-                                .map(|l| lb_alias(&k, &l));
-                            table.insert(&k, &e)
-                        }
-                    },
-                    Err(err) => Err(err),
-                };
-                if let Err(err) = installed {
-                    peer.refused += 1;
-                    warn!(error = %err, "Could not install a replicated connection");
-                    continue;
-                }
-                let alias = lb_alias(&k, &e);
-                if had_alias == Some(alias) {
-                    // A tuple reused with the same binding (a client reopening its port
-                    // within TIME_WAIT): a write and a read fewer.
-                    continue;
-                }
-                if let Some((ak, alias)) = alias
-                    && let Err(err) = install_alias(table, &ak, &alias)
-                {
-                    peer.refused += 1;
-                    warn!(error = %err, "Could not install a replicated connection's alias");
-                }
+                run.push((k, e));
             }
             Action::Remove(k) => {
-                let Some(local) = table.get(&k) else {
-                    continue;
-                };
-                if local.origin != origin || owned_here(table, &k, &local) {
-                    peer.kept_local += u64::from(local.origin == origin);
-                    continue;
-                }
-                let other = lb_peer_key(&k, &local);
-                table.remove(&k);
-                if let Some(ok) = other
-                    && let Some(oe) = table.get(&ok)
-                    && oe.origin == origin
-                    && !owned_here(table, &ok, &oe)
-                {
-                    table.remove(&ok);
-                }
+                install_run(table, peer, origin, &mut run);
+                remove(table, peer, origin, &k);
             }
         }
+    }
+    install_run(table, peer, origin, &mut run);
+}
+
+/// Installs `run` (emptied): each connection's entry and, after it, its alias, written as
+/// one batch while their keys are free; where one is not, that connection (or alias) goes
+/// the careful way and the batch resumes after it.
+fn install_run(
+    table: &mut CtTable,
+    peer: &mut PeerIn,
+    origin: u32,
+    run: &mut Vec<(CtKey, CtEntry)>,
+) {
+    if run.is_empty() {
+        return;
+    }
+    // Records, and for each, the connection it comes from and whether it is the alias.
+    let mut records = Vec::with_capacity(2 * run.len());
+    let mut of = Vec::with_capacity(2 * run.len());
+    for (i, (k, e)) in run.iter().enumerate() {
+        records.push(CtRecord { key: *k, entry: *e });
+        of.push((i, false));
+        if let Some((ak, alias)) = lb_alias(k, e) {
+            records.push(CtRecord {
+                key: ak,
+                entry: alias,
+            });
+            of.push((i, true));
+        }
+    }
+    let mut at = 0;
+    while at < records.len() {
+        at += table.insert_new_run(&records[at..]);
+        let Some(&(i, is_alias)) = of.get(at) else {
+            break;
+        };
+        if is_alias {
+            if let Err(err) = install_alias(table, &records[at].key, &records[at].entry) {
+                peer.refused += 1;
+                warn!(error = %err, "Could not install a replicated connection's alias");
+            }
+            at += 1;
+        } else {
+            let (k, e) = run[i];
+            install(table, peer, origin, k, e);
+            // `install` took care of the alias too.
+            at += 1;
+            if of.get(at).is_some_and(|&(j, a)| j == i && a) {
+                at += 1;
+            }
+        }
+    }
+    run.clear();
+}
+
+/// Installs one replicated connection (`e.origin` set) and its alias, one write at a time.
+fn install(table: &mut CtTable, peer: &mut PeerIn, origin: u32, k: CtKey, e: CtEntry) {
+    // Mostly the connection is new here: one write that fails if the key is taken. If it
+    // is, this node's own entry is kept and a replicated one is brought up to date.
+    // The alias the entry had, when it was replicated from the same peer: its alias was
+    // installed with it, and stays right if it would be the same.
+    let mut had_alias = None;
+    let installed = match table.insert_new(&k, &e) {
+        Ok(true) => Ok(()),
+        Ok(false) => match table.get(&k) {
+            Some(local) if owned_here(table, &k, &local) => {
+                peer.kept_local += 1;
+                return;
+            }
+            local => {
+                had_alias = local
+                    .filter(|l| l.origin == origin)
+                    .map(|l| lb_alias(&k, &l));
+                table.insert(&k, &e)
+            }
+        },
+        Err(err) => Err(err),
+    };
+    if let Err(err) = installed {
+        peer.refused += 1;
+        warn!(error = %err, "Could not install a replicated connection");
+        return;
+    }
+    let alias = lb_alias(&k, &e);
+    if had_alias == Some(alias) {
+        // A tuple reused with the same binding (a client reopening its port within
+        // TIME_WAIT): a write and a read fewer.
+        return;
+    }
+    if let Some((ak, alias)) = alias
+        && let Err(err) = install_alias(table, &ak, &alias)
+    {
+        peer.refused += 1;
+        warn!(error = %err, "Could not install a replicated connection's alias");
+    }
+}
+
+/// Removes a connection replicated from `origin` and its alias, unless this node owns it.
+fn remove(table: &mut CtTable, peer: &mut PeerIn, origin: u32, k: &CtKey) {
+    let Some(local) = table.get(k) else {
+        return;
+    };
+    if local.origin != origin || owned_here(table, k, &local) {
+        peer.kept_local += u64::from(local.origin == origin);
+        return;
+    }
+    let other = lb_peer_key(k, &local);
+    table.remove(k);
+    if let Some(ok) = other
+        && let Some(oe) = table.get(&ok)
+        && oe.origin == origin
+        && !owned_here(table, &ok, &oe)
+    {
+        table.remove(&ok);
     }
 }
 
@@ -1168,10 +1240,9 @@ mod tests {
         require_root,
     };
 
-    /// A peer's connection installed again (a reused tuple): with the same binding the entry
-    /// is brought up to date and its alias kept; with another backend the new alias is made.
-    #[test]
-    fn a_reinstalled_connection_keeps_or_remakes_its_alias() {
+    /// A fixture, and the load-balanced connection a SYN to a two-backend service made in
+    /// it (the table then emptied).
+    fn lb_connection() -> (Fixture, CtKey, CtEntry) {
         require_root("ha apply");
         let mut fx = Fixture::new().unwrap_or_else(|e| panic!("loading the datapath: {e}"));
         let seed = Seed::iface(1, IFACE_F_CT_XDP).with_services(
@@ -1195,7 +1266,15 @@ mod tests {
             .find(|(_, e)| e.flags & CT_F_LB != 0)
             .expect("the SYN made a load-balanced connection");
         fx.ct_clear().unwrap_or_else(|e| panic!("{e}"));
-        let mut table = CtTable::open_pin(&fx.pin_dir().join(map_names::CT)).expect("FP_CT pinned");
+        (fx, k, made)
+    }
+
+    /// A peer's connection installed again (a reused tuple): with the same binding the entry
+    /// is brought up to date and its alias kept; with another backend the new alias is made.
+    #[test]
+    fn a_reinstalled_connection_keeps_or_remakes_its_alias() {
+        let (fx, k, made) = lb_connection();
+        let mut table = fx.ct_writer().expect("FP_CT and its installer");
         let mut peer = PeerIn::new();
         let replicated = |e: &CtEntry| CtEntry {
             packets: [0; 2],
@@ -1252,5 +1331,114 @@ mod tests {
             "another backend gets its alias"
         );
         assert_eq!((peer.refused, peer.kept_local), (0, 0));
+    }
+
+    /// A message's installs are written in batches by the installer program; every
+    /// exception (a key this node owns, an alias key taken, the same connection twice, a
+    /// removal between installs) leaves the table exactly as one write at a time does.
+    #[test]
+    fn batched_installs_match_one_by_one() {
+        let (mut fx, k0, made) = lb_connection();
+        // The same connection from client port `port`.
+        let conn = |port: u16| {
+            let mut k = k0;
+            if made.flags & fastpath_common::ct::CT_F_ORIG_IS_LO != 0 {
+                k.port_lo = port;
+            } else {
+                k.port_hi = port;
+            }
+            let e = CtEntry {
+                packets: [0; 2],
+                bytes: [0; 2],
+                origin: 7,
+                ..made
+            };
+            (k, e)
+        };
+        // 40 connections: 80 records, more than three runs of the installer.
+        let mut acts: Vec<Action<CtKey, CtEntry>> = (2000..2040)
+            .map(|p| {
+                let (k, e) = conn(p);
+                Action::Install(k, e)
+            })
+            .collect();
+        let (k5, e5) = conn(2005);
+        acts.insert(
+            30,
+            Action::Install(
+                k5,
+                CtEntry {
+                    state: tcp_state::TIME_WAIT,
+                    ..e5
+                },
+            ),
+        );
+        acts.insert(20, Action::Remove(conn(2010).0));
+        // This node's own: the connection from port 2020, and a connection on the key the
+        // alias of port 2030's would take.
+        let (k20, e20) = conn(2020);
+        let own20 = CtEntry {
+            origin: 0,
+            packets: [3, 2],
+            ..e20
+        };
+        let (k30, e30) = conn(2030);
+        let (ak30, _) = lb_alias(&k30, &e30).expect("an LB alias");
+        let own_ak30 = CtEntry {
+            origin: 0,
+            flags: 0,
+            packets: [1, 1],
+            ..CtEntry::default()
+        };
+        let mut outcome = |batched: bool| {
+            fx.ct_clear().unwrap_or_else(|e| panic!("{e}"));
+            let mut table = if batched {
+                fx.ct_writer().expect("FP_CT and its installer")
+            } else {
+                CtTable::open_pin(&fx.pin_dir().join(map_names::CT)).expect("FP_CT pinned")
+            };
+            table.insert(&k20, &own20).expect("seeding");
+            table.insert(&ak30, &own_ak30).expect("seeding");
+            let mut peer = PeerIn::new();
+            apply(&mut table, &mut peer, 7, acts.clone());
+            if batched {
+                // 80 records, at most 24 a run, and runs end early at the exceptions.
+                assert!(
+                    table.installer_runs() >= 4,
+                    "{} runs",
+                    table.installer_runs()
+                );
+            }
+            (
+                fx.ct_entries().unwrap_or_else(|e| panic!("{e}")),
+                peer.kept_local,
+                peer.refused,
+            )
+        };
+        let (batched, kept, refused) = outcome(true);
+        let one_by_one = outcome(false);
+        assert_eq!(batched.get(&k20), Some(&own20), "this node's entry is kept");
+        assert_eq!(
+            batched.get(&ak30),
+            Some(&own_ak30),
+            "this node's entry is kept"
+        );
+        assert_eq!(batched.get(&conn(2010).0), None, "removed");
+        assert_eq!(
+            batched.get(&k5).map(|e| e.state),
+            Some(tcp_state::TIME_WAIT),
+            "the later change wins"
+        );
+        for p in (2000..2040).filter(|p| ![2010, 2020].contains(p)) {
+            let (k, e) = conn(p);
+            assert!(batched.contains_key(&k), "connection from port {p}");
+            let (ak, _) = lb_alias(&k, &e).expect("an LB alias");
+            assert!(batched.contains_key(&ak), "alias of port {p}");
+        }
+        // 38 connections with aliases, 2 seeded entries (port 2010's alias went with it;
+        // port 2030's alias key was this node's).
+        assert_eq!(batched.len(), 38 * 2 + 2 - 1);
+        assert_eq!((kept, refused), (1, 0));
+        assert_eq!((batched, kept, refused), one_by_one);
     }
 }

@@ -279,7 +279,7 @@ impl<K: std::hash::Hash + Eq> Versions<K> {
 }
 
 /// What a receiver does to its own table for one sender's stream.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action<K, V> {
     Install(K, V),
     Remove(K),

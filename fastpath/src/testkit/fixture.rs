@@ -385,6 +385,7 @@ impl Fixture {
             program_names::BENCH_FLOOR_XDP,
             program_names::BENCH_CT_EVENTS,
             program_names::BENCH_XDP_TX,
+            program_names::CT_INSTALL,
         ] {
             let xdp: &mut Xdp = program_mut(&mut ebpf, name)?;
             xdp.load()
@@ -438,6 +439,12 @@ impl Fixture {
     /// Where this fixture's maps are pinned (removed on drop).
     pub fn pin_dir(&self) -> &Path {
         &self.pins.path
+    }
+
+    /// This fixture's `FP_CT` as the daemon writes it: with the installer program.
+    pub fn ct_writer(&self) -> Result<crate::datapath::CtTable, crate::datapath::DatapathError> {
+        let table = crate::datapath::CtTable::open_pin(&self.pin_dir().join(map_names::CT))?;
+        Ok(table.with_installer(crate::datapath::ct_installer(&self.ebpf)?))
     }
 
     /// Seeds the maps, runs the case's input once through its hook, and reports what happened.
