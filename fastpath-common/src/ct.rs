@@ -476,7 +476,9 @@ pub struct IfaceConfig {
     pub snat: u32,
     /// The interface's MAC address: with `IFACE_F_ROUTE`, only frames sent to it are routed.
     pub mac: [u8; 6],
-    pub _reserved: [u8; 2],
+    /// With `IFACE_F_VLAN_XDP` or `IFACE_F_VLAN_TC`: the port's 802.1Q VLAN id, big-endian as
+    /// in a tag.
+    pub vlan: [u8; 2],
 }
 const _: () = assert!(core::mem::size_of::<IfaceConfig>() == 16);
 
@@ -506,6 +508,13 @@ pub const IFACE_F_SNAT: u32 = 1 << 4;
 pub const IFACE_F_ROUTE: u32 = 1 << 5;
 /// The same at TC ingress, for an interface without XDP (one hook routes, as one tracks).
 pub const IFACE_F_ROUTE_TC: u32 = 1 << 6;
+/// An 802.1Q port of VLAN `IfaceConfig::vlan` (the kernel here has no VLAN devices): frames
+/// arriving tagged with it are untagged at XDP, before anything else sees them, and anything
+/// else arriving is dropped; frames leaving get the tag (at TC egress, or before the fast
+/// path redirects them there).
+pub const IFACE_F_VLAN_XDP: u32 = 1 << 7;
+/// The same, untagging at TC ingress, for an interface without XDP.
+pub const IFACE_F_VLAN_TC: u32 = 1 << 8;
 
 /// A connection's entry to create, as the installer program (`program_names::CT_INSTALL`)
 /// reads a batch of them: key and entry back to back.

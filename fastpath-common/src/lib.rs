@@ -68,11 +68,12 @@ pub mod program_names {
     pub const CT_INSTALL: &str = "fastpath_ct_install";
     /// XDP programs the main one tail-calls (`FP_TAILS`), by index: rare paths whose stack
     /// would not fit beside the main program's.
-    pub const XDP_TAILS: [&str; 4] = [
+    pub const XDP_TAILS: [&str; 5] = [
         "fastpath_xdp_icmp_error",
         "fastpath_xdp_icmp6_error",
         "fastpath_xdp_reject",
         "fastpath_xdp_reject6",
+        "fastpath_xdp_vlan_forward",
     ];
 }
 
@@ -84,6 +85,9 @@ pub const TAIL_ICMP6_ERROR: u32 = 1;
 /// without backends (`no_backend = "reject"`), IPv4 and IPv6.
 pub const TAIL_REJECT: u32 = 2;
 pub const TAIL_REJECT6: u32 = 3;
+/// `FP_TAILS` index of the XDP tail program that tags a frame forwarded out of an 802.1Q
+/// port and redirects it.
+pub const TAIL_VLAN_FORWARD: u32 = 4;
 
 /// What the benchmark programs do, shared by the programs and the benchmark that drives them.
 pub mod bench {

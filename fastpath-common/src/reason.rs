@@ -153,8 +153,14 @@ pub const ROUTE_OTHER: u32 = 55;
 /// source, IPv6 link-local, IPv4-mapped IPv6): the kernel's (it drops it as a martian).
 pub const ROUTE_MARTIAN: u32 = 56;
 
+/// A frame arriving on an 802.1Q port (`vlan = N`) without its VLAN's tag: untagged,
+/// another VLAN, or an 802.1ad outer tag. Dropped: the port carries that VLAN only.
+pub const VLAN_NOT_MEMBER: u32 = 57;
+/// A port's VLAN tag could not be removed or added (no room in the frame): dropped.
+pub const VLAN_FAILED: u32 = 58;
+
 /// One past the highest code in use. Append new codes above this line and bump it.
-pub const COUNT: u32 = 57;
+pub const COUNT: u32 = 59;
 /// Slots reserved per (hook, verdict) in the stats map; codes must stay below this.
 pub const SLOTS: u32 = 64;
 
@@ -219,6 +225,8 @@ pub const NAMES: [&str; COUNT as usize] = [
     "route_not_for_us",
     "route_other",
     "route_martian",
+    "vlan_not_member",
+    "vlan_failed",
 ];
 
 /// Name of a code, or `"unknown"` for a code this build does not know (a newer datapath).

@@ -85,6 +85,9 @@ pub struct NatPlan {
     pub _pad: [u8; 3],
     /// `NAT_DSR`: the interface the packet leaves through (set by `dsr::forward`).
     pub out_ifindex: u32,
+    /// The reason of a forward verdict handed to the tail program that tags the frame
+    /// (`fastpath_xdp_vlan_forward`).
+    pub fwd_reason: u32,
 }
 
 /// `NatPlan::ends`: rewrite the destination.

@@ -20,6 +20,7 @@ mod ratelimit;
 mod reject;
 mod route;
 mod stats;
+mod vlan;
 
 use aya_ebpf::{
     EbpfContext as _,
@@ -28,7 +29,10 @@ use aya_ebpf::{
     macros::{classifier, xdp},
     programs::{TcContext, XdpContext},
 };
-use fastpath_common::{Hook, Verdict};
+use fastpath_common::{
+    Hook, Verdict,
+    ct::{IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP},
+};
 
 use crate::packet::Packet;
 
@@ -42,10 +46,17 @@ const PULL_LEN: u32 = 256;
 #[xdp]
 #[inline(always)]
 pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
+    let ifindex = ctx.ingress_ifindex() as u32;
+    // An 802.1Q port's frames are untagged first (refused ones are counted with the
+    // unparsable, from one place: this program's stack has no room for another).
+    let popped = match vlan::port(ifindex, IFACE_F_VLAN_XDP) {
+        Some(vid) => vlan::pop_xdp(&ctx, vid),
+        None => Ok(()),
+    };
     let pkt = xdp_packet(&ctx);
     let len = pkt.len;
-    let (verdict, mut reason) = match pipeline::parse(&pkt) {
-        Ok(p) => pipeline::process(&pkt, p, Hook::Xdp, ctx.ingress_ifindex() as u32, false),
+    let (mut verdict, mut reason) = match popped.and_then(|()| pipeline::parse(&pkt)) {
+        Ok(p) => pipeline::process(&pkt, p, Hook::Xdp, ifindex, false),
         Err(code) => pipeline::unparsed(code),
     };
     // Rare paths whose stack does not fit beside this program's: their tail programs.
@@ -59,6 +70,19 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
         }
         _ => None,
     };
+    // Forwarded out of an 802.1Q port: tagged by a tail program (no stack room here).
+    let tails =
+        if verdict == Verdict::Forward && vlan::port(route::out_ifindex(), vlan::ANY).is_some() {
+            route::hand_over(reason);
+            // Where the tail program is missing, dropped rather than sent untagged.
+            verdict = Verdict::Drop;
+            Some((
+                fastpath_common::TAIL_VLAN_FORWARD,
+                fastpath_common::TAIL_VLAN_FORWARD,
+            ))
+        } else {
+            tails
+        };
     if let Some((v4, v6)) = tails {
         let tail = if pipeline::is_ipv4() { v4 } else { v6 };
         // SAFETY: the tail program takes the same context; it does not return here.
@@ -74,6 +98,32 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
         // addresses are in place).
         // SAFETY: bpf_redirect has no preconditions; it returns the XDP action to take.
         Verdict::Forward => unsafe { bpf_redirect(route::out_ifindex(), 0) as u32 },
+    }
+}
+
+/// Tail program of `fastpath_xdp` (`FP_TAILS[TAIL_VLAN_FORWARD]`): a frame forwarded out of
+/// an 802.1Q port gets the port's tag, and is counted and redirected as the main program
+/// decided (`route::hand_over`).
+#[xdp]
+pub fn fastpath_xdp_vlan_forward(ctx: XdpContext) -> u32 {
+    let len = xdp_packet(&ctx).len;
+    let out = route::out_ifindex();
+    let tagged = match vlan::port(out, vlan::ANY) {
+        Some(vid) => vlan::push_xdp(&ctx, vid),
+        None => false,
+    };
+    if tagged {
+        stats::count(Hook::Xdp, Verdict::Forward, route::handed_over(), len);
+        // SAFETY: bpf_redirect has no preconditions; it returns the XDP action to take.
+        unsafe { bpf_redirect(out, 0) as u32 }
+    } else {
+        stats::count(
+            Hook::Xdp,
+            Verdict::Drop,
+            fastpath_common::reason::VLAN_FAILED,
+            len,
+        );
+        xdp_action::XDP_DROP
     }
 }
 
@@ -118,7 +168,7 @@ pub fn fastpath_tc_egress(ctx: TcContext) -> i32 {
 
 #[inline(always)]
 fn tc(ctx: TcContext, hook: Hook) -> i32 {
-    let len = ctx.len();
+    let mut len = ctx.len();
     // SAFETY: the context pointer is the kernel's __sk_buff for the duration of the program.
     let (ifindex, ingress_ifindex) = unsafe {
         let skb = ctx.as_ptr() as *const __sk_buff;
@@ -127,6 +177,17 @@ fn tc(ctx: TcContext, hook: Hook) -> i32 {
     // At egress, a packet that never arrived on an interface was sent by this node.
     let local = hook == Hook::TcEgress && ingress_ifindex == 0;
     let mut pkt = tc_packet(&ctx);
+    if hook == Hook::TcIngress
+        && let Some(vid) = vlan::port(ifindex, IFACE_F_VLAN_TC)
+    {
+        if let Err(code) = vlan::pop_tc(&ctx, &pkt, vid) {
+            stats::count(hook, Verdict::Drop, code, len as usize);
+            return TC_ACT_SHOT;
+        }
+        pkt = tc_packet(&ctx);
+        // Counted as the stages see it (as at XDP).
+        len = ctx.len();
+    }
     let mut parsed = pipeline::parse(&pkt);
     if matches!(parsed, Err(fastpath_common::reason::HEADERS_NOT_LINEAR)) {
         // Headers beyond the linear area: make the first bytes linear and parse again. Only
@@ -147,10 +208,25 @@ fn tc(ctx: TcContext, hook: Hook) -> i32 {
             }
         }
     }
-    let (verdict, reason) = match parsed {
-        Ok(p) => pipeline::process(&pkt, p, hook, ifindex, local),
+    let (mut verdict, mut reason) = match parsed {
+        Ok(p) => {
+            // A tag the kernel took out of the frame before TC (one the parser cannot see)
+            // counts as one.
+            if vlan::out_of_band(&ctx).is_some() {
+                p.vlan_count += 1;
+            }
+            pipeline::process(&pkt, p, hook, ifindex, local)
+        }
         Err(code) => pipeline::unparsed(code),
     };
+    // Leaving an 802.1Q port: with its tag (this node's frames, and those redirected to it).
+    if hook == Hook::TcEgress
+        && verdict != Verdict::Drop
+        && let Some(vid) = vlan::port(ifindex, vlan::ANY)
+        && !vlan::push_tc(&ctx, vid)
+    {
+        (verdict, reason) = (Verdict::Drop, fastpath_common::reason::VLAN_FAILED);
+    }
     stats::count(hook, verdict, reason, len as usize);
     match verdict {
         Verdict::Drop => TC_ACT_SHOT,

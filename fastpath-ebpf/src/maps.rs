@@ -185,4 +185,4 @@ pub static FP_FIB: PerCpuArray<FibParams> = PerCpuArray::with_max_entries(1, 0);
 /// XDP tail programs (`program_names::XDP_TAILS`), filled by the loader before the main
 /// program is attached. Not pinned: each load brings its own programs.
 #[map(name = "FP_TAILS")]
-pub static FP_TAILS: ProgramArray = ProgramArray::with_max_entries(4, 0);
+pub static FP_TAILS: ProgramArray = ProgramArray::with_max_entries(5, 0);

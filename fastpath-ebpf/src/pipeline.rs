@@ -89,9 +89,12 @@ pub fn unparsed(code: u32) -> (Verdict, u32) {
 }
 
 /// Verdict for a packet the parser refused: malformed ones are dropped only when configured.
+/// Also for a frame an 802.1Q port refused (`vlan`): always dropped.
 #[inline(always)]
 fn unparsed_verdict(code: u32) -> Verdict {
-    if reason::is_malformed(code) && drop_malformed() {
+    if code == reason::VLAN_NOT_MEMBER || code == reason::VLAN_FAILED {
+        Verdict::Drop
+    } else if reason::is_malformed(code) && drop_malformed() {
         Verdict::Drop
     } else {
         Verdict::Kernel

@@ -27,7 +27,7 @@ use fastpath_common::{
 use crate::{
     maps::FP_PKT_CTX,
     parse::{FAMILY_IPV4, IPPROTO_TCP, IPPROTO_UDP, Parsed},
-    stats, xdp_packet,
+    stats, vlan, xdp_packet,
 };
 
 const TCP_FIN: u8 = 0x01;
@@ -49,10 +49,16 @@ pub fn answer(ctx: &XdpContext, v4: bool) -> u32 {
         },
         _ => false,
     };
+    // SAFETY: the context is this program's; the ifindex is the one the packet came in on.
+    let ifindex = unsafe { (*ctx.ctx).ingress_ifindex };
+    // On an 802.1Q port the answer leaves with the tag the question came with.
+    let answered = answered
+        && match vlan::port(ifindex, vlan::ANY) {
+            Some(vid) => vlan::push_xdp(ctx, vid),
+            None => true,
+        };
     if answered {
         stats::count(Hook::Xdp, Verdict::Forward, reason::LB_REJECTED, len);
-        // SAFETY: the context is this program's; the ifindex is the one the packet came in on.
-        let ifindex = unsafe { (*ctx.ctx).ingress_ifindex };
         // SAFETY: bpf_redirect has no preconditions; it returns the XDP action to take.
         unsafe { bpf_redirect(ifindex, 0) as u32 }
     } else {

@@ -147,6 +147,24 @@ pub fn redirect_to(ifindex: u32) {
     }
 }
 
+/// Records `reason` as this CPU's forward verdict's, for a tail program to count it.
+#[inline(always)]
+pub fn hand_over(reason: u32) {
+    if let Some(plan) = FP_NAT.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
+        unsafe { (*plan).fwd_reason = reason };
+    }
+}
+
+/// The reason [`hand_over`] recorded.
+#[inline(always)]
+pub fn handed_over() -> u32 {
+    match FP_NAT.get(0) {
+        Some(plan) => plan.fwd_reason,
+        None => reason::NONE,
+    }
+}
+
 /// The interface a stage chose for this packet's forward verdict ([`redirect_to`]).
 #[inline(always)]
 pub fn out_ifindex() -> u32 {

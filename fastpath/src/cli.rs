@@ -946,24 +946,31 @@ pub async fn interfaces(target: &Target, out: OutputArg) -> ExitCode {
                             json!({"name": i.name, "ifindex": i.ifindex, "xdp": i.xdp,
                                "tc_ingress": i.tc_ingress, "tc_egress": i.tc_egress,
                                "conntrack": i.conntrack, "stateful_firewall": i.stateful_firewall,
-                               "snat": i.snat, "route": i.route, "hooks": i.hooks})
+                               "snat": i.snat, "route": i.route, "vlan": i.vlan,
+                               "hooks": i.hooks})
                         })
                         .collect::<Vec<_>>(),
                 );
             }
             println!(
-                "{:<16} {:>7} {:<8} {:<5} {:<5} {:<5} HOOKS",
-                "INTERFACE", "IFINDEX", "XDP", "CT", "SNAT", "ROUTE"
+                "{:<16} {:>7} {:<8} {:<5} {:<5} {:<5} {:<4} HOOKS",
+                "INTERFACE", "IFINDEX", "XDP", "CT", "SNAT", "ROUTE", "VLAN"
             );
             for i in &r.interfaces {
+                let vlan = if i.vlan == 0 {
+                    "-".to_string()
+                } else {
+                    i.vlan.to_string()
+                };
                 println!(
-                    "{:<16} {:>7} {:<8} {:<5} {:<5} {:<5} {}",
+                    "{:<16} {:>7} {:<8} {:<5} {:<5} {:<5} {:<4} {}",
                     i.name,
                     i.ifindex,
                     i.xdp,
                     i.conntrack,
                     i.snat,
                     i.route,
+                    vlan,
                     i.hooks.join(" ")
                 );
             }

@@ -475,6 +475,14 @@ pub struct InterfaceConfig {
     /// netfilter's FORWARD hook. Default false.
     #[serde(default)]
     pub route: bool,
+    /// An 802.1Q port of this VLAN id (1-4094), without a VLAN device: frames arriving
+    /// tagged with it are untagged at the ingress hook (XDP if attached, else TC ingress)
+    /// before anything else sees them, whatever their priority bits; anything else arriving
+    /// (untagged, another VLAN, an 802.1ad outer tag) is dropped (reason vlan_not_member).
+    /// Frames leaving get the tag, priority 0: at TC egress (so it needs tc_egress = true), or
+    /// before the fast path redirects them out of the port. Default none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vlan: Option<Spanned<u16>>,
 }
 
 /// The management API's listeners and where its changes persist (`[api]`).
@@ -1070,6 +1078,28 @@ impl Config {
                         "interface {name:?} has route = true but no ingress hook; set xdp = \"auto\" (or tc_ingress = true)"
                     ),
                 ));
+            }
+            if let Some(vlan) = &iface.vlan {
+                let key = format!("interface[{i}].vlan");
+                let vid = *vlan.get_ref();
+                if !(1..=4094).contains(&vid) {
+                    return Err(err(
+                        vlan.span(),
+                        key,
+                        format!(
+                            "VLAN id {vid} is out of range; use 1-4094 (0 means untagged and 4095 is reserved), or remove vlan for an untagged port"
+                        ),
+                    ));
+                }
+                if (iface.xdp == XdpMode::Off && !iface.tc_ingress) || !iface.tc_egress {
+                    return Err(err(
+                        vlan.span(),
+                        key,
+                        format!(
+                            "interface {name:?} has vlan = {vid} but the tag is taken off at the ingress hook and put on at TC egress; set tc_egress = true and keep an ingress hook (xdp, or tc_ingress = true)"
+                        ),
+                    ));
+                }
             }
             if !iface.snat {
                 for (k, span) in [
@@ -1862,5 +1892,24 @@ mod tests {
             parse("[[interface]]\nname = \"lo\"\nxdp = \"off\"\ntc_ingress = true\nroute = true\n")
                 .expect("routing at TC ingress");
         assert!(ok.interfaces[0].route);
+    }
+
+    #[test]
+    fn a_vlan_port_needs_a_valid_id_and_both_hooks() {
+        let port = |keys: &str| parse(&format!("[[interface]]\nname = \"lo\"\n{keys}\n"));
+        for vid in [0, 4095, 5000] {
+            let e = port(&format!("tc_egress = true\nvlan = {vid}")).expect_err("out of range");
+            assert!(e.to_string().contains("use 1-4094"), "{vid}: {e}");
+        }
+        let e = port("vlan = 100").expect_err("no TC egress");
+        assert!(e.to_string().contains("set tc_egress = true"), "{e}");
+        let e = port("xdp = \"off\"\ntc_egress = true\nvlan = 100").expect_err("no ingress");
+        assert!(e.to_string().contains("keep an ingress hook"), "{e}");
+        let ok = port("xdp = \"off\"\ntc_ingress = true\ntc_egress = true\nvlan = 4094")
+            .expect("a VLAN port at TC");
+        assert_eq!(
+            ok.interfaces[0].vlan.as_ref().map(|v| *v.get_ref()),
+            Some(4094)
+        );
     }
 }

@@ -33,7 +33,7 @@ use fastpath_common::{
     ct::{
         CT_INSTALL_MAX, CtEntry, CtKey, CtRecord, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS,
         IFACE_F_CT_XDP, IFACE_F_FIREWALL, IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IFACE_F_SNAT,
-        IFACE_SLOTS, IfaceConfig, ct_stat,
+        IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_SLOTS, IfaceConfig, ct_stat,
     },
     lb::{Backend, MAX_SNAT_RULES, Service, SnatRule, SvcKey},
     map_names, program_names,
@@ -341,6 +341,14 @@ impl Datapath {
                         warn!(iface = %name, "route = true but {family} forwarding is off here ({sysctl} = 0): the kernel's FIB answers no forwarding lookups, so these packets go to the kernel (reason route_forwarding_off)");
                     }
                 }
+            }
+            if let Some(vid) = &iface.vlan {
+                cfg.flags |= if iface.xdp != XdpMode::Off {
+                    IFACE_F_VLAN_XDP
+                } else {
+                    IFACE_F_VLAN_TC
+                };
+                cfg.vlan = vid.get_ref().to_be_bytes();
             }
             if iface.snat {
                 let rule = snat_rule(iface)?;

@@ -91,11 +91,7 @@ fn fp_routes_ipv4_and_ipv6_between_its_links() {
         .ns("server")
         .http_server(80)
         .unwrap_or_else(|e| panic!("nginx: {e}"));
-    // 4 MiB of bytes that are not all alike, to compare end to end.
-    let body: Vec<u8> = (0..4u32 << 20)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
-        .collect();
-    std::fs::write(nginx.root().join("blob"), &body).expect("writing the download");
+    let body = nginx.serve_blob("blob", 4 << 20);
     let _ = nginx.process();
     let config = DaemonConfig::new(&unique_pin_dir("route"))
         .interface("c0")
@@ -139,23 +135,7 @@ fn fp_routes_ipv4_and_ipv6_between_its_links() {
         format!("http://{SERVER4}/blob"),
         format!("http://[{SERVER6}]/blob"),
     ] {
-        let out = topo
-            .ns("client")
-            .exec(&["curl", "-sS", "-g", "--fail", "--max-time", "20", &url])
-            .unwrap_or_else(|e| panic!("curl {url}: {e}"));
-        assert!(
-            out.status.success(),
-            "curl {url}: {}\n{}",
-            String::from_utf8_lossy(&out.stderr),
-            daemon.log()
-        );
-        let got = out.stdout;
-        assert!(
-            got == body,
-            "{url}: {} bytes arrived, {} sent, or they differ",
-            got.len(),
-            body.len()
-        );
+        topo.ns("client").download_exact(&url, &body);
     }
     let after_curl = daemon.stats().delta(&before);
     let data_packets = routed(&after_curl) - routed(&after_ping);

@@ -556,6 +556,7 @@ impl pb::fastpath_server::Fastpath for Api {
                         stateful_firewall: i.stateful_firewall,
                         snat: i.snat,
                         route: i.route,
+                        vlan: i.vlan.as_ref().map_or(0, |v| u32::from(*v.get_ref())),
                         hooks: attachments
                             .iter()
                             .filter(|a| &a.iface == name)

@@ -10,6 +10,7 @@ pub mod netns;
 pub mod packet;
 pub mod route_cases;
 pub mod traffic;
+pub mod vlan_cases;
 
 /// The check every root-only test (and the demo) starts with. It panics, never skips: a test
 /// that did not run must not pass. Under CI=true the message says the CI job must run as root;

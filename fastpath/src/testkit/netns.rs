@@ -710,6 +710,38 @@ impl HttpServer {
     pub fn process(&mut self) -> &mut Spawned {
         &mut self.process
     }
+
+    /// Serves `/NAME`: `len` bytes that are not all alike, returned to compare a download
+    /// with end to end.
+    pub fn serve_blob(&self, name: &str, len: u32) -> Vec<u8> {
+        let body: Vec<u8> = (0..len)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        std::fs::write(self.root().join(name), &body)
+            .unwrap_or_else(|e| panic!("writing the download {name}: {e}"));
+        body
+    }
+}
+
+impl Netns {
+    /// Downloads `url` with curl from here (20 s at most) and checks it is `body`, byte for
+    /// byte; panics with curl's error or the sizes otherwise.
+    pub fn download_exact(&self, url: &str, body: &[u8]) {
+        let out = self
+            .exec(&["curl", "-sS", "-g", "--fail", "--max-time", "20", url])
+            .unwrap_or_else(|e| panic!("curl {url}: {e}"));
+        assert!(
+            out.status.success(),
+            "curl {url}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.stdout == body,
+            "{url}: {} bytes arrived, {} sent, or they differ",
+            out.stdout.len(),
+            body.len()
+        );
+    }
 }
 
 impl Netns {
