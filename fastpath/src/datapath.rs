@@ -264,7 +264,7 @@ impl Datapath {
         Ok(CtTable {
             table,
             gone,
-            installer: ct_installer(&self.ebpf).ok(),
+            installer: None,
             installer_runs: 0,
         })
     }
