@@ -516,19 +516,29 @@ pub const IFACE_F_VLAN_XDP: u32 = 1 << 7;
 /// The same, untagging at TC ingress, for an interface without XDP.
 pub const IFACE_F_VLAN_TC: u32 = 1 << 8;
 
-/// A connection's entry to create, as the installer program (`program_names::CT_INSTALL`)
-/// reads a batch of them: key and entry back to back.
+/// One write of the installer program (`program_names::CT_INSTALL`), which reads a batch of
+/// them back to back: create the entry `key` → `entry` ([`CT_RECORD_CREATE`]), or remove the
+/// connection `key` replicated from `entry.origin` and its alias ([`CT_RECORD_REMOVE`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(C)]
 pub struct CtRecord {
     pub key: CtKey,
     pub entry: CtEntry,
+    /// `CT_RECORD_CREATE` or `CT_RECORD_REMOVE`.
+    pub op: u32,
+    pub _pad: u32,
 }
-const _: () = assert!(core::mem::size_of::<CtRecord>() == 144);
+const _: () = assert!(core::mem::size_of::<CtRecord>() == 152);
+
+/// [`CtRecord::op`]: create the entry if its key is free.
+pub const CT_RECORD_CREATE: u32 = 0;
+/// [`CtRecord::op`]: remove a peer's connection (only `entry.origin` is read).
+pub const CT_RECORD_REMOVE: u32 = 1;
 
 /// Records one run of the installer takes at most: BPF_PROG_TEST_RUN gives an XDP program
 /// at most a page less its headroom and `skb_shared_info` (3520 bytes with 4 KiB pages).
-pub const CT_INSTALL_MAX: usize = 24;
+pub const CT_INSTALL_MAX: usize = 23;
+const _: () = assert!(CT_INSTALL_MAX * core::mem::size_of::<CtRecord>() <= 3520);
 
 #[cfg(feature = "user")]
 mod pod {

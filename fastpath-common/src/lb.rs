@@ -252,39 +252,56 @@ mod pod {
 /// (`CT_F_LB`) its alias (client ↔ backend), from an alias (`CT_F_LB_ALIAS`) the connection's
 /// entry (client ↔ VIP). `None` for other entries.
 pub fn lb_peer_key(key: &crate::ct::CtKey, e: &crate::ct::CtEntry) -> Option<crate::ct::CtKey> {
-    use crate::ct::{CT_F_DSR, CT_F_FULL_NAT, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, ct_key};
+    let mut other = crate::ct::CtKey::default();
+    lb_peer_key_into(key, e, &mut other).then_some(other)
+}
+
+/// [`lb_peer_key`] written into `out` (the datapath keeps keys out of its small stack);
+/// false, `out` untouched, for other entries.
+#[inline(always)]
+pub fn lb_peer_key_into(
+    key: &crate::ct::CtKey,
+    e: &crate::ct::CtEntry,
+    out: &mut crate::ct::CtKey,
+) -> bool {
+    use crate::ct::{CT_F_DSR, CT_F_FULL_NAT, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO};
     if e.flags & CT_F_DSR != 0 {
-        return None;
+        return false;
     }
-    let lo = (&key.addr_lo, key.port_lo);
-    let hi = (&key.addr_hi, key.port_hi);
     let full = e.flags & CT_F_FULL_NAT != 0;
-    let (one, other) = if e.flags & CT_F_LB != 0 {
-        if full {
-            // The alias: the allocated source ↔ the backend.
-            ((&e.nat.addr2, e.nat.port2), (&e.nat.addr, e.nat.port))
-        } else if e.flags & CT_F_ORIG_IS_LO != 0 {
-            // The client (the originator) ↔ the backend.
-            (lo, (&e.nat.addr, e.nat.port))
-        } else {
-            (hi, (&e.nat.addr, e.nat.port))
-        }
+    // Which of the key's sides stays (the other side comes from the binding), or none when
+    // both come from it (full-NAT).
+    let keep_lo = if e.flags & CT_F_LB != 0 {
+        // Full-NAT: the alias is the allocated source ↔ the backend; NAT: the client (the
+        // originator) ↔ the backend.
+        (!full).then_some(e.flags & CT_F_ORIG_IS_LO != 0)
     } else if e.flags & CT_F_LB_ALIAS != 0 {
-        if full {
-            // The client ↔ the VIP.
-            ((&e.nat.addr2, e.nat.port2), (&e.nat.addr, e.nat.port))
-        } else {
-            // The client is the side that is not the backend.
-            let backend_is_lo = key.addr_lo == e.nat.addr2 && key.port_lo == e.nat.port2;
-            (
-                if backend_is_lo { hi } else { lo },
-                (&e.nat.addr, e.nat.port),
-            )
-        }
+        // Full-NAT: the client ↔ the VIP; NAT: the client is the side that is not the backend.
+        (!full).then_some(!(key.addr_lo == e.nat.addr2 && key.port_lo == e.nat.port2))
     } else {
-        return None;
+        return false;
     };
-    Some(ct_key(key.family, key.proto, one.0, one.1, other.0, other.1).0)
+    match keep_lo {
+        Some(true) => {
+            out.addr_lo = key.addr_lo;
+            out.port_lo = key.port_lo;
+        }
+        Some(false) => {
+            out.addr_lo = key.addr_hi;
+            out.port_lo = key.port_hi;
+        }
+        None => {
+            out.addr_lo = e.nat.addr2;
+            out.port_lo = e.nat.port2;
+        }
+    }
+    out.addr_hi = e.nat.addr;
+    out.port_hi = e.nat.port;
+    out.family = key.family;
+    out.proto = key.proto;
+    out._pad = [0; 2];
+    out.normalize();
+    true
 }
 
 /// The alias of a load-balanced connection (`CT_F_LB`, not DSR) as the datapath makes it

@@ -63,8 +63,9 @@ pub mod program_names {
     /// XDP_TX for every frame: the routing benchmark's in-kernel traffic generator
     /// (BPF_PROG_TEST_RUN in live-frames mode); never attached.
     pub const BENCH_XDP_TX: &str = "bench_xdp_tx";
-    /// Creates conntrack entries for the daemon, a batch of [`crate::ct::CtRecord`]s per
-    /// BPF_PROG_TEST_RUN (HA installs replicated connections with it); never attached.
+    /// Creates and removes conntrack entries for the daemon, a batch of
+    /// [`crate::ct::CtRecord`]s per BPF_PROG_TEST_RUN (HA applies a peer's changes with it);
+    /// never attached.
     pub const CT_INSTALL: &str = "fastpath_ct_install";
     /// XDP programs the main one tail-calls (`FP_TAILS`), by index: rare paths whose stack
     /// would not fit beside the main program's.

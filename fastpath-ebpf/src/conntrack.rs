@@ -17,14 +17,14 @@ use fastpath_common::{
     Hook,
     ct::{
         CT_F_ASSURED, CT_F_DSR, CT_F_FULL_NAT, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO,
-        CT_F_SEEN_REPLY, CT_F_SNAT, CT_INSTALL_MAX, CtEntry, CtEvent, CtKey, CtRecord,
-        DIR_ORIGINAL, DIR_REPLY, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP,
-        IFACE_F_FIREWALL, TcpStep, UDP_STREAM_AFTER_NS, ct_event, ct_stat, tcp_class, tcp_classify,
-        tcp_state, tcp_step,
+        CT_F_SEEN_REPLY, CT_F_SNAT, CT_INSTALL_MAX, CT_RECORD_CREATE, CT_RECORD_REMOVE, CtEntry,
+        CtEvent, CtKey, CtRecord, DIR_ORIGINAL, DIR_REPLY, IFACE_F_CT_TC_EGRESS,
+        IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL, TcpStep, UDP_STREAM_AFTER_NS,
+        ct_event, ct_stat, tcp_class, tcp_classify, tcp_state, tcp_step,
     },
     lb::{
         CtNat, SNAT_TRIES, SVC_F_DSR, SVC_F_FULL_NAT, SVC_F_GATEWAY, SVC_F_NO_BACKEND_DROP,
-        SVC_F_NO_BACKEND_REJECT, Service, flow_hash,
+        SVC_F_NO_BACKEND_REJECT, Service, flow_hash, lb_peer_key_into,
     },
     reason,
 };
@@ -579,10 +579,13 @@ fn scratch_entry(i: u32) -> Option<&'static mut CtEntry> {
     Some(unsafe { &mut *e })
 }
 
-/// Creates the entries of the [`CtRecord`]s that make up `pkt` (the daemon's batch, see
-/// `fastpath_ct_install`), in order, each only if its key is free; stops at the first one not
-/// created (key taken, table full): the caller handles that one itself. Returns how many were.
-/// No early drop: the daemon's writes never push out the datapath's connections.
+/// Carries out the [`CtRecord`]s that make up `pkt` (the daemon's batch, see
+/// `fastpath_ct_install`) in order, and stops at the first one that is not the simple case:
+/// the caller does that one itself (the daemon's `ha::install` / `ha::remove`, which this
+/// mirrors). Returns how many were done. Simple cases: a creation whose key is free (no early
+/// drop: the daemon's writes never push out the datapath's connections), and a removal of a
+/// connection that is gone, or that `entry.origin` replicated and this node's traffic has
+/// not touched (then its alias goes too, if it is the same peer's and untouched).
 #[inline(always)]
 pub fn install(pkt: &Packet) -> u32 {
     let mut n = 0;
@@ -594,12 +597,51 @@ pub fn install(pkt: &Packet) -> u32 {
         // SAFETY: the record lies within [data, data_end), checked just above; the input
         // starts 8-byte aligned (XDP headroom) and records are a multiple of 8 bytes long.
         let rec = unsafe { &*(at as *const CtRecord) };
-        if FP_CT.insert(&rec.key, &rec.entry, BPF_NOEXIST).is_err() {
+        let done = match rec.op {
+            CT_RECORD_CREATE => FP_CT.insert(&rec.key, &rec.entry, BPF_NOEXIST).is_ok(),
+            CT_RECORD_REMOVE => remove_replicated(&rec.key, rec.entry.origin),
+            _ => false,
+        };
+        if !done {
             break;
         }
         n += 1;
     }
     n as u32
+}
+
+/// Whether a peer's entry is untouched by this node: replicated, and no packet since.
+#[inline(always)]
+fn untouched(e: &CtEntry, origin: u32) -> bool {
+    e.origin == origin && e.origin != 0 && e.packets[0] == 0 && e.packets[1] == 0
+}
+
+/// A removal of `origin`'s connection `key` in the simple case (see [`install`]). A call of
+/// its own: inlined, the unrolled loop's copies of the alias key overflow the stack.
+#[inline(never)]
+fn remove_replicated(key: &CtKey, origin: u32) -> bool {
+    let Some(e) = FP_CT.get_ptr(key) else {
+        return true;
+    };
+    // SAFETY: a live entry of the table; read before it is removed.
+    let e = unsafe { &*e };
+    if e.flags & CT_F_LB_ALIAS != 0 || !untouched(e, origin) {
+        return false;
+    }
+    let mut ak = CtKey::default();
+    let alias = lb_peer_key_into(key, e, &mut ak);
+    if FP_CT.remove(key).is_err() {
+        return false;
+    }
+    if alias && let Some(a) = FP_CT.get_ptr(&ak) {
+        // SAFETY: as above. The alias's connection entry (`key`) is gone, so the alias is
+        // this node's only if its own packet counts say so.
+        let a = unsafe { &*a };
+        if untouched(a, origin) {
+            let _ = FP_CT.remove(&ak);
+        }
+    }
+    true
 }
 
 /// Inserts a new entry, making room by early drop when the table is full.

@@ -321,9 +321,9 @@ pub fn bench_xdp_tx(ctx: XdpContext) -> u32 {
 }
 
 /// The daemon's batch writer of conntrack entries: the "packet" is a run of `CtRecord`s,
-/// created in order while their keys are free; returns how many were (see
+/// carried out in order while they are the simple case; returns how many were (see
 /// `conntrack::install`). Run by BPF_PROG_TEST_RUN, one syscall for up to `CT_INSTALL_MAX`
-/// entries instead of one each. Never attached.
+/// writes instead of one to four each. Never attached.
 #[xdp]
 pub fn fastpath_ct_install(ctx: XdpContext) -> u32 {
     conntrack::install(&xdp_packet(&ctx))

@@ -31,9 +31,9 @@ use aya::{
 use fastpath_common::{
     Counter, DatapathConfig,
     ct::{
-        CT_INSTALL_MAX, CtEntry, CtKey, CtRecord, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS,
-        IFACE_F_CT_XDP, IFACE_F_FIREWALL, IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IFACE_F_SNAT,
-        IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_SLOTS, IfaceConfig, ct_stat,
+        CT_INSTALL_MAX, CT_RECORD_CREATE, CtEntry, CtKey, CtRecord, IFACE_F_CT_TC_EGRESS,
+        IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL, IFACE_F_ROUTE, IFACE_F_ROUTE_TC,
+        IFACE_F_SNAT, IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_SLOTS, IfaceConfig, ct_stat,
     },
     lb::{Backend, MAX_SNAT_RULES, Service, SnatRule, SvcKey},
     map_names, program_names,
@@ -1168,7 +1168,7 @@ pub struct CtTable {
     /// `FP_BACKEND_GONE`: the expiry counts load-balanced connections that went without
     /// closing, for least-connections (the datapath counts the ones that closed).
     gone: Option<Array<MapData, u64>>,
-    /// The loaded `fastpath_ct_install` program, for [`CtTable::insert_new_run`].
+    /// The loaded `fastpath_ct_install` program, for [`CtTable::write_run`].
     installer: Option<aya::programs::ProgramFd>,
     /// Runs of it so far.
     installer_runs: u64,
@@ -1250,7 +1250,7 @@ impl CtTable {
     }
 
     /// Creates entries with `installer` ([`ct_installer`] of the object whose `FP_CT` this
-    /// is) in [`CtTable::insert_new_run`]: one syscall per `CT_INSTALL_MAX` entries.
+    /// is) in [`CtTable::write_run`]: one syscall per `CT_INSTALL_MAX` writes.
     pub fn with_installer(mut self, installer: aya::programs::ProgramFd) -> CtTable {
         self.installer = Some(installer);
         self
@@ -1312,12 +1312,12 @@ impl CtTable {
         }
     }
 
-    /// Creates the entries of `records` in order, each only if its key is free, and stops at
-    /// the first one not created (its key is taken, or it could not be written): returns how
-    /// many were. The caller finds out about that one with [`CtTable::insert_new`]. With the
-    /// installer program, one BPF_PROG_TEST_RUN per `CT_INSTALL_MAX` records; without it (or
-    /// if it cannot run), one write each.
-    pub fn insert_new_run(&mut self, records: &[CtRecord]) -> usize {
+    /// Carries out `records` in order and stops at the first one that is not the simple case
+    /// (see the installer program, `conntrack::install` in the datapath): returns how many
+    /// were done. The caller does that one itself. With the installer program, one
+    /// BPF_PROG_TEST_RUN per `CT_INSTALL_MAX` records; without it (or if it cannot run),
+    /// creations are written one at a time and a removal stops the run.
+    pub fn write_run(&mut self, records: &[CtRecord]) -> usize {
         let mut done = 0;
         if let Some(prog) = &self.installer {
             for chunk in records.chunks(CT_INSTALL_MAX) {
@@ -1346,7 +1346,7 @@ impl CtTable {
             }
         }
         for r in &records[done..] {
-            if !matches!(self.insert_new(&r.key, &r.entry), Ok(true)) {
+            if r.op != CT_RECORD_CREATE || !matches!(self.insert_new(&r.key, &r.entry), Ok(true)) {
                 break;
             }
             done += 1;

@@ -33,7 +33,7 @@ use std::{
 };
 
 use fastpath_common::{
-    ct::{CT_F_LB_ALIAS, CtEntry, CtEvent, CtKey, CtRecord, ct_event, ct_stat},
+    ct::{CT_F_LB_ALIAS, CT_RECORD_REMOVE, CtEntry, CtEvent, CtKey, CtRecord, ct_event, ct_stat},
     lb::{lb_alias, lb_peer_key},
     map_names,
 };
@@ -653,54 +653,50 @@ fn read_op(op: pb::change::Op, now: u64, ix: &LbIndex) -> Op<CtKey, CtEntry> {
 }
 
 /// Carries out a peer's actions on this node's table, in order, this node's own connections
-/// kept. Runs of installs are created in batches; an entry whose key is taken (or that could
-/// not be written) falls back to [`install`].
+/// kept: written in batches (`CtTable::write_run`: each installed connection's entry and,
+/// after it, its alias; each removal); where a write is not the simple case (a key taken, an
+/// entry this node touched, no installer program), that connection goes the careful way
+/// ([`install`], [`install_alias`], [`remove`]) and the batch resumes after it.
 fn apply(table: &mut CtTable, peer: &mut PeerIn, origin: u32, acts: Vec<Action<CtKey, CtEntry>>) {
-    let mut run = Vec::new();
-    for act in acts {
+    // Records, and for each, the action it comes from and whether it is an alias.
+    let mut records = Vec::with_capacity(2 * acts.len());
+    let mut of = Vec::with_capacity(2 * acts.len());
+    for (i, act) in acts.iter().enumerate() {
         match act {
-            Action::Install(k, mut e) => {
-                e.origin = origin;
-                run.push((k, e));
+            Action::Install(k, e) => {
+                let e = CtEntry { origin, ..*e };
+                records.push(CtRecord {
+                    key: *k,
+                    entry: e,
+                    ..CtRecord::default()
+                });
+                of.push((i, false));
+                if let Some((ak, alias)) = lb_alias(k, &e) {
+                    records.push(CtRecord {
+                        key: ak,
+                        entry: alias,
+                        ..CtRecord::default()
+                    });
+                    of.push((i, true));
+                }
             }
             Action::Remove(k) => {
-                install_run(table, peer, origin, &mut run);
-                remove(table, peer, origin, &k);
+                records.push(CtRecord {
+                    key: *k,
+                    entry: CtEntry {
+                        origin,
+                        ..CtEntry::default()
+                    },
+                    op: CT_RECORD_REMOVE,
+                    _pad: 0,
+                });
+                of.push((i, false));
             }
-        }
-    }
-    install_run(table, peer, origin, &mut run);
-}
-
-/// Installs `run` (emptied): each connection's entry and, after it, its alias, written as
-/// one batch while their keys are free; where one is not, that connection (or alias) goes
-/// the careful way and the batch resumes after it.
-fn install_run(
-    table: &mut CtTable,
-    peer: &mut PeerIn,
-    origin: u32,
-    run: &mut Vec<(CtKey, CtEntry)>,
-) {
-    if run.is_empty() {
-        return;
-    }
-    // Records, and for each, the connection it comes from and whether it is the alias.
-    let mut records = Vec::with_capacity(2 * run.len());
-    let mut of = Vec::with_capacity(2 * run.len());
-    for (i, (k, e)) in run.iter().enumerate() {
-        records.push(CtRecord { key: *k, entry: *e });
-        of.push((i, false));
-        if let Some((ak, alias)) = lb_alias(k, e) {
-            records.push(CtRecord {
-                key: ak,
-                entry: alias,
-            });
-            of.push((i, true));
         }
     }
     let mut at = 0;
     while at < records.len() {
-        at += table.insert_new_run(&records[at..]);
+        at += table.write_run(&records[at..]);
         let Some(&(i, is_alias)) = of.get(at) else {
             break;
         };
@@ -710,17 +706,18 @@ fn install_run(
                 warn!(error = %err, "Could not install a replicated connection's alias");
             }
             at += 1;
-        } else {
-            let (k, e) = run[i];
-            install(table, peer, origin, k, e);
-            // `install` took care of the alias too.
+            continue;
+        }
+        match acts[i] {
+            Action::Install(k, e) => install(table, peer, origin, k, CtEntry { origin, ..e }),
+            Action::Remove(k) => remove(table, peer, origin, &k),
+        }
+        // The careful way took care of the alias too.
+        at += 1;
+        if of.get(at).is_some_and(|&(j, a)| j == i && a) {
             at += 1;
-            if of.get(at).is_some_and(|&(j, a)| j == i && a) {
-                at += 1;
-            }
         }
     }
-    run.clear();
 }
 
 /// Installs one replicated connection (`e.origin` set) and its alias, one write at a time.
@@ -1337,7 +1334,7 @@ mod tests {
     /// exception (a key this node owns, an alias key taken, the same connection twice, a
     /// removal between installs) leaves the table exactly as one write at a time does.
     #[test]
-    fn batched_installs_match_one_by_one() {
+    fn batched_writes_match_one_by_one() {
         let (mut fx, k0, made) = lb_connection();
         // The same connection from client port `port`.
         let conn = |port: u16| {
@@ -1374,6 +1371,21 @@ mod tests {
             ),
         );
         acts.insert(20, Action::Remove(conn(2010).0));
+        // Removals in a row: connections with their aliases (2001-2004), one whose alias key
+        // is this node's (2030), this node's own connection (2020), one never installed
+        // (2099), one this node's traffic touched since (2041, seeded), and one named by its
+        // alias's key (2006's).
+        let (k6, e6) = conn(2006);
+        let (ak6, _) = lb_alias(&k6, &e6).expect("an LB alias");
+        for p in [2001, 2002, 2030, 2003, 2020, 2099, 2041, 2004] {
+            acts.push(Action::Remove(conn(p).0));
+        }
+        acts.push(Action::Remove(ak6));
+        let (k41, e41) = conn(2041);
+        let touched41 = CtEntry {
+            packets: [1, 0],
+            ..e41
+        };
         // This node's own: the connection from port 2020, and a connection on the key the
         // alias of port 2030's would take.
         let (k20, e20) = conn(2020);
@@ -1399,10 +1411,11 @@ mod tests {
             };
             table.insert(&k20, &own20).expect("seeding");
             table.insert(&ak30, &own_ak30).expect("seeding");
+            table.insert(&k41, &touched41).expect("seeding");
             let mut peer = PeerIn::new();
             apply(&mut table, &mut peer, 7, acts.clone());
             if batched {
-                // 80 records, at most 24 a run, and runs end early at the exceptions.
+                // 91 records, at most 23 a run, and runs end early at the exceptions.
                 assert!(
                     table.installer_runs() >= 4,
                     "{} runs",
@@ -1423,22 +1436,30 @@ mod tests {
             Some(&own_ak30),
             "this node's entry is kept"
         );
-        assert_eq!(batched.get(&conn(2010).0), None, "removed");
+        assert_eq!(
+            batched.get(&k41),
+            Some(&touched41),
+            "an entry this node's traffic touched is kept"
+        );
+        let removed = [2001, 2002, 2003, 2004, 2006, 2010, 2030];
+        for p in removed {
+            assert_eq!(batched.get(&conn(p).0), None, "port {p}'s removed");
+        }
         assert_eq!(
             batched.get(&k5).map(|e| e.state),
             Some(tcp_state::TIME_WAIT),
             "the later change wins"
         );
-        for p in (2000..2040).filter(|p| ![2010, 2020].contains(p)) {
+        for p in (2000..2040).filter(|p| !removed.contains(p) && *p != 2020) {
             let (k, e) = conn(p);
             assert!(batched.contains_key(&k), "connection from port {p}");
             let (ak, _) = lb_alias(&k, &e).expect("an LB alias");
             assert!(batched.contains_key(&ak), "alias of port {p}");
         }
-        // 38 connections with aliases, 2 seeded entries (port 2010's alias went with it;
-        // port 2030's alias key was this node's).
-        assert_eq!(batched.len(), 38 * 2 + 2 - 1);
-        assert_eq!((kept, refused), (1, 0));
+        // 32 connections with aliases (the removed ones' aliases went with them, but port
+        // 2030's alias key was this node's) and 3 seeded entries.
+        assert_eq!(batched.len(), 32 * 2 + 3);
+        assert_eq!((kept, refused), (2, 0));
         assert_eq!((batched, kept, refused), one_by_one);
     }
 }
