@@ -515,6 +515,14 @@ pub const IFACE_F_ROUTE_TC: u32 = 1 << 6;
 pub const IFACE_F_VLAN_XDP: u32 = 1 << 7;
 /// The same, untagging at TC ingress, for an interface without XDP.
 pub const IFACE_F_VLAN_TC: u32 = 1 << 8;
+/// A kernel vxlan device of a configured network (`[[vxlan]]`, no program attached to it):
+/// packets the L3 stage routes to it are encapsulated at XDP with the learned headers (see
+/// `crate::vxlan`); with `IFACE_F_ROUTE` and `IfaceConfig::mac`, decapsulated packets are
+/// routed as if they arrived on it.
+pub const IFACE_F_VXLAN: u32 = 1 << 9;
+/// A VXLAN underlay: UDP arriving at XDP goes to the decapsulation tail program, packets
+/// leaving (TC egress) teach the cache.
+pub const IFACE_F_VXLAN_UNDERLAY: u32 = 1 << 10;
 
 /// One write of the installer program (`program_names::CT_INSTALL`), which reads a batch of
 /// them back to back: create the entry `key` → `entry` ([`CT_RECORD_CREATE`]), or remove the

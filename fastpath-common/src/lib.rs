@@ -9,6 +9,7 @@ pub mod ct;
 pub mod lb;
 pub mod reason;
 pub mod stats;
+pub mod vxlan;
 
 pub use stats::{Counter, DatapathConfig, Hook, Verdict};
 
@@ -44,6 +45,14 @@ pub mod map_names {
     pub const BACKEND_LOAD: &str = "FP_BACKEND_LOAD";
     /// Gateway SNAT rules ([`crate::lb::SnatRule`]) by `IfaceConfig::snat`.
     pub const SNAT: &str = "FP_SNAT";
+    /// VNI → [`crate::vxlan::VxlanNet`]: the VXLAN networks of `[[vxlan]]`.
+    pub const VXLAN_NET: &str = "FP_VXLAN_NET";
+    /// [`crate::vxlan::VxlanKey`] → [`crate::vxlan::VxlanPeer`]: learned outer headers.
+    pub const VXLAN_PEER: &str = "FP_VXLAN_PEER";
+    /// The current generation of learned headers (one u64); bumping it invalidates them all.
+    pub const VXLAN_GEN: &str = "FP_VXLAN_GEN";
+    /// Per-CPU learning counters indexed by [`crate::vxlan::vxlan_stat`].
+    pub const VXLAN_STATS: &str = "FP_VXLAN_STATS";
     /// XDP tail programs (`program_names::XDP_TAILS`), filled by the loader.
     pub const TAILS: &str = "FP_TAILS";
     /// The routing benchmark generator's frame headers (`bench::BENCH_FRAME_WORDS` words).
@@ -69,12 +78,14 @@ pub mod program_names {
     pub const CT_INSTALL: &str = "fastpath_ct_install";
     /// XDP programs the main one tail-calls (`FP_TAILS`), by index: rare paths whose stack
     /// would not fit beside the main program's.
-    pub const XDP_TAILS: [&str; 5] = [
+    pub const XDP_TAILS: [&str; 7] = [
         "fastpath_xdp_icmp_error",
         "fastpath_xdp_icmp6_error",
         "fastpath_xdp_reject",
         "fastpath_xdp_reject6",
         "fastpath_xdp_vlan_forward",
+        "fastpath_xdp_vxlan_encap",
+        "fastpath_xdp_vxlan_decap",
     ];
 }
 
@@ -89,6 +100,12 @@ pub const TAIL_REJECT6: u32 = 3;
 /// `FP_TAILS` index of the XDP tail program that tags a frame forwarded out of an 802.1Q
 /// port and redirects it.
 pub const TAIL_VLAN_FORWARD: u32 = 4;
+/// `FP_TAILS` index of the XDP tail program that puts learned VXLAN headers on a frame the
+/// L3 stage routed to a vxlan device and redirects it to the underlay.
+pub const TAIL_VXLAN_ENCAP: u32 = 5;
+/// `FP_TAILS` index of the XDP tail program for UDP arriving on a VXLAN underlay: a
+/// configured network's packets are decapsulated and their inner packet routed.
+pub const TAIL_VXLAN_DECAP: u32 = 6;
 
 /// What the benchmark programs do, shared by the programs and the benchmark that drives them.
 pub mod bench {

@@ -159,8 +159,25 @@ pub const VLAN_NOT_MEMBER: u32 = 57;
 /// A port's VLAN tag could not be removed or added (no room in the frame): dropped.
 pub const VLAN_FAILED: u32 = 58;
 
+/// Encapsulated with the VXLAN headers learned for the next hop and sent out of the
+/// underlay (a cache hit; the verdict is forward).
+pub const VXLAN_ENCAP: u32 = 59;
+/// A configured VXLAN network's packet to this VTEP, decapsulated and its inner packet routed
+/// (the verdict is forward).
+pub const VXLAN_DECAP: u32 = 60;
+/// Routed to a vxlan device whose headers for that next hop are not learned yet (a cache
+/// miss), or arriving VXLAN that is not a configured network's to this VTEP (or whose inner
+/// packet does not parse): the kernel's.
+pub const VXLAN_MISS: u32 = 61;
+/// Routed to a vxlan device whose headers for that next hop were learned before the last
+/// change they depend on (an invalidation): the kernel's, which teaches them again.
+pub const VXLAN_STALE: u32 = 62;
+/// A TCP FIN or RST to or from a VXLAN network: the kernel's, so that its connection
+/// tracking sees the connection end.
+pub const VXLAN_TCP_CLOSE: u32 = 63;
+
 /// One past the highest code in use. Append new codes above this line and bump it.
-pub const COUNT: u32 = 59;
+pub const COUNT: u32 = 64;
 /// Slots reserved per (hook, verdict) in the stats map; codes must stay below this.
 pub const SLOTS: u32 = 64;
 
@@ -227,6 +244,11 @@ pub const NAMES: [&str; COUNT as usize] = [
     "route_martian",
     "vlan_not_member",
     "vlan_failed",
+    "vxlan_encap",
+    "vxlan_decap",
+    "vxlan_miss",
+    "vxlan_stale",
+    "vxlan_tcp_close",
 ];
 
 /// Name of a code, or `"unknown"` for a code this build does not know (a newer datapath).

@@ -21,6 +21,7 @@ mod reject;
 mod route;
 mod stats;
 mod vlan;
+mod vxlan;
 
 use aya_ebpf::{
     EbpfContext as _,
@@ -31,10 +32,14 @@ use aya_ebpf::{
 };
 use fastpath_common::{
     Hook, Verdict,
-    ct::{IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP},
+    ct::{IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_F_VXLAN_UNDERLAY},
+    reason,
 };
 
 use crate::packet::Packet;
+
+/// `tail` of `fastpath_xdp` when no tail program is wanted.
+const NO_TAIL: u32 = u32::MAX;
 
 /// Bytes made linear in TC when the headers are not: every header the parser reads fits in it
 /// for ordinary packets (Ethernet + 2 VLAN + IPv6 + a few extension headers + TCP).
@@ -60,31 +65,39 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
         Err(code) => pipeline::unparsed(code),
     };
     // Rare paths whose stack does not fit beside this program's: their tail programs.
-    let tails = match reason {
-        fastpath_common::reason::LB_ICMP_ERROR => Some((
+    // verifier: a plain index with a "none" value, not an `Option` (whose payload LLVM may
+    // read uninitialised on the `None` path, which the verifier refuses).
+    let family_tail = |v4: u32, v6: u32| if pipeline::is_ipv4() { v4 } else { v6 };
+    let mut tail = match reason {
+        fastpath_common::reason::LB_ICMP_ERROR => family_tail(
             fastpath_common::TAIL_ICMP_ERROR,
             fastpath_common::TAIL_ICMP6_ERROR,
-        )),
+        ),
         fastpath_common::reason::LB_REJECTED => {
-            Some((fastpath_common::TAIL_REJECT, fastpath_common::TAIL_REJECT6))
+            family_tail(fastpath_common::TAIL_REJECT, fastpath_common::TAIL_REJECT6)
         }
-        _ => None,
-    };
-    // Forwarded out of an 802.1Q port: tagged by a tail program (no stack room here).
-    let tails =
-        if verdict == Verdict::Forward && vlan::port(route::out_ifindex(), vlan::ANY).is_some() {
+        // UDP no stage took: VXLAN, if it arrived on an underlay (the tail program looks).
+        fastpath_common::reason::NO_STAGE_IPV4_UDP
+        | fastpath_common::reason::NO_STAGE_IPV6_UDP
+        | fastpath_common::reason::ROUTE_NOT_FORWARDED
+            if verdict == Verdict::Kernel =>
+        {
             route::hand_over(reason);
-            // Where the tail program is missing, dropped rather than sent untagged.
-            verdict = Verdict::Drop;
-            Some((
-                fastpath_common::TAIL_VLAN_FORWARD,
-                fastpath_common::TAIL_VLAN_FORWARD,
-            ))
-        } else {
-            tails
-        };
-    if let Some((v4, v6)) = tails {
-        let tail = if pipeline::is_ipv4() { v4 } else { v6 };
+            fastpath_common::TAIL_VXLAN_DECAP
+        }
+        _ => NO_TAIL,
+    };
+    // Forwarded out of an 802.1Q port or a vxlan device: tagged or encapsulated by a tail
+    // program (no stack room here).
+    if verdict == Verdict::Forward
+        && let Some(t) = route::egress_tail(route::out_ifindex())
+    {
+        route::hand_over(reason);
+        // Where the tail program is missing, dropped rather than sent half-done.
+        verdict = Verdict::Drop;
+        tail = t;
+    }
+    if tail != NO_TAIL {
         // SAFETY: the tail program takes the same context; it does not return here.
         unsafe { maps::FP_TAILS.tail_call(&ctx, tail) };
         // The tail program is missing: the packet goes on as it is.
@@ -124,6 +137,60 @@ pub fn fastpath_xdp_vlan_forward(ctx: XdpContext) -> u32 {
             len,
         );
         xdp_action::XDP_DROP
+    }
+}
+
+/// Tail program of `fastpath_xdp` (`FP_TAILS[TAIL_VXLAN_ENCAP]`): a frame the L3 stage
+/// routed to a vxlan device gets the outer headers learned for its next hop and goes out of
+/// the underlay (see `vxlan::encap`).
+#[xdp]
+pub fn fastpath_xdp_vxlan_encap(ctx: XdpContext) -> u32 {
+    let len = xdp_packet(&ctx).len;
+    match vxlan::encap(&ctx) {
+        vxlan::Encap::Sent(underlay) => {
+            stats::count(Hook::Xdp, Verdict::Forward, reason::VXLAN_ENCAP, len);
+            // SAFETY: bpf_redirect has no preconditions; it returns the XDP action to take.
+            unsafe { bpf_redirect(underlay, 0) as u32 }
+        }
+        vxlan::Encap::Kernel(why) => {
+            stats::count(Hook::Xdp, Verdict::Kernel, why, len);
+            xdp_action::XDP_PASS
+        }
+        vxlan::Encap::Drop => {
+            stats::count(Hook::Xdp, Verdict::Drop, reason::ROUTE_OTHER, len);
+            xdp_action::XDP_DROP
+        }
+    }
+}
+
+/// Tail program of `fastpath_xdp` (`FP_TAILS[TAIL_VXLAN_DECAP]`): UDP that no stage took
+/// (its reason handed over), decapsulated if it is VXLAN arriving on an underlay (see
+/// `vxlan::decap`). Counted with the outer length.
+#[xdp]
+pub fn fastpath_xdp_vxlan_decap(ctx: XdpContext) -> u32 {
+    let len = xdp_packet(&ctx).len;
+    match vxlan::decap(&ctx) {
+        vxlan::Decap::Forward(why) => {
+            let out = route::out_ifindex();
+            if let Some(tail) = route::egress_tail(out) {
+                route::hand_over(why);
+                // SAFETY: the tail program takes the same context; it does not return here.
+                unsafe { maps::FP_TAILS.tail_call(&ctx, tail) };
+                stats::count(Hook::Xdp, Verdict::Drop, reason::ROUTE_OTHER, len);
+                return xdp_action::XDP_DROP;
+            }
+            stats::count(Hook::Xdp, Verdict::Forward, why, len);
+            // SAFETY: bpf_redirect has no preconditions; it returns the XDP action to take.
+            unsafe { bpf_redirect(out, 0) as u32 }
+        }
+        vxlan::Decap::Kernel(why) => {
+            stats::count(Hook::Xdp, Verdict::Kernel, why, len);
+            xdp_action::XDP_PASS
+        }
+        vxlan::Decap::Drop => {
+            stats::count(Hook::Xdp, Verdict::Drop, reason::ROUTE_OTHER, len);
+            xdp_action::XDP_DROP
+        }
     }
 }
 
@@ -187,6 +254,14 @@ fn tc(ctx: TcContext, hook: Hook) -> i32 {
         pkt = tc_packet(&ctx);
         // Counted as the stages see it (as at XDP).
         len = ctx.len();
+    }
+    // Leaving a VXLAN underlay: the kernel's vxlan packets teach the cache.
+    if hook == Hook::TcEgress
+        && maps::FP_IFACE
+            .get(ifindex)
+            .is_some_and(|i| i.flags & IFACE_F_VXLAN_UNDERLAY != 0)
+    {
+        vxlan::learn(&pkt, ifindex);
     }
     let mut parsed = pipeline::parse(&pkt);
     if matches!(parsed, Err(fastpath_common::reason::HEADERS_NOT_LINEAR)) {

@@ -15,6 +15,7 @@ use fastpath_common::{
         MAX_BACKENDS, MAX_SERVICES, MAX_SNAT_RULES, Service, SnatRule, SvcCounters, SvcKey,
     },
     stats::STATS_ENTRIES,
+    vxlan::{VXLAN_NETS, VXLAN_PEERS, VxlanKey, VxlanNet, VxlanPeer, vxlan_stat},
 };
 
 /// Packet/byte counters, one slot per (hook, verdict, reason): see `stats_index`.
@@ -185,4 +186,22 @@ pub static FP_FIB: PerCpuArray<FibParams> = PerCpuArray::with_max_entries(1, 0);
 /// XDP tail programs (`program_names::XDP_TAILS`), filled by the loader before the main
 /// program is attached. Not pinned: each load brings its own programs.
 #[map(name = "FP_TAILS")]
-pub static FP_TAILS: ProgramArray = ProgramArray::with_max_entries(5, 0);
+pub static FP_TAILS: ProgramArray = ProgramArray::with_max_entries(7, 0);
+
+/// VNI → the VXLAN network's settings (daemon-written).
+#[map(name = "FP_VXLAN_NET")]
+pub static FP_VXLAN_NET: HashMap<u32, VxlanNet> = HashMap::pinned(VXLAN_NETS, 0);
+/// Outer headers learned from the kernel's vxlan devices, per (device, inner next-hop MAC).
+#[map(name = "FP_VXLAN_PEER")]
+pub static FP_VXLAN_PEER: LruHashMap<VxlanKey, VxlanPeer> = LruHashMap::pinned(VXLAN_PEERS, 0);
+/// The generation learned headers must have to be used (daemon-bumped).
+#[map(name = "FP_VXLAN_GEN")]
+pub static FP_VXLAN_GEN: Array<u64> = Array::pinned(1, 0);
+#[map(name = "FP_VXLAN_STATS")]
+pub static FP_VXLAN_STATS: PerCpuArray<u64> = PerCpuArray::pinned(vxlan_stat::SLOTS, 0);
+/// Scratch: the cache key being looked up or learned (kept off the stack).
+#[map(name = "FP_VXLAN_KEY")]
+pub static FP_VXLAN_KEY: PerCpuArray<VxlanKey> = PerCpuArray::with_max_entries(1, 0);
+/// Scratch: an entry being learned (kept off the stack).
+#[map(name = "FP_VXLAN_LEARN")]
+pub static FP_VXLAN_LEARN: PerCpuArray<VxlanPeer> = PerCpuArray::with_max_entries(1, 0);

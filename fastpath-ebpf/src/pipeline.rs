@@ -111,7 +111,7 @@ fn drop_malformed() -> bool {
 
 /// Reason for a well-formed packet that no stage claimed.
 #[inline(always)]
-fn unhandled_reason(p: &Parsed) -> u32 {
+pub fn unhandled_reason(p: &Parsed) -> u32 {
     let v4 = p.family == FAMILY_IPV4;
     if p.fragment != 0 {
         return if v4 {

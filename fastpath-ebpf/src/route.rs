@@ -10,8 +10,8 @@
 //! IPv4 options and IPv6 extension headers, fragments, VLAN-tagged frames, martian addresses.
 
 use fastpath_common::{
-    Hook, csum,
-    ct::{IFACE_F_ROUTE, IFACE_F_ROUTE_TC},
+    Hook, TAIL_VLAN_FORWARD, TAIL_VXLAN_ENCAP, csum,
+    ct::{IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_F_VXLAN},
     reason,
 };
 
@@ -94,11 +94,34 @@ pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> Result<(),
     };
     let out = route.ifindex;
     match FP_IFACE.get(out) {
+        // A VXLAN network's device: encapsulated by a tail program at XDP (the entry point's
+        // `egress_tail`), when the headers for the next hop are learned.
+        // The tail program checks for learned headers and rewrites the packet itself (no
+        // stack room here); the FIB's answer waits for it in this CPU's `FP_FIB`.
+        Some(e) if e.flags & IFACE_F_VXLAN != 0 => {
+            if hook != Hook::Xdp {
+                return Err(reason::ROUTE_EGRESS_NOT_ROUTED);
+            }
+            redirect_to(out);
+            return Ok(());
+        }
         Some(e) if e.flags & (IFACE_F_ROUTE | IFACE_F_ROUTE_TC) != 0 => {}
         _ => return Err(reason::ROUTE_EGRESS_NOT_ROUTED),
     }
-    // Every write below is to bytes read above, so none can fail once the first succeeded
-    // (the checks stay for the verifier).
+    if !rewrite(pkt, l3, v4, hdr, route.macs()) {
+        return Err(reason::ROUTE_OTHER);
+    }
+    redirect_to(out);
+    Ok(())
+}
+
+/// A routed packet's rewrite: TTL / hop limit one lower (`hdr` as `forward` read it, IPv4
+/// checksum updated incrementally) and the next hop's MAC addresses (`macs`: destination,
+/// source). Every write is to bytes read before, so none can fail once the first succeeded
+/// (the checks stay for the verifier).
+#[inline(always)]
+pub fn rewrite(pkt: &Packet, l3: usize, v4: bool, hdr: [u8; 4], macs: [u8; 12]) -> bool {
+    let ttl = hdr[0];
     let written = if v4 {
         let old = u16::from_be_bytes([ttl, hdr[1]]);
         let check = csum::replace2(u16::from_be_bytes([hdr[2], hdr[3]]), old, old - 0x0100);
@@ -107,14 +130,7 @@ pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> Result<(),
     } else {
         pkt.store(l3 + 6, [hdr[1], ttl - 1])
     };
-    if !written {
-        return Err(reason::ROUTE_OTHER);
-    }
-    if !pkt.store(0, route.macs()) {
-        return Err(reason::ROUTE_OTHER);
-    }
-    redirect_to(out);
-    Ok(())
+    written && pkt.store(0, macs)
 }
 
 /// Whether the packet has an address the kernel never forwards (the FIB lookup does not
@@ -171,5 +187,19 @@ pub fn out_ifindex() -> u32 {
     match FP_NAT.get(0) {
         Some(plan) => plan.out_ifindex,
         None => 0,
+    }
+}
+
+/// The tail program a frame forwarded at XDP out of `out` needs first: an 802.1Q port's tag
+/// (`TAIL_VLAN_FORWARD`), a vxlan device's outer headers (`TAIL_VXLAN_ENCAP`).
+#[inline(always)]
+pub fn egress_tail(out: u32) -> Option<u32> {
+    let flags = FP_IFACE.get(out)?.flags;
+    if flags & IFACE_F_VXLAN != 0 {
+        Some(TAIL_VXLAN_ENCAP)
+    } else if flags & (IFACE_F_VLAN_XDP | IFACE_F_VLAN_TC) != 0 {
+        Some(TAIL_VLAN_FORWARD)
+    } else {
+        None
     }
 }

@@ -483,6 +483,36 @@ pub struct InterfaceConfig {
     /// before the fast path redirects them out of the port. Default none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub vlan: Option<Spanned<u16>>,
+    /// This interface is a kernel vxlan device (`xdp = "off"`: no program runs on it), and
+    /// the fast path accelerates its overlay: packets routed to it (from interfaces with
+    /// `route = true`) are encapsulated at XDP with the outer headers learned from the
+    /// device's own packets and sent out of the underlay directly; the network's packets
+    /// arriving on the underlay are decapsulated at XDP and their inner packet routed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vxlan: Option<VxlanPort>,
+}
+
+/// `vxlan = { ... }` of an `[[interface]]`: the device's network, as it was created
+/// (`ip link add NAME type vxlan id VNI local LOCAL dstport PORT dev UNDERLAY`).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct VxlanPort {
+    /// The VXLAN network identifier, 1-16777215.
+    pub vni: Spanned<u32>,
+    /// This VTEP's address on the underlay (IPv4 or IPv6): the outer source of what the
+    /// device sends, the outer destination of what it receives.
+    pub local: Spanned<std::net::IpAddr>,
+    /// The UDP destination port. Default 4789.
+    #[serde(default = "default_vxlan_port")]
+    pub port: u16,
+    /// The `[[interface]]` the device's packets leave and arrive on: it needs XDP (where
+    /// arriving packets are decapsulated) and `tc_egress = true` (where the device's packets
+    /// teach the fast path their outer headers).
+    pub underlay: Spanned<String>,
+}
+
+fn default_vxlan_port() -> u16 {
+    4789
 }
 
 /// The management API's listeners and where its changes persist (`[api]`).
@@ -970,6 +1000,68 @@ impl Config {
 
     /// Checks a whole config (as parsed from `text`, read from `path`): every value, and that
     /// the services fit the datapath. Used again on every change made through the API.
+    /// `interface[i]`'s `vxlan`: a valid VNI no other device has, an underlay that is an
+    /// `[[interface]]` with XDP and TC egress, and no program on the device itself.
+    fn validate_vxlan(
+        &self,
+        err: &impl Fn(Range<usize>, String, String) -> ConfigError,
+        i: usize,
+        iface: &InterfaceConfig,
+        vx: &VxlanPort,
+    ) -> Result<(), ConfigError> {
+        let name = iface.name.get_ref();
+        let vni = *vx.vni.get_ref();
+        if !(1..=0xff_ffff).contains(&vni) {
+            return Err(err(
+                vx.vni.span(),
+                format!("interface[{i}].vxlan.vni"),
+                format!(
+                    "VNI {vni} is out of range; use 1-16777215, the id the device {name:?} was created with"
+                ),
+            ));
+        }
+        if let Some(j) = self.interfaces[..i]
+            .iter()
+            .position(|o| o.vxlan.as_ref().is_some_and(|o| *o.vni.get_ref() == vni))
+        {
+            return Err(err(
+                vx.vni.span(),
+                format!("interface[{i}].vxlan.vni"),
+                format!(
+                    "VNI {vni} is also interface[{j}]'s ({:?}); each VXLAN network has one device",
+                    self.interfaces[j].name.get_ref()
+                ),
+            ));
+        }
+        if iface.xdp != XdpMode::Off || iface.tc_ingress || iface.tc_egress {
+            return Err(err(
+                iface.name.span(),
+                format!("interface[{i}].vxlan"),
+                format!(
+                    "interface {name:?} is a vxlan device: no program runs on it (the fast path works on the underlay and the routing interfaces); set xdp = \"off\" and leave tc_ingress and tc_egress false"
+                ),
+            ));
+        }
+        let under = vx.underlay.get_ref();
+        match self.interfaces.iter().find(|o| o.name.get_ref() == under) {
+            Some(u) if u.xdp != XdpMode::Off && u.tc_egress && u.vxlan.is_none() => Ok(()),
+            Some(_) => Err(err(
+                vx.underlay.span(),
+                format!("interface[{i}].vxlan.underlay"),
+                format!(
+                    "the underlay {under:?} needs XDP (arriving VXLAN is decapsulated there) and tc_egress = true (the device's packets teach the fast path their headers there); set both in its [[interface]]"
+                ),
+            )),
+            None => Err(err(
+                vx.underlay.span(),
+                format!("interface[{i}].vxlan.underlay"),
+                format!(
+                    "the underlay {under:?} is not an [[interface]]; add one for it with XDP and tc_egress = true"
+                ),
+            )),
+        }
+    }
+
     pub fn validate(
         &self,
         path: &Path,
@@ -1101,6 +1193,9 @@ impl Config {
                     ));
                 }
             }
+            if let Some(vx) = &iface.vxlan {
+                self.validate_vxlan(&err, i, iface, vx)?;
+            }
             if !iface.snat {
                 for (k, span) in [
                     (
@@ -1145,7 +1240,11 @@ impl Config {
                     ));
                 }
             }
-            if iface.xdp == XdpMode::Off && !iface.tc_ingress && !iface.tc_egress {
+            if iface.xdp == XdpMode::Off
+                && !iface.tc_ingress
+                && !iface.tc_egress
+                && iface.vxlan.is_none()
+            {
                 return Err(err(
                     iface.name.span(),
                     format!("interface[{i}]"),
@@ -1892,6 +1991,47 @@ mod tests {
             parse("[[interface]]\nname = \"lo\"\nxdp = \"off\"\ntc_ingress = true\nroute = true\n")
                 .expect("routing at TC ingress");
         assert!(ok.interfaces[0].route);
+    }
+
+    #[test]
+    fn a_vxlan_device_needs_a_valid_vni_an_underlay_with_both_hooks_and_no_program() {
+        let cfg = |under: &str, dev: &str| {
+            Config::parse_with(
+                Path::new("test.toml"),
+                &format!(
+                    "[[interface]]\nname = \"lo\"\n{under}\n[[interface]]\nname = \"vx\"\n{dev}\n"
+                ),
+                InterfaceCheck::Skip,
+            )
+        };
+        let dev = |vni: u32| {
+            format!(
+                "xdp = \"off\"\nvxlan = {{ vni = {vni}, local = \"192.0.2.1\", underlay = \"lo\" }}"
+            )
+        };
+        for vni in [0, 1 << 24] {
+            let e = cfg("tc_egress = true", &dev(vni)).expect_err("out of range");
+            assert!(e.to_string().contains("use 1-16777215"), "{vni}: {e}");
+        }
+        let e = cfg("", &dev(42)).expect_err("no TC egress on the underlay");
+        assert!(e.to_string().contains("tc_egress = true"), "{e}");
+        let e = cfg("xdp = \"off\"\ntc_egress = true", &dev(42)).expect_err("no XDP");
+        assert!(e.to_string().contains("needs XDP"), "{e}");
+        let e = cfg(
+            "tc_egress = true",
+            "vxlan = { vni = 42, local = \"192.0.2.1\", underlay = \"lo\" }",
+        )
+        .expect_err("XDP on the device");
+        assert!(e.to_string().contains("no program runs on it"), "{e}");
+        let e = cfg(
+            "tc_egress = true",
+            "xdp = \"off\"\nvxlan = { vni = 42, local = \"192.0.2.1\", underlay = \"eth9\" }",
+        )
+        .expect_err("no such underlay");
+        assert!(e.to_string().contains("is not an [[interface]]"), "{e}");
+        let ok = cfg("tc_egress = true", &dev(42)).expect("a VXLAN device");
+        let vx = ok.interfaces[1].vxlan.as_ref().expect("vxlan");
+        assert_eq!((*vx.vni.get_ref(), vx.port), (42, 4789));
     }
 
     #[test]

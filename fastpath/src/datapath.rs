@@ -33,10 +33,12 @@ use fastpath_common::{
     ct::{
         CT_INSTALL_MAX, CT_RECORD_CREATE, CtEntry, CtKey, CtRecord, IFACE_F_CT_TC_EGRESS,
         IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL, IFACE_F_ROUTE, IFACE_F_ROUTE_TC,
-        IFACE_F_SNAT, IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_SLOTS, IfaceConfig, ct_stat,
+        IFACE_F_SNAT, IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_F_VXLAN, IFACE_F_VXLAN_UNDERLAY,
+        IFACE_SLOTS, IfaceConfig, ct_stat,
     },
     lb::{Backend, MAX_SNAT_RULES, Service, SnatRule, SvcKey},
     map_names, program_names,
+    vxlan::VxlanNet,
 };
 use tracing::{info, warn};
 
@@ -303,6 +305,7 @@ impl Datapath {
     pub fn set_interfaces(&mut self, ifaces: &[InterfaceConfig]) -> Result<(), DatapathError> {
         let mut wanted = std::collections::BTreeMap::new();
         let mut rules: Vec<SnatRule> = Vec::new();
+        let mut nets = Vec::new();
         for iface in ifaces {
             let name = iface.name.get_ref();
             let Some(ifindex) = crate::config::ifindex(name) else {
@@ -356,7 +359,19 @@ impl Datapath {
                 cfg.snat = rules.len() as u32;
                 rules.push(rule);
             }
+            if let Some(vx) = &iface.vxlan {
+                // Decapsulated packets are routed as if they arrived on the device.
+                cfg.flags |= IFACE_F_VXLAN | IFACE_F_ROUTE;
+                cfg.mac = interface_mac(name)?;
+                nets.push((ifindex, vx));
+            }
             wanted.insert(ifindex, cfg);
+        }
+        let nets = vxlan_nets(&nets)?;
+        for net in nets.values() {
+            if let Some(u) = wanted.get_mut(&net.underlay) {
+                u.flags |= IFACE_F_VXLAN_UNDERLAY;
+            }
         }
         // The rules first: an interface names its rule only once the rule is in place.
         if rules.len() > MAX_SNAT_RULES as usize {
@@ -409,7 +424,39 @@ impl Datapath {
                     })?;
             }
         }
-        Ok(())
+        self.set_vxlan_nets(&nets)
+    }
+
+    /// Writes the VXLAN networks (`FP_VXLAN_NET`: these, and no others) and starts a new
+    /// generation of learned headers: whatever was learned before this configuration is a
+    /// miss until the kernel's path teaches it again.
+    fn set_vxlan_nets(
+        &mut self,
+        nets: &std::collections::BTreeMap<u32, VxlanNet>,
+    ) -> Result<(), DatapathError> {
+        let map = |what: String| move |source| DatapathError::Map { what, source };
+        {
+            let m = self
+                .ebpf
+                .map_mut(map_names::VXLAN_NET)
+                .ok_or(DatapathError::MissingMap {
+                    name: map_names::VXLAN_NET,
+                })?;
+            let mut table: HashMap<&mut MapData, u32, VxlanNet> =
+                HashMap::try_from(m).map_err(map("opening FP_VXLAN_NET".into()))?;
+            let old: Vec<u32> = table.keys().filter_map(Result::ok).collect();
+            for (vni, net) in nets {
+                table
+                    .insert(vni, net, 0)
+                    .map_err(map(format!("writing FP_VXLAN_NET[{vni}]")))?;
+            }
+            for vni in old.iter().filter(|v| !nets.contains_key(v)) {
+                table
+                    .remove(vni)
+                    .map_err(map(format!("removing FP_VXLAN_NET[{vni}]")))?;
+            }
+        }
+        bump_vxlan_generation(&mut self.ebpf)
     }
 
     /// Writes the runtime knobs (index 0 of FP_CONFIG).
@@ -1498,6 +1545,70 @@ pub struct BackendRow {
 
 /// Interface `name`'s MAC address, asked of the kernel in this process's network namespace
 /// (`SIOCGIFHWADDR`; sysfs may show another namespace's interfaces).
+/// The VXLAN networks of the interfaces `nets` (vxlan devices by ifindex), by VNI.
+fn vxlan_nets(
+    nets: &[(u32, &crate::config::VxlanPort)],
+) -> Result<std::collections::BTreeMap<u32, VxlanNet>, DatapathError> {
+    // The kernel's default outer source ports: the namespace's local port range (a device
+    // created with `srcport` uses its own).
+    let (port_min, port_max) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| {
+            let mut it = t.split_whitespace().map(|p| p.parse::<u16>().ok());
+            Some((it.next()??, it.next()??))
+        })
+        .unwrap_or((32768, 60999));
+    let mut out = std::collections::BTreeMap::new();
+    for &(ifindex, vx) in nets {
+        let under = vx.underlay.get_ref();
+        let underlay = crate::config::ifindex(under).ok_or_else(|| {
+            DatapathError::Config(format!("the VXLAN underlay {under:?} does not exist"))
+        })?;
+        let (family, local) = match vx.local.get_ref() {
+            std::net::IpAddr::V4(a) => {
+                let mut l = [0; 16];
+                l[..4].copy_from_slice(&a.octets());
+                (4, l)
+            }
+            std::net::IpAddr::V6(a) => (6, a.octets()),
+        };
+        out.insert(
+            *vx.vni.get_ref(),
+            VxlanNet {
+                ifindex,
+                underlay,
+                port: vx.port,
+                port_min,
+                port_max,
+                family,
+                _pad: 0,
+                local,
+            },
+        );
+    }
+    Ok(out)
+}
+
+/// Starts a new generation of learned VXLAN headers (`FP_VXLAN_GEN`): every entry learned
+/// before is a miss until the kernel's path teaches it again.
+pub fn bump_vxlan_generation(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
+    let map = ebpf
+        .map_mut(map_names::VXLAN_GEN)
+        .ok_or(DatapathError::MissingMap {
+            name: map_names::VXLAN_GEN,
+        })?;
+    let mut gen_: Array<&mut MapData, u64> =
+        Array::try_from(map).map_err(|source| DatapathError::Map {
+            what: "opening FP_VXLAN_GEN".into(),
+            source,
+        })?;
+    let next = gen_.get(&0, 0).unwrap_or(0).wrapping_add(1);
+    gen_.set(0, &next, 0).map_err(|source| DatapathError::Map {
+        what: "writing FP_VXLAN_GEN".into(),
+        source,
+    })
+}
+
 fn interface_mac(name: &str) -> Result<[u8; 6], DatapathError> {
     let fail = |why: String| {
         DatapathError::Config(format!(

@@ -32,6 +32,7 @@ use fastpath_common::{
     },
     map_names, program_names,
     stats::CONFIG_F_DROP_MALFORMED,
+    vxlan::VxlanNet,
 };
 
 use crate::{
@@ -86,6 +87,11 @@ pub struct Seed {
     /// `[[service]]` tables (TOML, as in the daemon's config), applied with the daemon's own
     /// code (`datapath::apply_services`); empty: no service.
     pub services: String,
+    /// Written to `FP_VXLAN_NET` (VNI → network); every other VNI is removed.
+    pub vxlan_nets: Vec<(u32, VxlanNet)>,
+    /// Written to `FP_VXLAN_GEN[0]`. The learned headers (`FP_VXLAN_PEER`) are not part of a
+    /// seed: a run of the TC egress program learns them for the runs after it.
+    pub vxlan_generation: u64,
 }
 
 impl Seed {
@@ -177,6 +183,33 @@ impl Seed {
                 .map(|(_, c)| *c)
                 .unwrap_or_default();
             ifaces.set(ifindex, &cfg, 0).map_err(map_err)?;
+        }
+        {
+            let name = map_names::VXLAN_NET;
+            let map_err = map_error(name);
+            let map = ebpf
+                .map_mut(name)
+                .ok_or(FixtureError::MissingMap { name })?;
+            let mut nets: aya::maps::HashMap<_, u32, VxlanNet> =
+                aya::maps::HashMap::try_from(map).map_err(map_err)?;
+            let old: Vec<u32> = nets.keys().filter_map(Result::ok).collect();
+            for vni in old {
+                nets.remove(&vni).map_err(map_err)?;
+            }
+            for (vni, net) in &self.vxlan_nets {
+                nets.insert(vni, net, 0).map_err(map_err)?;
+            }
+        }
+        {
+            let name = map_names::VXLAN_GEN;
+            let map_err = map_error(name);
+            let map = ebpf
+                .map_mut(name)
+                .ok_or(FixtureError::MissingMap { name })?;
+            let mut generation: Array<_, u64> = Array::try_from(map).map_err(map_err)?;
+            generation
+                .set(0, &self.vxlan_generation, 0)
+                .map_err(map_err)?;
         }
         let text = format!("[[interface]]\nname = \"lo\"\n{}", self.services);
         let config = crate::config::Config::parse_with(

@@ -2,6 +2,7 @@
 //! builder, BPF_PROG_TEST_RUN fixtures through the real entry points, and network-namespace
 //! topologies with guaranteed cleanup.
 
+pub mod capture;
 pub mod cases;
 pub mod ct_cases;
 pub mod fixture;
@@ -11,6 +12,7 @@ pub mod packet;
 pub mod route_cases;
 pub mod traffic;
 pub mod vlan_cases;
+pub mod vxlan_cases;
 
 /// The check every root-only test (and the demo) starts with. It panics, never skips: a test
 /// that did not run must not pass. Under CI=true the message says the CI job must run as root;
@@ -47,7 +49,12 @@ pub fn enter_fresh_netns(setup: &[&[&str]]) {
         "unshare(CLONE_NEWNET): {}",
         std::io::Error::last_os_error()
     );
-    for cmd in setup {
+    run_commands(setup);
+}
+
+/// Runs each command (in this thread's namespace); panics on any failure.
+pub fn run_commands(cmds: &[&[&str]]) {
+    for cmd in cmds {
         let out = std::process::Command::new(cmd[0])
             .args(&cmd[1..])
             .output()

@@ -1,0 +1,474 @@
+//! The VXLAN fixtures: packets of the kernel's own vxlan devices, captured in a namespace
+//! topology ([`Overlay`]) and kept in `tests/fixtures/vxlan/`, and the settings the datapath
+//! needs to do what the kernel did with them.
+//!
+//! The topology: this thread's namespace is the node — `n0` towards a pod namespace (`p0`,
+//! 10.1.0.2), `und0` towards a remote VTEP namespace (`und1`, 192.168.50.2), and `vxlan0`
+//! (VNI 42, local 192.168.50.1, 10.2.0.1/24, `noudpcsum`: the fast path sends no outer UDP
+//! checksum, as RFC 7348 recommends over IPv4). The remote has its own `vxlan0` (10.2.0.2)
+//! with the node's in its FDB, and routes the pods' 10.1.0.0/24 through it. Every MAC
+//! address, neighbour and FDB entry is static: no ARP or learning in the captures.
+//!
+//! Four frames, each what a link carried:
+//! - `decap_in`: a UDP datagram the remote sent to the pod, as its vxlan device encapsulated
+//!   it, arriving on the node's underlay;
+//! - `decap_out`: the same datagram as the node's kernel decapsulated and routed it, arriving
+//!   in the pod;
+//! - `encap_in`: a UDP datagram from the pod to the remote, arriving on the node's `n0`;
+//! - `encap_out`: the same as the node's kernel routed it into `vxlan0` and encapsulated it,
+//!   arriving at the remote.
+
+use std::{path::PathBuf, time::Duration};
+
+use fastpath_common::vxlan::VxlanNet;
+
+use super::{
+    capture::{Direction, PacketSocket},
+    netns::Netns,
+    packet::{Ipv4, Pkt},
+};
+
+pub const N0_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x0b, 0];
+pub const P0_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x0b, 1];
+pub const UND0_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x0c, 0];
+pub const UND1_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x0c, 1];
+pub const VXLAN0_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x0d, 0];
+pub const REMOTE_VXLAN_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x0d, 1];
+pub const POD: [u8; 4] = [10, 1, 0, 2];
+pub const REMOTE: [u8; 4] = [10, 2, 0, 2];
+pub const LOCAL_VTEP: [u8; 4] = [192, 168, 50, 1];
+pub const REMOTE_VTEP: [u8; 4] = [192, 168, 50, 2];
+pub const VNI: u32 = 42;
+pub const VXLAN_PORT: u16 = 4789;
+const PAYLOAD: &[u8] = b"fastpath vxlan fixture";
+
+/// The four captured frames (see the module's documentation).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Captures {
+    pub decap_in: Vec<u8>,
+    pub decap_out: Vec<u8>,
+    pub encap_in: Vec<u8>,
+    pub encap_out: Vec<u8>,
+}
+
+/// The names of the fixture files, in `Captures` order.
+pub const FIXTURE_NAMES: [&str; 4] = ["decap_in", "decap_out", "encap_in", "encap_out"];
+
+/// The pod and remote namespaces; the node is the thread's namespace that built them.
+pub struct Overlay {
+    pub pod: Netns,
+    pub remote: Netns,
+}
+
+fn mac(m: [u8; 6]) -> String {
+    m.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+impl Overlay {
+    /// Moves this thread to a fresh namespace, the node, and builds the topology around it.
+    /// Panics on any failure. Needs root.
+    pub fn build() -> Overlay {
+        let pod = Netns::create("vx-pod").unwrap_or_else(|e| panic!("{e}"));
+        let remote = Netns::create("vx-remote").unwrap_or_else(|e| panic!("{e}"));
+        super::enter_fresh_netns(&[]);
+        let (n0, p0, und0, und1) = (mac(N0_MAC), mac(P0_MAC), mac(UND0_MAC), mac(UND1_MAC));
+        let (vx0, vx1) = (mac(VXLAN0_MAC), mac(REMOTE_VXLAN_MAC));
+        let node = [
+            vec!["ip", "link", "set", "lo", "up"],
+            vec!["sysctl", "-qw", "net.ipv4.ip_forward=1"],
+            vec![
+                "ip",
+                "link",
+                "add",
+                "n0",
+                "address",
+                &n0,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "p0",
+                "address",
+                &p0,
+                "netns",
+                pod.name(),
+            ],
+            vec![
+                "ip",
+                "link",
+                "add",
+                "und0",
+                "address",
+                &und0,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "und1",
+                "address",
+                &und1,
+                "netns",
+                remote.name(),
+            ],
+            vec!["ip", "addr", "add", "10.1.0.1/24", "dev", "n0"],
+            vec!["ip", "addr", "add", "192.168.50.1/24", "dev", "und0"],
+            vec!["ip", "link", "set", "n0", "up"],
+            vec!["ip", "link", "set", "und0", "up"],
+            vec![
+                "ip",
+                "link",
+                "add",
+                "vxlan0",
+                "address",
+                &vx0,
+                "type",
+                "vxlan",
+                "id",
+                "42",
+                "local",
+                "192.168.50.1",
+                "dstport",
+                "4789",
+                "dev",
+                "und0",
+                "nolearning",
+                "noudpcsum",
+            ],
+            vec!["ip", "addr", "add", "10.2.0.1/24", "dev", "vxlan0"],
+            vec!["ip", "link", "set", "vxlan0", "up"],
+            vec![
+                "ip",
+                "neigh",
+                "add",
+                "10.2.0.2",
+                "lladdr",
+                &vx1,
+                "dev",
+                "vxlan0",
+                "nud",
+                "permanent",
+            ],
+            vec![
+                "bridge",
+                "fdb",
+                "append",
+                &vx1,
+                "dev",
+                "vxlan0",
+                "dst",
+                "192.168.50.2",
+            ],
+            vec![
+                "ip",
+                "neigh",
+                "add",
+                "192.168.50.2",
+                "lladdr",
+                &und1,
+                "dev",
+                "und0",
+                "nud",
+                "permanent",
+            ],
+            vec![
+                "ip",
+                "neigh",
+                "add",
+                "10.1.0.2",
+                "lladdr",
+                &p0,
+                "dev",
+                "n0",
+                "nud",
+                "permanent",
+            ],
+        ];
+        super::run_commands(&node.iter().map(Vec::as_slice).collect::<Vec<_>>());
+        for cmd in [
+            vec!["addr", "add", "10.1.0.2/24", "dev", "p0"],
+            vec!["link", "set", "p0", "up"],
+            vec!["route", "add", "default", "via", "10.1.0.1"],
+            vec![
+                "neigh",
+                "add",
+                "10.1.0.1",
+                "lladdr",
+                &n0,
+                "dev",
+                "p0",
+                "nud",
+                "permanent",
+            ],
+        ] {
+            pod.ip(&cmd).unwrap_or_else(|e| panic!("{e}"));
+        }
+        for cmd in [
+            vec!["addr", "add", "192.168.50.2/24", "dev", "und1"],
+            vec!["link", "set", "und1", "up"],
+            vec![
+                "link",
+                "add",
+                "vxlan0",
+                "address",
+                &vx1,
+                "type",
+                "vxlan",
+                "id",
+                "42",
+                "local",
+                "192.168.50.2",
+                "dstport",
+                "4789",
+                "dev",
+                "und1",
+                "nolearning",
+                "noudpcsum",
+            ],
+            vec!["addr", "add", "10.2.0.2/24", "dev", "vxlan0"],
+            vec!["link", "set", "vxlan0", "up"],
+            vec![
+                "neigh",
+                "add",
+                "10.2.0.1",
+                "lladdr",
+                &vx0,
+                "dev",
+                "vxlan0",
+                "nud",
+                "permanent",
+            ],
+            vec![
+                "neigh",
+                "add",
+                "192.168.50.1",
+                "lladdr",
+                &und0,
+                "dev",
+                "und1",
+                "nud",
+                "permanent",
+            ],
+            vec![
+                "route",
+                "add",
+                "10.1.0.0/24",
+                "via",
+                "10.2.0.1",
+                "dev",
+                "vxlan0",
+            ],
+        ] {
+            remote.ip(&cmd).unwrap_or_else(|e| panic!("{e}"));
+        }
+        remote
+            .run(&[
+                "bridge",
+                "fdb",
+                "append",
+                &vx0,
+                "dev",
+                "vxlan0",
+                "dst",
+                "192.168.50.1",
+            ])
+            .unwrap_or_else(|e| panic!("{e}"));
+        Overlay { pod, remote }
+    }
+
+    /// The node's VXLAN network as the daemon would configure it (ifindexes of this thread's
+    /// namespace).
+    pub fn net() -> VxlanNet {
+        let idx = |n: &str| crate::config::ifindex(n).unwrap_or_else(|| panic!("no {n}"));
+        let mut local = [0; 16];
+        local[..4].copy_from_slice(&LOCAL_VTEP);
+        VxlanNet {
+            ifindex: idx("vxlan0"),
+            underlay: idx("und0"),
+            port: VXLAN_PORT,
+            port_min: 32768,
+            port_max: 60999,
+            family: 4,
+            _pad: 0,
+            local,
+        }
+    }
+
+    /// Sends the two datagrams through the kernel's path and captures the four frames.
+    pub fn capture(&self) -> Captures {
+        let wait = Duration::from_secs(3);
+        let und0 = PacketSocket::open("und0").unwrap_or_else(|e| panic!("und0: {e}"));
+        let n0 = PacketSocket::open("n0").unwrap_or_else(|e| panic!("n0: {e}"));
+        let p0 = self
+            .pod
+            .in_netns(|| PacketSocket::open("p0"))
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|e| panic!("p0: {e}"));
+        let und1 = self
+            .remote
+            .in_netns(|| PacketSocket::open("und1"))
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|e| panic!("und1: {e}"));
+        // Remote → pod: sent by the remote's IP stack (raw, header included), so its vxlan
+        // device encapsulates it.
+        let to_pod = udp(REMOTE, POD, 40000, 7, 0x1111).build();
+        self.remote
+            .in_netns(|| send_ipv4(&to_pod[14..], POD))
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|e| panic!("sending to the pod: {e}"));
+        let decap_in = und0
+            .capture(Direction::Arriving, wait, |f| vxlan_of(f, POD))
+            .expect("the remote's VXLAN datagram on the node's underlay");
+        let decap_out = p0
+            .capture(Direction::Arriving, wait, |f| inner_udp_to(f, POD))
+            .expect("the decapsulated datagram in the pod");
+        // Pod → remote: a frame as the pod's stack would send it, injected on p0.
+        let from_pod = udp(POD, REMOTE, 7, 40000, 0x2222)
+            .macs(N0_MAC, P0_MAC)
+            .build();
+        p0.send(&from_pod)
+            .unwrap_or_else(|e| panic!("sending from the pod: {e}"));
+        let encap_in = n0
+            .capture(Direction::Arriving, wait, |f| inner_udp_to(f, REMOTE))
+            .expect("the pod's datagram on the node's n0");
+        let encap_out = und1
+            .capture(Direction::Arriving, wait, |f| vxlan_of(f, REMOTE))
+            .expect("the node's VXLAN datagram at the remote");
+        Captures {
+            decap_in,
+            decap_out,
+            encap_in,
+            encap_out,
+        }
+    }
+}
+
+/// An Ethernet/IPv4/UDP frame with the fixtures' payload (DF set).
+fn udp(src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16, id: u16) -> Pkt {
+    let mut h = Ipv4::new(src, dst);
+    h.id = id;
+    h.flags_frag = 0x4000;
+    Pkt::eth().ipv4_with(h).udp(sport, dport).payload(PAYLOAD)
+}
+
+/// Sends an IPv4 packet (header included) from this thread's namespace.
+fn send_ipv4(packet: &[u8], dst: [u8; 4]) -> std::io::Result<()> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    // SAFETY: a plain socket(2) call; the fd is owned right below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a new descriptor nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: sockaddr_in is plain old data; all zeroes is valid.
+    let mut sin: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    sin.sin_family = libc::AF_INET as u16;
+    sin.sin_addr.s_addr = u32::from_ne_bytes(dst);
+    // SAFETY: the buffer and the address are valid for the lengths given.
+    let n = unsafe {
+        libc::sendto(
+            fd.as_raw_fd(),
+            packet.as_ptr().cast(),
+            packet.len(),
+            0,
+            (&raw const sin).cast::<libc::sockaddr>(),
+            size_of::<libc::sockaddr_in>() as u32,
+        )
+    };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Whether `f` is IPv4/UDP to `dst` (an inner frame).
+fn inner_udp_to(f: &[u8], dst: [u8; 4]) -> bool {
+    f.len() >= 42 && f[12..14] == [0x08, 0x00] && f[23] == 17 && f[30..34] == dst
+}
+
+/// Whether `f` is VXLAN (IPv4 underlay, port 4789) carrying UDP to `inner_dst`.
+fn vxlan_of(f: &[u8], inner_dst: [u8; 4]) -> bool {
+    f.len() >= 50 + 42
+        && f[12..14] == [0x08, 0x00]
+        && f[23] == 17
+        && f[36..38] == VXLAN_PORT.to_be_bytes()
+        && inner_udp_to(&f[50..], inner_dst)
+}
+
+/// An outer frame with the fields the kernel varies per packet zeroed: the IPv4
+/// identification and header checksum, and the UDP source port (from the flow hash, whose
+/// seed is random per boot).
+pub fn outer_masked(f: &[u8]) -> Vec<u8> {
+    let mut m = f.to_vec();
+    for i in [18, 19, 24, 25, 34, 35] {
+        if let Some(b) = m.get_mut(i) {
+            *b = 0;
+        }
+    }
+    m
+}
+
+/// Where the fixture files live.
+pub fn fixture_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vxlan")
+}
+
+/// A frame as the fixture files hold it: hex, 16 bytes per line.
+pub fn to_hex(f: &[u8]) -> String {
+    f.chunks(16)
+        .map(|c| {
+            c.iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+                + "\n"
+        })
+        .collect()
+}
+
+/// A frame from its fixture file's text.
+pub fn from_hex(text: &str) -> Result<Vec<u8>, String> {
+    text.split_whitespace()
+        .map(|b| u8::from_str_radix(b, 16).map_err(|e| format!("{b:?}: {e}")))
+        .collect()
+}
+
+impl Captures {
+    /// The frames kept in the fixture files.
+    pub fn load() -> Result<Captures, String> {
+        let mut f = FIXTURE_NAMES.iter().map(|name| {
+            let path = fixture_dir().join(format!("{name}.hex"));
+            std::fs::read_to_string(&path)
+                .map_err(|e| format!("{}: {e}", path.display()))
+                .and_then(|t| from_hex(&t).map_err(|e| format!("{}: {e}", path.display())))
+        });
+        let mut next = || f.next().unwrap_or_else(|| Err("missing".into()));
+        Ok(Captures {
+            decap_in: next()?,
+            decap_out: next()?,
+            encap_in: next()?,
+            encap_out: next()?,
+        })
+    }
+
+    /// Writes the fixture files.
+    pub fn save(&self) -> std::io::Result<()> {
+        std::fs::create_dir_all(fixture_dir())?;
+        for (name, f) in FIXTURE_NAMES.iter().zip(self.frames()) {
+            std::fs::write(fixture_dir().join(format!("{name}.hex")), to_hex(f))?;
+        }
+        Ok(())
+    }
+
+    pub fn frames(&self) -> [&[u8]; 4] {
+        [
+            &self.decap_in,
+            &self.decap_out,
+            &self.encap_in,
+            &self.encap_out,
+        ]
+    }
+}

@@ -1,0 +1,304 @@
+//! VXLAN in the fast path against the kernel's own vxlan devices: the test builds the
+//! overlay topology of `testkit::vxlan_cases`, captures what the kernel puts on the links,
+//! checks that against the frames kept in `tests/fixtures/vxlan/` (`FP_UPDATE_FIXTURES=1`
+//! writes them anew), and replays the kept frames through the real entry points with
+//! BPF_PROG_TEST_RUN in the node's namespace (its FIB and neighbours): decapsulation must
+//! give the kernel's routed frame byte for byte; encapsulation, after the TC egress program
+//! learned the headers from the kernel's frame, must give the kernel's frame but for the
+//! per-packet fields (outer IPv4 identification and checksum, UDP source port). Misses,
+//! invalidation by generation, TCP FIN/RST and frames the fast path must leave alone go to the
+//! kernel unchanged, each with its reason. Needs root; without it the test fails (never
+//! skips).
+
+use fastpath::testkit::{
+    fixture::{Case, CounterDelta, Fixture, Seed, raw_verdict},
+    require_root,
+    vxlan_cases::{Captures, N0_MAC, Overlay, REMOTE, VNI, VXLAN0_MAC, outer_masked, to_hex},
+};
+use fastpath_common::{
+    Hook, Verdict,
+    ct::{IFACE_F_ROUTE, IFACE_F_VXLAN, IFACE_F_VXLAN_UNDERLAY, IfaceConfig},
+    reason,
+};
+
+fn ifindex(name: &str) -> u32 {
+    fastpath::config::ifindex(name).unwrap_or_else(|| panic!("no interface {name}"))
+}
+
+/// The IPv4 header checksum of the header at `at` (its checksum field included: a valid
+/// header sums to zero).
+fn ipv4_sum(f: &[u8], at: usize) -> u16 {
+    let mut sum: u32 = f[at..at + 20]
+        .chunks(2)
+        .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// `f` with the IPv4 header at `at` given a fresh checksum.
+fn fix_ipv4_check(mut f: Vec<u8>, at: usize) -> Vec<u8> {
+    f[at + 10] = 0;
+    f[at + 11] = 0;
+    let c = ipv4_sum(&f, at);
+    f[at + 10..at + 12].copy_from_slice(&c.to_be_bytes());
+    f
+}
+
+/// A case whose frame the kernel gets unchanged, with `why`.
+fn to_kernel(name: &str, hook: Hook, seed: &Seed, input: Vec<u8>, on: u32, why: u32) -> Case {
+    let bytes = input.len() as u64;
+    Case {
+        name: name.into(),
+        hook,
+        seed: seed.clone(),
+        expect_verdict: raw_verdict(hook, Verdict::Kernel),
+        expect_output: None,
+        expect_counters: vec![CounterDelta::new(hook, Verdict::Kernel, why, 1, bytes)],
+        input,
+        arrives_on: Some(on),
+    }
+}
+
+#[test]
+fn vxlan_encap_and_decap_match_the_kernels_own_packets() {
+    require_root("vxlan_fixtures");
+    let overlay = Overlay::build();
+    let fresh = overlay.capture();
+    if std::env::var("FP_UPDATE_FIXTURES").is_ok_and(|v| v == "1") {
+        fresh.save().expect("writing the fixture files");
+    }
+    let kept = Captures::load().unwrap_or_else(|e| {
+        panic!("reading the fixture files ({e}); FP_UPDATE_FIXTURES=1 writes them from a capture")
+    });
+    // The kernel still makes the frames kept (but for its per-packet fields).
+    assert_eq!(
+        fresh.decap_out,
+        kept.decap_out,
+        "decap_out:\n{}",
+        to_hex(&fresh.decap_out)
+    );
+    assert_eq!(
+        fresh.encap_in,
+        kept.encap_in,
+        "encap_in:\n{}",
+        to_hex(&fresh.encap_in)
+    );
+    assert_eq!(
+        outer_masked(&fresh.decap_in),
+        outer_masked(&kept.decap_in),
+        "decap_in:\n{}",
+        to_hex(&fresh.decap_in)
+    );
+    assert_eq!(
+        outer_masked(&fresh.encap_out),
+        outer_masked(&kept.encap_out),
+        "encap_out:\n{}",
+        to_hex(&fresh.encap_out)
+    );
+
+    let (n0, und0, vxlan0) = (ifindex("n0"), ifindex("und0"), ifindex("vxlan0"));
+    let mut seed = Seed::default()
+        .with_iface_config(
+            n0,
+            IfaceConfig {
+                flags: IFACE_F_ROUTE,
+                mac: N0_MAC,
+                ..IfaceConfig::default()
+            },
+        )
+        .with_iface(und0, IFACE_F_VXLAN_UNDERLAY)
+        .with_iface_config(
+            vxlan0,
+            IfaceConfig {
+                flags: IFACE_F_VXLAN | IFACE_F_ROUTE,
+                mac: VXLAN0_MAC,
+                ..IfaceConfig::default()
+            },
+        );
+    seed.vxlan_nets = vec![(VNI, Overlay::net())];
+    let mut fx = Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));
+    let check = |fx: &mut Fixture, c: &Case| {
+        if let Err(f) = fx.evaluate(c) {
+            panic!("{f}");
+        }
+    };
+
+    // Decapsulation: the kernel's routed frame, byte for byte.
+    let decap_bytes = kept.decap_in.len() as u64;
+    check(
+        &mut fx,
+        &Case {
+            name: "decap".into(),
+            hook: Hook::Xdp,
+            seed: seed.clone(),
+            expect_verdict: raw_verdict(Hook::Xdp, Verdict::Forward),
+            expect_output: Some(kept.decap_out.clone()),
+            expect_counters: vec![CounterDelta::new(
+                Hook::Xdp,
+                Verdict::Forward,
+                reason::VXLAN_DECAP,
+                1,
+                decap_bytes,
+            )],
+            input: kept.decap_in.clone(),
+            arrives_on: Some(und0),
+        },
+    );
+    // Frames decapsulation leaves to the kernel come out as they went in: another VNI, an
+    // inner TTL that expires (the kernel sends the ICMP error), an inner TCP RST.
+    let mut other_vni = kept.decap_in.clone();
+    other_vni[48] ^= 1;
+    check(
+        &mut fx,
+        &to_kernel(
+            "decap_other_vni",
+            Hook::Xdp,
+            &seed,
+            other_vni,
+            und0,
+            reason::NO_STAGE_IPV4_UDP,
+        ),
+    );
+    let mut ttl1 = kept.decap_in.clone();
+    ttl1[50 + 14 + 8] = 1;
+    let ttl1 = fix_ipv4_check(ttl1, 50 + 14);
+    check(
+        &mut fx,
+        &to_kernel(
+            "decap_inner_ttl_1",
+            Hook::Xdp,
+            &seed,
+            ttl1,
+            und0,
+            reason::ROUTE_TTL_EXPIRED,
+        ),
+    );
+
+    // Encapsulation: a miss before anything is learned.
+    check(
+        &mut fx,
+        &to_kernel(
+            "encap_miss",
+            Hook::Xdp,
+            &seed,
+            kept.encap_in.clone(),
+            n0,
+            reason::VXLAN_MISS,
+        ),
+    );
+    // The kernel's frame leaving the underlay teaches the headers (the frame goes on).
+    let learn = to_kernel(
+        "learn",
+        Hook::TcEgress,
+        &seed,
+        kept.encap_out.clone(),
+        und0,
+        reason::NO_STAGE_IPV4_UDP,
+    );
+    check(&mut fx, &learn);
+    let encap = Case {
+        name: "encap".into(),
+        hook: Hook::Xdp,
+        seed: seed.clone(),
+        expect_verdict: raw_verdict(Hook::Xdp, Verdict::Forward),
+        expect_output: None,
+        expect_counters: Vec::new(),
+        input: kept.encap_in.clone(),
+        arrives_on: Some(n0),
+    };
+    let out = fx.run(&encap).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        out.verdict,
+        raw_verdict(Hook::Xdp, Verdict::Forward),
+        "encap verdict"
+    );
+    assert_eq!(
+        outer_masked(&out.output),
+        outer_masked(&kept.encap_out),
+        "encapsulated frame (masked) differs from the kernel's:\nours:\n{}\nkernel's:\n{}",
+        to_hex(&out.output),
+        to_hex(&kept.encap_out)
+    );
+    assert_eq!(ipv4_sum(&out.output, 14), 0, "outer IPv4 checksum");
+    let id = |f: &[u8]| u16::from_be_bytes([f[18], f[19]]);
+    assert_eq!(
+        id(&out.output),
+        id(&kept.encap_out).wrapping_add(1),
+        "the identification goes on from the kernel's"
+    );
+    let sport = u16::from_be_bytes([out.output[34], out.output[35]]);
+    assert!((32768..60999).contains(&sport), "source port {sport}");
+    assert_eq!(
+        out.counters
+            .get(Hook::Xdp, Verdict::Forward, reason::VXLAN_ENCAP)
+            .packets,
+        1,
+        "counted as an encapsulation: {:?}",
+        out.counters
+    );
+    // The same flow keeps its source port.
+    let again = fx.run(&encap).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        [again.output[34], again.output[35]],
+        [out.output[34], out.output[35]]
+    );
+
+    // A new generation (a configuration, route or neighbour change): stale until the
+    // kernel's path teaches the headers again.
+    let mut next = seed.clone();
+    next.vxlan_generation = 1;
+    check(
+        &mut fx,
+        &to_kernel(
+            "encap_stale",
+            Hook::Xdp,
+            &next,
+            kept.encap_in.clone(),
+            n0,
+            reason::VXLAN_STALE,
+        ),
+    );
+    check(
+        &mut fx,
+        &Case {
+            seed: next.clone(),
+            ..learn.clone()
+        },
+    );
+    let out = fx
+        .run(&Case {
+            seed: next.clone(),
+            ..encap.clone()
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        out.verdict,
+        raw_verdict(Hook::Xdp, Verdict::Forward),
+        "relearned"
+    );
+    // TCP FIN and RST take the kernel's path.
+    let fin = fastpath::testkit::packet::Pkt::eth()
+        .macs(N0_MAC, fastpath::testkit::vxlan_cases::P0_MAC)
+        .ipv4(fastpath::testkit::vxlan_cases::POD, REMOTE)
+        .tcp(7, 40000, 0x11)
+        .build();
+    check(
+        &mut fx,
+        &to_kernel(
+            "encap_fin",
+            Hook::Xdp,
+            &next,
+            fin,
+            n0,
+            reason::VXLAN_TCP_CLOSE,
+        ),
+    );
+    eprintln!(
+        "VXLAN fixtures: decapsulation byte-exact, encapsulation byte-exact but for the outer identification, checksum and source port ({} and {} bytes)",
+        kept.decap_out.len(),
+        kept.encap_out.len()
+    );
+}
