@@ -184,6 +184,24 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         std::time::Duration::from_millis(*rules.config().conntrack.gc_interval_ms.get_ref()),
         stop_rx.clone(),
     ));
+    // Route, neighbour and link changes end the generation of learned VXLAN headers.
+    let vxlan_generations = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let netwatch_task = {
+        let (pin_dir, generations, stop) =
+            (pin_dir.clone(), vxlan_generations.clone(), stop_rx.clone());
+        tokio::spawn(async move {
+            let path = pin_dir
+                .join("maps")
+                .join(fastpath_common::map_names::VXLAN_GEN);
+            let watched = match datapath::VxlanGeneration::open_pin(&path) {
+                Ok(g) => crate::netwatch::watch(g, generations, stop).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = watched {
+                warn!(error = %e, "Learned VXLAN headers will not follow route and neighbour changes");
+            }
+        })
+    };
     let event_log = opts.ct_events_log.clone().map(|path| {
         tokio::spawn(ct_events::log_to_file(
             hub.subscribe(),
@@ -289,6 +307,7 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
     }
     let _ = std::fs::remove_file(&socket);
     let _ = gc_task.await;
+    let _ = netwatch_task.await;
     if let Some((_, running)) = ha {
         running.stopped().await;
     }

@@ -1597,16 +1597,53 @@ pub fn bump_vxlan_generation(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
         .ok_or(DatapathError::MissingMap {
             name: map_names::VXLAN_GEN,
         })?;
-    let mut gen_: Array<&mut MapData, u64> =
-        Array::try_from(map).map_err(|source| DatapathError::Map {
-            what: "opening FP_VXLAN_GEN".into(),
+    let mut array = Array::try_from(map).map_err(|source| DatapathError::Map {
+        what: "opening FP_VXLAN_GEN".into(),
+        source,
+    })?;
+    next_generation(&mut array).map(drop)
+}
+
+/// Bumps the generation in `array` (`FP_VXLAN_GEN`); returns the new one.
+fn next_generation<T: std::borrow::BorrowMut<MapData>>(
+    array: &mut Array<T, u64>,
+) -> Result<u64, DatapathError> {
+    let next = array.get(&0, 0).unwrap_or(0).wrapping_add(1);
+    array
+        .set(0, &next, 0)
+        .map_err(|source| DatapathError::Map {
+            what: "writing FP_VXLAN_GEN".into(),
             source,
         })?;
-    let next = gen_.get(&0, 0).unwrap_or(0).wrapping_add(1);
-    gen_.set(0, &next, 0).map_err(|source| DatapathError::Map {
-        what: "writing FP_VXLAN_GEN".into(),
-        source,
-    })
+    Ok(next)
+}
+
+/// The generation of learned VXLAN headers of a running datapath (pinned `FP_VXLAN_GEN`).
+pub struct VxlanGeneration(Array<MapData, u64>);
+
+impl VxlanGeneration {
+    /// The map pinned at `map_path` (`<pin_dir>/maps/FP_VXLAN_GEN` for the daemon's).
+    pub fn open_pin(map_path: &Path) -> Result<VxlanGeneration, DatapathError> {
+        let data = MapData::from_pin(map_path).map_err(|source| DatapathError::Map {
+            what: format!("opening {}", map_path.display()),
+            source,
+        })?;
+        Array::try_from(aya::maps::Map::Array(data))
+            .map(VxlanGeneration)
+            .map_err(|source| DatapathError::Map {
+                what: "opening FP_VXLAN_GEN".into(),
+                source,
+            })
+    }
+
+    pub fn current(&self) -> u64 {
+        self.0.get(&0, 0).unwrap_or(0)
+    }
+
+    /// Starts a new generation; returns it.
+    pub fn bump(&mut self) -> Result<u64, DatapathError> {
+        next_generation(&mut self.0)
+    }
 }
 
 fn interface_mac(name: &str) -> Result<[u8; 6], DatapathError> {

@@ -12,6 +12,7 @@ pub mod health;
 pub mod lb;
 pub mod maglev;
 pub mod metrics;
+pub mod netwatch;
 pub mod rules;
 pub mod stats;
 pub mod sync;

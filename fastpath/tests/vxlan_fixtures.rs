@@ -249,7 +249,7 @@ fn vxlan_encap_and_decap_match_the_kernels_own_packets() {
     // A new generation (a configuration, route or neighbour change): stale until the
     // kernel's path teaches the headers again.
     let mut next = seed.clone();
-    next.vxlan_generation = 1;
+    next.vxlan_generation = Some(1);
     check(
         &mut fx,
         &to_kernel(
@@ -279,6 +279,77 @@ fn vxlan_encap_and_decap_match_the_kernels_own_packets() {
         raw_verdict(Hook::Xdp, Verdict::Forward),
         "relearned"
     );
+    // A neighbour change on the underlay ends the generation too (the daemon's watcher of
+    // route, neighbour and link changes).
+    let rt = tokio::runtime::Runtime::new().expect("a runtime");
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let bumps = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let gen_pin = fx.pin_dir().join(fastpath_common::map_names::VXLAN_GEN);
+    let open = || fastpath::datapath::VxlanGeneration::open_pin(&gen_pin).expect("FP_VXLAN_GEN");
+    let watcher = {
+        let (bumps, watched) = (bumps.clone(), open());
+        rt.spawn(async move { fastpath::netwatch::watch(watched, bumps, stop_rx).await })
+    };
+    let generation = open();
+    let before = generation.current();
+    // Let the watcher subscribe before the change.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    fastpath::testkit::run_commands(&[&[
+        "ip",
+        "neigh",
+        "replace",
+        "192.168.50.2",
+        "lladdr",
+        "02:00:00:00:0c:09",
+        "dev",
+        "und0",
+        "nud",
+        "permanent",
+    ]]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    while generation.current() == before && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(
+        generation.current() > before,
+        "the neighbour change started a generation"
+    );
+    let mut watched = next.clone();
+    watched.vxlan_generation = None;
+    check(
+        &mut fx,
+        &to_kernel(
+            "encap_stale_after_neighbour_change",
+            Hook::Xdp,
+            &watched,
+            kept.encap_in.clone(),
+            n0,
+            reason::VXLAN_STALE,
+        ),
+    );
+    check(
+        &mut fx,
+        &Case {
+            seed: watched.clone(),
+            ..learn.clone()
+        },
+    );
+    let out = fx
+        .run(&Case {
+            seed: watched.clone(),
+            ..encap.clone()
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        out.verdict,
+        raw_verdict(Hook::Xdp, Verdict::Forward),
+        "relearned after the change"
+    );
+    let _ = stop_tx.send(true);
+    rt.block_on(watcher)
+        .expect("the watcher task")
+        .expect("the watcher");
+    assert!(bumps.load(std::sync::atomic::Ordering::Relaxed) >= 1);
     // TCP FIN and RST take the kernel's path.
     let fin = fastpath::testkit::packet::Pkt::eth()
         .macs(N0_MAC, fastpath::testkit::vxlan_cases::P0_MAC)

@@ -89,9 +89,10 @@ pub struct Seed {
     pub services: String,
     /// Written to `FP_VXLAN_NET` (VNI → network); every other VNI is removed.
     pub vxlan_nets: Vec<(u32, VxlanNet)>,
-    /// Written to `FP_VXLAN_GEN[0]`. The learned headers (`FP_VXLAN_PEER`) are not part of a
-    /// seed: a run of the TC egress program learns them for the runs after it.
-    pub vxlan_generation: u64,
+    /// Written to `FP_VXLAN_GEN[0]` when set (`None` leaves the generation as it is). The
+    /// learned headers (`FP_VXLAN_PEER`) are not part of a seed: a run of the TC egress
+    /// program learns them for the runs after it.
+    pub vxlan_generation: Option<u64>,
 }
 
 impl Seed {
@@ -200,16 +201,14 @@ impl Seed {
                 nets.insert(vni, net, 0).map_err(map_err)?;
             }
         }
-        {
+        if let Some(g) = self.vxlan_generation {
             let name = map_names::VXLAN_GEN;
             let map_err = map_error(name);
             let map = ebpf
                 .map_mut(name)
                 .ok_or(FixtureError::MissingMap { name })?;
             let mut generation: Array<_, u64> = Array::try_from(map).map_err(map_err)?;
-            generation
-                .set(0, &self.vxlan_generation, 0)
-                .map_err(map_err)?;
+            generation.set(0, &g, 0).map_err(map_err)?;
         }
         let text = format!("[[interface]]\nname = \"lo\"\n{}", self.services);
         let config = crate::config::Config::parse_with(
