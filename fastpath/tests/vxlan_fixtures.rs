@@ -250,35 +250,39 @@ fn vxlan_encap_and_decap_match_the_kernels_own_packets() {
     // kernel's path teaches the headers again.
     let mut next = seed.clone();
     next.vxlan_generation = Some(1);
-    check(
-        &mut fx,
-        &to_kernel(
-            "encap_stale",
-            Hook::Xdp,
-            &next,
-            kept.encap_in.clone(),
-            n0,
-            reason::VXLAN_STALE,
-        ),
-    );
-    check(
-        &mut fx,
-        &Case {
-            seed: next.clone(),
-            ..learn.clone()
-        },
-    );
-    let out = fx
-        .run(&Case {
-            seed: next.clone(),
-            ..encap.clone()
-        })
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(
-        out.verdict,
-        raw_verdict(Hook::Xdp, Verdict::Forward),
-        "relearned"
-    );
+    // Stale under `seed`'s generation, then taught again by the kernel's frame.
+    let stale_then_relearned = |fx: &mut Fixture, name: &str, seed: &Seed| {
+        check(
+            fx,
+            &to_kernel(
+                name,
+                Hook::Xdp,
+                seed,
+                kept.encap_in.clone(),
+                n0,
+                reason::VXLAN_STALE,
+            ),
+        );
+        check(
+            fx,
+            &Case {
+                seed: seed.clone(),
+                ..learn.clone()
+            },
+        );
+        let out = fx
+            .run(&Case {
+                seed: seed.clone(),
+                ..encap.clone()
+            })
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            out.verdict,
+            raw_verdict(Hook::Xdp, Verdict::Forward),
+            "{name}: relearned"
+        );
+    };
+    stale_then_relearned(&mut fx, "encap_stale", &next);
     // A neighbour change on the underlay ends the generation too (the daemon's watcher of
     // route, neighbour and link changes).
     let rt = tokio::runtime::Runtime::new().expect("a runtime");
@@ -316,35 +320,7 @@ fn vxlan_encap_and_decap_match_the_kernels_own_packets() {
     );
     let mut watched = next.clone();
     watched.vxlan_generation = None;
-    check(
-        &mut fx,
-        &to_kernel(
-            "encap_stale_after_neighbour_change",
-            Hook::Xdp,
-            &watched,
-            kept.encap_in.clone(),
-            n0,
-            reason::VXLAN_STALE,
-        ),
-    );
-    check(
-        &mut fx,
-        &Case {
-            seed: watched.clone(),
-            ..learn.clone()
-        },
-    );
-    let out = fx
-        .run(&Case {
-            seed: watched.clone(),
-            ..encap.clone()
-        })
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(
-        out.verdict,
-        raw_verdict(Hook::Xdp, Verdict::Forward),
-        "relearned after the change"
-    );
+    stale_then_relearned(&mut fx, "encap_stale_after_neighbour_change", &watched);
     let _ = stop_tx.send(true);
     rt.block_on(watcher)
         .expect("the watcher task")
