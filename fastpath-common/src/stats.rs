@@ -114,6 +114,9 @@ pub const CONFIG_F_DROP_MALFORMED: u32 = 1 << 0;
 /// Some interface has a gateway SNAT rule: new forwarded connections look up their route
 /// (no rule: no lookup).
 pub const CONFIG_F_SNAT: u32 = 1 << 1;
+/// Some interface is a VXLAN device (`IFACE_F_VXLAN`): UDP that no stage took is looked at
+/// for decapsulation (none: no look).
+pub const CONFIG_F_VXLAN: u32 = 1 << 2;
 
 #[cfg(feature = "user")]
 mod pod {

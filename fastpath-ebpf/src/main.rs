@@ -80,7 +80,7 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
         fastpath_common::reason::NO_STAGE_IPV4_UDP
         | fastpath_common::reason::NO_STAGE_IPV6_UDP
         | fastpath_common::reason::ROUTE_NOT_FORWARDED
-            if verdict == Verdict::Kernel =>
+            if verdict == Verdict::Kernel && pipeline::vxlan_configured() =>
         {
             route::hand_over(reason);
             fastpath_common::TAIL_VXLAN_DECAP

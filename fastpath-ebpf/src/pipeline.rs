@@ -2,7 +2,10 @@
 //! nat, l3/l2, vxlan. Each stage either claims the packet (forward/drop) or lets it continue;
 //! whatever no stage claims goes to the kernel, the slow path, with a reason.
 
-use fastpath_common::{DatapathConfig, Hook, Verdict, reason, stats::CONFIG_F_DROP_MALFORMED};
+use fastpath_common::{
+    DatapathConfig, Hook, Verdict, reason,
+    stats::{CONFIG_F_DROP_MALFORMED, CONFIG_F_VXLAN},
+};
 
 use crate::{
     conntrack::{self, Action},
@@ -99,6 +102,14 @@ fn unparsed_verdict(code: u32) -> Verdict {
     } else {
         Verdict::Kernel
     }
+}
+
+/// Whether some interface is a VXLAN device (`CONFIG_F_VXLAN`).
+#[inline(always)]
+pub fn vxlan_configured() -> bool {
+    FP_CONFIG
+        .get(0)
+        .is_some_and(|c| c.flags & CONFIG_F_VXLAN != 0)
 }
 
 #[inline(always)]

@@ -15,7 +15,7 @@ use std::{
 
 use fastpath_common::{
     DatapathConfig,
-    stats::{CONFIG_F_DROP_MALFORMED, CONFIG_F_SNAT},
+    stats::{CONFIG_F_DROP_MALFORMED, CONFIG_F_SNAT, CONFIG_F_VXLAN},
 };
 use tokio::{sync::mpsc, task::JoinHandle};
 use tracing::{info, warn};
@@ -134,6 +134,9 @@ pub fn datapath_config(config: &Config) -> DatapathConfig {
     };
     if config.interfaces.iter().any(|i| i.snat) {
         flags |= CONFIG_F_SNAT;
+    }
+    if config.interfaces.iter().any(|i| i.vxlan.is_some()) {
+        flags |= CONFIG_F_VXLAN;
     }
     DatapathConfig {
         flags,

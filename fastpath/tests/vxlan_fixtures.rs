@@ -119,6 +119,7 @@ fn vxlan_encap_and_decap_match_the_kernels_own_packets() {
             },
         );
     seed.vxlan_nets = vec![(VNI, Overlay::net())];
+    seed.config.flags |= fastpath_common::stats::CONFIG_F_VXLAN;
     let mut fx = Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));
     let check = |fx: &mut Fixture, c: &Case| {
         if let Err(f) = fx.evaluate(c) {
