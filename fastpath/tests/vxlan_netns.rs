@@ -1,4 +1,4 @@
-//! End to end: two nodes joined by an underlay link carry a kernel VXLAN overlay (VNI 7), a
+//! End to end: two nodes joined by an underlay link carry a kernel VXLAN overlay (VNI 42), a
 //! pod namespace behind each. With the kernel alone, the pods reach each other; with a
 //! fastpath daemon on each node (`vxlan = { ... }` on the vxlan device, the underlay with XDP
 //! and TC egress, the pod link with `route = true`), the first packets towards the other node
@@ -28,6 +28,7 @@ use fastpath::{
     testkit::netns::{
         Daemon, DaemonConfig, HookedInterface, Topology, VethEnd, prepare_test, unique_pin_dir,
     },
+    testkit::vxlan_cases::VxlanDevice,
 };
 use fastpath_common::{Hook, Verdict, reason};
 
@@ -88,72 +89,30 @@ fn topology() -> Topology {
         )?;
         for (n, peer) in [(&NODES[0], &NODES[1]), (&NODES[1], &NODES[0])] {
             let ns = topo.ns(n.role);
-            for cmd in [
-                vec![
-                    "ip",
-                    "link",
-                    "add",
-                    "vxlan0",
-                    "address",
-                    n.mac,
-                    "type",
-                    "vxlan",
-                    "id",
-                    "7",
-                    "local",
-                    n.underlay,
-                    "dstport",
-                    "4789",
-                    "dev",
-                    "und0",
-                    "nolearning",
-                    "noudpcsum",
-                ],
-                vec![
-                    "ip",
-                    "addr",
-                    "add",
-                    &format!("{}/24", n.overlay),
-                    "dev",
-                    "vxlan0",
-                ],
-                vec!["ip", "link", "set", "vxlan0", "up"],
-                vec![
-                    "ip",
-                    "neigh",
-                    "add",
-                    peer.overlay,
-                    "lladdr",
-                    peer.mac,
-                    "dev",
-                    "vxlan0",
-                    "nud",
-                    "permanent",
-                ],
-                vec![
-                    "bridge",
-                    "fdb",
-                    "append",
-                    peer.mac,
-                    "dev",
-                    "vxlan0",
-                    "dst",
-                    peer.underlay,
-                ],
-                vec![
-                    "ip",
-                    "route",
-                    "add",
-                    &format!("10.10.{}.0/24", peer.subnet),
-                    "via",
-                    peer.overlay,
-                    "dev",
-                    "vxlan0",
-                ],
-                vec!["ip", "link", "set", "pod0", "mtu", "1450"],
-            ] {
+            let overlay = format!("{}/24", n.overlay);
+            let dev = VxlanDevice {
+                mac: n.mac,
+                local: n.underlay,
+                underlay: "und0",
+                addr: &overlay,
+                peer_addr: peer.overlay,
+                peer_mac: peer.mac,
+                peer_vtep: peer.underlay,
+            };
+            for cmd in dev.commands() {
                 ns.run(&cmd)?;
             }
+            ns.run(&[
+                "ip",
+                "route",
+                "add",
+                &format!("10.10.{}.0/24", peer.subnet),
+                "via",
+                peer.overlay,
+                "dev",
+                "vxlan0",
+            ])?;
+            ns.run(&["ip", "link", "set", "pod0", "mtu", "1450"])?;
         }
         for n in &NODES {
             topo.ns(n.pod)
@@ -187,7 +146,7 @@ fn config(n: &Node) -> DaemonConfig {
         .interface_key(
             "vxlan0",
             &format!(
-                "vxlan = {{ vni = 7, local = \"{}\", underlay = \"und0\" }}",
+                "vxlan = {{ vni = 42, local = \"{}\", underlay = \"und0\" }}",
                 n.underlay
             ),
         )

@@ -67,6 +67,43 @@ fn mac(m: [u8; 6]) -> String {
         .join(":")
 }
 
+/// A kernel vxlan device `vxlan0` as the tests make it (VNI 42, port 4789, no learning, no
+/// outer UDP checksum) with one peer: a permanent neighbour on the overlay and its FDB entry.
+pub struct VxlanDevice<'a> {
+    pub mac: &'a str,
+    /// This VTEP's address, on `underlay`.
+    pub local: &'a str,
+    pub underlay: &'a str,
+    /// The device's overlay address (CIDR).
+    pub addr: &'a str,
+    pub peer_addr: &'a str,
+    pub peer_mac: &'a str,
+    pub peer_vtep: &'a str,
+}
+
+impl VxlanDevice<'_> {
+    /// The commands that make it, to run in its node's namespace.
+    pub fn commands(&self) -> Vec<Vec<String>> {
+        let words = |s: &str| s.split_whitespace().map(String::from).collect::<Vec<_>>();
+        vec![
+            words(&format!(
+                "ip link add vxlan0 address {} type vxlan id 42 local {} dstport 4789 dev {} nolearning noudpcsum",
+                self.mac, self.local, self.underlay
+            )),
+            words(&format!("ip addr add {} dev vxlan0", self.addr)),
+            words("ip link set vxlan0 up"),
+            words(&format!(
+                "ip neigh add {} lladdr {} dev vxlan0 nud permanent",
+                self.peer_addr, self.peer_mac
+            )),
+            words(&format!(
+                "bridge fdb append {} dev vxlan0 dst {}",
+                self.peer_mac, self.peer_vtep
+            )),
+        ]
+    }
+}
+
 impl Overlay {
     /// Moves this thread to a fresh namespace, the node, and builds the topology around it.
     /// Panics on any failure. Needs root.
@@ -119,50 +156,6 @@ impl Overlay {
             vec!["ip", "link", "set", "und0", "up"],
             vec![
                 "ip",
-                "link",
-                "add",
-                "vxlan0",
-                "address",
-                &vx0,
-                "type",
-                "vxlan",
-                "id",
-                "42",
-                "local",
-                "192.168.50.1",
-                "dstport",
-                "4789",
-                "dev",
-                "und0",
-                "nolearning",
-                "noudpcsum",
-            ],
-            vec!["ip", "addr", "add", "10.2.0.1/24", "dev", "vxlan0"],
-            vec!["ip", "link", "set", "vxlan0", "up"],
-            vec![
-                "ip",
-                "neigh",
-                "add",
-                "10.2.0.2",
-                "lladdr",
-                &vx1,
-                "dev",
-                "vxlan0",
-                "nud",
-                "permanent",
-            ],
-            vec![
-                "bridge",
-                "fdb",
-                "append",
-                &vx1,
-                "dev",
-                "vxlan0",
-                "dst",
-                "192.168.50.2",
-            ],
-            vec![
-                "ip",
                 "neigh",
                 "add",
                 "192.168.50.2",
@@ -187,6 +180,18 @@ impl Overlay {
             ],
         ];
         super::run_commands(&node.iter().map(Vec::as_slice).collect::<Vec<_>>());
+        let node_vxlan = VxlanDevice {
+            mac: &vx0,
+            local: "192.168.50.1",
+            underlay: "und0",
+            addr: "10.2.0.1/24",
+            peer_addr: "10.2.0.2",
+            peer_mac: &vx1,
+            peer_vtep: "192.168.50.2",
+        };
+        for cmd in node_vxlan.commands() {
+            super::run_commands(&[&cmd.iter().map(String::as_str).collect::<Vec<_>>()]);
+        }
         for cmd in [
             vec!["addr", "add", "10.1.0.2/24", "dev", "p0"],
             vec!["link", "set", "p0", "up"],
@@ -209,38 +214,6 @@ impl Overlay {
             vec!["addr", "add", "192.168.50.2/24", "dev", "und1"],
             vec!["link", "set", "und1", "up"],
             vec![
-                "link",
-                "add",
-                "vxlan0",
-                "address",
-                &vx1,
-                "type",
-                "vxlan",
-                "id",
-                "42",
-                "local",
-                "192.168.50.2",
-                "dstport",
-                "4789",
-                "dev",
-                "und1",
-                "nolearning",
-                "noudpcsum",
-            ],
-            vec!["addr", "add", "10.2.0.2/24", "dev", "vxlan0"],
-            vec!["link", "set", "vxlan0", "up"],
-            vec![
-                "neigh",
-                "add",
-                "10.2.0.1",
-                "lladdr",
-                &vx0,
-                "dev",
-                "vxlan0",
-                "nud",
-                "permanent",
-            ],
-            vec![
                 "neigh",
                 "add",
                 "192.168.50.1",
@@ -251,7 +224,23 @@ impl Overlay {
                 "nud",
                 "permanent",
             ],
-            vec![
+        ] {
+            remote.ip(&cmd).unwrap_or_else(|e| panic!("{e}"));
+        }
+        let remote_vxlan = VxlanDevice {
+            mac: &vx1,
+            local: "192.168.50.2",
+            underlay: "und1",
+            addr: "10.2.0.2/24",
+            peer_addr: "10.2.0.1",
+            peer_mac: &vx0,
+            peer_vtep: "192.168.50.1",
+        };
+        for cmd in remote_vxlan.commands() {
+            remote.run(&cmd).unwrap_or_else(|e| panic!("{e}"));
+        }
+        remote
+            .ip(&[
                 "route",
                 "add",
                 "10.1.0.0/24",
@@ -259,20 +248,6 @@ impl Overlay {
                 "10.2.0.1",
                 "dev",
                 "vxlan0",
-            ],
-        ] {
-            remote.ip(&cmd).unwrap_or_else(|e| panic!("{e}"));
-        }
-        remote
-            .run(&[
-                "bridge",
-                "fdb",
-                "append",
-                &vx0,
-                "dev",
-                "vxlan0",
-                "dst",
-                "192.168.50.1",
             ])
             .unwrap_or_else(|e| panic!("{e}"));
         Overlay { pod, remote }
