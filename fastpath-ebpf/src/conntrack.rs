@@ -43,7 +43,8 @@ use crate::{
 
 /// BPF_NOEXIST: create only.
 const BPF_NOEXIST: u64 = 1;
-/// BPF_EXIST on a queue push: when full, overwrite the oldest element.
+/// BPF_EXIST: update an existing element only (on a queue push: when full, overwrite the
+/// oldest element).
 const BPF_EXIST: u64 = 2;
 /// A map insert's error for a key that exists.
 const EEXIST: i32 = 17;
@@ -582,8 +583,9 @@ fn scratch_entry(i: u32) -> Option<&'static mut CtEntry> {
 /// Carries out the [`CtRecord`]s that make up `pkt` (the daemon's batch, see
 /// `fastpath_ct_install`) in order, and stops at the first one that is not the simple case:
 /// the caller does that one itself (the daemon's `ha::install` / `ha::remove`, which this
-/// mirrors). Returns how many were done. Simple cases: a creation whose key is free (no early
-/// drop: the daemon's writes never push out the datapath's connections), and a removal of a
+/// mirrors). Returns how many were done. Simple cases: a creation whose key is free or holds
+/// the same peer's untouched entry of the same kind (no early drop: the daemon's writes never
+/// push out the datapath's connections), and a removal of a
 /// connection that is gone, or that `entry.origin` replicated and this node's traffic has
 /// not touched (then its alias goes too, if it is the same peer's and untouched).
 #[inline(always)]
@@ -598,7 +600,7 @@ pub fn install(pkt: &Packet) -> u32 {
         // starts 8-byte aligned (XDP headroom) and records are a multiple of 8 bytes long.
         let rec = unsafe { &*(at as *const CtRecord) };
         let done = match rec.op {
-            CT_RECORD_CREATE => FP_CT.insert(&rec.key, &rec.entry, BPF_NOEXIST).is_ok(),
+            CT_RECORD_CREATE => create_or_refresh(&rec.key, &rec.entry),
             CT_RECORD_REMOVE => remove_replicated(&rec.key, rec.entry.origin),
             _ => false,
         };
@@ -608,6 +610,26 @@ pub fn install(pkt: &Packet) -> u32 {
         n += 1;
     }
     n as u32
+}
+
+/// A creation in the simple case (see [`install`]): the key is free, or holds the same
+/// peer's entry of the same kind (connection or alias) that this node's traffic has not
+/// touched, which is brought up to date (a later state of the connection). A call of its own,
+/// as [`remove_replicated`].
+#[inline(never)]
+fn create_or_refresh(key: &CtKey, entry: &CtEntry) -> bool {
+    if FP_CT.insert(key, entry, BPF_NOEXIST).is_ok() {
+        return true;
+    }
+    let Some(e) = FP_CT.get_ptr(key) else {
+        return false;
+    };
+    // SAFETY: a live entry of the table, read before it is replaced.
+    let e = unsafe { &*e };
+    if !untouched(e, entry.origin) || (e.flags ^ entry.flags) & CT_F_LB_ALIAS != 0 {
+        return false;
+    }
+    FP_CT.insert(key, entry, BPF_EXIST).is_ok()
 }
 
 /// Whether a peer's entry is untouched by this node: replicated, and no packet since.
