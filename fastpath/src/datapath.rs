@@ -1273,10 +1273,7 @@ impl CtTable {
     /// The table pinned at `map_path` (for tools and benchmarks; the daemon takes its own
     /// with [`Datapath::take_ct_table`]).
     pub fn open_pin(map_path: &Path) -> Result<CtTable, DatapathError> {
-        let data = MapData::from_pin(map_path).map_err(|source| DatapathError::Map {
-            what: format!("opening {}", map_path.display()),
-            source,
-        })?;
+        let data = map_at(map_path)?;
         let table = HashMap::try_from(aya::maps::Map::HashMap(data)).map_err(|source| {
             DatapathError::Map {
                 what: "opening FP_CT".into(),
@@ -1414,6 +1411,14 @@ impl CtTable {
             let _ = gone.set(idx, &(n + 1), 0);
         }
     }
+}
+
+/// The map pinned at `map_path`.
+fn map_at(map_path: &Path) -> Result<MapData, DatapathError> {
+    MapData::from_pin(map_path).map_err(|source| DatapathError::Map {
+        what: format!("opening {}", map_path.display()),
+        source,
+    })
 }
 
 /// Opens a pinned map of a running datapath by name.
@@ -1624,10 +1629,7 @@ pub struct VxlanGeneration(Array<MapData, u64>);
 impl VxlanGeneration {
     /// The map pinned at `map_path` (`<pin_dir>/maps/FP_VXLAN_GEN` for the daemon's).
     pub fn open_pin(map_path: &Path) -> Result<VxlanGeneration, DatapathError> {
-        let data = MapData::from_pin(map_path).map_err(|source| DatapathError::Map {
-            what: format!("opening {}", map_path.display()),
-            source,
-        })?;
+        let data = map_at(map_path)?;
         Array::try_from(aya::maps::Map::Array(data))
             .map(VxlanGeneration)
             .map_err(|source| DatapathError::Map {
