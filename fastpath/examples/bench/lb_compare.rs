@@ -476,6 +476,13 @@ impl Machine {
             cpus: self.cpus,
         }
     }
+
+    /// The CPU seconds the machine was busy (not idle) over `wall_s` seconds of this
+    /// interval (one [`Machine::since`]).
+    pub(crate) fn busy_seconds(self, wall_s: f64) -> f64 {
+        let ticks_per_s = 100.0; // USER_HZ
+        (wall_s * self.cpus as f64 - self.idle_ticks as f64 / ticks_per_s).max(0.0)
+    }
 }
 
 /// Runs the comparison. `bin` is the fastpath binary.
@@ -1398,12 +1405,7 @@ pub fn markdown(r: &CompareReport) -> String {
         "| contender | new conn req/s | keep-alive req/s | throughput Gbit/s | ÷ direct (new / keep-alive / throughput) | ÷ fastpath (new / keep-alive / throughput) | socket errors / non-2xx / requests | client retransmits: SYNs / segments | backlog drops / steal % (median, max) | kernel conntrack entries after a new-conn run | LB process CPU % of one CPU (new / keep-alive / throughput) |\n|---|---:|---:|---:|---|---|---:|---:|---:|---:|---|"
     );
     for c in &r.contenders {
-        let cell = |m: &Metric, digits: usize| {
-            format!(
-                "{:.digits$} ({:.digits$}–{:.digits$})",
-                m.median, m.min, m.max
-            )
-        };
+        let cell = |m: &Metric, digits: usize| crate::cell(m.median, m.min, m.max, digits);
         let ratios = |pick: fn(&Metric) -> f64| {
             [
                 &c.new_connection_rps,
@@ -1490,7 +1492,7 @@ fn ha_markdown(r: &CompareReport) -> String {
         .map(|(a, b)| a / b)
         .collect();
     let (pr_median, pr_min, pr_max) = crate::stats(&per_round);
-    let cell = |m: &Metric| format!("{:.0} ({:.0}–{:.0})", m.median, m.min, m.max);
+    let cell = |m: &Metric| crate::cell(m.median, m.min, m.max, 0);
     let cpu = |p: Option<[f64; 3]>| {
         p.map_or_else(
             || "—".to_string(),

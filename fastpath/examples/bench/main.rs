@@ -16,11 +16,15 @@
 //! The load-balancer comparison (`lb_compare`) runs the real daemon and its competitors in
 //! network namespaces and measures them with wrk; see that module.
 //!
+//! Routing (`route_compare`) and a two-node VXLAN overlay (`overlay_compare`) compare
+//! fastpath with the kernel's own forwarding and vxlan devices, side by side in one run.
+//!
 //! HA replication (`ha`) makes 100k load-balanced connections through node A of a sync pair
 //! and measures their replication to node B; see that module.
 //!
-//! Writes docs/bench/datapath.json and docs/bench/ha.json and regenerates docs/BENCHMARKS.md. `bench --only SECTION`
-//! (or `bench SECTION`) runs one section and prints it, writing nothing; see [`SECTIONS`].
+//! Writes docs/bench/datapath.json and docs/bench/ha.json and regenerates docs/BENCHMARKS.md.
+//! `bench --only SECTION` (or `bench SECTION`) runs one section and prints it, writing
+//! nothing; see [`SECTIONS`].
 
 use std::{
     fmt::Write as _,
@@ -63,6 +67,7 @@ use tokio::{
 mod api;
 mod ha;
 mod lb_compare;
+mod overlay_compare;
 #[path = "../../tests/support/pki.rs"]
 mod pki;
 mod route_compare;
@@ -155,6 +160,7 @@ struct Report {
     api_changes: api::ApiReport,
     lb_compare: lb_compare::CompareReport,
     route_compare: route_compare::RouteReport,
+    overlay_compare: overlay_compare::OverlayReport,
     /// Written to its own file, docs/bench/ha.json.
     #[serde(skip)]
     ha: ha::HaReport,
@@ -192,7 +198,7 @@ struct Config<'a> {
 
 /// Sections that run alone (printed, nothing written): `bench SECTION` or
 /// `bench --only SECTION`.
-const SECTIONS: &str = "updates, api, drain, conntrack (CT hit, miss and the expiry pass), lb (the LB rows of the conntrack table), lb-compare, route-compare, ha";
+const SECTIONS: &str = "updates, api, drain, conntrack (CT hit, miss and the expiry pass), lb (the LB rows of the conntrack table), lb-compare, route-compare, overlay-compare, ha";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--").collect();
@@ -269,6 +275,12 @@ fn main() -> Result<()> {
             let report = bench_route_compare()?;
             eprintln!();
             print!("{}", route_compare::markdown(&report));
+            return Ok(());
+        }
+        Some("overlay-compare") => {
+            let report = bench_overlay_compare()?;
+            eprintln!();
+            print!("{}", overlay_compare::markdown(&report));
             return Ok(());
         }
         Some("ha") => {
@@ -401,6 +413,7 @@ fn main() -> Result<()> {
     let api_changes = bench_api()?;
     let lb_compare = bench_lb_compare()?;
     let route_compare = bench_route_compare()?;
+    let overlay_compare = bench_overlay_compare()?;
     let ha_report = bench_ha()?;
     eprintln!();
     let report = Report {
@@ -417,6 +430,7 @@ fn main() -> Result<()> {
         api_changes,
         lb_compare,
         route_compare,
+        overlay_compare,
         ha: ha_report,
     };
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -1079,6 +1093,11 @@ fn floor_row(hook: &'static str, samples: &[f64]) -> FloorRow {
 }
 
 /// (median, min, max).
+/// A table cell: `median (min–max)` with `digits` decimals.
+fn cell(median: f64, min: f64, max: f64, digits: usize) -> String {
+    format!("{median:.digits$} ({min:.digits$}–{max:.digits$})")
+}
+
 fn stats(samples: &[f64]) -> (f64, f64, f64) {
     let mut s = samples.to_vec();
     s.sort_by(|a, b| a.total_cmp(b));
@@ -1129,6 +1148,10 @@ fn bench_lb_compare() -> Result<lb_compare::CompareReport> {
 
 fn bench_route_compare() -> Result<route_compare::RouteReport> {
     route_compare::run(&daemon_bin_swept()?)
+}
+
+fn bench_overlay_compare() -> Result<overlay_compare::OverlayReport> {
+    overlay_compare::run(&daemon_bin_swept()?)
 }
 
 fn markdown(r: &Report) -> String {
@@ -1228,6 +1251,7 @@ fn markdown(r: &Report) -> String {
     md.push_str(&api::markdown(&r.api_changes));
     md.push_str(&lb_compare::markdown(&r.lb_compare));
     md.push_str(&route_compare::markdown(&r.route_compare));
+    md.push_str(&overlay_compare::markdown(&r.overlay_compare));
     md.push_str(&ha::markdown(&r.ha));
     let _ = writeln!(md, "## Where we lose\n");
     let floor_xdp = r

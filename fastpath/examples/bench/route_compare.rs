@@ -30,15 +30,15 @@ use fastpath::testkit::{fixture::Fixture, packet::Pkt};
 
 use crate::lb_compare::{Backlog, Machine, WRK_SCRIPT, parse_wrk};
 
-const ROUNDS: usize = 5;
-const SECS: u32 = 5;
+pub(crate) const ROUNDS: usize = 5;
+pub(crate) const SECS: u32 = 5;
 const SERVER4: &str = "10.221.0.2";
 const UDP_PAYLOAD: usize = 64;
 /// Frames per live-frames call, and per batch within it.
 const GEN_CALL: u32 = 1 << 20;
 const GEN_BATCH: u32 = 64;
-const CONNECTIONS: &str = "16";
-const PAGE: &str = "small.html";
+pub(crate) const CONNECTIONS: &str = "16";
+pub(crate) const PAGE: &str = "small.html";
 const TOOLS: &[&str] = &["iperf3", "wrk", "nginx", "ethtool", "cat"];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -78,15 +78,20 @@ impl Contender {
 
 /// Median and min–max of one metric over the rounds.
 #[derive(Debug, Default, Serialize)]
-pub struct Spread {
-    median: f64,
-    min: f64,
-    max: f64,
+pub(crate) struct Spread {
+    pub(crate) median: f64,
+    pub(crate) min: f64,
+    pub(crate) max: f64,
     samples: Vec<f64>,
 }
 
 impl Spread {
-    fn of(samples: Vec<f64>) -> Spread {
+    /// Its table cell, `median (min–max)`.
+    pub(crate) fn cell(&self, digits: usize) -> String {
+        crate::cell(self.median, self.min, self.max, digits)
+    }
+
+    pub(crate) fn of(samples: Vec<f64>) -> Spread {
         let (median, min, max) = crate::stats(&samples);
         Spread {
             median,
@@ -252,31 +257,6 @@ impl Bed {
         Ok(())
     }
 
-    fn iperf3(&self, args: &[&str]) -> Result<serde_json::Value> {
-        let mut server = self
-            .ns("server")
-            .spawn(&["iperf3", "-s", "-1", "-B", SERVER4])
-            .context("starting iperf3 -s")?;
-        self.ns("server")
-            .wait_listening("tcp", 5201, Duration::from_secs(10))?;
-        let secs = SECS.to_string();
-        let mut cmd = vec!["iperf3", "-c", SERVER4, "-t", &secs, "-J"];
-        cmd.extend_from_slice(args);
-        let out = self
-            .ns("client")
-            .exec_timeout(&cmd, Duration::from_secs(u64::from(SECS) + 30))?;
-        let _ = server.wait_exit(Duration::from_secs(5));
-        server.kill();
-        if !out.status.success() {
-            bail!(
-                "{cmd:?}: {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        serde_json::from_slice(&out.stdout).context("parsing iperf3 -J")
-    }
-
     /// The generator, for [`SECS`] seconds: frames sent, seconds taken.
     fn generate(&self) -> Result<(u64, f64)> {
         let frame = &self.frame;
@@ -326,9 +306,7 @@ impl Bed {
         let sent = sent as f64;
         s.pps = received / secs;
         s.loss_pct = 100.0 * lost / sent;
-        let ticks_per_s = 100.0; // USER_HZ
-        let busy_s = secs * m.cpus as f64 - m.idle_ticks as f64 / ticks_per_s;
-        s.cpu_ns = busy_s.max(0.0) * 1e9 / received;
+        s.cpu_ns = m.busy_seconds(secs) * 1e9 / received;
         if let Some(d) = daemon {
             let got = routed(d) - routed_before;
             if (got as f64) < 0.9 * received {
@@ -339,35 +317,12 @@ impl Bed {
             }
         }
         // Request/response rate.
-        let script = self.dir.join("report.lua");
         let url = format!("http://{SERVER4}/{PAGE}");
-        let secs = format!("{SECS}s");
-        let out = self.ns("client").exec_timeout(
-            &[
-                "wrk",
-                "-t1",
-                "-c",
-                CONNECTIONS,
-                "-d",
-                &secs,
-                "-s",
-                script.to_str().context("non-UTF-8 temp path")?,
-                &url,
-            ],
-            Duration::from_secs(u64::from(SECS) + 30),
-        )?;
-        let run = parse_wrk(&String::from_utf8_lossy(&out.stdout))?;
-        if run.socket_errors() > 0 || run.non_2xx > 0 {
-            bail!("{}: wrk saw errors: {run:?}", c.name());
-        }
-        s.rr = run.requests as f64 / run.duration_s;
+        s.rr = wrk_rate(self.ns("client"), &self.dir.join("report.lua"), &url)
+            .with_context(|| c.name())?
+            .0;
         // TCP throughput.
-        let v = self.iperf3(&[])?;
-        let bps = v
-            .pointer("/end/sum_received/bits_per_second")
-            .and_then(serde_json::Value::as_f64)
-            .context("no end.sum_received in iperf3's TCP report")?;
-        s.gbit = bps / 1e9;
+        s.gbit = iperf3_tcp(self.ns("client"), self.ns("server"), SERVER4)?.0;
         eprintln!(
             "{}: {:.0} datagrams/s received ({:.1}% lost, {:.0} ns CPU each), {:.0} req/s, {:.2} Gbit/s",
             c.name(),
@@ -379,6 +334,60 @@ impl Bed {
         );
         Ok(s)
     }
+}
+
+/// wrk, keep-alive, [`CONNECTIONS`] connections, one thread, [`SECS`] seconds from `client`
+/// to `url` with [`WRK_SCRIPT`] at `script`: requests/s and requests done. Fails on any socket
+/// error or non-2xx answer.
+pub(crate) fn wrk_rate(client: &Netns, script: &Path, url: &str) -> Result<(f64, u64)> {
+    let secs = format!("{SECS}s");
+    let out = client.exec_timeout(
+        &[
+            "wrk",
+            "-t1",
+            "-c",
+            CONNECTIONS,
+            "-d",
+            &secs,
+            "-s",
+            script.to_str().context("non-UTF-8 temp path")?,
+            url,
+        ],
+        Duration::from_secs(u64::from(SECS) + 30),
+    )?;
+    let run = parse_wrk(&String::from_utf8_lossy(&out.stdout))?;
+    if run.socket_errors() > 0 || run.non_2xx > 0 {
+        bail!("wrk saw errors: {run:?}");
+    }
+    Ok((run.requests as f64 / run.duration_s, run.requests))
+}
+
+/// iperf3, one TCP stream for [`SECS`] seconds, `client` → `addr` (in `server`): Gbit/s and
+/// bytes the server received.
+pub(crate) fn iperf3_tcp(client: &Netns, server: &Netns, addr: &str) -> Result<(f64, f64)> {
+    let mut listener = server
+        .spawn(&["iperf3", "-s", "-1", "-B", addr])
+        .context("starting iperf3 -s")?;
+    server.wait_listening("tcp", 5201, Duration::from_secs(10))?;
+    let secs = SECS.to_string();
+    let cmd = ["iperf3", "-c", addr, "-t", &secs, "-J"];
+    let out = client.exec_timeout(&cmd, Duration::from_secs(u64::from(SECS) + 30))?;
+    let _ = listener.wait_exit(Duration::from_secs(5));
+    listener.kill();
+    if !out.status.success() {
+        bail!(
+            "{cmd:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("parsing iperf3 -J")?;
+    let field = |name: &str| {
+        v.pointer(&format!("/end/sum_received/{name}"))
+            .and_then(serde_json::Value::as_f64)
+            .with_context(|| format!("no end.sum_received.{name} in iperf3's TCP report"))
+    };
+    Ok((field("bits_per_second")? / 1e9, field("bytes")?))
 }
 
 /// The MAC address of `dev` in `ns`.
@@ -429,23 +438,36 @@ fn udp_no_ports(ns: &Netns) -> Result<u64> {
         .context("no Udp NoPorts in /proc/net/snmp")
 }
 
+/// [`ROUNDS`] interleaved rounds, every contender once per round (the first one alternating):
+/// each contender's samples, in `contenders` order.
+pub(crate) fn interleaved<C: Copy, S>(
+    what: &str,
+    contenders: &[C],
+    mut run: impl FnMut(C) -> Result<S>,
+) -> Result<Vec<Vec<S>>> {
+    let n = contenders.len();
+    let mut samples: Vec<Vec<S>> = (0..n).map(|_| Vec::new()).collect();
+    for round in 0..ROUNDS {
+        eprintln!("{what}, round {} of {ROUNDS}", round + 1);
+        for k in 0..n {
+            let i = (k + round) % n;
+            samples[i].push(run(contenders[i])?);
+        }
+    }
+    Ok(samples)
+}
+
 pub fn run(bin: &Path) -> Result<RouteReport> {
     find_tools(TOOLS).context("the routing comparison")?;
     let _backlog = Backlog::raise()?;
     let bed = Bed::new(bin)?;
     let n = CONTENDERS.len();
-    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); n];
-    for round in 0..ROUNDS {
-        eprintln!("routing comparison, round {} of {ROUNDS}", round + 1);
-        for k in 0..n {
-            let i = (k + round) % n;
-            let c = CONTENDERS[i];
-            let daemon = bed.start(c)?;
-            let s = bed.round(c, daemon.as_ref());
-            bed.stop(daemon)?;
-            samples[i].push(s?);
-        }
-    }
+    let samples = interleaved("routing comparison", &CONTENDERS, |c| {
+        let daemon = bed.start(c)?;
+        let s = bed.round(c, daemon.as_ref());
+        bed.stop(daemon)?;
+        s
+    })?;
     let col = |i: usize, f: fn(&Sample) -> f64| -> Vec<f64> { samples[i].iter().map(f).collect() };
     let rows: Vec<RouteRow> = CONTENDERS
         .iter()
@@ -506,21 +528,13 @@ pub fn markdown(r: &RouteReport) -> String {
     for row in &r.rows {
         let _ = writeln!(
             md,
-            "| {} | {:.0} ({:.0}–{:.0}) | {:.1}% | {:.0} ({:.0}–{:.0}) | {:.0} ({:.0}–{:.0}) | {:.2} ({:.2}–{:.2}) |",
+            "| {} | {} | {:.1}% | {} | {} | {} |",
             row.what,
-            row.udp_pps.median,
-            row.udp_pps.min,
-            row.udp_pps.max,
+            row.udp_pps.cell(0),
             row.udp_loss_percent,
-            row.udp_cpu_ns_per_packet.median,
-            row.udp_cpu_ns_per_packet.min,
-            row.udp_cpu_ns_per_packet.max,
-            row.rr_per_s.median,
-            row.rr_per_s.min,
-            row.rr_per_s.max,
-            row.tcp_gbit_s.median,
-            row.tcp_gbit_s.min,
-            row.tcp_gbit_s.max
+            row.udp_cpu_ns_per_packet.cell(0),
+            row.rr_per_s.cell(0),
+            row.tcp_gbit_s.cell(2)
         );
     }
     let med = |v: &[f64]| crate::stats(v).0;

@@ -24,7 +24,7 @@ use fastpath_common::vxlan::VxlanNet;
 
 use super::{
     capture::{Direction, PacketSocket},
-    netns::Netns,
+    netns::{DaemonConfig, HookedInterface, Netns, NetnsError, Topology, VethEnd, unique_pin_dir},
     packet::{Ipv4, Pkt},
 };
 
@@ -102,6 +102,146 @@ impl VxlanDevice<'_> {
             )),
         ]
     }
+}
+
+/// One node of the two-node overlay ([`two_node_overlay`]).
+pub struct OverlayNode {
+    /// The node's namespace role.
+    pub role: &'static str,
+    /// Its pod's namespace role.
+    pub pod: &'static str,
+    /// The pod subnet's third byte: 10.10.`subnet`.0/24, the pod at .2, the node at .1.
+    pub subnet: u8,
+    /// Its VTEP address, on `und0`.
+    pub underlay: &'static str,
+    /// Its `vxlan0` address.
+    pub overlay: &'static str,
+    /// Its `vxlan0` MAC address.
+    pub mac: &'static str,
+}
+
+impl OverlayNode {
+    /// The pod's address.
+    pub fn pod_addr(&self) -> String {
+        format!("10.10.{}.2", self.subnet)
+    }
+}
+
+/// The two nodes of [`two_node_overlay`].
+pub const OVERLAY_NODES: [OverlayNode; 2] = [
+    OverlayNode {
+        role: "na",
+        pod: "pa",
+        subnet: 1,
+        underlay: "192.168.60.1",
+        overlay: "10.10.255.1",
+        mac: "02:00:00:00:7a:01",
+    },
+    OverlayNode {
+        role: "nb",
+        pod: "pb",
+        subnet: 2,
+        underlay: "192.168.60.2",
+        overlay: "10.10.255.2",
+        mac: "02:00:00:00:7a:02",
+    },
+];
+
+/// Two nodes joined by an underlay link carry a kernel VXLAN overlay (VNI 42), a pod
+/// namespace behind each; each node routes the other's pod subnet through its `vxlan0`.
+///
+/// ```text
+///  pod a          node a                               node b               pod b
+/// +------+      +-----------------------+           +-----------------------+      +------+
+/// | eth0 |------| pod0   vxlan0    und0 |-----------| und0    vxlan0   pod0 |------| eth0 |
+/// | .1.2 |      | .1.1  10.10.255.1  .1 | 192.168.  | .2  10.10.255.2  .2.1 |      | .2.2 |
+/// +------+      +-----------------------+  60.0/24  +-----------------------+      +------+
+///  10.10.1.0/24                                                          10.10.2.0/24
+/// ```
+///
+/// The pods turn checksum offloads off (XDP sees full checksums, as from a wire) and GRO on
+/// (a veth takes XDP redirects only when its peer runs NAPI). The pod links' MTU is the
+/// overlay's (1450).
+pub fn two_node_overlay() -> Result<Topology, NetnsError> {
+    let mut topo = Topology::new();
+    for n in &OVERLAY_NODES {
+        topo.add_ns(n.pod)?;
+        topo.add_ns(n.role)?;
+        topo.ns(n.role).sysctl("net.ipv4.ip_forward", "1")?;
+        topo.veth(
+            VethEnd::new(n.pod, "eth0").addr(&format!("{}/24", n.pod_addr())),
+            VethEnd::new(n.role, "pod0").addr(&format!("10.10.{}.1/24", n.subnet)),
+        )?;
+        topo.ns(n.pod)
+            .add_route("default", &format!("10.10.{}.1", n.subnet))?;
+    }
+    let [a, b] = &OVERLAY_NODES;
+    topo.veth(
+        VethEnd::new(a.role, "und0").addr(&format!("{}/24", a.underlay)),
+        VethEnd::new(b.role, "und0").addr(&format!("{}/24", b.underlay)),
+    )?;
+    for (n, peer) in [(a, b), (b, a)] {
+        let ns = topo.ns(n.role);
+        let overlay = format!("{}/24", n.overlay);
+        let dev = VxlanDevice {
+            mac: n.mac,
+            local: n.underlay,
+            underlay: "und0",
+            addr: &overlay,
+            peer_addr: peer.overlay,
+            peer_mac: peer.mac,
+            peer_vtep: peer.underlay,
+        };
+        for cmd in dev.commands() {
+            ns.run(&cmd)?;
+        }
+        let subnet = format!("10.10.{}.0/24", peer.subnet);
+        ns.run(&[
+            "ip",
+            "route",
+            "add",
+            &subnet,
+            "via",
+            peer.overlay,
+            "dev",
+            "vxlan0",
+        ])?;
+        ns.run(&["ip", "link", "set", "pod0", "mtu", "1450"])?;
+    }
+    for n in &OVERLAY_NODES {
+        let pod = topo.ns(n.pod);
+        pod.run(&["ip", "link", "set", "eth0", "mtu", "1450"])?;
+        pod.run(&[
+            "ethtool", "-K", "eth0", "tx", "off", "rx", "off", "gro", "on",
+        ])?;
+    }
+    Ok(topo)
+}
+
+/// A node's fastpath daemon in [`two_node_overlay`]: routing on the pod link, the underlay
+/// with XDP and TC egress (where it learns the kernel's outer headers), the vxlan device's
+/// network; no connection tracking.
+pub fn overlay_daemon_config(n: &OverlayNode) -> DaemonConfig {
+    let hooks = |name: &str, tc_egress: bool, xdp: &'static str| HookedInterface {
+        name: name.into(),
+        xdp,
+        tc_ingress: false,
+        tc_egress,
+    };
+    DaemonConfig::new(&unique_pin_dir(&format!("vxlan-{}", n.role)))
+        .hooks(hooks("pod0", false, "auto"))
+        .interface_key("pod0", "route = true")
+        .interface_key("pod0", "conntrack = false")
+        .hooks(hooks("und0", true, "auto"))
+        .interface_key("und0", "conntrack = false")
+        .hooks(hooks("vxlan0", false, "off"))
+        .interface_key(
+            "vxlan0",
+            &format!(
+                "vxlan = {{ vni = 42, local = \"{}\", underlay = \"und0\" }}",
+                n.underlay
+            ),
+        )
 }
 
 impl Overlay {
