@@ -55,6 +55,8 @@ pub mod map_names {
     pub const VXLAN_STATS: &str = "FP_VXLAN_STATS";
     /// XDP tail programs (`program_names::XDP_TAILS`), filled by the loader.
     pub const TAILS: &str = "FP_TAILS";
+    /// TC tail programs (`program_names::TC_TAILS`), filled by the loader.
+    pub const TC_TAILS: &str = "FP_TC_TAILS";
     /// The routing benchmark generator's frame headers (`bench::BENCH_FRAME_WORDS` words).
     pub const BENCH_FRAME: &str = "FP_BENCH_FRAME";
 }
@@ -87,6 +89,8 @@ pub mod program_names {
         "fastpath_xdp_vxlan_encap",
         "fastpath_xdp_vxlan_decap",
     ];
+    /// TC programs the TC ingress one tail-calls (`FP_TC_TAILS`), by index.
+    pub const TC_TAILS: [&str; 2] = ["fastpath_tc_vxlan_encap", "fastpath_tc_vxlan_decap"];
 }
 
 /// `FP_TAILS` indexes of the XDP tail programs that translate ICMP (IPv4) and ICMPv6 errors
@@ -106,6 +110,11 @@ pub const TAIL_VXLAN_ENCAP: u32 = 5;
 /// `FP_TAILS` index of the XDP tail program for UDP arriving on a VXLAN underlay: a
 /// configured network's packets are decapsulated and their inner packet routed.
 pub const TAIL_VXLAN_DECAP: u32 = 6;
+/// `FP_TC_TAILS` indexes of the TC ingress tail programs: VXLAN encapsulation of a packet
+/// the L3 stage routed to a vxlan device, and decapsulation of UDP arriving on an underlay
+/// (as `TAIL_VXLAN_ENCAP` and `TAIL_VXLAN_DECAP` at XDP).
+pub const TC_TAIL_VXLAN_ENCAP: u32 = 0;
+pub const TC_TAIL_VXLAN_DECAP: u32 = 1;
 
 /// What the benchmark programs do, shared by the programs and the benchmark that drives them.
 pub mod bench {

@@ -102,12 +102,22 @@ pub const VXLAN_NETS: u32 = 256;
 /// invalidations are reason codes (`vxlan_encap` / `vxlan_decap`, `vxlan_miss`,
 /// `vxlan_stale`); these count the learning.
 pub mod vxlan_stat {
-    /// Outer headers learned (or refreshed) from a packet of the kernel's vxlan device.
+    /// Outer headers learned from a packet of the kernel's vxlan device, for a next hop not
+    /// known in the current generation.
     pub const LEARNED: u32 = 0;
     /// Packets of a configured network the cache cannot use: a UDP checksum (the fast path
     /// sends none), IPv4 options, fragments.
     pub const UNUSABLE: u32 = 1;
+    /// Packets of a configured network that arrived at TC as a GRO aggregate (many segments
+    /// in one): left to the kernel's vxlan device, as eBPF on this kernel cannot clear the
+    /// aggregate's tunnel offload state (`BPF_F_ADJ_ROOM_DECAP_L4_UDP` came after 6.18).
+    pub const GRO_TO_KERNEL: u32 = 2;
+    /// One past the highest counter in use.
+    pub const COUNT: u32 = 3;
     pub const SLOTS: u32 = 4;
+    const _: () = assert!(COUNT <= SLOTS);
+    /// Stable snake_case names, indexed by counter, for the CLI and metrics labels.
+    pub const NAMES: [&str; COUNT as usize] = ["learned", "unusable", "gro_to_kernel"];
 }
 
 #[cfg(feature = "user")]

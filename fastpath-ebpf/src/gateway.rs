@@ -158,6 +158,13 @@ pub fn fib_lookup(
 }
 
 impl FibParams {
+    /// After a successful TC lookup asked with no length: the egress route's MTU (the
+    /// kernel's `mtu_result`, which shares the length's field).
+    #[inline(always)]
+    pub fn mtu(&self) -> u16 {
+        self.tot_len
+    }
+
     /// After a successful lookup without `BPF_FIB_LOOKUP_SKIP_NEIGH`: the next hop's MAC
     /// address, then the egress interface's, as an Ethernet header starts.
     #[inline(always)]

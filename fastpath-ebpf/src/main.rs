@@ -194,6 +194,50 @@ pub fn fastpath_xdp_vxlan_decap(ctx: XdpContext) -> u32 {
     }
 }
 
+/// Tail program of `fastpath_tc_ingress` (`FP_TC_TAILS[TC_TAIL_VXLAN_ENCAP]`): as
+/// `fastpath_xdp_vxlan_encap` (see `vxlan::encap_tc`).
+#[classifier]
+pub fn fastpath_tc_vxlan_encap(ctx: TcContext) -> i32 {
+    let len = ctx.len() as usize;
+    match vxlan::encap_tc(&ctx) {
+        vxlan::Encap::Sent(underlay) => {
+            stats::count(Hook::TcIngress, Verdict::Forward, reason::VXLAN_ENCAP, len);
+            // SAFETY: bpf_redirect has no preconditions; it returns the TC action to take.
+            unsafe { bpf_redirect(underlay, 0) as i32 }
+        }
+        vxlan::Encap::Kernel(why) => {
+            stats::count(Hook::TcIngress, Verdict::Kernel, why, len);
+            TC_ACT_UNSPEC
+        }
+        vxlan::Encap::Drop => {
+            stats::count(Hook::TcIngress, Verdict::Drop, reason::ROUTE_OTHER, len);
+            TC_ACT_SHOT
+        }
+    }
+}
+
+/// Tail program of `fastpath_tc_ingress` (`FP_TC_TAILS[TC_TAIL_VXLAN_DECAP]`): as
+/// `fastpath_xdp_vxlan_decap` (see `vxlan::decap_tc`). Counted with the outer length.
+#[classifier]
+pub fn fastpath_tc_vxlan_decap(ctx: TcContext) -> i32 {
+    let len = ctx.len() as usize;
+    match vxlan::decap_tc(&ctx) {
+        vxlan::Decap::Forward(why) => {
+            stats::count(Hook::TcIngress, Verdict::Forward, why, len);
+            // SAFETY: bpf_redirect has no preconditions; it returns the TC action to take.
+            unsafe { bpf_redirect(route::out_ifindex(), 0) as i32 }
+        }
+        vxlan::Decap::Kernel(why) => {
+            stats::count(Hook::TcIngress, Verdict::Kernel, why, len);
+            TC_ACT_UNSPEC
+        }
+        vxlan::Decap::Drop => {
+            stats::count(Hook::TcIngress, Verdict::Drop, reason::ROUTE_OTHER, len);
+            TC_ACT_SHOT
+        }
+    }
+}
+
 /// Tail programs of `fastpath_xdp` (`FP_TAILS[TAIL_REJECT]`, `[TAIL_REJECT6]`): answer a new
 /// connection to a service without backends (`no_backend = "reject"`) — see `reject`.
 #[xdp]
@@ -294,6 +338,34 @@ fn tc(ctx: TcContext, hook: Hook) -> i32 {
         }
         Err(code) => pipeline::unparsed(code),
     };
+    // Routed to a vxlan device, or UDP no stage took arriving where VXLAN may: the VXLAN
+    // tail programs (as at XDP).
+    if hook == Hook::TcIngress {
+        let tail = if verdict == Verdict::Forward && route::egress_is_vxlan(route::out_ifindex()) {
+            // Where the tail program is missing, dropped rather than sent half-done.
+            verdict = Verdict::Drop;
+            fastpath_common::TC_TAIL_VXLAN_ENCAP
+        } else if verdict == Verdict::Kernel
+            && matches!(
+                reason,
+                fastpath_common::reason::NO_STAGE_IPV4_UDP
+                    | fastpath_common::reason::NO_STAGE_IPV6_UDP
+                    | fastpath_common::reason::ROUTE_NOT_FORWARDED
+            )
+            && pipeline::vxlan_configured()
+        {
+            fastpath_common::TC_TAIL_VXLAN_DECAP
+        } else {
+            NO_TAIL
+        };
+        if tail != NO_TAIL {
+            route::hand_over(reason);
+            // SAFETY: the tail program takes the same context; it does not return here.
+            unsafe { maps::FP_TC_TAILS.tail_call(&ctx, tail) };
+            // The tail program is missing: the packet goes on as it is.
+            reason = fastpath_common::reason::LB_REWRITE_FAILED;
+        }
+    }
     // Leaving an 802.1Q port: with its tag (this node's frames, and those redirected to it).
     if hook == Hook::TcEgress
         && verdict != Verdict::Drop
@@ -316,7 +388,7 @@ fn tc(ctx: TcContext, hook: Hook) -> i32 {
 
 /// The packet bounds of an skb; re-read after anything that can move packet data.
 #[inline(always)]
-fn tc_packet(ctx: &TcContext) -> Packet {
+pub(crate) fn tc_packet(ctx: &TcContext) -> Packet {
     Packet {
         data: ctx.data(),
         data_end: ctx.data_end(),

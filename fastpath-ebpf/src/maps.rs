@@ -188,6 +188,10 @@ pub static FP_FIB: PerCpuArray<FibParams> = PerCpuArray::with_max_entries(1, 0);
 #[map(name = "FP_TAILS")]
 pub static FP_TAILS: ProgramArray = ProgramArray::with_max_entries(7, 0);
 
+/// TC ingress tail programs (`program_names::TC_TAILS`), as `FP_TAILS`.
+#[map(name = "FP_TC_TAILS")]
+pub static FP_TC_TAILS: ProgramArray = ProgramArray::with_max_entries(2, 0);
+
 /// VNI → the VXLAN network's settings (daemon-written).
 #[map(name = "FP_VXLAN_NET")]
 pub static FP_VXLAN_NET: HashMap<u32, VxlanNet> = HashMap::pinned(VXLAN_NETS, 0);

@@ -15,11 +15,13 @@ use fastpath_common::{
     reason,
 };
 
+use aya_ebpf::bindings::__sk_buff;
+
 use crate::{
     gateway,
     maps::{FP_IFACE, FP_NAT},
     packet::Packet,
-    parse::{FAMILY_IPV4, Parsed},
+    parse::{FAMILY_IPV4, IPPROTO_TCP, Parsed},
 };
 
 /// `bpf_fib_lookup` results (`BPF_FIB_LKUP_RET_*`).
@@ -80,7 +82,14 @@ pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> Result<(),
     if ttl <= 1 {
         return Err(reason::ROUTE_TTL_EXPIRED);
     }
-    let tot_len = (p.l3_end - p.l3_off) as u16;
+    // A GRO aggregate (TC only) is many packets in one: the FIB checks the egress MTU
+    // against its segments rather than its length (asked with no length, it checks the skb).
+    let gso_size = gso_size(pkt, hook);
+    let tot_len = if gso_size == 0 {
+        (p.l3_end - p.l3_off) as u16
+    } else {
+        0
+    };
     let route = match gateway::fib_lookup(pkt, p, ifindex, false, 0, tot_len) {
         Ok(r) => r,
         Err(FIB_NOT_FWDED) => return Err(reason::ROUTE_NOT_FORWARDED),
@@ -92,16 +101,16 @@ pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> Result<(),
         Err(FIB_FWD_DISABLED) => return Err(reason::ROUTE_FORWARDING_OFF),
         Err(_) => return Err(reason::ROUTE_OTHER),
     };
+    if gso_size != 0 && !segments_fit(pkt, p, gso_size, route.mtu()) {
+        return Err(reason::ROUTE_MTU);
+    }
     let out = route.ifindex;
     match FP_IFACE.get(out) {
-        // A VXLAN network's device: encapsulated by a tail program at XDP (the entry point's
-        // `egress_tail`), when the headers for the next hop are learned.
-        // The tail program checks for learned headers and rewrites the packet itself (no
-        // stack room here); the FIB's answer waits for it in this CPU's `FP_FIB`.
+        // A VXLAN network's device: encapsulated by a tail program (the entry point's), when
+        // the headers for the next hop are learned. The tail program checks for learned
+        // headers and rewrites the packet itself (no stack room here); the FIB's answer waits
+        // for it in this CPU's `FP_FIB`.
         Some(e) if e.flags & IFACE_F_VXLAN != 0 => {
-            if hook != Hook::Xdp {
-                return Err(reason::ROUTE_EGRESS_NOT_ROUTED);
-            }
             redirect_to(out);
             return Ok(());
         }
@@ -113,6 +122,33 @@ pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> Result<(),
     }
     redirect_to(out);
     Ok(())
+}
+
+/// The segment size of a GRO aggregate (`skb->gso_size`; 0 for any other packet, and always
+/// at XDP).
+#[inline(always)]
+pub fn gso_size(pkt: &Packet, hook: Hook) -> u32 {
+    if hook == Hook::Xdp {
+        return 0;
+    }
+    // SAFETY: at TC, the context is the kernel's __sk_buff for the duration of the program.
+    unsafe { (*(pkt.ctx as *const __sk_buff)).gso_size }
+}
+
+/// Whether the segments of a GRO aggregate of `gso_size` payload bytes fit the egress `mtu`
+/// with their IP and TCP (or UDP) headers, as the kernel checks before forwarding one.
+#[inline(always)]
+fn segments_fit(pkt: &Packet, p: &Parsed, gso_size: u32, mtu: u16) -> bool {
+    let l4_hdr = if p.l4_proto == IPPROTO_TCP {
+        // The data offset (bytes 12-13 of the TCP header; a 2-byte load for the verifier).
+        match pkt.load::<[u8; 2]>(p.l4_off as usize + 12) {
+            Some(b) => u32::from(b[0] >> 4) * 4,
+            None => return false,
+        }
+    } else {
+        8
+    };
+    gso_size + (p.l4_off - p.l3_off) + l4_hdr <= u32::from(mtu)
 }
 
 /// A routed packet's rewrite: TTL / hop limit one lower (`hdr` as `forward` read it, IPv4
@@ -188,6 +224,14 @@ pub fn out_ifindex() -> u32 {
         Some(plan) => plan.out_ifindex,
         None => 0,
     }
+}
+
+/// Whether `out` is a vxlan device (a packet routed there is encapsulated by a tail program).
+#[inline(always)]
+pub fn egress_is_vxlan(out: u32) -> bool {
+    FP_IFACE
+        .get(out)
+        .is_some_and(|i| i.flags & IFACE_F_VXLAN != 0)
 }
 
 /// The tail program a frame forwarded at XDP out of `out` needs first: an 802.1Q port's tag

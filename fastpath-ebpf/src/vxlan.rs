@@ -1,12 +1,23 @@
 //! VXLAN stage (see `fastpath_common::vxlan`): the cache of outer headers learned from the
-//! kernel's vxlan devices at the underlay's TC egress, encapsulation at XDP of packets the L3
-//! stage routed to a vxlan device, and decapsulation at the underlay's XDP hook of packets of
-//! a configured network, whose inner packet the L3 stage then routes.
+//! kernel's vxlan devices at the underlay's TC egress, encapsulation of packets the L3 stage
+//! routed to a vxlan device, and decapsulation on the underlay of packets of a configured
+//! network, whose inner packet the L3 stage then routes. Both where the L3 stage routes: at
+//! XDP (`route = true` with XDP on) and at TC ingress (`xdp = "off"`, where a GRO aggregate
+//! of many TCP segments is encapsulated once).
 //!
 //! TCP FIN and RST segments take the kernel's path both ways, so the kernel's own connection
 //! tracking (netfilter), which saw the connection start there, also sees it end.
 
-use aya_ebpf::{EbpfContext as _, helpers::bpf_xdp_adjust_head, programs::XdpContext};
+use aya_ebpf::{
+    EbpfContext as _,
+    bindings::{
+        __sk_buff, BPF_ADJ_ROOM_ENCAP_L2_SHIFT, BPF_F_ADJ_ROOM_ENCAP_L2_ETH,
+        BPF_F_ADJ_ROOM_ENCAP_L3_IPV4, BPF_F_ADJ_ROOM_ENCAP_L3_IPV6, BPF_F_ADJ_ROOM_ENCAP_L4_UDP,
+        BPF_F_ADJ_ROOM_FIXED_GSO, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC,
+    },
+    helpers::bpf_xdp_adjust_head,
+    programs::{TcContext, XdpContext},
+};
 use fastpath_common::{
     Hook,
     ct::IFACE_F_VXLAN_UNDERLAY,
@@ -21,7 +32,7 @@ use crate::{
     },
     packet::{Packet, be16},
     parse::{ETH_P_IPV4, ETH_P_IPV6, FAMILY_IPV4, IPPROTO_TCP, IPPROTO_UDP, Parsed},
-    pipeline, route, xdp_packet,
+    pipeline, route, tc_packet, xdp_packet,
 };
 
 const TCP_FIN: u8 = 0x01;
@@ -135,53 +146,82 @@ pub enum Encap {
     Drop,
 }
 
-/// XDP, in the tail program after the L3 stage routed the packet (`FP_PKT_CTX`) to a vxlan
-/// device (`route::out_ifindex`), leaving the FIB's answer in `FP_FIB`: with the outer headers
-/// learned for the next hop, the packet is routed (TTL, the device's and the next hop's MAC
-/// addresses, as the kernel's inner frame has them) and the headers put in front.
+/// An encapsulation, planned before the packet changes.
+struct Plan {
+    /// The learned entry for the next hop (a live entry of the cache).
+    peer: *mut VxlanPeer,
+    /// The inner IP header's bytes `route::rewrite` takes, as `route::forward` read them.
+    hdr: [u8; 4],
+    /// The next hop's and the vxlan device's MAC addresses.
+    macs: [u8; 12],
+    sport: u16,
+    v4: bool,
+    l3: usize,
+}
+
+/// The outer headers of one packet.
+struct Outer {
+    words: [u64; 9],
+    /// The same, as bytes (the checksum reads them).
+    bytes: [u8; 72],
+    hdr_len: u32,
+    underlay: u32,
+    id: u16,
+}
+
+/// The encapsulation of the packet the L3 stage routed (`FP_PKT_CTX`, `FP_FIB`) to a vxlan
+/// device (`route::out_ifindex`), or why it goes to the kernel unchanged.
 #[inline(always)]
-pub fn encap(ctx: &XdpContext) -> Encap {
-    let pkt = xdp_packet(ctx);
+fn plan(pkt: &Packet) -> Result<Plan, u32> {
     let (Some(p), Some(fib)) = (FP_PKT_CTX.get(0), FP_FIB.get(0)) else {
-        return Encap::Kernel(reason::VXLAN_MISS);
+        return Err(reason::VXLAN_MISS);
     };
     if p.l4_proto == IPPROTO_TCP && p.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
-        return Encap::Kernel(reason::VXLAN_TCP_CLOSE);
+        return Err(reason::VXLAN_TCP_CLOSE);
     }
     let macs = fib.macs();
-    let Some(peer) = peer(
+    let peer = peer(
         route::out_ifindex(),
         [macs[0], macs[1], macs[2], macs[3], macs[4], macs[5]],
-    ) else {
-        return Encap::Kernel(reason::VXLAN_MISS);
-    };
+    )
+    .ok_or(reason::VXLAN_MISS)?;
     // SAFETY: a live entry of the cache.
-    let peer = unsafe { &mut *peer };
-    if peer.generation != generation() {
-        return Encap::Kernel(reason::VXLAN_STALE);
+    if unsafe { (*peer).generation } != generation() {
+        return Err(reason::VXLAN_STALE);
     }
     let v4 = p.family == FAMILY_IPV4;
     let l3 = p.l3_off as usize;
     // What `route::forward` read: IPv4 TTL, protocol and checksum; IPv6 next header and hop
     // limit.
     let hdr: [u8; 4] = if v4 {
-        match pkt.load_now(l3 + 8) {
-            Some(h) => h,
-            None => return Encap::Kernel(reason::VXLAN_MISS),
-        }
+        pkt.load_now(l3 + 8).ok_or(reason::VXLAN_MISS)?
     } else {
-        match pkt.load_now::<[u8; 2]>(l3 + 6) {
-            Some(h) => [h[1], h[0], 0, 0],
-            None => return Encap::Kernel(reason::VXLAN_MISS),
-        }
+        let h: [u8; 2] = pkt.load_now(l3 + 6).ok_or(reason::VXLAN_MISS)?;
+        [h[1], h[0], 0, 0]
     };
-    let Some(sport) = source_port(&pkt, p, peer.port_min, peer.port_max) else {
-        return Encap::Kernel(reason::VXLAN_MISS);
-    };
-    // From here the packet changes: a failure drops it.
-    if !route::rewrite(&pkt, l3, v4, hdr, macs) {
-        return Encap::Drop;
+    // SAFETY: as above.
+    let (min, max) = unsafe { ((*peer).port_min, (*peer).port_max) };
+    let sport = source_port(pkt, p, min, max).ok_or(reason::VXLAN_MISS)?;
+    Ok(Plan {
+        peer,
+        hdr,
+        macs,
+        sport,
+        v4,
+        l3,
+    })
+}
+
+/// Routes the planned packet (TTL, the device's and the next hop's MAC addresses, as the
+/// kernel's inner frame has them) and takes its outer headers from the cache. `None`: the
+/// packet could not be rewritten.
+#[inline(always)]
+fn commit(pkt: &Packet, plan: &Plan) -> Option<Outer> {
+    if !route::rewrite(pkt, plan.l3, plan.v4, plan.hdr, plan.macs) {
+        return None;
     }
+    // SAFETY: a live entry of the cache.
+    let peer = unsafe { &mut *plan.peer };
     // Per destination, shared by the CPUs: a race may give two packets one number, which
     // only matters to fragments (the kernel's counters are no stricter).
     let id = peer.ip_id as u16;
@@ -192,25 +232,33 @@ pub fn encap(ctx: &XdpContext) -> Encap {
             1,
         );
     }
-    let inner_len = pkt.len as u16;
-    let hdr_bytes = peer.hdr_bytes();
-    let w = peer.hdr;
-    let outer_v4 = peer.hdr_len == VXLAN_HDR_V4;
-    let hdr_len = if outer_v4 { VXLAN_HDR_V4 } else { VXLAN_HDR_V6 };
-    let underlay = peer.underlay;
-    // SAFETY: the context is the program's; a negative delta grows the frame into the
-    // headroom, and fails if there is not enough.
-    if unsafe { bpf_xdp_adjust_head(ctx.as_ptr() as *mut _, -(hdr_len as i32)) } != 0 {
-        return Encap::Drop;
-    }
-    let pkt = xdp_packet(ctx);
-    let udp_len = (inner_len + 16).to_be_bytes();
+    Some(Outer {
+        words: peer.hdr,
+        bytes: peer.hdr_bytes(),
+        hdr_len: if peer.hdr_len == VXLAN_HDR_V4 {
+            VXLAN_HDR_V4
+        } else {
+            VXLAN_HDR_V6
+        },
+        underlay: peer.underlay,
+        id,
+    })
+}
+
+/// Writes the outer headers in front of an inner frame of `inner_len` bytes (room made):
+/// the learned ones, with this packet's lengths, IPv4 identification and checksum, and UDP
+/// source port. (For a GRO aggregate at TC the kernel sets the lengths, identification and
+/// checksum of each segment when it splits it.)
+#[inline(always)]
+fn write_outer(pkt: &Packet, o: &Outer, sport: u16, inner_len: u16) -> bool {
+    let w = o.words;
+    let h = o.bytes;
+    let udp_len = inner_len.wrapping_add(16).to_be_bytes();
     let sport = sport.to_be_bytes();
-    let h = hdr_bytes;
-    let written = if outer_v4 {
-        let tot_len = inner_len + 36;
-        let check = ipv4_check(&h, tot_len, id).to_be_bytes();
-        let (l, i) = (tot_len.to_be_bytes(), id.to_be_bytes());
+    if o.hdr_len == VXLAN_HDR_V4 {
+        let tot_len = inner_len.wrapping_add(36);
+        let check = ipv4_check(&h, tot_len, o.id).to_be_bytes();
+        let (l, i) = (tot_len.to_be_bytes(), o.id.to_be_bytes());
         pkt.store_words(0, [w[0], w[1], w[2], w[3], w[4], w[5]])
             && pkt.store(48, [h[48], h[49]])
             && pkt.store(16, [l[0], l[1], i[0], i[1]])
@@ -223,9 +271,73 @@ pub fn encap(ctx: &XdpContext) -> Encap {
             && pkt.store(18, udp_len)
             && pkt.store(54, sport)
             && pkt.store(58, [udp_len[0], udp_len[1], 0, 0])
+    }
+}
+
+/// XDP, in the tail program after the L3 stage routed the packet to a vxlan device: with the
+/// outer headers learned for the next hop, the packet is routed and the headers put in front.
+#[inline(always)]
+pub fn encap(ctx: &XdpContext) -> Encap {
+    let pkt = xdp_packet(ctx);
+    let plan = match plan(&pkt) {
+        Ok(plan) => plan,
+        Err(why) => return Encap::Kernel(why),
     };
-    if written {
-        Encap::Sent(underlay)
+    let inner_len = pkt.len as u16;
+    // From here the packet changes: a failure drops it.
+    let Some(o) = commit(&pkt, &plan) else {
+        return Encap::Drop;
+    };
+    // SAFETY: the context is the program's; a negative delta grows the frame into the
+    // headroom, and fails if there is not enough.
+    if unsafe { bpf_xdp_adjust_head(ctx.as_ptr() as *mut _, -(o.hdr_len as i32)) } != 0 {
+        return Encap::Drop;
+    }
+    if write_outer(&xdp_packet(ctx), &o, plan.sport, inner_len) {
+        Encap::Sent(o.underlay)
+    } else {
+        Encap::Drop
+    }
+}
+
+/// TC ingress, in the tail program after the L3 stage routed the packet to a vxlan device:
+/// as [`encap`], the room made by `bpf_skb_adjust_room` as a UDP tunnel of an Ethernet frame,
+/// so that a GRO aggregate (many TCP segments in one) is encapsulated once and split into
+/// encapsulated segments by the kernel on its way out (its segment size kept: the inner
+/// route's MTU, which the FIB checked, leaves room for the outer headers).
+#[inline(always)]
+pub fn encap_tc(ctx: &TcContext) -> Encap {
+    let pkt = tc_packet(ctx);
+    let plan = match plan(&pkt) {
+        Ok(plan) => plan,
+        Err(why) => return Encap::Kernel(why),
+    };
+    let inner_len = pkt.len as u16;
+    let Some(o) = commit(&pkt, &plan) else {
+        return Encap::Drop;
+    };
+    // The inner Ethernet header as routed: the room goes in after it.
+    let Some(eth) = pkt.load_now::<[u8; 14]>(0) else {
+        return Encap::Drop;
+    };
+    let l3 = if o.hdr_len == VXLAN_HDR_V4 {
+        BPF_F_ADJ_ROOM_ENCAP_L3_IPV4
+    } else {
+        BPF_F_ADJ_ROOM_ENCAP_L3_IPV6
+    };
+    let flags = u64::from(
+        BPF_F_ADJ_ROOM_FIXED_GSO | l3 | BPF_F_ADJ_ROOM_ENCAP_L4_UDP | BPF_F_ADJ_ROOM_ENCAP_L2_ETH,
+    ) | (14u64 << BPF_ADJ_ROOM_ENCAP_L2_SHIFT);
+    // The outer headers but the outer Ethernet header, plus the inner one.
+    if ctx
+        .adjust_room(o.hdr_len as i32, BPF_ADJ_ROOM_MAC, flags)
+        .is_err()
+    {
+        return Encap::Drop;
+    }
+    let pkt = tc_packet(ctx);
+    if write_outer(&pkt, &o, plan.sport, inner_len) && pkt.store(o.hdr_len as usize, eth) {
+        Encap::Sent(o.underlay)
     } else {
         Encap::Drop
     }
@@ -242,6 +354,61 @@ pub enum Decap {
     Drop,
 }
 
+/// A packet of a configured network, arriving on its underlay for this VTEP: its vxlan
+/// device and outer header length, and the outer headers (and more) to put back if the
+/// kernel is to have it after all. Else why the kernel has it (`why`: the main program's
+/// reason).
+#[inline(always)]
+fn arriving(pkt: &Packet, ifindex: u32, why: u32) -> Result<(u32, u32, [u64; 9]), u32> {
+    let outer = FP_PKT_CTX.get(0).ok_or(why)?;
+    let underlay = FP_IFACE
+        .get(ifindex)
+        .is_some_and(|i| i.flags & IFACE_F_VXLAN_UNDERLAY != 0);
+    if !underlay || outer.l4_proto != IPPROTO_UDP || outer.fragment != 0 {
+        return Err(why);
+    }
+    let (net, hdr_len) = our_vxlan(pkt, outer).ok_or(why)?;
+    let words = pkt.load_now::<[u64; 9]>(0).ok_or(reason::VXLAN_MISS)?;
+    Ok((net, hdr_len, words))
+}
+
+/// Routes the decapsulated packet `inner` as arriving on vxlan device `net`; TCP FIN and RST
+/// take the kernel's path.
+#[inline(always)]
+fn route_inner(inner: &Packet, hook: Hook, net: u32) -> Result<(), u32> {
+    match pipeline::parse(inner) {
+        Ok(p) if p.l4_proto == IPPROTO_TCP && p.tcp_flags & (TCP_FIN | TCP_RST) != 0 => {
+            Err(reason::VXLAN_TCP_CLOSE)
+        }
+        Ok(p) => route::forward(inner, p, hook, net),
+        Err(_) => Err(reason::VXLAN_MISS),
+    }
+}
+
+/// Writes back the outer headers `words` taken off a packet (room made again), and the
+/// reason it goes to the kernel: the route stage's, or `vxlan_miss` where it had none.
+#[inline(always)]
+fn put_back(pkt: &Packet, w: [u64; 9], hdr_len: u32, why: u32) -> Decap {
+    let restored = if hdr_len == VXLAN_HDR_V4 {
+        let t = w[6].to_ne_bytes();
+        pkt.store_words(0, [w[0], w[1], w[2], w[3], w[4], w[5]]) && pkt.store(48, [t[0], t[1]])
+    } else {
+        let t = w[8].to_ne_bytes();
+        pkt.store_words(0, [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]])
+            && pkt.store(64, [t[0], t[1], t[2], t[3], t[4], t[5]])
+    };
+    if !restored {
+        // Nothing to hand the kernel but a broken frame.
+        return Decap::Drop;
+    }
+    // Not a stage's: the route stage had nothing to say about the inner packet.
+    Decap::Kernel(if why == reason::NONE {
+        reason::VXLAN_MISS
+    } else {
+        why
+    })
+}
+
 /// XDP, in the tail program for UDP no stage took (`route::handed_over` says why): a packet
 /// of a configured network, arriving on its underlay for this VTEP, loses its outer headers
 /// and its inner packet is routed from the network's vxlan device by the L3 stage. Whatever
@@ -249,64 +416,83 @@ pub enum Decap {
 /// routed in the fast path (or is a TCP FIN or RST), with the inner packet's.
 #[inline(always)]
 pub fn decap(ctx: &XdpContext) -> Decap {
-    let why = route::handed_over();
     let pkt = xdp_packet(ctx);
-    let Some(outer) = FP_PKT_CTX.get(0) else {
-        return Decap::Kernel(why);
-    };
-    let underlay = FP_IFACE
-        .get(ctx.ingress_ifindex() as u32)
-        .is_some_and(|i| i.flags & IFACE_F_VXLAN_UNDERLAY != 0);
-    if !underlay || outer.l4_proto != IPPROTO_UDP || outer.fragment != 0 {
-        return Decap::Kernel(why);
-    }
-    let Some((net, hdr_len)) = our_vxlan(&pkt, outer) else {
-        return Decap::Kernel(why);
-    };
-    let v4 = hdr_len == VXLAN_HDR_V4;
-    // The outer headers (and more), kept to put back if the kernel is to have the packet.
-    let Some(words) = pkt.load_now::<[u64; 9]>(0) else {
-        return Decap::Kernel(reason::VXLAN_MISS);
-    };
+    let (net, hdr_len, words) =
+        match arriving(&pkt, ctx.ingress_ifindex() as u32, route::handed_over()) {
+            Ok(a) => a,
+            Err(why) => return Decap::Kernel(why),
+        };
     // SAFETY: the context is the program's; the frame is longer than `hdr_len` (read above).
     if unsafe { bpf_xdp_adjust_head(ctx.as_ptr() as *mut _, hdr_len as i32) } != 0 {
         return Decap::Kernel(reason::ROUTE_OTHER);
     }
-    let inner = xdp_packet(ctx);
-    let routed = match pipeline::parse(&inner) {
-        Ok(p) if p.l4_proto == IPPROTO_TCP && p.tcp_flags & (TCP_FIN | TCP_RST) != 0 => {
-            Err(reason::VXLAN_TCP_CLOSE)
+    match route_inner(&xdp_packet(ctx), Hook::Xdp, net) {
+        Ok(()) => Decap::Forward(reason::VXLAN_DECAP),
+        Err(why) => {
+            // SAFETY: as above; growing back by what was taken.
+            if unsafe { bpf_xdp_adjust_head(ctx.as_ptr() as *mut _, -(hdr_len as i32)) } != 0 {
+                return Decap::Drop;
+            }
+            put_back(&xdp_packet(ctx), words, hdr_len, why)
         }
-        Ok(p) => route::forward(&inner, p, Hook::Xdp, net),
-        Err(_) => Err(reason::VXLAN_MISS),
+    }
+}
+
+/// TC ingress, in the tail program for UDP no stage took: as [`decap`], the outer headers
+/// taken out with `bpf_skb_adjust_room`, for packets whose inner packet is of the outer
+/// one's family (the skb's protocol stays). A GRO aggregate goes to the kernel's vxlan
+/// device (counted `gro_to_kernel` among the VXLAN counters): its tunnel offload state would
+/// outlive the outer headers.
+#[inline(always)]
+pub fn decap_tc(ctx: &TcContext) -> Decap {
+    let pkt = tc_packet(ctx);
+    let why = route::handed_over();
+    // SAFETY: the context is the kernel's __sk_buff for the duration of the program.
+    let ifindex = unsafe { (*(ctx.as_ptr() as *const __sk_buff)).ifindex };
+    let (net, hdr_len, words) = match arriving(&pkt, ifindex, why) {
+        Ok(a) => a,
+        Err(why) => return Decap::Kernel(why),
+    };
+    if route::gso_size(&pkt, Hook::TcIngress) != 0 {
+        count(vxlan_stat::GRO_TO_KERNEL);
+        return Decap::Kernel(why);
+    }
+    // The inner Ethernet header, and the outer one's type (the outer IP version's).
+    let (Some(eth), Some(outer_type)) = (
+        pkt.load_now::<[u8; 14]>(hdr_len as usize),
+        pkt.load_now::<[u8; 2]>(12),
+    ) else {
+        return Decap::Kernel(reason::VXLAN_MISS);
+    };
+    if [eth[12], eth[13]] != outer_type {
+        return Decap::Kernel(reason::VXLAN_MISS);
+    }
+    // Out: the outer IP, UDP and VXLAN headers and the inner Ethernet header, after the
+    // outer Ethernet header, which then takes the inner one's bytes.
+    if ctx
+        .adjust_room(-(hdr_len as i32), BPF_ADJ_ROOM_MAC, 0)
+        .is_err()
+    {
+        return Decap::Kernel(reason::ROUTE_OTHER);
+    }
+    let inner = tc_packet(ctx);
+    let routed = if inner.store(0, eth) {
+        route_inner(&inner, Hook::TcIngress, net)
+    } else {
+        Err(reason::ROUTE_OTHER)
     };
     match routed {
         Ok(()) => Decap::Forward(reason::VXLAN_DECAP),
         Err(why) => {
-            // SAFETY: as above; growing back by what was taken.
-            let back = unsafe { bpf_xdp_adjust_head(ctx.as_ptr() as *mut _, -(hdr_len as i32)) };
-            let pkt = xdp_packet(ctx);
-            let w = words;
-            let restored = back == 0
-                && if v4 {
-                    let t = w[6].to_ne_bytes();
-                    pkt.store_words(0, [w[0], w[1], w[2], w[3], w[4], w[5]])
-                        && pkt.store(48, [t[0], t[1]])
-                } else {
-                    let t = w[8].to_ne_bytes();
-                    pkt.store_words(0, [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]])
-                        && pkt.store(64, [t[0], t[1], t[2], t[3], t[4], t[5]])
-                };
-            if !restored {
-                // Nothing to hand the kernel but a broken frame.
+            // The room comes back zeroed: the inner Ethernet header too.
+            if ctx
+                .adjust_room(hdr_len as i32, BPF_ADJ_ROOM_MAC, 0)
+                .is_err()
+                || !tc_packet(ctx).store(hdr_len as usize, eth)
+            {
                 return Decap::Drop;
             }
-            // Not a stage's: the route stage had nothing to say about the inner packet.
-            Decap::Kernel(if why == reason::NONE {
-                reason::VXLAN_MISS
-            } else {
-                why
-            })
+            put_back(&tc_packet(ctx), words, hdr_len, why)
         }
     }
 }
@@ -402,6 +588,13 @@ fn learn_from(pkt: &Packet, ifindex: u32) -> Option<()> {
     let mac: [u8; 6] = pkt.load_now(hdr_len as usize)?;
     let words: [u64; 9] = pkt.load_now(0)?;
     let ip_id: [u8; 2] = pkt.load_now(18)?;
+    // Known in this generation: nothing to learn (the fast path's own packets, encapsulated
+    // at TC, leave through here too).
+    let current = generation();
+    // SAFETY: a live entry of the cache, read only.
+    if peer(net.ifindex, mac).is_some_and(|e| unsafe { (*e).generation } == current) {
+        return None;
+    }
     let key = FP_VXLAN_KEY.get_ptr_mut(0)?;
     let value = FP_VXLAN_LEARN.get_ptr_mut(0)?;
     // SAFETY: this CPU's slots of per-CPU arrays, used by this program run only.
@@ -409,7 +602,7 @@ fn learn_from(pkt: &Packet, ifindex: u32) -> Option<()> {
         (*key).ifindex = net.ifindex;
         (*key).mac = mac;
         (*key)._pad = [0; 2];
-        (*value).generation = generation();
+        (*value).generation = current;
         (*value).underlay = ifindex;
         (*value).hdr_len = hdr_len;
         // IPv4: the kernel's identification goes on from here.

@@ -4,8 +4,9 @@
 //! load-balanced, health-checked service on a VIP, sends real ping, HTTP (IPv4 and IPv6) and UDP
 //! traffic, prints what the datapath counted and tracked, balances HTTP to the VIP and takes a
 //! failed backend out, shows that a `kill -9` of the daemon leaves the datapath forwarding and
-//! that a restart reuses the pinned maps, then removes everything it created — also on Ctrl-C
-//! or failure.
+//! that a restart reuses the pinned maps; then runs a two-node VXLAN overlay whose pods talk
+//! through the fast path's flow cache; and removes everything it created — also on Ctrl-C or
+//! failure.
 
 use std::{
     process::ExitCode,
@@ -15,12 +16,15 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use fastpath::{
     stats::StatsSnapshot,
-    testkit::netns::{
-        Daemon, HttpServer, LbTopology, PREFIX, example_fastpath_bin, host_run, lb_topology,
-        sweep_stale, unique_pin_dir,
+    testkit::{
+        netns::{
+            Daemon, HttpServer, LbTopology, PREFIX, example_fastpath_bin, host_run, lb_topology,
+            sweep_stale, unique_pin_dir,
+        },
+        vxlan_cases::{OVERLAY_NODES, overlay_daemon_config, two_node_overlay},
     },
 };
-use fastpath_common::{Hook, Verdict};
+use fastpath_common::{Hook, Verdict, reason};
 
 const BACKENDS: usize = 3;
 const HTTP_PORT: u16 = 80;
@@ -293,6 +297,88 @@ fn run() -> Result<()> {
     }
     println!("  daemon exited with {status}; no XDP on cl0, pin directory removed");
     drop(servers);
+    drop(lb);
+
+    step("A VXLAN overlay: two nodes with a pod each, the kernel's vxlan devices accelerated")?;
+    overlay(&bin)
+}
+
+/// Two nodes carry a kernel VXLAN overlay between their pods: the pods talk over the kernel's
+/// overlay alone, then with a fastpath daemon on each node, which learns the outer headers
+/// from the kernel's first packets and then encapsulates and decapsulates in the fast path.
+fn overlay(bin: &std::path::Path) -> Result<()> {
+    let topo = two_node_overlay().context("building the two-node overlay")?;
+    let [a, b] = &OVERLAY_NODES;
+    let (pod_a, pod_b) = (a.pod_addr(), b.pod_addr());
+    println!(
+        "  pod a {pod_a} -- [node a: vxlan0 {}, VTEP {}] == underlay == [node b: vxlan0 {}, VTEP {}] -- pod b {pod_b}",
+        a.overlay, a.underlay, b.overlay, b.underlay
+    );
+    topo.ns(a.pod)
+        .run(&["ping", "-c", "2", "-i", "0.2", "-W", "2", &pod_b])
+        .context("ping over the kernel's overlay")?;
+    println!("  the kernel's overlay alone: pod a pings pod b");
+    let config = |n| overlay_daemon_config(n, Hook::Xdp);
+    let (ca, cb) = (config(a), config(b));
+    println!("  node a's daemon config:\n{}", indent(&ca.to_toml()));
+    let da = Daemon::start(bin, topo.ns(a.role), &ca);
+    let db = Daemon::start(bin, topo.ns(b.role), &cb);
+    let mut nginx = topo
+        .ns(b.pod)
+        .http_server(HTTP_PORT)
+        .context("starting nginx in pod b")?;
+    let body = nginx.serve_blob("blob", 1 << 20);
+    let _ = nginx.process();
+    let (a0, b0) = (da.stats(), db.stats());
+    for (from, to) in [(a.pod, &pod_b), (b.pod, &pod_a)] {
+        let out = topo
+            .ns(from)
+            .run(&["ping", "-c", "5", "-i", "0.1", "-W", "2", to])
+            .with_context(|| format!("ping {to} from {from}"))?;
+        if !out.contains("5 received") {
+            bail!("ping {to} from {from}:\n{out}");
+        }
+        println!("  ping {to} from {from}: 5 of 5 answered");
+    }
+    let url = format!("http://{pod_b}:{HTTP_PORT}/blob");
+    let got = topo
+        .ns(a.pod)
+        .exec(&["curl", "-sS", "--fail", "--max-time", "20", &url])
+        .with_context(|| format!("curl {url}"))?;
+    if !got.status.success() || got.stdout != body {
+        bail!(
+            "curl {url}: {} bytes of {}, or they differ: {}",
+            got.stdout.len(),
+            body.len(),
+            String::from_utf8_lossy(&got.stderr)
+        );
+    }
+    println!("  curl {url}: {} bytes, byte for byte", body.len());
+    for (name, daemon, before) in [("a", &da, &a0), ("b", &db, &b0)] {
+        let d = daemon.stats().delta(before);
+        let count = |code| d.get(Hook::Xdp, Verdict::Forward, code).packets;
+        println!(
+            "  node {name}: {} packets encapsulated and {} decapsulated in the fast path (vxlan_encap, vxlan_decap)",
+            count(reason::VXLAN_ENCAP),
+            count(reason::VXLAN_DECAP)
+        );
+        if count(reason::VXLAN_ENCAP) == 0 || count(reason::VXLAN_DECAP) == 0 {
+            bail!(
+                "node {name}: the overlay did not take the fast path:\n{}",
+                d.render_table()
+            );
+        }
+    }
+    let stats = host_run(&[
+        bin.as_os_str(),
+        "stats".as_ref(),
+        "--pin-dir".as_ref(),
+        db.pin_dir().as_os_str(),
+    ])
+    .context("fastpath stats on node b")?;
+    if let Some(line) = stats.lines().find(|l| l.starts_with("vxlan flow cache")) {
+        println!("  node b, `fastpath stats`: {line}");
+    }
     Ok(())
 }
 

@@ -369,6 +369,16 @@ fn print_stats(s: &pb::Stats, out: Output) -> Outcome {
         print_json(&rows)
     } else {
         print!("{}", fastpath::stats::render_rows(&rows));
+        let vxlan: Vec<String> = s
+            .vxlan
+            .iter()
+            .map(|c| format!("{} {}", c.name, c.value))
+            .collect();
+        println!(
+            "vxlan flow cache: {}; generation {}",
+            vxlan.join(", "),
+            s.vxlan_generation
+        );
         Ok(())
     }
 }

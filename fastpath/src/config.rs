@@ -1044,19 +1044,23 @@ impl Config {
         }
         let under = vx.underlay.get_ref();
         match self.interfaces.iter().find(|o| o.name.get_ref() == under) {
-            Some(u) if u.xdp != XdpMode::Off && u.tc_egress && u.vxlan.is_none() => Ok(()),
+            Some(u)
+                if (u.xdp != XdpMode::Off || u.tc_ingress) && u.tc_egress && u.vxlan.is_none() =>
+            {
+                Ok(())
+            }
             Some(_) => Err(err(
                 vx.underlay.span(),
                 format!("interface[{i}].vxlan.underlay"),
                 format!(
-                    "the underlay {under:?} needs XDP (arriving VXLAN is decapsulated there) and tc_egress = true (the device's packets teach the fast path their headers there); set both in its [[interface]]"
+                    "the underlay {under:?} needs XDP or, with xdp = \"off\", tc_ingress = true (arriving VXLAN is decapsulated there), and tc_egress = true (the device's packets teach the fast path their headers there); set them in its [[interface]]"
                 ),
             )),
             None => Err(err(
                 vx.underlay.span(),
                 format!("interface[{i}].vxlan.underlay"),
                 format!(
-                    "the underlay {under:?} is not an [[interface]]; add one for it with XDP and tc_egress = true"
+                    "the underlay {under:?} is not an [[interface]]; add one for it with XDP (or tc_ingress = true) and tc_egress = true"
                 ),
             )),
         }
@@ -2015,8 +2019,13 @@ mod tests {
         }
         let e = cfg("", &dev(42)).expect_err("no TC egress on the underlay");
         assert!(e.to_string().contains("tc_egress = true"), "{e}");
-        let e = cfg("xdp = \"off\"\ntc_egress = true", &dev(42)).expect_err("no XDP");
-        assert!(e.to_string().contains("needs XDP"), "{e}");
+        let e = cfg("xdp = \"off\"\ntc_egress = true", &dev(42)).expect_err("no XDP or TC");
+        assert!(e.to_string().contains("needs XDP or"), "{e}");
+        cfg(
+            "xdp = \"off\"\ntc_ingress = true\ntc_egress = true",
+            &dev(42),
+        )
+        .expect("an underlay decapsulating at TC ingress");
         let e = cfg(
             "tc_egress = true",
             "vxlan = { vni = 42, local = \"192.0.2.1\", underlay = \"lo\" }",

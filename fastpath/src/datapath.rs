@@ -38,7 +38,7 @@ use fastpath_common::{
     },
     lb::{Backend, MAX_SNAT_RULES, Service, SnatRule, SvcKey},
     map_names, program_names,
-    vxlan::VxlanNet,
+    vxlan::{VxlanNet, vxlan_stat},
 };
 use tracing::{info, warn};
 
@@ -232,7 +232,7 @@ impl Datapath {
             })?;
         }
         // Before anything is attached: the main program tail-calls these.
-        install_xdp_tails(&mut ebpf)?;
+        install_tails(&mut ebpf)?;
         Ok(Datapath {
             ebpf,
             pin_dir: pin_dir.to_owned(),
@@ -361,7 +361,7 @@ impl Datapath {
             }
             if let Some(vx) = &iface.vxlan {
                 // Decapsulated packets are routed as if they arrived on the device.
-                cfg.flags |= IFACE_F_VXLAN | IFACE_F_ROUTE;
+                cfg.flags |= IFACE_F_VXLAN | IFACE_F_ROUTE | IFACE_F_ROUTE_TC;
                 cfg.mac = interface_mac(name)?;
                 nets.push((ifindex, vx));
             }
@@ -1904,16 +1904,34 @@ pub fn pinned_services(pin_dir: &Path) -> Result<Vec<ServiceRow>, DatapathError>
 
 /// Conntrack counters of a pinned datapath, summed over CPUs, indexed by `ct_stat::*`.
 pub fn pinned_ct_stats(pin_dir: &Path) -> Result<Vec<u64>, DatapathError> {
-    let data = pinned_map(pin_dir, map_names::CT_STATS)?;
+    pinned_counters(pin_dir, map_names::CT_STATS, ct_stat::COUNT)
+}
+
+/// VXLAN learning counters of a pinned datapath, summed over CPUs, indexed by
+/// `vxlan_stat::*`, and the current generation of learned headers. Zeros from a datapath
+/// pinned before VXLAN existed (no such maps).
+pub fn pinned_vxlan_stats(pin_dir: &Path) -> Result<(Vec<u64>, u64), DatapathError> {
+    let maps = pin_dir.join("maps");
+    if !maps.join(map_names::VXLAN_STATS).exists() {
+        return Ok((vec![0; vxlan_stat::COUNT as usize], 0));
+    }
+    let sums = pinned_counters(pin_dir, map_names::VXLAN_STATS, vxlan_stat::COUNT)?;
+    let generation = VxlanGeneration::open_pin(&maps.join(map_names::VXLAN_GEN))?.current();
+    Ok((sums, generation))
+}
+
+/// The first `count` slots of a pinned per-CPU array of counters, each summed over CPUs.
+fn pinned_counters(pin_dir: &Path, map: &str, count: u32) -> Result<Vec<u64>, DatapathError> {
+    let data = pinned_map(pin_dir, map)?;
     let array: PerCpuArray<MapData, u64> = PerCpuArray::try_from(aya::maps::Map::PerCpuArray(data))
         .map_err(|source| DatapathError::Map {
-            what: "opening FP_CT_STATS".into(),
+            what: format!("opening {map}"),
             source,
         })?;
-    let mut sums = Vec::with_capacity(ct_stat::COUNT as usize);
-    for code in 0..ct_stat::COUNT {
+    let mut sums = Vec::with_capacity(count as usize);
+    for code in 0..count {
         let per_cpu = array.get(&code, 0).map_err(|source| DatapathError::Map {
-            what: format!("reading FP_CT_STATS[{code}]"),
+            what: format!("reading {map}[{code}]"),
             source,
         })?;
         sums.push(per_cpu.iter().sum());
@@ -2094,9 +2112,10 @@ fn tc_program_name(hook: HookKind) -> &'static str {
     }
 }
 
-/// Loads the XDP tail programs (`program_names::XDP_TAILS`) and puts each in `FP_TAILS` at
-/// its index, where the main XDP program finds them.
-pub fn install_xdp_tails(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
+/// Loads the tail programs — XDP (`program_names::XDP_TAILS`) and TC ingress
+/// (`program_names::TC_TAILS`) — and puts each in its program array (`FP_TAILS`,
+/// `FP_TC_TAILS`) at its index, where the main programs find them.
+pub fn install_tails(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
     for (index, name) in program_names::XDP_TAILS.into_iter().enumerate() {
         let prog: &mut Xdp = program(ebpf, name)?;
         prog.load().map_err(|source| DatapathError::Program {
@@ -2105,29 +2124,49 @@ pub fn install_xdp_tails(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
         })?;
         let fd = prog
             .fd()
-            .and_then(|fd| fd.try_clone().map_err(ProgramError::from))
-            .map_err(|source| DatapathError::Program {
-                what: format!("the fd of {name}"),
-                source,
-            })?;
-        let map = ebpf
-            .map_mut(map_names::TAILS)
-            .ok_or(DatapathError::MissingMap {
-                name: map_names::TAILS,
-            })?;
-        let mut tails =
-            aya::maps::ProgramArray::try_from(map).map_err(|source| DatapathError::Map {
-                what: "opening FP_TAILS".into(),
-                source,
-            })?;
-        tails
-            .set(index as u32, &fd, 0)
-            .map_err(|source| DatapathError::Map {
-                what: format!("FP_TAILS[{index}] = {name}"),
-                source,
-            })?;
+            .and_then(|fd| fd.try_clone().map_err(ProgramError::from));
+        set_tail(ebpf, map_names::TAILS, index, name, fd)?;
+    }
+    for (index, name) in program_names::TC_TAILS.into_iter().enumerate() {
+        let prog: &mut SchedClassifier = program(ebpf, name)?;
+        prog.load().map_err(|source| DatapathError::Program {
+            what: format!("loading {name}"),
+            source,
+        })?;
+        let fd = prog
+            .fd()
+            .and_then(|fd| fd.try_clone().map_err(ProgramError::from));
+        set_tail(ebpf, map_names::TC_TAILS, index, name, fd)?;
     }
     Ok(())
+}
+
+/// `map[index] = ` the loaded program `name` (its `fd`).
+fn set_tail(
+    ebpf: &mut Ebpf,
+    map: &'static str,
+    index: usize,
+    name: &str,
+    fd: Result<aya::programs::ProgramFd, ProgramError>,
+) -> Result<(), DatapathError> {
+    let fd = fd.map_err(|source| DatapathError::Program {
+        what: format!("the fd of {name}"),
+        source,
+    })?;
+    let array = ebpf
+        .map_mut(map)
+        .ok_or(DatapathError::MissingMap { name: map })?;
+    let mut tails =
+        aya::maps::ProgramArray::try_from(array).map_err(|source| DatapathError::Map {
+            what: format!("opening {map}"),
+            source,
+        })?;
+    tails
+        .set(index as u32, &fd, 0)
+        .map_err(|source| DatapathError::Map {
+            what: format!("{map}[{index}] = {name}"),
+            source,
+        })
 }
 
 fn program<'a, T>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut T, DatapathError>

@@ -127,6 +127,24 @@ pub async fn render(shared: &Arc<Shared>) -> String {
                 c.value,
             );
         }
+        o.family(
+            "fastpath_vxlan_learning_total",
+            "counter",
+            "VXLAN flow cache: headers learned from the kernel's vxlan devices, packets whose headers the cache cannot use, arriving GRO aggregates left to the kernel at TC.",
+        );
+        for c in &s.vxlan {
+            o.sample(
+                "fastpath_vxlan_learning_total",
+                &[("counter", &c.name)],
+                c.value,
+            );
+        }
+        o.family(
+            "fastpath_vxlan_generation",
+            "gauge",
+            "Current generation of learned VXLAN headers (each route, neighbour, link or configuration change starts one).",
+        );
+        o.sample("fastpath_vxlan_generation", &[], s.vxlan_generation);
     }
     let Ok(rules) = shared.rules().await else {
         return o.0;

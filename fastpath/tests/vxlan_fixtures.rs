@@ -7,7 +7,8 @@
 //! learned the headers from the kernel's frame, must give the kernel's frame but for the
 //! per-packet fields (outer IPv4 identification and checksum, UDP source port). Misses,
 //! invalidation by generation, TCP FIN/RST and frames the fast path must leave alone go to the
-//! kernel unchanged, each with its reason. Needs root; without it the test fails (never
+//! kernel unchanged, each with its reason. A second test replays the same frames at TC
+//! ingress, where the fast path works with XDP off. Needs root; without it the test fails (never
 //! skips).
 
 use fastpath::testkit::{
@@ -17,7 +18,7 @@ use fastpath::testkit::{
 };
 use fastpath_common::{
     Hook, Verdict,
-    ct::{IFACE_F_ROUTE, IFACE_F_VXLAN, IFACE_F_VXLAN_UNDERLAY, IfaceConfig},
+    ct::{IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IFACE_F_VXLAN, IFACE_F_VXLAN_UNDERLAY, IfaceConfig},
     reason,
 };
 
@@ -65,187 +66,16 @@ fn to_kernel(name: &str, hook: Hook, seed: &Seed, input: Vec<u8>, on: u32, why: 
 #[test]
 fn vxlan_encap_and_decap_match_the_kernels_own_packets() {
     require_root("vxlan_fixtures");
-    let overlay = Overlay::build();
-    let fresh = overlay.capture();
-    if std::env::var("FP_UPDATE_FIXTURES").is_ok_and(|v| v == "1") {
-        fresh.save().expect("writing the fixture files");
-    }
-    let kept = Captures::load().unwrap_or_else(|e| {
-        panic!("reading the fixture files ({e}); FP_UPDATE_FIXTURES=1 writes them from a capture")
-    });
-    // The kernel still makes the frames kept (but for its per-packet fields).
-    assert_eq!(
-        fresh.decap_out,
-        kept.decap_out,
-        "decap_out:\n{}",
-        to_hex(&fresh.decap_out)
-    );
-    assert_eq!(
-        fresh.encap_in,
-        kept.encap_in,
-        "encap_in:\n{}",
-        to_hex(&fresh.encap_in)
-    );
-    assert_eq!(
-        outer_masked(&fresh.decap_in),
-        outer_masked(&kept.decap_in),
-        "decap_in:\n{}",
-        to_hex(&fresh.decap_in)
-    );
-    assert_eq!(
-        outer_masked(&fresh.encap_out),
-        outer_masked(&kept.encap_out),
-        "encap_out:\n{}",
-        to_hex(&fresh.encap_out)
-    );
-
-    let (n0, und0, vxlan0) = (ifindex("n0"), ifindex("und0"), ifindex("vxlan0"));
-    let mut seed = Seed::default()
-        .with_iface_config(
-            n0,
-            IfaceConfig {
-                flags: IFACE_F_ROUTE,
-                mac: N0_MAC,
-                ..IfaceConfig::default()
-            },
-        )
-        .with_iface(und0, IFACE_F_VXLAN_UNDERLAY)
-        .with_iface_config(
-            vxlan0,
-            IfaceConfig {
-                flags: IFACE_F_VXLAN | IFACE_F_ROUTE,
-                mac: VXLAN0_MAC,
-                ..IfaceConfig::default()
-            },
-        );
-    seed.vxlan_nets = vec![(VNI, Overlay::net())];
-    seed.config.flags |= fastpath_common::stats::CONFIG_F_VXLAN;
+    let (_overlay, kept) = captures();
+    let n0 = ifindex("n0");
+    let seed = seed(Hook::Xdp);
     let mut fx = Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));
+    let (learn, encap) = encap_and_decap(&mut fx, &seed, &kept, Hook::Xdp);
     let check = |fx: &mut Fixture, c: &Case| {
         if let Err(f) = fx.evaluate(c) {
             panic!("{f}");
         }
     };
-
-    // Decapsulation: the kernel's routed frame, byte for byte.
-    let decap_bytes = kept.decap_in.len() as u64;
-    check(
-        &mut fx,
-        &Case {
-            name: "decap".into(),
-            hook: Hook::Xdp,
-            seed: seed.clone(),
-            expect_verdict: raw_verdict(Hook::Xdp, Verdict::Forward),
-            expect_output: Some(kept.decap_out.clone()),
-            expect_counters: vec![CounterDelta::new(
-                Hook::Xdp,
-                Verdict::Forward,
-                reason::VXLAN_DECAP,
-                1,
-                decap_bytes,
-            )],
-            input: kept.decap_in.clone(),
-            arrives_on: Some(und0),
-        },
-    );
-    // Frames decapsulation leaves to the kernel come out as they went in: another VNI, an
-    // inner TTL that expires (the kernel sends the ICMP error), an inner TCP RST.
-    let mut other_vni = kept.decap_in.clone();
-    other_vni[48] ^= 1;
-    check(
-        &mut fx,
-        &to_kernel(
-            "decap_other_vni",
-            Hook::Xdp,
-            &seed,
-            other_vni,
-            und0,
-            reason::NO_STAGE_IPV4_UDP,
-        ),
-    );
-    let mut ttl1 = kept.decap_in.clone();
-    ttl1[50 + 14 + 8] = 1;
-    let ttl1 = fix_ipv4_check(ttl1, 50 + 14);
-    check(
-        &mut fx,
-        &to_kernel(
-            "decap_inner_ttl_1",
-            Hook::Xdp,
-            &seed,
-            ttl1,
-            und0,
-            reason::ROUTE_TTL_EXPIRED,
-        ),
-    );
-
-    // Encapsulation: a miss before anything is learned.
-    check(
-        &mut fx,
-        &to_kernel(
-            "encap_miss",
-            Hook::Xdp,
-            &seed,
-            kept.encap_in.clone(),
-            n0,
-            reason::VXLAN_MISS,
-        ),
-    );
-    // The kernel's frame leaving the underlay teaches the headers (the frame goes on).
-    let learn = to_kernel(
-        "learn",
-        Hook::TcEgress,
-        &seed,
-        kept.encap_out.clone(),
-        und0,
-        reason::NO_STAGE_IPV4_UDP,
-    );
-    check(&mut fx, &learn);
-    let encap = Case {
-        name: "encap".into(),
-        hook: Hook::Xdp,
-        seed: seed.clone(),
-        expect_verdict: raw_verdict(Hook::Xdp, Verdict::Forward),
-        expect_output: None,
-        expect_counters: Vec::new(),
-        input: kept.encap_in.clone(),
-        arrives_on: Some(n0),
-    };
-    let out = fx.run(&encap).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(
-        out.verdict,
-        raw_verdict(Hook::Xdp, Verdict::Forward),
-        "encap verdict"
-    );
-    assert_eq!(
-        outer_masked(&out.output),
-        outer_masked(&kept.encap_out),
-        "encapsulated frame (masked) differs from the kernel's:\nours:\n{}\nkernel's:\n{}",
-        to_hex(&out.output),
-        to_hex(&kept.encap_out)
-    );
-    assert_eq!(ipv4_sum(&out.output, 14), 0, "outer IPv4 checksum");
-    let id = |f: &[u8]| u16::from_be_bytes([f[18], f[19]]);
-    assert_eq!(
-        id(&out.output),
-        id(&kept.encap_out).wrapping_add(1),
-        "the identification goes on from the kernel's"
-    );
-    let sport = u16::from_be_bytes([out.output[34], out.output[35]]);
-    assert!((32768..60999).contains(&sport), "source port {sport}");
-    assert_eq!(
-        out.counters
-            .get(Hook::Xdp, Verdict::Forward, reason::VXLAN_ENCAP)
-            .packets,
-        1,
-        "counted as an encapsulation: {:?}",
-        out.counters
-    );
-    // The same flow keeps its source port.
-    let again = fx.run(&encap).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(
-        [again.output[34], again.output[35]],
-        [out.output[34], out.output[35]]
-    );
 
     // A new generation (a configuration, route or neighbour change): stale until the
     // kernel's path teaches the headers again.
@@ -349,4 +179,231 @@ fn vxlan_encap_and_decap_match_the_kernels_own_packets() {
         kept.decap_out.len(),
         kept.encap_out.len()
     );
+}
+
+/// The overlay (the thread is then in its node namespace) and the kept frames, checked
+/// against a fresh capture of the kernel's (see the module's documentation).
+fn captures() -> (Overlay, Captures) {
+    let overlay = Overlay::build();
+    let fresh = overlay.capture();
+    if std::env::var("FP_UPDATE_FIXTURES").is_ok_and(|v| v == "1") {
+        fresh.save().expect("writing the fixture files");
+    }
+    let kept = Captures::load().unwrap_or_else(|e| {
+        panic!("reading the fixture files ({e}); FP_UPDATE_FIXTURES=1 writes them from a capture")
+    });
+    // The kernel still makes the frames kept (but for its per-packet fields).
+    assert_eq!(
+        fresh.decap_out,
+        kept.decap_out,
+        "decap_out:\n{}",
+        to_hex(&fresh.decap_out)
+    );
+    assert_eq!(
+        fresh.encap_in,
+        kept.encap_in,
+        "encap_in:\n{}",
+        to_hex(&fresh.encap_in)
+    );
+    assert_eq!(
+        outer_masked(&fresh.decap_in),
+        outer_masked(&kept.decap_in),
+        "decap_in:\n{}",
+        to_hex(&fresh.decap_in)
+    );
+    assert_eq!(
+        outer_masked(&fresh.encap_out),
+        outer_masked(&kept.encap_out),
+        "encap_out:\n{}",
+        to_hex(&fresh.encap_out)
+    );
+    (overlay, kept)
+}
+
+/// The node's interfaces as the daemon configures them, routing at `hook` (XDP, or TC
+/// ingress with XDP off).
+fn seed(hook: Hook) -> Seed {
+    let route = if hook == Hook::Xdp {
+        IFACE_F_ROUTE
+    } else {
+        IFACE_F_ROUTE_TC
+    };
+    let mut seed = Seed::default()
+        .with_iface_config(
+            ifindex("n0"),
+            IfaceConfig {
+                flags: route,
+                mac: N0_MAC,
+                ..IfaceConfig::default()
+            },
+        )
+        .with_iface(ifindex("und0"), IFACE_F_VXLAN_UNDERLAY)
+        .with_iface_config(
+            ifindex("vxlan0"),
+            IfaceConfig {
+                flags: IFACE_F_VXLAN | IFACE_F_ROUTE | IFACE_F_ROUTE_TC,
+                mac: VXLAN0_MAC,
+                ..IfaceConfig::default()
+            },
+        );
+    seed.vxlan_nets = vec![(VNI, Overlay::net())];
+    seed.config.flags |= fastpath_common::stats::CONFIG_F_VXLAN;
+    seed
+}
+
+/// At `hook`, on a fixture with nothing learned: decapsulation gives the kernel's routed
+/// frame byte for byte; what it leaves to the kernel comes out as it went in; encapsulation
+/// misses until the kernel's frame leaving the underlay teaches the headers, and then gives
+/// the kernel's frame but for the outer identification, checksum and source port (the
+/// identification going on from the kernel's). Returns the learning case and the
+/// encapsulation case.
+fn encap_and_decap(fx: &mut Fixture, seed: &Seed, kept: &Captures, hook: Hook) -> (Case, Case) {
+    let (n0, und0) = (ifindex("n0"), ifindex("und0"));
+    let check = |fx: &mut Fixture, c: &Case| {
+        if let Err(f) = fx.evaluate(c) {
+            panic!("{hook:?}: {f}");
+        }
+    };
+    let decap_bytes = kept.decap_in.len() as u64;
+    check(
+        fx,
+        &Case {
+            name: "decap".into(),
+            hook,
+            seed: seed.clone(),
+            expect_verdict: raw_verdict(hook, Verdict::Forward),
+            expect_output: Some(kept.decap_out.clone()),
+            expect_counters: vec![CounterDelta::new(
+                hook,
+                Verdict::Forward,
+                reason::VXLAN_DECAP,
+                1,
+                decap_bytes,
+            )],
+            input: kept.decap_in.clone(),
+            arrives_on: Some(und0),
+        },
+    );
+    // Frames decapsulation leaves to the kernel come out as they went in: another VNI, an
+    // inner TTL that expires (the kernel sends the ICMP error).
+    let mut other_vni = kept.decap_in.clone();
+    other_vni[48] ^= 1;
+    check(
+        fx,
+        &to_kernel(
+            "decap_other_vni",
+            hook,
+            seed,
+            other_vni,
+            und0,
+            reason::NO_STAGE_IPV4_UDP,
+        ),
+    );
+    let mut ttl1 = kept.decap_in.clone();
+    ttl1[50 + 14 + 8] = 1;
+    let ttl1 = fix_ipv4_check(ttl1, 50 + 14);
+    check(
+        fx,
+        &to_kernel(
+            "decap_inner_ttl_1",
+            hook,
+            seed,
+            ttl1,
+            und0,
+            reason::ROUTE_TTL_EXPIRED,
+        ),
+    );
+
+    // Encapsulation: a miss before anything is learned.
+    check(
+        fx,
+        &to_kernel(
+            "encap_miss",
+            hook,
+            seed,
+            kept.encap_in.clone(),
+            n0,
+            reason::VXLAN_MISS,
+        ),
+    );
+    // The kernel's frame leaving the underlay teaches the headers (the frame goes on).
+    let learn = to_kernel(
+        "learn",
+        Hook::TcEgress,
+        seed,
+        kept.encap_out.clone(),
+        und0,
+        reason::NO_STAGE_IPV4_UDP,
+    );
+    check(fx, &learn);
+    let encap = Case {
+        name: "encap".into(),
+        hook,
+        seed: seed.clone(),
+        expect_verdict: raw_verdict(hook, Verdict::Forward),
+        expect_output: None,
+        expect_counters: Vec::new(),
+        input: kept.encap_in.clone(),
+        arrives_on: Some(n0),
+    };
+    let out = fx.run(&encap).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        out.verdict,
+        raw_verdict(hook, Verdict::Forward),
+        "{hook:?}: encap verdict"
+    );
+    assert_eq!(
+        outer_masked(&out.output),
+        outer_masked(&kept.encap_out),
+        "{hook:?}: encapsulated frame (masked) differs from the kernel's:\nours:\n{}\nkernel's:\n{}",
+        to_hex(&out.output),
+        to_hex(&kept.encap_out)
+    );
+    assert_eq!(
+        ipv4_sum(&out.output, 14),
+        0,
+        "{hook:?}: outer IPv4 checksum"
+    );
+    let id = |f: &[u8]| u16::from_be_bytes([f[18], f[19]]);
+    assert_eq!(
+        id(&out.output),
+        id(&kept.encap_out).wrapping_add(1),
+        "{hook:?}: the identification goes on from the kernel's"
+    );
+    let sport = u16::from_be_bytes([out.output[34], out.output[35]]);
+    assert!((32768..60999).contains(&sport), "source port {sport}");
+    assert_eq!(
+        out.counters
+            .get(hook, Verdict::Forward, reason::VXLAN_ENCAP)
+            .packets,
+        1,
+        "{hook:?}: counted as an encapsulation: {:?}",
+        out.counters
+    );
+    // The same flow keeps its source port.
+    let again = fx.run(&encap).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        [again.output[34], again.output[35]],
+        [out.output[34], out.output[35]]
+    );
+    // The kernel's next frame teaches nothing new in this generation: the identification
+    // goes on from the fast path's.
+    check(fx, &learn);
+    let third = fx.run(&encap).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        id(&third.output),
+        id(&kept.encap_out).wrapping_add(3),
+        "{hook:?}: relearned within a generation"
+    );
+    (learn, encap)
+}
+
+/// The same at TC ingress (XDP off): the pod link routes and encapsulates there, the
+/// underlay decapsulates there.
+#[test]
+fn vxlan_at_tc_ingress_matches_the_kernels_own_packets() {
+    require_root("vxlan_fixtures");
+    let (_overlay, kept) = captures();
+    let mut fx = Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));
+    encap_and_decap(&mut fx, &seed(Hook::TcIngress), &kept, Hook::TcIngress);
 }

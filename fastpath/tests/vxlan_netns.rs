@@ -5,7 +5,8 @@
 //! take the kernel's overlay path and teach the underlay's TC egress the outer headers, and
 //! from then on packets are encapsulated at the pod link's XDP hook and decapsulated at the
 //! underlay's: pings in both directions and a 4 MiB download arrive byte for byte, counted as
-//! `vxlan_encap` and `vxlan_decap` on both nodes.
+//! `vxlan_encap` and `vxlan_decap` on both nodes. A second test does the same with XDP off,
+//! the pod link and the underlay doing it at TC ingress.
 //!
 //! The topology is `testkit::vxlan_cases::two_node_overlay`. Root only (never skipped).
 //! Debian packages: iproute2, ethtool, nginx, curl, iputils-ping.
@@ -23,12 +24,23 @@ fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_fastpath"))
 }
 
-fn fast(d: &StatsSnapshot, code: u32) -> u64 {
-    d.get(Hook::Xdp, Verdict::Forward, code).packets
+fn fast(d: &StatsSnapshot, hook: Hook, code: u32) -> u64 {
+    d.get(hook, Verdict::Forward, code).packets
 }
 
 #[test]
-fn two_nodes_carry_their_pods_overlay_in_the_fast_path() {
+fn two_nodes_carry_their_pods_overlay_in_the_fast_path_at_xdp() {
+    carries_the_overlay(Hook::Xdp);
+}
+
+/// The same with XDP off: the pod link routes and encapsulates at TC ingress, the underlay
+/// decapsulates there.
+#[test]
+fn two_nodes_carry_their_pods_overlay_in_the_fast_path_at_tc() {
+    carries_the_overlay(Hook::TcIngress);
+}
+
+fn carries_the_overlay(hook: Hook) {
     prepare_test(&["ethtool", "nginx", "curl", "ping", "bridge"]);
     let topo = two_node_overlay().unwrap_or_else(|e| panic!("building the overlay: {e}"));
     let [na, nb] = &OVERLAY_NODES;
@@ -37,8 +49,8 @@ fn two_nodes_carry_their_pods_overlay_in_the_fast_path() {
     topo.ns("pa")
         .run(&["ping", "-c", "2", "-i", "0.2", "-W", "2", pod_b.as_str()])
         .unwrap_or_else(|e| panic!("ping over the kernel's overlay: {e}"));
-    let a = Daemon::start(bin(), topo.ns("na"), &overlay_daemon_config(na));
-    let b = Daemon::start(bin(), topo.ns("nb"), &overlay_daemon_config(nb));
+    let a = Daemon::start(bin(), topo.ns("na"), &overlay_daemon_config(na, hook));
+    let b = Daemon::start(bin(), topo.ns("nb"), &overlay_daemon_config(nb, hook));
     let mut nginx = topo
         .ns("pb")
         .http_server(80)
@@ -61,7 +73,7 @@ fn two_nodes_carry_their_pods_overlay_in_the_fast_path() {
         // through the fast path (the first packets towards a next hop teach the headers).
         for code in [reason::VXLAN_ENCAP, reason::VXLAN_DECAP] {
             assert!(
-                fast(d, code) >= 15,
+                fast(d, hook, code) >= 15,
                 "node {node}: too few packets counted {}:\n{}",
                 reason::name(code),
                 d.render_table()
@@ -70,7 +82,8 @@ fn two_nodes_carry_their_pods_overlay_in_the_fast_path() {
     }
     // The download's data segments come from b's pod: b encapsulates them, a decapsulates.
     assert!(
-        fast(&db, reason::VXLAN_ENCAP) >= 1000 && fast(&da, reason::VXLAN_DECAP) >= 1000,
+        fast(&db, hook, reason::VXLAN_ENCAP) >= 1000
+            && fast(&da, hook, reason::VXLAN_DECAP) >= 1000,
         "the download's segments through the fast path:\na:\n{}\nb:\n{}",
         da.render_table(),
         db.render_table()

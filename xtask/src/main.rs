@@ -51,7 +51,8 @@ const USAGE: &str = "\
 cargo xtask <command>
 
 commands:
-  demo        bootstrap, build, and run the namespace demo (client, fast-path node, 3 backends)
+  demo        bootstrap, build, and run the namespace demo (client, fast-path node, 3 backends;
+              then a two-node VXLAN overlay)
   test        bootstrap, check formatting, run every test (unit, datapath fixtures, namespaces)
   bench       bootstrap, build, run the benchmarks (BPF_PROG_TEST_RUN datapath, conntrack, LB,
               and the load-balancer comparison in namespaces); writes docs/bench/ and

@@ -67,20 +67,26 @@ pub fn stats(pin_dir: &Path, skip_entries: bool) -> Result<pb::Stats, DatapathEr
         datapath::pinned_ct_occupancy(pin_dir)?
     };
     let sums = datapath::pinned_ct_stats(pin_dir)?;
-    Ok(pb::Stats {
-        reasons,
-        conntrack_entries: entries,
-        conntrack_capacity: capacity,
-        conntrack: fastpath_common::ct::ct_stat::NAMES
+    let (vxlan, vxlan_generation) = datapath::pinned_vxlan_stats(pin_dir)?;
+    let named = |names: &[&str], sums: Vec<u64>| {
+        names
             .iter()
             .zip(sums)
             .map(|(name, value)| pb::NamedCounter {
                 name: (*name).into(),
                 value,
             })
-            .collect(),
+            .collect()
+    };
+    Ok(pb::Stats {
+        reasons,
+        conntrack_entries: entries,
+        conntrack_capacity: capacity,
+        conntrack: named(&fastpath_common::ct::ct_stat::NAMES, sums),
         services: Vec::new(),
         timestamp_ns: conntrack::monotonic_ns(),
+        vxlan: named(&fastpath_common::vxlan::vxlan_stat::NAMES, vxlan),
+        vxlan_generation,
     })
 }
 

@@ -432,7 +432,7 @@ impl Fixture {
             tc.load()
                 .map_err(|source| FixtureError::Program { name, source })?;
         }
-        crate::datapath::install_xdp_tails(&mut ebpf)
+        crate::datapath::install_tails(&mut ebpf)
             .map_err(|source| FixtureError::Tails { source })?;
         Ok(Fixture {
             lb_writer: None,

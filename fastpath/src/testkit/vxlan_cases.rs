@@ -20,7 +20,7 @@
 
 use std::{path::PathBuf, time::Duration};
 
-use fastpath_common::vxlan::VxlanNet;
+use fastpath_common::{Hook, vxlan::VxlanNet};
 
 use super::{
     capture::{Direction, PacketSocket},
@@ -219,22 +219,29 @@ pub fn two_node_overlay() -> Result<Topology, NetnsError> {
 }
 
 /// A node's fastpath daemon in [`two_node_overlay`]: routing on the pod link, the underlay
-/// with XDP and TC egress (where it learns the kernel's outer headers), the vxlan device's
-/// network; no connection tracking.
-pub fn overlay_daemon_config(n: &OverlayNode) -> DaemonConfig {
-    let hooks = |name: &str, tc_egress: bool, xdp: &'static str| HookedInterface {
+/// with TC egress (where it learns the kernel's outer headers), the vxlan device's network;
+/// no connection tracking. The pod link routes and the underlay decapsulates at `hook`: XDP,
+/// or TC ingress (XDP off).
+pub fn overlay_daemon_config(n: &OverlayNode, hook: Hook) -> DaemonConfig {
+    let xdp = hook == Hook::Xdp;
+    let hooks = |name: &str, tc_egress: bool| HookedInterface {
         name: name.into(),
-        xdp,
-        tc_ingress: false,
+        xdp: if xdp { "auto" } else { "off" },
+        tc_ingress: !xdp,
         tc_egress,
     };
     DaemonConfig::new(&unique_pin_dir(&format!("vxlan-{}", n.role)))
-        .hooks(hooks("pod0", false, "auto"))
+        .hooks(hooks("pod0", false))
         .interface_key("pod0", "route = true")
         .interface_key("pod0", "conntrack = false")
-        .hooks(hooks("und0", true, "auto"))
+        .hooks(hooks("und0", true))
         .interface_key("und0", "conntrack = false")
-        .hooks(hooks("vxlan0", false, "off"))
+        .hooks(HookedInterface {
+            name: "vxlan0".into(),
+            xdp: "off",
+            tc_ingress: false,
+            tc_egress: false,
+        })
         .interface_key(
             "vxlan0",
             &format!(
