@@ -2116,27 +2116,28 @@ fn tc_program_name(hook: HookKind) -> &'static str {
 /// (`program_names::TC_TAILS`) — and puts each in its program array (`FP_TAILS`,
 /// `FP_TC_TAILS`) at its index, where the main programs find them.
 pub fn install_tails(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
-    for (index, name) in program_names::XDP_TAILS.into_iter().enumerate() {
-        let prog: &mut Xdp = program(ebpf, name)?;
-        prog.load().map_err(|source| DatapathError::Program {
-            what: format!("loading {name}"),
-            source,
-        })?;
-        let fd = prog
-            .fd()
-            .and_then(|fd| fd.try_clone().map_err(ProgramError::from));
-        set_tail(ebpf, map_names::TAILS, index, name, fd)?;
-    }
-    for (index, name) in program_names::TC_TAILS.into_iter().enumerate() {
-        let prog: &mut SchedClassifier = program(ebpf, name)?;
-        prog.load().map_err(|source| DatapathError::Program {
-            what: format!("loading {name}"),
-            source,
-        })?;
-        let fd = prog
-            .fd()
-            .and_then(|fd| fd.try_clone().map_err(ProgramError::from));
-        set_tail(ebpf, map_names::TC_TAILS, index, name, fd)?;
+    let arrays: [(&'static str, &[&'static str]); 2] = [
+        (map_names::TAILS, &program_names::XDP_TAILS),
+        (map_names::TC_TAILS, &program_names::TC_TAILS),
+    ];
+    for (map, names) in arrays {
+        for (index, &name) in names.iter().enumerate() {
+            let loaded = if map == map_names::TAILS {
+                program::<Xdp>(ebpf, name)?.load()
+            } else {
+                program::<SchedClassifier>(ebpf, name)?.load()
+            };
+            loaded.map_err(|source| DatapathError::Program {
+                what: format!("loading {name}"),
+                source,
+            })?;
+            let fd = ebpf
+                .program(name)
+                .ok_or(DatapathError::MissingProgram { name })?
+                .fd()
+                .and_then(|fd| fd.try_clone().map_err(ProgramError::from));
+            set_tail(ebpf, map, index, name, fd)?;
+        }
     }
     Ok(())
 }
