@@ -53,6 +53,9 @@ pub mod map_names {
     pub const VXLAN_GEN: &str = "FP_VXLAN_GEN";
     /// Per-CPU learning counters indexed by [`crate::vxlan::vxlan_stat`].
     pub const VXLAN_STATS: &str = "FP_VXLAN_STATS";
+    /// ifindex → 1 when the interface is a veth (or netkit) whose peer is in another network
+    /// namespace, else 0 (daemon-written from netlink, whatever the config).
+    pub const PEER: &str = "FP_PEER";
     /// XDP tail programs (`program_names::XDP_TAILS`), filled by the loader.
     pub const TAILS: &str = "FP_TAILS";
     /// TC tail programs (`program_names::TC_TAILS`), filled by the loader.

@@ -202,8 +202,7 @@ pub fn fastpath_tc_vxlan_encap(ctx: TcContext) -> i32 {
     match vxlan::encap_tc(&ctx) {
         vxlan::Encap::Sent(underlay) => {
             stats::count(Hook::TcIngress, Verdict::Forward, reason::VXLAN_ENCAP, len);
-            // SAFETY: bpf_redirect has no preconditions; it returns the TC action to take.
-            unsafe { bpf_redirect(underlay, 0) as i32 }
+            route::tc_redirect(underlay)
         }
         vxlan::Encap::Kernel(why) => {
             stats::count(Hook::TcIngress, Verdict::Kernel, why, len);
@@ -224,8 +223,7 @@ pub fn fastpath_tc_vxlan_decap(ctx: TcContext) -> i32 {
     match vxlan::decap_tc(&ctx) {
         vxlan::Decap::Forward(why) => {
             stats::count(Hook::TcIngress, Verdict::Forward, why, len);
-            // SAFETY: bpf_redirect has no preconditions; it returns the TC action to take.
-            unsafe { bpf_redirect(route::out_ifindex(), 0) as i32 }
+            route::tc_redirect(route::out_ifindex())
         }
         vxlan::Decap::Kernel(why) => {
             stats::count(Hook::TcIngress, Verdict::Kernel, why, len);
@@ -381,6 +379,7 @@ fn tc(ctx: TcContext, hook: Hook) -> i32 {
         // stack. TC_ACT_OK would end the chain here and hide the packet from them.
         Verdict::Kernel => TC_ACT_UNSPEC,
         // Routed at TC ingress (see fastpath_xdp): TC_ACT_REDIRECT.
+        Verdict::Forward if hook == Hook::TcIngress => route::tc_redirect(route::out_ifindex()),
         // SAFETY: bpf_redirect has no preconditions; it returns the TC action to take.
         Verdict::Forward => unsafe { bpf_redirect(route::out_ifindex(), 0) as i32 },
     }

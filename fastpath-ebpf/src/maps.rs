@@ -192,6 +192,13 @@ pub static FP_TAILS: ProgramArray = ProgramArray::with_max_entries(7, 0);
 #[map(name = "FP_TC_TAILS")]
 pub static FP_TC_TAILS: ProgramArray = ProgramArray::with_max_entries(2, 0);
 
+/// ifindex → 1 when the interface is a veth or netkit device whose peer lives in another
+/// network namespace (daemon-written from netlink): a packet forwarded there at TC ingress
+/// can go straight to the peer's ingress (`route::tc_redirect`). A separate array rather than
+/// an `IfaceConfig` flag: the daemon's link watcher owns it, and it never races a config
+/// change writing `FP_IFACE`.
+#[map(name = "FP_PEER")]
+pub static FP_PEER: Array<u32> = Array::pinned(IFACE_SLOTS, 0);
 /// VNI → the VXLAN network's settings (daemon-written).
 #[map(name = "FP_VXLAN_NET")]
 pub static FP_VXLAN_NET: HashMap<u32, VxlanNet> = HashMap::pinned(VXLAN_NETS, 0);

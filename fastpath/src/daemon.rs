@@ -6,6 +6,7 @@
 
 use std::{io, sync::Arc};
 
+use fastpath_common::map_names;
 use tokio::{
     io::unix::AsyncFd,
     signal::unix::{SignalKind, signal},
@@ -184,21 +185,23 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         std::time::Duration::from_millis(*rules.config().conntrack.gc_interval_ms.get_ref()),
         stop_rx.clone(),
     ));
-    // Route, neighbour and link changes end the generation of learned VXLAN headers.
+    // Route, neighbour and link changes end the generation of learned VXLAN headers; link
+    // changes refresh FP_PEER.
     let vxlan_generations = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let netwatch_task = {
         let (pin_dir, generations, stop) =
             (pin_dir.clone(), vxlan_generations.clone(), stop_rx.clone());
         tokio::spawn(async move {
-            let path = pin_dir
-                .join("maps")
-                .join(fastpath_common::map_names::VXLAN_GEN);
-            let watched = match datapath::VxlanGeneration::open_pin(&path) {
-                Ok(g) => crate::netwatch::watch(g, generations, stop).await,
-                Err(e) => Err(e),
+            let maps = pin_dir.join("maps");
+            let watched = match (
+                datapath::VxlanGeneration::open_pin(&maps.join(map_names::VXLAN_GEN)),
+                datapath::PeerLinks::open_pin(&maps.join(map_names::PEER)),
+            ) {
+                (Ok(g), Ok(p)) => crate::netwatch::watch(g, p, generations, stop).await,
+                (Err(e), _) | (_, Err(e)) => Err(e),
             };
             if let Err(e) = watched {
-                warn!(error = %e, "Learned VXLAN headers will not follow route and neighbour changes");
+                warn!(error = %e, "Learned VXLAN headers will not follow route and neighbour changes, and packets forwarded at TC go out of their interface rather than straight to a veth's peer");
             }
         })
     };

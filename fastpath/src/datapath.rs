@@ -1648,6 +1648,60 @@ impl VxlanGeneration {
     }
 }
 
+/// The pinned `FP_PEER` of a running datapath: the links whose peer is in another
+/// namespace (see `netwatch`), written by the link watcher alone.
+pub struct PeerLinks {
+    map: Array<MapData, u32>,
+    /// The ifindexes set to 1; `None` until the first `set`, which clears every other slot
+    /// (a map pinned by an earlier daemon may hold links gone since).
+    set: Option<std::collections::BTreeSet<u32>>,
+}
+
+impl PeerLinks {
+    /// The map pinned at `map_path` (`<pin_dir>/maps/FP_PEER` for the daemon's).
+    pub fn open_pin(map_path: &Path) -> Result<PeerLinks, DatapathError> {
+        let data = map_at(map_path)?;
+        let map =
+            Array::try_from(aya::maps::Map::Array(data)).map_err(|source| DatapathError::Map {
+                what: "opening FP_PEER".into(),
+                source,
+            })?;
+        Ok(PeerLinks { map, set: None })
+    }
+
+    /// Makes `links` (ifindexes) the map's only entries of 1; ifindexes beyond its slots are
+    /// left out (a plain redirect serves them).
+    pub fn set(&mut self, links: &[u32]) -> Result<(), DatapathError> {
+        let wanted: std::collections::BTreeSet<u32> =
+            links.iter().copied().filter(|&i| i < IFACE_SLOTS).collect();
+        let stale: Vec<u32> = match &self.set {
+            Some(set) => set.difference(&wanted).copied().collect(),
+            None => (0..IFACE_SLOTS)
+                .filter(|i| !wanted.contains(i) && self.map.get(i, 0).unwrap_or(0) != 0)
+                .collect(),
+        };
+        let write = |map: &mut Array<MapData, u32>, i: u32, v: u32| {
+            map.set(i, &v, 0).map_err(|source| DatapathError::Map {
+                what: format!("writing FP_PEER[{i}]"),
+                source,
+            })
+        };
+        let before = self.set.take();
+        // Cleared first: a link that stopped qualifying must never get a peer redirect.
+        for &i in &stale {
+            write(&mut self.map, i, 0)?;
+        }
+        for &i in &wanted {
+            if before.as_ref().is_none_or(|s| !s.contains(&i)) {
+                write(&mut self.map, i, 1)?;
+            }
+        }
+        // Only now: after a failed write, the next call scans every slot again.
+        self.set = Some(wanted);
+        Ok(())
+    }
+}
+
 fn interface_mac(name: &str) -> Result<[u8; 6], DatapathError> {
     let fail = |why: String| {
         DatapathError::Config(format!(

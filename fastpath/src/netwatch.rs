@@ -7,6 +7,10 @@
 //! The daemon listens on a netlink route socket (the multicast groups of links, neighbours
 //! and IPv4/IPv6 routes), drains what arrived, and bumps `FP_VXLAN_GEN` once per burst, at
 //! most every `COALESCE`.
+//!
+//! Link changes also refresh `FP_PEER`, the links whose peer is in another namespace (veth
+//! and netkit devices: pods' and containers' links), to which TC hands forwarded packets
+//! straight into the peer's ingress. A link moved between namespaces is in the next burst.
 
 use std::{
     io,
@@ -36,13 +40,13 @@ const RELEVANT: [u16; 6] = [
     libc::RTM_DELNEIGH,
 ];
 
-/// A netlink route socket subscribed to link, neighbour and route changes, non-blocking.
-pub fn subscribe() -> io::Result<OwnedFd> {
+/// A netlink route socket (`flags`: SOCK_NONBLOCK or 0).
+fn route_socket(flags: i32) -> io::Result<OwnedFd> {
     // SAFETY: a plain socket(2) call; the fd is owned right below.
     let fd = unsafe {
         libc::socket(
             libc::AF_NETLINK,
-            libc::SOCK_RAW | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC | flags,
             libc::NETLINK_ROUTE,
         )
     };
@@ -50,7 +54,12 @@ pub fn subscribe() -> io::Result<OwnedFd> {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: `fd` is a new descriptor nothing else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// A netlink route socket subscribed to link, neighbour and route changes, non-blocking.
+pub fn subscribe() -> io::Result<OwnedFd> {
+    let fd = route_socket(libc::SOCK_NONBLOCK)?;
     // SAFETY: sockaddr_nl is plain old data; all zeroes is valid.
     let mut sa: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
     sa.nl_family = libc::AF_NETLINK as u16;
@@ -72,11 +81,20 @@ pub fn subscribe() -> io::Result<OwnedFd> {
     Ok(fd)
 }
 
-/// Reads everything queued on `fd`; returns how many relevant messages there were. A lost
-/// burst (the socket's buffer overran) counts as one: something changed.
-pub fn drain(fd: &OwnedFd) -> io::Result<usize> {
+/// What one drain of the subscribed socket saw.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// Link, route and neighbour messages.
+    pub relevant: usize,
+    /// Link messages among them.
+    pub links: usize,
+}
+
+/// Reads everything queued on `fd`. A lost burst (the socket's buffer overran) counts as a
+/// link change: anything may have changed.
+pub fn drain(fd: &OwnedFd) -> io::Result<Changes> {
     let mut buf = vec![0u8; 64 * 1024];
-    let mut relevant = 0;
+    let mut seen = Changes::default();
     loop {
         // SAFETY: the buffer is valid for its length.
         let n = unsafe {
@@ -90,38 +108,133 @@ pub fn drain(fd: &OwnedFd) -> io::Result<usize> {
         if n < 0 {
             let e = io::Error::last_os_error();
             match e.raw_os_error() {
-                Some(libc::EAGAIN) => return Ok(relevant),
-                Some(libc::ENOBUFS) => relevant += 1,
+                Some(libc::EAGAIN) => return Ok(seen),
+                Some(libc::ENOBUFS) => {
+                    seen.relevant += 1;
+                    seen.links += 1;
+                }
                 Some(libc::EINTR) => {}
                 _ => return Err(e),
             }
             continue;
         }
-        relevant += count_relevant(&buf[..n as usize]);
+        for (kind, _) in messages(&buf[..n as usize]) {
+            seen.relevant += usize::from(RELEVANT.contains(&kind));
+            seen.links += usize::from(matches!(kind, libc::RTM_NEWLINK | libc::RTM_DELLINK));
+        }
     }
 }
 
-/// Relevant messages in one datagram (a sequence of netlink messages).
-fn count_relevant(mut data: &[u8]) -> usize {
-    let mut n = 0;
-    while data.len() >= 16 {
-        let len = u32::from_ne_bytes([data[0], data[1], data[2], data[3]]) as usize;
-        let kind = u16::from_ne_bytes([data[4], data[5]]);
-        if len < 16 || len > data.len() {
-            break;
-        }
-        n += usize::from(RELEVANT.contains(&kind));
+/// The netlink messages of one datagram: (type, payload after the 16-byte header). The walk
+/// ends at a length that runs past the datagram.
+fn messages(mut data: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    std::iter::from_fn(move || {
+        let len = u32::from_ne_bytes(data.get(..4)?.try_into().ok()?) as usize;
+        let kind = u16::from_ne_bytes(data.get(4..6)?.try_into().ok()?);
+        let payload = data.get(16..len)?;
         // Messages are 4-byte aligned.
-        let next = (len + 3) & !3;
-        data = data.get(next..).unwrap_or(&[]);
+        data = data.get((len + 3) & !3..).unwrap_or(&[]);
+        Some((kind, payload))
+    })
+}
+
+/// Routing attributes (`struct rtattr`) in `data`: (type, payload).
+fn attributes(data: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    let mut data = data;
+    std::iter::from_fn(move || {
+        let len = usize::from(u16::from_ne_bytes(data.get(..2)?.try_into().ok()?));
+        let kind = u16::from_ne_bytes(data.get(2..4)?.try_into().ok()?);
+        let payload = data.get(4..len)?;
+        data = data.get((len + 3) & !3..).unwrap_or(&[]);
+        Some((kind, payload))
+    })
+}
+
+/// `linux/if_link.h`: a link's kind-specific information (nested), its kind, and the
+/// namespace id its peer (or lower device) lives in when that is not the link's own.
+const IFLA_LINKINFO: u16 = 18;
+const IFLA_INFO_KIND: u16 = 1;
+const IFLA_LINK_NETNSID: u16 = 37;
+/// The attribute type without its nested flag (`NLA_F_NESTED`).
+const NLA_TYPE_MASK: u16 = 0x3fff;
+/// Kinds of link whose peer `bpf_redirect_peer` reaches.
+const PEER_KINDS: [&[u8]; 2] = [b"veth\0", b"netkit\0"];
+
+/// The ifindex of the link an RTM_NEWLINK payload (`struct ifinfomsg` and its attributes)
+/// describes, when it is a veth or netkit device whose peer lives in another namespace.
+fn foreign_peer(link: &[u8]) -> Option<u32> {
+    let index = i32::from_ne_bytes(link.get(4..8)?.try_into().ok()?);
+    let (mut kind_ok, mut elsewhere) = (false, false);
+    for (kind, value) in attributes(link.get(16..)?) {
+        match kind & NLA_TYPE_MASK {
+            IFLA_LINK_NETNSID => elsewhere = true,
+            IFLA_LINKINFO => {
+                kind_ok = attributes(value)
+                    .any(|(k, v)| k & NLA_TYPE_MASK == IFLA_INFO_KIND && PEER_KINDS.contains(&v));
+            }
+            _ => {}
+        }
     }
-    n
+    (kind_ok && elsewhere).then_some(u32::try_from(index).ok()?)
+}
+
+/// The links of this namespace that are veth or netkit devices whose peer lives in another
+/// namespace (a netlink dump of every link).
+pub fn foreign_peer_links() -> io::Result<Vec<u32>> {
+    let fd = route_socket(0)?;
+    // struct nlmsghdr (length, type, flags, sequence, port id), struct ifinfomsg (all zero:
+    // every family, every link).
+    let mut req = [0u8; 32];
+    req[..4].copy_from_slice(&32u32.to_ne_bytes());
+    req[4..6].copy_from_slice(&libc::RTM_GETLINK.to_ne_bytes());
+    req[6..8].copy_from_slice(&((libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16).to_ne_bytes());
+    req[8..12].copy_from_slice(&1u32.to_ne_bytes());
+    // SAFETY: the buffer is valid for its length; the kernel is the default destination.
+    if unsafe { libc::send(fd.as_raw_fd(), req.as_ptr().cast(), req.len(), 0) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut links = Vec::new();
+    loop {
+        // SAFETY: the buffer is valid for its length.
+        let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "netlink closed the link dump",
+            ));
+        }
+        for (kind, payload) in messages(&buf[..n as usize]) {
+            match i32::from(kind) {
+                libc::NLMSG_DONE => return Ok(links),
+                libc::NLMSG_ERROR => {
+                    let code = payload
+                        .get(..4)
+                        .map_or(0, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
+                    if code != 0 {
+                        return Err(io::Error::from_raw_os_error(-code));
+                    }
+                }
+                _ if kind == libc::RTM_NEWLINK => links.extend(foreign_peer(payload)),
+                _ => {}
+            }
+        }
+    }
 }
 
 /// Bumps `generation` after every burst of changes until `stop`; `generations` counts the
-/// bumps.
+/// bumps. Keeps `peers` (`FP_PEER`) to the links whose peer is in another namespace: at the
+/// start and after every burst with a link change.
 pub async fn watch(
     mut generation: datapath::VxlanGeneration,
+    mut peers: datapath::PeerLinks,
     generations: Arc<AtomicU64>,
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), DatapathError> {
@@ -133,19 +246,24 @@ pub async fn watch(
     // SAFETY: the AsyncFd owns the socket and keeps it open while registered.
     let fd = unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
         .map_err(|e| DatapathError::Config(format!("registering the netlink socket: {e}")))?;
+    // Subscribed first: a link that changes during the dump is in the next burst.
+    refresh_peers(&mut peers);
     loop {
         tokio::select! {
             ready = fd.readable() => {
                 let Ok(mut guard) = ready else { continue };
-                let relevant = match drain(guard.get_inner()) {
-                    Ok(n) => n,
+                let seen = match drain(guard.get_inner()) {
+                    Ok(seen) => seen,
                     Err(e) => {
-                        warn!(error = %e, "Reading route and neighbour changes failed; learned VXLAN headers are invalidated");
-                        1
+                        warn!(error = %e, "Reading route, neighbour and link changes failed; learned VXLAN headers are invalidated");
+                        Changes { relevant: 1, links: 1 }
                     }
                 };
                 guard.clear_ready();
-                if relevant > 0 {
+                if seen.links > 0 {
+                    refresh_peers(&mut peers);
+                }
+                if seen.relevant > 0 {
                     if let Err(e) = generation.bump() {
                         warn!(error = %e, "Could not start a new generation of learned VXLAN headers");
                     }
@@ -156,6 +274,18 @@ pub async fn watch(
             }
             _ = stop.changed() => return Ok(()),
         }
+    }
+}
+
+/// `FP_PEER` from a fresh dump of the links; when the dump fails, empty (a plain redirect
+/// suits every link, a peer redirect only these).
+fn refresh_peers(peers: &mut datapath::PeerLinks) {
+    let links = foreign_peer_links().unwrap_or_else(|e| {
+        warn!(error = %e, "Listing links (netlink) failed; packets forwarded at TC go out of their interface, not straight to its peer");
+        Vec::new()
+    });
+    if let Err(e) = peers.set(&links) {
+        warn!(error = %e, "Could not write FP_PEER");
     }
 }
 
@@ -170,16 +300,75 @@ mod tests {
         m
     }
 
+    fn kinds(data: &[u8]) -> Vec<u16> {
+        messages(data).map(|(k, _)| k).collect()
+    }
+
     #[test]
-    fn only_link_route_and_neighbour_messages_count() {
+    fn messages_walk_aligned_and_stop_at_a_length_past_the_datagram() {
         let mut d = msg(libc::RTM_NEWROUTE, 26);
         d.extend([0; 2]); // alignment padding to 28
         d.extend(msg(libc::RTM_NEWADDR, 24));
         d.extend(msg(libc::RTM_DELNEIGH, 20));
-        assert_eq!(count_relevant(&d), 2);
-        // A length that runs past the datagram ends the walk.
+        assert_eq!(
+            kinds(&d),
+            [libc::RTM_NEWROUTE, libc::RTM_NEWADDR, libc::RTM_DELNEIGH]
+        );
         let mut bad = msg(libc::RTM_NEWLINK, 16);
         bad[0] = 200;
-        assert_eq!(count_relevant(&bad), 0);
+        assert!(kinds(&bad).is_empty());
+        assert!(kinds(&[1, 2, 3]).is_empty());
+    }
+
+    fn attr(kind: u16, value: &[u8]) -> Vec<u8> {
+        let mut a = ((4 + value.len()) as u16).to_ne_bytes().to_vec();
+        a.extend(kind.to_ne_bytes());
+        a.extend(value);
+        a.resize((a.len() + 3) & !3, 0);
+        a
+    }
+
+    /// An RTM_NEWLINK payload: ifinfomsg with `index`, then `attrs`.
+    fn link(index: i32, attrs: &[Vec<u8>]) -> Vec<u8> {
+        let mut l = vec![0u8; 16];
+        l[4..8].copy_from_slice(&index.to_ne_bytes());
+        for a in attrs {
+            l.extend(a);
+        }
+        l
+    }
+
+    #[test]
+    fn a_veth_or_netkit_link_with_its_peer_elsewhere_is_a_foreign_peer() {
+        let info = |kind: &[u8]| attr(IFLA_LINKINFO | 0x8000, &attr(IFLA_INFO_KIND, kind));
+        let netnsid = attr(IFLA_LINK_NETNSID, &0i32.to_ne_bytes());
+        let mtu = attr(4, &1500u32.to_ne_bytes());
+        assert_eq!(
+            foreign_peer(&link(7, &[mtu.clone(), info(b"veth\0"), netnsid.clone()])),
+            Some(7)
+        );
+        assert_eq!(
+            foreign_peer(&link(8, &[netnsid.clone(), info(b"netkit\0")])),
+            Some(8)
+        );
+        // Both peers in this namespace: no netnsid.
+        assert_eq!(foreign_peer(&link(9, &[mtu, info(b"veth\0")])), None);
+        // A vxlan device on an underlay in another namespace is not a peer.
+        assert_eq!(
+            foreign_peer(&link(10, &[info(b"vxlan\0"), netnsid.clone()])),
+            None
+        );
+        // A truncated attribute ends the walk: nothing is taken from it.
+        let mut cut = link(11, &[netnsid, info(b"veth\0")]);
+        cut.truncate(cut.len() - 4);
+        assert_eq!(foreign_peer(&cut), None);
+        assert_eq!(foreign_peer(&[0; 6]), None);
+    }
+
+    /// This namespace's loopback is no veth.
+    #[test]
+    fn the_dump_of_this_namespace_lists_no_loopback() {
+        let links = foreign_peer_links().expect("a netlink link dump");
+        assert!(!links.contains(&1), "{links:?}");
     }
 }

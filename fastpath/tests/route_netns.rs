@@ -1,8 +1,10 @@
 //! End to end: fp routes between two links in the fast path (`route = true` on both). A
-//! client pings, downloads and streams through fp to a server on the other link, over IPv4
-//! and IPv6; fp's XDP programs forward the packets (counted as `routed`), the first packet to
-//! an unresolved next hop goes to the kernel, which resolves it, and a packet whose TTL runs
-//! out at fp gets the kernel's ICMP time exceeded.
+//! client pings and downloads through fp from a server on the other link, over IPv4 and
+//! IPv6; fp's programs forward the packets (counted as `routed`), the first packet to an
+//! unresolved next hop goes to the kernel, which resolves it, and a packet whose TTL runs
+//! out at fp gets the kernel's ICMP time exceeded. Once at XDP, once at TC ingress with XDP
+//! off, where fp's links are veths whose peers are in other namespaces: TC hands routed
+//! packets straight to the peer's ingress, so fp's own link transmits (almost) none of them.
 //!
 //! ```text
 //!      client                         fp                          server
@@ -22,7 +24,10 @@ use std::path::Path;
 
 use fastpath::{
     stats::StatsSnapshot,
-    testkit::netns::{Daemon, DaemonConfig, Topology, VethEnd, prepare_test, unique_pin_dir},
+    testkit::netns::{
+        Daemon, DaemonConfig, HookedInterface, Netns, Topology, VethEnd, prepare_test,
+        unique_pin_dir,
+    },
 };
 use fastpath_common::{Hook, Verdict, reason};
 
@@ -75,16 +80,38 @@ fn topology() -> Topology {
     topo
 }
 
-fn routed(s: &StatsSnapshot) -> u64 {
-    s.get(Hook::Xdp, Verdict::Forward, reason::ROUTED).packets
+fn routed(s: &StatsSnapshot, hook: Hook) -> u64 {
+    s.get(hook, Verdict::Forward, reason::ROUTED).packets
 }
 
-fn to_kernel(s: &StatsSnapshot, code: u32) -> u64 {
-    s.get(Hook::Xdp, Verdict::Kernel, code).packets
+fn to_kernel(s: &StatsSnapshot, hook: Hook, code: u32) -> u64 {
+    s.get(hook, Verdict::Kernel, code).packets
+}
+
+/// Packets `dev` in `ns` has transmitted (`ip -s link`: what went out through the device, not
+/// what a peer redirect put straight into its peer).
+fn tx_packets(ns: &Netns, dev: &str) -> u64 {
+    let out = ns
+        .run(&["ip", "-j", "-s", "link", "show", "dev", dev])
+        .unwrap_or_else(|e| panic!("ip -s link show {dev}: {e}"));
+    let json: serde_json::Value =
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("ip -j output {out:?}: {e}"));
+    json[0]["stats64"]["tx"]["packets"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no tx packet count for {dev} in {out}"))
 }
 
 #[test]
 fn fp_routes_ipv4_and_ipv6_between_its_links() {
+    routes_between_links(Hook::Xdp);
+}
+
+#[test]
+fn fp_routes_ipv4_and_ipv6_between_its_links_at_tc() {
+    routes_between_links(Hook::TcIngress);
+}
+
+fn routes_between_links(hook: Hook) {
     prepare_test(&["ethtool", "nginx", "curl", "ping"]);
     let topo = topology();
     let mut nginx = topo
@@ -93,11 +120,18 @@ fn fp_routes_ipv4_and_ipv6_between_its_links() {
         .unwrap_or_else(|e| panic!("nginx: {e}"));
     let body = nginx.serve_blob("blob", 4 << 20);
     let _ = nginx.process();
-    let config = DaemonConfig::new(&unique_pin_dir("route"))
-        .interface("c0")
-        .interface_key("c0", "route = true")
-        .interface("s0")
-        .interface_key("s0", "route = true");
+    let xdp = hook == Hook::Xdp;
+    let mut config = DaemonConfig::new(&unique_pin_dir("route"));
+    for dev in ["c0", "s0"] {
+        config = config
+            .hooks(HookedInterface {
+                name: dev.into(),
+                xdp: if xdp { "auto" } else { "off" },
+                tc_ingress: true,
+                tc_egress: true,
+            })
+            .interface_key(dev, "route = true");
+    }
     let daemon = Daemon::start(bin(), topo.ns("fp"), &config);
     // The next hops start unresolved: their first packets go to the kernel, which resolves.
     for dev in ["c0", "s0"] {
@@ -119,32 +153,43 @@ fn fp_routes_ipv4_and_ipv6_between_its_links() {
     }
     let after_ping = daemon.stats().delta(&before);
     assert!(
-        routed(&after_ping) >= 16,
-        "expected most of the 20 echo requests and replies routed at XDP, got {}:\n{}",
-        routed(&after_ping),
+        routed(&after_ping, hook) >= 16,
+        "expected most of the 20 echo requests and replies routed at {hook:?}, got {}:\n{}",
+        routed(&after_ping, hook),
         after_ping.render_table()
     );
     assert!(
-        to_kernel(&after_ping, reason::ROUTE_NO_NEIGHBOR) >= 1,
+        to_kernel(&after_ping, hook, reason::ROUTE_NO_NEIGHBOR) >= 1,
         "the first packet to an unresolved next hop must go to the kernel:\n{}",
         after_ping.render_table()
     );
 
     // Downloads, byte for byte, both families.
+    let tx_before = tx_packets(topo.ns("fp"), "c0");
     for url in [
         format!("http://{SERVER4}/blob"),
         format!("http://[{SERVER6}]/blob"),
     ] {
         topo.ns("client").download_exact(&url, &body);
     }
+    let tx_sent = tx_packets(topo.ns("fp"), "c0") - tx_before;
     let after_curl = daemon.stats().delta(&before);
-    let data_packets = routed(&after_curl) - routed(&after_ping);
+    let data_packets = routed(&after_curl, hook) - routed(&after_ping, hook);
     assert!(
         data_packets >= 2 * (4 << 20) / 1500,
         "two 4 MiB downloads took {data_packets} routed packets: fewer than their segments, so \
          the kernel forwarded part of them:\n{}",
         after_curl.render_table()
     );
+    if !xdp {
+        // The downloads' segments went from s0 to the client's end of c0 without c0
+        // transmitting them (its few packets: the kernel's ARP/ND and the connections' ends).
+        assert!(
+            tx_sent * 20 < data_packets,
+            "c0 transmitted {tx_sent} packets while TC routed {data_packets}: forwarded \
+             packets went out through c0 rather than straight to its peer (bpf_redirect_peer)"
+        );
+    }
 
     // TTL 1: fp's kernel answers with the ICMP error.
     for (server, said) in [
@@ -164,7 +209,7 @@ fn fp_routes_ipv4_and_ipv6_between_its_links() {
     }
     let end = daemon.stats().delta(&before);
     assert!(
-        to_kernel(&end, reason::ROUTE_TTL_EXPIRED) >= 2,
+        to_kernel(&end, hook, reason::ROUTE_TTL_EXPIRED) >= 2,
         "both expiring pings must be counted under route_ttl_expired:\n{}",
         end.render_table()
     );
@@ -174,7 +219,7 @@ fn fp_routes_ipv4_and_ipv6_between_its_links() {
         .unwrap_or_else(|e| panic!("ping fp itself: {e}"));
     let end = daemon.stats().delta(&before);
     assert!(
-        to_kernel(&end, reason::ROUTE_NOT_FORWARDED) >= 1,
+        to_kernel(&end, hook, reason::ROUTE_NOT_FORWARDED) >= 1,
         "a ping to fp itself goes to the kernel as route_not_forwarded:\n{}",
         end.render_table()
     );

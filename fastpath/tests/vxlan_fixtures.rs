@@ -121,9 +121,13 @@ fn vxlan_encap_and_decap_match_the_kernels_own_packets() {
     let bumps = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let gen_pin = fx.pin_dir().join(fastpath_common::map_names::VXLAN_GEN);
     let open = || fastpath::datapath::VxlanGeneration::open_pin(&gen_pin).expect("FP_VXLAN_GEN");
+    let peers = fastpath::datapath::PeerLinks::open_pin(
+        &fx.pin_dir().join(fastpath_common::map_names::PEER),
+    )
+    .expect("FP_PEER");
     let watcher = {
         let (bumps, watched) = (bumps.clone(), open());
-        rt.spawn(async move { fastpath::netwatch::watch(watched, bumps, stop_rx).await })
+        rt.spawn(async move { fastpath::netwatch::watch(watched, peers, bumps, stop_rx).await })
     };
     let generation = open();
     let before = generation.current();

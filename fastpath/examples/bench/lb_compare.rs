@@ -41,7 +41,7 @@ const ROUNDS: usize = 7;
 /// Further rounds of the fastpath contender and the HA one alone, new-connection runs only:
 /// the HA penalty is a few percent, and one pair's ratio varies by several, so its
 /// comparison takes the pairs of all `ROUNDS + HA_EXTRA_ROUNDS` rounds.
-const HA_EXTRA_ROUNDS: usize = 8;
+const HA_EXTRA_ROUNDS: usize = 16;
 /// Seconds per wrk run.
 const DURATION_S: u32 = 5;
 /// Seconds of discarded load after each setup (ARP, caches, conntrack warm).
