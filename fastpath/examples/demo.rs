@@ -21,7 +21,7 @@ use fastpath::{
             Daemon, HttpServer, LbTopology, PREFIX, example_fastpath_bin, host_run, lb_topology,
             sweep_stale, unique_pin_dir,
         },
-        vxlan_cases::{OVERLAY_NODES, overlay_daemon_config, two_node_overlay},
+        vxlan_cases::{OVERLAY_NODES, Underlay, overlay_daemon_config, two_node_overlay},
     },
 };
 use fastpath_common::{Hook, Verdict, reason};
@@ -307,7 +307,7 @@ fn run() -> Result<()> {
 /// overlay alone, then with a fastpath daemon on each node, which learns the outer headers
 /// from the kernel's first packets and then encapsulates and decapsulates in the fast path.
 fn overlay(bin: &std::path::Path) -> Result<()> {
-    let topo = two_node_overlay().context("building the two-node overlay")?;
+    let topo = two_node_overlay(Underlay::V4).context("building the two-node overlay")?;
     let [a, b] = &OVERLAY_NODES;
     let (pod_a, pod_b) = (a.pod_addr(), b.pod_addr());
     println!(
@@ -318,7 +318,7 @@ fn overlay(bin: &std::path::Path) -> Result<()> {
         .run(&["ping", "-c", "2", "-i", "0.2", "-W", "2", &pod_b])
         .context("ping over the kernel's overlay")?;
     println!("  the kernel's overlay alone: pod a pings pod b");
-    let config = |n| overlay_daemon_config(n, Hook::Xdp);
+    let config = |n| overlay_daemon_config(n, Hook::Xdp, Underlay::V4);
     let (ca, cb) = (config(a), config(b));
     println!("  node a's daemon config:\n{}", indent(&ca.to_toml()));
     let da = Daemon::start(bin, topo.ns(a.role), &ca);

@@ -5,8 +5,10 @@
 //! take the kernel's overlay path and teach the underlay's TC egress the outer headers, and
 //! from then on packets are encapsulated at the pod link's XDP hook and decapsulated at the
 //! underlay's: pings in both directions and a 4 MiB download arrive byte for byte, counted as
-//! `vxlan_encap` and `vxlan_decap` on both nodes. A second test does the same with XDP off,
-//! the pod link and the underlay doing it at TC ingress.
+//! `vxlan_encap` and `vxlan_decap` on both nodes, over IPv4 and IPv6 in the overlay. Then the
+//! same with XDP off, the pod link and the underlay doing it at TC ingress (where an inner
+//! packet of the other IP version than the underlay's is the kernel's to decapsulate), and
+//! both again over an IPv6 underlay.
 //!
 //! The topology is `testkit::vxlan_cases::two_node_overlay`. Root only (never skipped).
 //! Debian packages: iproute2, ethtool, nginx, curl, iputils-ping.
@@ -16,7 +18,7 @@ use std::path::Path;
 use fastpath::{
     stats::StatsSnapshot,
     testkit::netns::{Daemon, prepare_test},
-    testkit::vxlan_cases::{OVERLAY_NODES, overlay_daemon_config, two_node_overlay},
+    testkit::vxlan_cases::{OVERLAY_NODES, Underlay, overlay_daemon_config, two_node_overlay},
 };
 use fastpath_common::{Hook, Verdict, reason};
 
@@ -30,63 +32,94 @@ fn fast(d: &StatsSnapshot, hook: Hook, code: u32) -> u64 {
 
 #[test]
 fn two_nodes_carry_their_pods_overlay_in_the_fast_path_at_xdp() {
-    carries_the_overlay(Hook::Xdp);
+    carries_the_overlay(Hook::Xdp, Underlay::V4);
 }
 
 /// The same with XDP off: the pod link routes and encapsulates at TC ingress, the underlay
 /// decapsulates there.
 #[test]
 fn two_nodes_carry_their_pods_overlay_in_the_fast_path_at_tc() {
-    carries_the_overlay(Hook::TcIngress);
+    carries_the_overlay(Hook::TcIngress, Underlay::V4);
 }
 
-fn carries_the_overlay(hook: Hook) {
+#[test]
+fn two_nodes_carry_their_pods_overlay_over_an_ipv6_underlay_at_xdp() {
+    carries_the_overlay(Hook::Xdp, Underlay::V6);
+}
+
+#[test]
+fn two_nodes_carry_their_pods_overlay_over_an_ipv6_underlay_at_tc() {
+    carries_the_overlay(Hook::TcIngress, Underlay::V6);
+}
+
+fn carries_the_overlay(hook: Hook, underlay: Underlay) {
     prepare_test(&["ethtool", "nginx", "curl", "ping", "bridge"]);
-    let topo = two_node_overlay().unwrap_or_else(|e| panic!("building the overlay: {e}"));
+    let topo = two_node_overlay(underlay).unwrap_or_else(|e| panic!("building the overlay: {e}"));
     let [na, nb] = &OVERLAY_NODES;
-    let (pod_a, pod_b) = (na.pod_addr(), nb.pod_addr());
     // The kernel's overlay alone.
     topo.ns("pa")
-        .run(&["ping", "-c", "2", "-i", "0.2", "-W", "2", pod_b.as_str()])
+        .run(&["ping", "-c", "2", "-i", "0.2", "-W", "2", &nb.pod_addr()])
         .unwrap_or_else(|e| panic!("ping over the kernel's overlay: {e}"));
-    let a = Daemon::start(bin(), topo.ns("na"), &overlay_daemon_config(na, hook));
-    let b = Daemon::start(bin(), topo.ns("nb"), &overlay_daemon_config(nb, hook));
+    let config = |n| overlay_daemon_config(n, hook, underlay);
+    let a = Daemon::start(bin(), topo.ns("na"), &config(na));
+    let b = Daemon::start(bin(), topo.ns("nb"), &config(nb));
     let mut nginx = topo
         .ns("pb")
         .http_server(80)
         .unwrap_or_else(|e| panic!("nginx: {e}"));
     let body = nginx.serve_blob("blob", 4 << 20);
     let _ = nginx.process();
-    let (a0, b0) = (a.stats(), b.stats());
-    for (from, to) in [("pa", pod_b.as_str()), ("pb", pod_a.as_str())] {
-        let out = topo
-            .ns(from)
-            .run(&["ping", "-c", "10", "-i", "0.1", "-W", "2", to])
-            .unwrap_or_else(|e| panic!("ping {to} from {from}: {e}\n{}\n{}", a.log(), b.log()));
-        assert!(out.contains("10 received"), "ping {to} from {from}:\n{out}");
-    }
-    topo.ns("pa")
-        .download_exact(&format!("http://{pod_b}/blob"), &body);
-    let (da, db) = (a.stats().delta(&a0), b.stats().delta(&b0));
-    for (node, d) in [("a", &da), ("b", &db)] {
-        // 20 pings each way and their replies: most of them, and the download's segments,
-        // through the fast path (the first packets towards a next hop teach the headers).
-        for code in [reason::VXLAN_ENCAP, reason::VXLAN_DECAP] {
+    for inner6 in [false, true] {
+        let (pod_a, pod_b) = if inner6 {
+            (na.pod_addr6(), nb.pod_addr6())
+        } else {
+            (na.pod_addr(), nb.pod_addr())
+        };
+        let family = if inner6 { "IPv6" } else { "IPv4" };
+        let (a0, b0) = (a.stats(), b.stats());
+        for (from, to) in [("pa", pod_b.as_str()), ("pb", pod_a.as_str())] {
+            let out = topo
+                .ns(from)
+                .run(&["ping", "-c", "10", "-i", "0.1", "-W", "2", to])
+                .unwrap_or_else(|e| panic!("ping {to} from {from}: {e}\n{}\n{}", a.log(), b.log()));
+            assert!(out.contains("10 received"), "ping {to} from {from}:\n{out}");
+        }
+        let url = if inner6 {
+            format!("http://[{pod_b}]/blob")
+        } else {
+            format!("http://{pod_b}/blob")
+        };
+        topo.ns("pa").download_exact(&url, &body);
+        let (da, db) = (a.stats().delta(&a0), b.stats().delta(&b0));
+        let tables = format!("a:\n{}\nb:\n{}", da.render_table(), db.render_table());
+        eprintln!("{family} in the overlay, {underlay:?} underlay, {hook:?}:\n{tables}");
+        // At TC an inner packet must be of the outer one's IP version to be decapsulated:
+        // the others are the kernel's.
+        let decapsulates = hook == Hook::Xdp || inner6 == (underlay == Underlay::V6);
+        for (node, d) in [("a", &da), ("b", &db)] {
+            // 20 pings each way and their replies: most of them through the fast path (the
+            // first packets towards a next hop teach the headers).
+            let encap = fast(d, hook, reason::VXLAN_ENCAP);
+            let decap = fast(d, hook, reason::VXLAN_DECAP);
             assert!(
-                fast(d, hook, code) >= 15,
-                "node {node}: too few packets counted {}:\n{}",
-                reason::name(code),
-                d.render_table()
+                encap >= 15
+                    && if decapsulates {
+                        decap >= 15
+                    } else {
+                        decap == 0
+                    },
+                "{family}: node {node} encapsulated {encap} and decapsulated {decap} packets \
+                 in the fast path (want most pings; decapsulation: {decapsulates}):\n{tables}"
             );
         }
+        // The download's data segments come from b's pod: b encapsulates them, a
+        // decapsulates.
+        let encap = fast(&db, hook, reason::VXLAN_ENCAP);
+        let decap = fast(&da, hook, reason::VXLAN_DECAP);
+        assert!(
+            encap >= 1000 && (!decapsulates || decap >= 1000),
+            "{family}: the download's segments through the fast path: b encapsulated {encap}, \
+             a decapsulated {decap}:\n{tables}"
+        );
     }
-    // The download's data segments come from b's pod: b encapsulates them, a decapsulates.
-    assert!(
-        fast(&db, hook, reason::VXLAN_ENCAP) >= 1000
-            && fast(&da, hook, reason::VXLAN_DECAP) >= 1000,
-        "the download's segments through the fast path:\na:\n{}\nb:\n{}",
-        da.render_table(),
-        db.render_table()
-    );
-    eprintln!("a:\n{}\nb:\n{}", da.render_table(), db.render_table());
 }

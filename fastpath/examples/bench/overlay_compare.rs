@@ -26,7 +26,9 @@ use fastpath::{
     stats::StatsSnapshot,
     testkit::{
         netns::{Daemon, Netns, TempDir, Topology, find_tools},
-        vxlan_cases::{OVERLAY_NODES, OverlayNode, overlay_daemon_config, two_node_overlay},
+        vxlan_cases::{
+            OVERLAY_NODES, OverlayNode, Underlay, overlay_daemon_config, two_node_overlay,
+        },
     },
 };
 use fastpath_common::{Hook, Verdict, reason};
@@ -156,7 +158,7 @@ impl Daemons {
 
 impl Bed {
     fn new(bin: &std::path::Path) -> Result<Bed> {
-        let topo = two_node_overlay().context("building the two-node overlay")?;
+        let topo = two_node_overlay(Underlay::V4).context("building the two-node overlay")?;
         for n in &OVERLAY_NODES {
             for dev in ["pod0", "und0"] {
                 topo.ns(n.role)
@@ -185,7 +187,7 @@ impl Bed {
             return Ok(None);
         };
         let start = |n: &OverlayNode| {
-            let config = overlay_daemon_config(n, hook);
+            let config = overlay_daemon_config(n, hook, Underlay::V4);
             Daemon::try_start(
                 &self.bin,
                 self.ns(n.role).name(),

@@ -86,9 +86,17 @@ impl VxlanDevice<'_> {
     pub fn commands(&self) -> Vec<Vec<String>> {
         let words = |s: &str| s.split_whitespace().map(String::from).collect::<Vec<_>>();
         vec![
+            // The fast path sends no outer UDP checksum: the device must not want one.
             words(&format!(
-                "ip link add vxlan0 address {} type vxlan id 42 local {} dstport 4789 dev {} nolearning noudpcsum",
-                self.mac, self.local, self.underlay
+                "ip link add vxlan0 address {} type vxlan id 42 local {} dstport 4789 dev {} nolearning {}",
+                self.mac,
+                self.local,
+                self.underlay,
+                if self.local.contains(':') {
+                    "udp6zerocsumtx udp6zerocsumrx"
+                } else {
+                    "noudpcsum"
+                }
             )),
             words(&format!("ip addr add {} dev vxlan0", self.addr)),
             words("ip link set vxlan0 up"),
@@ -112,10 +120,14 @@ pub struct OverlayNode {
     pub pod: &'static str,
     /// The pod subnet's third byte: 10.10.`subnet`.0/24, the pod at .2, the node at .1.
     pub subnet: u8,
-    /// Its VTEP address, on `und0`.
+    /// Its VTEP address, on `und0` (an IPv4 underlay).
     pub underlay: &'static str,
+    /// Its VTEP address over an IPv6 underlay.
+    pub underlay6: &'static str,
     /// Its `vxlan0` address.
     pub overlay: &'static str,
+    /// Its `vxlan0` IPv6 address (the overlay is dual-stack).
+    pub overlay6: &'static str,
     /// Its `vxlan0` MAC address.
     pub mac: &'static str,
 }
@@ -124,6 +136,38 @@ impl OverlayNode {
     /// The pod's address.
     pub fn pod_addr(&self) -> String {
         format!("10.10.{}.2", self.subnet)
+    }
+
+    /// The pod's IPv6 address: fd00:10:`subnet`::2/64, the node at ::1.
+    pub fn pod_addr6(&self) -> String {
+        format!("fd00:10:{}::2", self.subnet)
+    }
+
+    /// Its VTEP address over `underlay`.
+    pub fn vtep(&self, underlay: Underlay) -> &'static str {
+        match underlay {
+            Underlay::V4 => self.underlay,
+            Underlay::V6 => self.underlay6,
+        }
+    }
+}
+
+/// The IP version of [`two_node_overlay`]'s underlay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Underlay {
+    /// 192.168.60.0/24.
+    V4,
+    /// fd00:60::/64.
+    V6,
+}
+
+impl Underlay {
+    /// The overlay's MTU: 1500 less the outer headers (50 bytes over IPv4, 70 over IPv6).
+    pub fn mtu(self) -> u32 {
+        match self {
+            Underlay::V4 => 1450,
+            Underlay::V6 => 1430,
+        }
     }
 }
 
@@ -134,7 +178,9 @@ pub const OVERLAY_NODES: [OverlayNode; 2] = [
         pod: "pa",
         subnet: 1,
         underlay: "192.168.60.1",
+        underlay6: "fd00:60::1",
         overlay: "10.10.255.1",
+        overlay6: "fd00:10:ff::1",
         mac: "02:00:00:00:7a:01",
     },
     OverlayNode {
@@ -142,7 +188,9 @@ pub const OVERLAY_NODES: [OverlayNode; 2] = [
         pod: "pb",
         subnet: 2,
         underlay: "192.168.60.2",
+        underlay6: "fd00:60::2",
         overlay: "10.10.255.2",
+        overlay6: "fd00:10:ff::2",
         mac: "02:00:00:00:7a:02",
     },
 ];
@@ -159,58 +207,80 @@ pub const OVERLAY_NODES: [OverlayNode; 2] = [
 ///  10.10.1.0/24                                                          10.10.2.0/24
 /// ```
 ///
+/// The overlay is dual-stack: IPv6 pod subnets fd00:10:1::/64 and fd00:10:2::/64 and
+/// `vxlan0` addresses fd00:10:ff::1 and ::2. The underlay is `underlay`'s: as drawn, or
+/// fd00:60::1 and ::2 (the devices then send zero IPv6 UDP checksums, as the fast path does).
 /// The pods turn checksum offloads off (XDP sees full checksums, as from a wire) and GRO on
 /// (a veth takes XDP redirects only when its peer runs NAPI). The pod links' MTU is the
-/// overlay's (1450).
-pub fn two_node_overlay() -> Result<Topology, NetnsError> {
+/// overlay's ([`Underlay::mtu`]).
+pub fn two_node_overlay(underlay: Underlay) -> Result<Topology, NetnsError> {
     let mut topo = Topology::new();
     for n in &OVERLAY_NODES {
         topo.add_ns(n.pod)?;
         topo.add_ns(n.role)?;
         topo.ns(n.role).sysctl("net.ipv4.ip_forward", "1")?;
+        topo.ns(n.role)
+            .sysctl("net.ipv6.conf.all.forwarding", "1")?;
         topo.veth(
-            VethEnd::new(n.pod, "eth0").addr(&format!("{}/24", n.pod_addr())),
-            VethEnd::new(n.role, "pod0").addr(&format!("10.10.{}.1/24", n.subnet)),
+            VethEnd::new(n.pod, "eth0")
+                .addr(&format!("{}/24", n.pod_addr()))
+                .addr(&format!("{}/64", n.pod_addr6())),
+            VethEnd::new(n.role, "pod0")
+                .addr(&format!("10.10.{}.1/24", n.subnet))
+                .addr(&format!("fd00:10:{}::1/64", n.subnet)),
         )?;
         topo.ns(n.pod)
             .add_route("default", &format!("10.10.{}.1", n.subnet))?;
+        topo.ns(n.pod)
+            .add_route("default", &format!("fd00:10:{}::1", n.subnet))?;
     }
     let [a, b] = &OVERLAY_NODES;
+    let prefix = if underlay == Underlay::V4 { 24 } else { 64 };
     topo.veth(
-        VethEnd::new(a.role, "und0").addr(&format!("{}/24", a.underlay)),
-        VethEnd::new(b.role, "und0").addr(&format!("{}/24", b.underlay)),
+        VethEnd::new(a.role, "und0").addr(&format!("{}/{prefix}", a.vtep(underlay))),
+        VethEnd::new(b.role, "und0").addr(&format!("{}/{prefix}", b.vtep(underlay))),
     )?;
+    let mtu = underlay.mtu().to_string();
     for (n, peer) in [(a, b), (b, a)] {
         let ns = topo.ns(n.role);
         let overlay = format!("{}/24", n.overlay);
         let dev = VxlanDevice {
             mac: n.mac,
-            local: n.underlay,
+            local: n.vtep(underlay),
             underlay: "und0",
             addr: &overlay,
             peer_addr: peer.overlay,
             peer_mac: peer.mac,
-            peer_vtep: peer.underlay,
+            peer_vtep: peer.vtep(underlay),
         };
         for cmd in dev.commands() {
             ns.run(&cmd)?;
         }
-        let subnet = format!("10.10.{}.0/24", peer.subnet);
+        let overlay6 = format!("{}/64", n.overlay6);
+        ns.run(&["ip", "addr", "add", &overlay6, "dev", "vxlan0", "nodad"])?;
         ns.run(&[
             "ip",
-            "route",
+            "neigh",
             "add",
-            &subnet,
-            "via",
-            peer.overlay,
+            peer.overlay6,
+            "lladdr",
+            peer.mac,
             "dev",
             "vxlan0",
+            "nud",
+            "permanent",
         ])?;
-        ns.run(&["ip", "link", "set", "pod0", "mtu", "1450"])?;
+        for (subnet, via) in [
+            (format!("10.10.{}.0/24", peer.subnet), peer.overlay),
+            (format!("fd00:10:{}::/64", peer.subnet), peer.overlay6),
+        ] {
+            ns.run(&["ip", "route", "add", &subnet, "via", via, "dev", "vxlan0"])?;
+        }
+        ns.run(&["ip", "link", "set", "pod0", "mtu", &mtu])?;
     }
     for n in &OVERLAY_NODES {
         let pod = topo.ns(n.pod);
-        pod.run(&["ip", "link", "set", "eth0", "mtu", "1450"])?;
+        pod.run(&["ip", "link", "set", "eth0", "mtu", &mtu])?;
         pod.run(&[
             "ethtool", "-K", "eth0", "tx", "off", "rx", "off", "gro", "on",
         ])?;
@@ -222,7 +292,7 @@ pub fn two_node_overlay() -> Result<Topology, NetnsError> {
 /// with TC egress (where it learns the kernel's outer headers), the vxlan device's network;
 /// no connection tracking. The pod link routes and the underlay decapsulates at `hook`: XDP,
 /// or TC ingress (XDP off).
-pub fn overlay_daemon_config(n: &OverlayNode, hook: Hook) -> DaemonConfig {
+pub fn overlay_daemon_config(n: &OverlayNode, hook: Hook, underlay: Underlay) -> DaemonConfig {
     let xdp = hook == Hook::Xdp;
     let hooks = |name: &str, tc_egress: bool| HookedInterface {
         name: name.into(),
@@ -246,7 +316,7 @@ pub fn overlay_daemon_config(n: &OverlayNode, hook: Hook) -> DaemonConfig {
             "vxlan0",
             &format!(
                 "vxlan = {{ vni = 42, local = \"{}\", underlay = \"und0\" }}",
-                n.underlay
+                n.vtep(underlay)
             ),
         )
 }
