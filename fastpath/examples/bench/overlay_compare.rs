@@ -36,7 +36,9 @@ use serde::Serialize;
 
 use crate::{
     lb_compare::{Machine, WRK_SCRIPT},
-    route_compare::{CONNECTIONS, PAGE, ROUNDS, SECS, Spread, interleaved, iperf3_tcp, wrk_rate},
+    route_compare::{
+        CONNECTIONS, PAGE, ROUNDS, SECS, Spread, interleaved, iperf3_tcp, round_ratios, wrk_rate,
+    },
 };
 
 const TOOLS: &[&str] = &["iperf3", "wrk", "nginx", "ethtool", "ping", "bridge"];
@@ -309,13 +311,7 @@ pub fn run(bin: &std::path::Path) -> Result<OverlayReport> {
     let vs_kernel = (1..CONTENDERS.len())
         .map(|i| {
             let ratio = |f: fn(&OverlayRow) -> f64| f(&rows[i]) / f(&rows[0]);
-            let per_round = |f: fn(&Sample) -> f64| -> Vec<f64> {
-                samples[i]
-                    .iter()
-                    .zip(&samples[0])
-                    .map(|(fp, k)| f(fp) / f(k))
-                    .collect()
-            };
+            let per_round = |f: fn(&Sample) -> f64| round_ratios(&samples[i], &samples[0], f);
             VsKernel {
                 contender: CONTENDERS[i],
                 ratios: [

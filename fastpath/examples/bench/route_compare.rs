@@ -485,13 +485,7 @@ pub fn run(bin: &Path) -> Result<RouteReport> {
     let vs_kernel = (1..n)
         .map(|i| {
             let ratio = |f: fn(&RouteRow) -> f64| f(&rows[i]) / f(&rows[0]);
-            let per_round = |f: fn(&Sample) -> f64| -> Vec<f64> {
-                samples[i]
-                    .iter()
-                    .zip(&samples[0])
-                    .map(|(fp, k)| f(fp) / f(k))
-                    .collect()
-            };
+            let per_round = |f: fn(&Sample) -> f64| round_ratios(&samples[i], &samples[0], f);
             VsKernel {
                 contender: CONTENDERS[i],
                 ratios: [
@@ -553,4 +547,9 @@ pub fn markdown(r: &RouteReport) -> String {
     }
     md.push('\n');
     md
+}
+
+/// Per round, `f` of a contender's sample ÷ `f` of the baseline's sample of the same round.
+pub fn round_ratios<S>(of: &[S], base: &[S], f: fn(&S) -> f64) -> Vec<f64> {
+    of.iter().zip(base).map(|(x, b)| f(x) / f(b)).collect()
 }
