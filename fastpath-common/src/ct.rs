@@ -442,6 +442,19 @@ pub mod ct_event {
     pub const REPLIED: u8 = 7;
 }
 
+/// The conntrack event ring's size (`FP_CT_EVENTS`): 8 MiB = 74,898 events of 104 B (112 with
+/// the ring's record header).
+pub const CT_EVENTS_BYTES: u32 = 1 << 23;
+/// Unread bytes in the event ring at which the datapath wakes the daemon. Below it, events are
+/// written without a wakeup (`BPF_RB_NO_WAKEUP`) and the daemon drains the ring on its own
+/// timer: the kernel's default wakes a reader that has caught up on every event, an
+/// inter-processor interrupt each time — at 50,000 events/s, 5-10% of a CPU in the packet
+/// path's own context. 1 MiB is 9,362 events: a burst wakes the daemon long before the ring
+/// (8 MiB) fills.
+pub const CT_EVENTS_WAKE_BYTES: u64 = 1 << 20;
+/// Bytes of one event in the ring: the record and the ring's 8-byte header.
+pub const CT_EVENT_RING_BYTES: u64 = core::mem::size_of::<CtEvent>() as u64 + 8;
+
 /// One conntrack event (ring buffer record). Append-only.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(C)]

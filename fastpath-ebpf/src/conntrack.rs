@@ -12,15 +12,19 @@
 //! at most once per packet per interface (the daemon picks the hook). Assured entries are never
 //! removed here; when the table is full the oldest unassured entry makes room (early drop).
 
-use aya_ebpf::helpers::bpf_ktime_get_ns;
+use aya_ebpf::{
+    bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
+    helpers::bpf_ktime_get_ns,
+};
 use fastpath_common::{
     Hook,
     ct::{
-        CT_F_ASSURED, CT_F_DSR, CT_F_FULL_NAT, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO,
-        CT_F_SEEN_REPLY, CT_F_SNAT, CT_INSTALL_MAX, CT_RECORD_CREATE, CT_RECORD_REMOVE, CtEntry,
-        CtEvent, CtKey, CtRecord, DIR_ORIGINAL, DIR_REPLY, IFACE_F_CT_TC_EGRESS,
-        IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL, TcpStep, UDP_STREAM_AFTER_NS,
-        ct_event, ct_stat, tcp_class, tcp_classify, tcp_state, tcp_step,
+        CT_EVENT_RING_BYTES, CT_EVENTS_WAKE_BYTES, CT_F_ASSURED, CT_F_DSR, CT_F_FULL_NAT, CT_F_LB,
+        CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CT_F_SNAT, CT_INSTALL_MAX,
+        CT_RECORD_CREATE, CT_RECORD_REMOVE, CtEntry, CtEvent, CtKey, CtRecord, DIR_ORIGINAL,
+        DIR_REPLY, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL,
+        TcpStep, UDP_STREAM_AFTER_NS, ct_event, ct_stat, tcp_class, tcp_classify, tcp_state,
+        tcp_step,
     },
     lb::{
         CtNat, SNAT_TRIES, SVC_F_DSR, SVC_F_FULL_NAT, SVC_F_GATEWAY, SVC_F_NO_BACKEND_DROP,
@@ -1239,9 +1243,20 @@ fn set_flag(e: &mut CtEntry, flag: u8) -> bool {
     (old >> 8) as u8 & flag == 0
 }
 
-/// Writes an event straight into the ring (no stack copy); counts it as lost if full.
+/// Writes an event straight into the ring (no stack copy); counts it as lost if full. The
+/// daemon is woken only by the event that takes the unread data past `CT_EVENTS_WAKE_BYTES`
+/// (give or take the events other CPUs write meanwhile: its drain timer covers a wakeup
+/// missed that way); otherwise it finds the events on its timer.
 #[inline(always)]
 pub(crate) fn emit(key: &CtKey, kind: u8, e: &CtEntry, now: u64) {
+    let unread = FP_CT_EVENTS.query(u64::from(BPF_RB_AVAIL_DATA));
+    let wake = if (CT_EVENTS_WAKE_BYTES..CT_EVENTS_WAKE_BYTES + 16 * CT_EVENT_RING_BYTES)
+        .contains(&unread)
+    {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    };
     let Some(mut slot) = FP_CT_EVENTS.reserve::<CtEvent>(0) else {
         count(ct_stat::EVENTS_LOST);
         return;
@@ -1271,7 +1286,7 @@ pub(crate) fn emit(key: &CtKey, kind: u8, e: &CtEntry, now: u64) {
             i += 1;
         }
     }
-    slot.submit(0);
+    slot.submit(u64::from(wake));
 }
 
 #[inline(always)]

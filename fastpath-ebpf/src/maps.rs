@@ -9,7 +9,7 @@ use aya_ebpf::{
 use fastpath_common::{
     Counter, DatapathConfig,
     bench::BENCH_FRAME_WORDS,
-    ct::{CtEntry, CtKey, IFACE_SLOTS, IfaceConfig, ct_stat},
+    ct::{CT_EVENTS_BYTES, CtEntry, CtKey, IFACE_SLOTS, IfaceConfig, ct_stat},
     lb::{
         AFFINITY_ENTRIES, Affinity, AffinityKey, Backend, BackendCounters, BackendLoad, LB_SLOTS,
         MAX_BACKENDS, MAX_SERVICES, MAX_SNAT_RULES, Service, SnatRule, SvcCounters, SvcKey,
@@ -64,11 +64,10 @@ pub static FP_CT_NEW: Queue<CtKey> = Queue::pinned(1 << 20, 0);
 #[map(name = "FP_CT_STATS")]
 pub static FP_CT_STATS: PerCpuArray<u64> = PerCpuArray::pinned(ct_stat::SLOTS, 0);
 
-/// Conntrack events (`CtEvent`) for the daemon: NEW, ESTABLISHED, CLOSED… 8 MiB = 74,898
-/// events of 104 B (112 with the ring's record header) of slack; when full, events are
-/// counted as lost, never waited for.
+/// Conntrack events (`CtEvent`) for the daemon: NEW, ESTABLISHED, CLOSED… `CT_EVENTS_BYTES`
+/// of slack; when full, events are counted as lost, never waited for.
 #[map(name = "FP_CT_EVENTS")]
-pub static FP_CT_EVENTS: RingBuf = RingBuf::pinned(1 << 23, 0);
+pub static FP_CT_EVENTS: RingBuf = RingBuf::pinned(CT_EVENTS_BYTES, 0);
 
 /// Per-interface settings indexed by ifindex (`IfaceConfig`), written by the daemon: which
 /// hook tracks connections. An array, not a hash: its lookup is inlined by the verifier,

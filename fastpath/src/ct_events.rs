@@ -20,6 +20,11 @@ use tracing::warn;
 
 use crate::conntrack;
 
+/// How often the daemon drains the event ring. The datapath writes events without waking it
+/// (see `fastpath_common::ct::CT_EVENTS_WAKE_BYTES`), so this bounds how late a subscriber
+/// sees an event, and each drain takes that period's events in one go.
+pub const DRAIN_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// Events buffered per subscriber before it starts losing the oldest.
 pub const BROADCAST_CAPACITY: usize = 65_536;
 
@@ -88,13 +93,39 @@ pub trait RecordSource {
 }
 
 /// Publishes every record `ring` holds now, oldest first; returns how many it took (malformed
-/// ones included). Never blocks: a caller waits for the ring's readiness, then drains.
+/// ones included). Never blocks: [`drain_next`] says when.
 pub fn drain(ring: &mut impl RecordSource, hub: &EventHub) -> usize {
     let mut n = 0;
     while ring.pop_with(|record| hub.publish_record(record)) {
         n += 1;
     }
     n
+}
+
+/// The timer of [`drain_next`]: every [`DRAIN_EVERY`], a late tick not made up for.
+pub fn drain_timer() -> tokio::time::Interval {
+    let mut t = tokio::time::interval(DRAIN_EVERY);
+    t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    t
+}
+
+/// Waits until the ring is to be drained — the datapath woke its reader (the ring is filling
+/// up) or `timer` ([`drain_timer`]) ticked — and drains it into `hub`; returns how many
+/// records it took. Cancel-safe: a `select!` branch of the daemon's main loop.
+pub async fn drain_next<R: RecordSource + std::os::fd::AsRawFd>(
+    ring: &mut tokio::io::unix::AsyncFd<R>,
+    timer: &mut tokio::time::Interval,
+    hub: &EventHub,
+) -> std::io::Result<usize> {
+    tokio::select! {
+        ready = ring.readable_mut() => {
+            let mut guard = ready?;
+            let n = drain(guard.get_inner_mut(), hub);
+            guard.clear_ready();
+            Ok(n)
+        }
+        _ = timer.tick() => Ok(drain(ring.get_mut(), hub)),
+    }
 }
 
 /// A `CtEvent` from a ring record, if it has exactly the right size.

@@ -174,6 +174,7 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         )
     }
     .map_err(|e| DaemonError::EventRing(e.into()))?;
+    let mut ct_drain = ct_events::drain_timer();
     // Conntrack expiry in its own task; a pass runs on the blocking pool.
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let gc_stats = Arc::new(GcStats::default());
@@ -283,12 +284,7 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
                     tokio::task::block_in_place(|| rules.health_changed(change));
                 }
             }
-            ready = ct_ring.readable_mut() => {
-                if let Ok(mut guard) = ready {
-                    ct_events::drain(guard.get_inner_mut(), &hub);
-                    guard.clear_ready();
-                }
-            }
+            _ = ct_events::drain_next(&mut ct_ring, &mut ct_drain, &hub) => {}
             ready = async {
                 match logger.as_mut() {
                     Some(l) => l.readable_mut().await.map(Some),

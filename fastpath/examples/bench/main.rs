@@ -783,8 +783,8 @@ struct DrainReport {
     /// Baseline: the producer's own rate, timed alone (the ring is emptied between its
     /// batches, untimed).
     producer_alone: RateRow,
-    /// The daemon's path, concurrently with the producer: AsyncFd wakeup →
-    /// `ct_events::drain` → EventHub → one subscriber task.
+    /// The daemon's path, concurrently with the producer: `ct_events::drain_next` (the
+    /// ring's wakeup or the drain timer) → EventHub → one subscriber task.
     delivered: RateRow,
     /// Median over drain rounds of the producer's kernel-measured time per event (inside
     /// BPF_PROG_TEST_RUN: ring reserve, write, submit).
@@ -1052,13 +1052,12 @@ fn to_subscriber(
         let mut ring = unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }
             .map_err(|e| anyhow::Error::from(std::io::Error::from(e)))?;
         tokio::pin!(subscriber);
+        let mut timer = ct_events::drain_timer();
         let mut seen = loop {
             tokio::select! {
                 seen = &mut subscriber => break seen.context("the subscriber task failed")?,
-                ready = ring.readable_mut() => {
-                    let mut guard = ready.context("waiting for the event ring")?;
-                    ct_events::drain(guard.get_inner_mut(), &hub);
-                    guard.clear_ready();
+                drained = ct_events::drain_next(&mut ring, &mut timer, &hub) => {
+                    drained.context("waiting for the event ring")?;
                 }
             }
         };
@@ -1455,7 +1454,7 @@ fn drain_markdown(d: &DrainReport) -> String {
     let _ = writeln!(md, "### Conntrack event drain\n");
     let _ = writeln!(
         md,
-        "A synthetic producer (`bench_ct_events`, {} events per BPF_PROG_TEST_RUN call, on one thread) emits numbered NEW events through the conntrack stage's own `emit` into the {} KiB event ring. Delivered: while it runs, the daemon's drain takes them out on another thread (an AsyncFd on the ring wakes the runtime's main future, which runs `ct_events::drain` into the EventHub, a tokio broadcast; {} workers as in the daemon) and one subscriber task receives every event. Flow control keeps produced − delivered ≤ {} events (half the ring's records, in whole producer calls, and below the broadcast's capacity), so nothing may be lost: every round must deliver all {} events in sequence, with the ring's `events_lost`, the subscriber's lag and malformed records all zero, or the benchmark fails. The rate is events over the time from the first producer call to the last event received. Producer alone, the baseline: the same producer with nothing else running, timed over its calls only, in batches of {} events with the ring emptied (and checked) between batches. {} rounds of each, interleaved, after a warm-up round.\n",
+        "A synthetic producer (`bench_ct_events`, {} events per BPF_PROG_TEST_RUN call, on one thread) emits numbered NEW events through the conntrack stage's own `emit` into the {} KiB event ring. Delivered: while it runs, the daemon's drain takes them out on another thread (`ct_events::drain_next` in the runtime's main future: the datapath wakes it once a MiB of events is unread, its timer every 10 ms; it drains into the EventHub, a tokio broadcast; {} workers as in the daemon) and one subscriber task receives every event. Flow control keeps produced − delivered ≤ {} events (half the ring's records, in whole producer calls, and below the broadcast's capacity), so nothing may be lost: every round must deliver all {} events in sequence, with the ring's `events_lost`, the subscriber's lag and malformed records all zero, or the benchmark fails. The rate is events over the time from the first producer call to the last event received. Producer alone, the baseline: the same producer with nothing else running, timed over its calls only, in batches of {} events with the ring emptied (and checked) between batches. {} rounds of each, interleaved, after a warm-up round.\n",
         d.producer_events_per_call,
         d.ring_bytes / 1024,
         d.tokio_workers,
