@@ -483,11 +483,14 @@ pub struct InterfaceConfig {
     /// before the fast path redirects them out of the port. Default none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub vlan: Option<Spanned<u16>>,
-    /// This interface is a kernel vxlan device (`xdp = "off"`: no program runs on it), and
-    /// the fast path accelerates its overlay: packets routed to it (from interfaces with
+    /// This interface is a kernel vxlan device (no TC egress), and the fast
+    /// path accelerates its overlay: packets routed to it (from interfaces with
     /// `route = true`) are encapsulated at XDP with the outer headers learned from the
     /// device's own packets and sent out of the underlay directly; the network's packets
-    /// arriving on the underlay are decapsulated at XDP and their inner packet routed.
+    /// arriving on the underlay are decapsulated at XDP and their inner packet routed. With
+    /// a hook of its own (conntrack on: XDP, generic mode, or TC ingress), the kernel
+    /// decapsulates the network's packets and the device's hook tracks the inner packets'
+    /// connections (at XDP also NAT and load balancing) and routes them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub vxlan: Option<VxlanPort>,
 }
@@ -1033,12 +1036,13 @@ impl Config {
                 ),
             ));
         }
-        if iface.xdp != XdpMode::Off || iface.tc_ingress || iface.tc_egress {
+        let hooked = iface.xdp != XdpMode::Off || iface.tc_ingress;
+        if iface.tc_egress || (hooked && !iface.conntrack) {
             return Err(err(
                 iface.name.span(),
                 format!("interface[{i}].vxlan"),
                 format!(
-                    "interface {name:?} is a vxlan device: no program runs on it (the fast path works on the underlay and the routing interfaces); set xdp = \"off\" and leave tc_ingress and tc_egress false"
+                    "interface {name:?} is a vxlan device: the fast path works on the underlay and the routing interfaces, and on the device itself only to track connections (XDP, generic mode: NAT and load balancing of what the kernel decapsulates; or TC ingress: tracking only); set tc_egress = false, and xdp = \"off\" and tc_ingress = false, or keep conntrack on"
                 ),
             ));
         }
@@ -1998,7 +2002,7 @@ mod tests {
     }
 
     #[test]
-    fn a_vxlan_device_needs_a_valid_vni_an_underlay_with_both_hooks_and_no_program() {
+    fn a_vxlan_device_needs_a_valid_vni_an_underlay_with_both_hooks_and_hooks_only_to_track() {
         let cfg = |under: &str, dev: &str| {
             Config::parse_with(
                 Path::new("test.toml"),
@@ -2026,12 +2030,24 @@ mod tests {
             &dev(42),
         )
         .expect("an underlay decapsulating at TC ingress");
-        let e = cfg(
+        cfg(
             "tc_egress = true",
             "vxlan = { vni = 42, local = \"192.0.2.1\", underlay = \"lo\" }",
         )
-        .expect_err("XDP on the device");
-        assert!(e.to_string().contains("no program runs on it"), "{e}");
+        .expect("XDP (connection tracking) on the device");
+        let under = "tc_egress = true";
+        let vx = "vxlan = { vni = 42, local = \"192.0.2.1\", underlay = \"lo\" }";
+        for dev_hooks in [
+            "xdp = \"off\"\ntc_egress = true",
+            "xdp = \"generic\"\nconntrack = false",
+            "xdp = \"off\"\ntc_ingress = true\nconntrack = false",
+        ] {
+            let e = cfg(under, &format!("{dev_hooks}\n{vx}")).expect_err(dev_hooks);
+            assert!(e.to_string().contains("only to track connections"), "{e}");
+        }
+        let ok = cfg(under, &format!("xdp = \"generic\"\n{vx}"))
+            .expect("connection tracking at the device's XDP");
+        assert!(ok.interfaces[1].xdp == XdpMode::Generic && ok.interfaces[1].conntrack);
         let e = cfg(
             "tc_egress = true",
             "xdp = \"off\"\nvxlan = { vni = 42, local = \"192.0.2.1\", underlay = \"eth9\" }",

@@ -10,6 +10,12 @@
 //! packet of the other IP version than the underlay's is the kernel's to decapsulate), and
 //! both again over an IPv6 underlay.
 //!
+//! Routing + NAT over the overlay: node b load-balances a VIP (IPv4 and IPv6) that node a
+//! routes into the overlay to its pod; b's vxlan device tracks connections at (generic) XDP,
+//! so the kernel decapsulates what arrives for it and the fast path NATs and routes the inner
+//! packets to b's pod; the pod's replies are NATed back at b's pod link and encapsulated in
+//! the fast path; downloads through the VIP arrive byte for byte.
+//!
 //! The topology is `testkit::vxlan_cases::two_node_overlay`. Root only (never skipped).
 //! Debian packages: iproute2, ethtool, nginx, curl, iputils-ping.
 
@@ -18,7 +24,9 @@ use std::path::Path;
 use fastpath::{
     stats::StatsSnapshot,
     testkit::netns::{Daemon, prepare_test},
-    testkit::vxlan_cases::{OVERLAY_NODES, Underlay, overlay_daemon_config, two_node_overlay},
+    testkit::vxlan_cases::{
+        OVERLAY_NODES, Underlay, overlay_daemon_config, overlay_nat_daemon_config, two_node_overlay,
+    },
 };
 use fastpath_common::{Hook, Verdict, reason};
 
@@ -120,6 +128,94 @@ fn carries_the_overlay(hook: Hook, underlay: Underlay) {
             encap >= 1000 && (!decapsulates || decap >= 1000),
             "{family}: the download's segments through the fast path: b encapsulated {encap}, \
              a decapsulated {decap}:\n{tables}"
+        );
+    }
+}
+
+/// Node b's load-balanced addresses, which node a routes into the overlay.
+const VIP: &str = "10.10.200.100";
+const VIP6: &str = "fd00:10:200::100";
+
+/// Routing + NAT over the overlay (translation is at XDP: the pod links at XDP, the vxlan
+/// device at generic XDP).
+#[test]
+fn routes_and_nats_over_the_overlay() {
+    let hook = Hook::Xdp;
+    prepare_test(&["ethtool", "nginx", "curl", "bridge"]);
+    let underlay = Underlay::V4;
+    let topo = two_node_overlay(underlay).unwrap_or_else(|e| panic!("building the overlay: {e}"));
+    let [na, nb] = &OVERLAY_NODES;
+    for (subnet, via) in [
+        ("10.10.200.0/24", nb.overlay),
+        ("fd00:10:200::/64", nb.overlay6),
+    ] {
+        topo.ns("na")
+            .run(&["ip", "route", "add", subnet, "via", via, "dev", "vxlan0"])
+            .unwrap_or_else(|e| panic!("route to the VIPs: {e}"));
+    }
+    let services = format!(
+        "[[service]]\nvip = \"{VIP}\"\nport = 80\n[[service.backend]]\naddress = \"{}\"\nport = 80\n\
+         [[service]]\nvip = \"{VIP6}\"\nport = 80\n[[service.backend]]\naddress = \"{}\"\nport = 80\n",
+        nb.pod_addr(),
+        nb.pod_addr6()
+    );
+    let a = Daemon::start(
+        bin(),
+        topo.ns("na"),
+        &overlay_daemon_config(na, hook, underlay),
+    );
+    let b = Daemon::start(
+        bin(),
+        topo.ns("nb"),
+        &overlay_nat_daemon_config(nb, underlay, &services),
+    );
+    let mut nginx = topo
+        .ns("pb")
+        .http_server(80)
+        .unwrap_or_else(|e| panic!("nginx: {e}"));
+    let body = nginx.serve_blob("blob", 4 << 20);
+    let _ = nginx.process();
+    for url in [
+        format!("http://{VIP}/blob"),
+        format!("http://[{VIP6}]/blob"),
+    ] {
+        let (a0, b0) = (a.stats(), b.stats());
+        if let Err(e) = topo.ns("pa").run(&["curl", "-sS", "-o", "/dev/null", &url]) {
+            panic!(
+                "{url}: {e}\na:\n{}\nb:\n{}",
+                a.stats().delta(&a0).render_table(),
+                b.stats().delta(&b0).render_table()
+            );
+        }
+        for _ in 0..5 {
+            topo.ns("pa").download_exact(&url, &body);
+        }
+        let (da, db) = (a.stats().delta(&a0), b.stats().delta(&b0));
+        let tables = format!("a:\n{}\nb:\n{}", da.render_table(), db.render_table());
+        eprintln!("NAT over the overlay to {url}, {hook:?}:\n{tables}");
+        // b: what arrives for the VIP is the kernel's to decapsulate, then NATed at the
+        // device's XDP hook; the pod's replies are translated back and encapsulated at the
+        // pod link's (counted as encapsulated: the last stage's reason). The client took
+        // them, byte for byte, as from the VIP.
+        let to_backend = fast(&db, Hook::Xdp, reason::LB_TO_BACKEND);
+        let encap = fast(&db, hook, reason::VXLAN_ENCAP);
+        let decap_b = fast(&db, hook, reason::VXLAN_DECAP);
+        let miss_b = db.get(hook, Verdict::Kernel, reason::VXLAN_MISS).packets;
+        assert!(
+            to_backend >= 50 && encap >= 1000,
+            "{url}: b NATed {to_backend} packets to its pod at the vxlan device's XDP hook \
+             and encapsulated {encap} of the replies:\n{tables}"
+        );
+        assert!(
+            decap_b == 0 && miss_b >= to_backend,
+            "{url}: b decapsulated {decap_b} packets in the fast path (want 0: its device \
+             tracks connections) and handed the kernel {miss_b}:\n{tables}"
+        );
+        // a decapsulates the replies.
+        let decap_a = fast(&da, hook, reason::VXLAN_DECAP);
+        assert!(
+            decap_a >= 1000,
+            "{url}: a decapsulated {decap_a} of the replies in the fast path:\n{tables}"
         );
     }
 }

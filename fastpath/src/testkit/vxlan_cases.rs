@@ -293,6 +293,27 @@ pub fn two_node_overlay(underlay: Underlay) -> Result<Topology, NetnsError> {
 /// no connection tracking. The pod link routes and the underlay decapsulates at `hook`: XDP,
 /// or TC ingress (XDP off).
 pub fn overlay_daemon_config(n: &OverlayNode, hook: Hook, underlay: Underlay) -> DaemonConfig {
+    overlay_config(n, hook, underlay, None)
+}
+
+/// [`overlay_daemon_config`] at XDP with routing + NAT over the overlay: the `[[service]]`
+/// tables `services` (TOML), connection tracking at the vxlan device's XDP hook (generic
+/// mode: NAT and load balancing of the inner packets the kernel decapsulates) and at the pod
+/// link's (replies from the pod translated back, then routed and encapsulated there).
+pub fn overlay_nat_daemon_config(
+    n: &OverlayNode,
+    underlay: Underlay,
+    services: &str,
+) -> DaemonConfig {
+    overlay_config(n, Hook::Xdp, underlay, Some(services))
+}
+
+fn overlay_config(
+    n: &OverlayNode,
+    hook: Hook,
+    underlay: Underlay,
+    services: Option<&str>,
+) -> DaemonConfig {
     let xdp = hook == Hook::Xdp;
     let hooks = |name: &str, tc_egress: bool| HookedInterface {
         name: name.into(),
@@ -300,15 +321,14 @@ pub fn overlay_daemon_config(n: &OverlayNode, hook: Hook, underlay: Underlay) ->
         tc_ingress: !xdp,
         tc_egress,
     };
-    DaemonConfig::new(&unique_pin_dir(&format!("vxlan-{}", n.role)))
+    let mut config = DaemonConfig::new(&unique_pin_dir(&format!("vxlan-{}", n.role)))
         .hooks(hooks("pod0", false))
         .interface_key("pod0", "route = true")
-        .interface_key("pod0", "conntrack = false")
         .hooks(hooks("und0", true))
         .interface_key("und0", "conntrack = false")
         .hooks(HookedInterface {
             name: "vxlan0".into(),
-            xdp: "off",
+            xdp: if services.is_some() { "generic" } else { "off" },
             tc_ingress: false,
             tc_egress: false,
         })
@@ -318,7 +338,12 @@ pub fn overlay_daemon_config(n: &OverlayNode, hook: Hook, underlay: Underlay) ->
                 "vxlan = {{ vni = 42, local = \"{}\", underlay = \"und0\" }}",
                 n.vtep(underlay)
             ),
-        )
+        );
+    match services {
+        Some(toml) => config = config.services(toml),
+        None => config = config.interface_key("pod0", "conntrack = false"),
+    }
+    config
 }
 
 impl Overlay {
