@@ -445,16 +445,17 @@ pub mod ct_event {
 /// The conntrack event ring's size (`FP_CT_EVENTS`): 8 MiB = 74,898 events of 104 B (112 with
 /// the ring's record header).
 pub const CT_EVENTS_BYTES: u32 = 1 << 23;
-/// Unread bytes in the event ring at which the datapath wakes the daemon. Below it, events are
-/// written without a wakeup (`BPF_RB_NO_WAKEUP`) and the daemon drains the ring on its own
-/// timer: the kernel's default wakes a reader that has caught up on every event, an
-/// inter-processor interrupt each time — at 50,000 events/s, 5-10% of a CPU in the packet
-/// path's own context. 1 MiB is 9,362 events: a burst wakes the daemon long before the ring
-/// (8 MiB) fills.
+/// Unread bytes in the event ring from which the datapath wakes the daemon, up to
+/// [`CT_EVENTS_WAKE_END`]. Outside that window events are written without a wakeup
+/// (`BPF_RB_NO_WAKEUP`) and the daemon drains the ring on its own timer: the kernel's default
+/// wakes a reader that has caught up on every event, an inter-processor interrupt each time —
+/// at 50,000 events/s, 5-10% of a CPU in the packet path's own context. 1 MiB is 9,362
+/// events: a burst wakes the daemon long before the ring (8 MiB) fills. Each event written
+/// inside the window wakes it (the kernel coalesces wakeups still pending), so however many
+/// CPUs write at once, some land in it; above it, the daemon is awake and draining already.
 pub const CT_EVENTS_WAKE_BYTES: u64 = 1 << 20;
-/// Bytes of one event in the ring: the record and the ring's 8-byte header.
-pub const CT_EVENT_RING_BYTES: u64 = core::mem::size_of::<CtEvent>() as u64 + 8;
-
+/// The end of the wakeup window that starts at [`CT_EVENTS_WAKE_BYTES`]: 1.25 MiB.
+pub const CT_EVENTS_WAKE_END: u64 = CT_EVENTS_WAKE_BYTES + (1 << 18);
 /// One conntrack event (ring buffer record). Append-only.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(C)]

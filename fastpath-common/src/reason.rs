@@ -168,7 +168,7 @@ pub const VXLAN_DECAP: u32 = 60;
 /// Routed to a vxlan device whose headers for that next hop are not learned yet (a cache
 /// miss), or arriving VXLAN that is not a configured network's to this VTEP (or whose inner
 /// packet does not parse, or whose vxlan device tracks connections: the kernel decapsulates
-/// it and the device's own hook takes the inner packet): the kernel's.
+/// it and the device's own XDP hook takes the inner packet): the kernel's.
 pub const VXLAN_MISS: u32 = 61;
 /// Routed to a vxlan device whose headers for that next hop were learned before the last
 /// change they depend on (an invalidation): the kernel's, which teaches them again.

@@ -19,7 +19,7 @@ use aya_ebpf::{
 use fastpath_common::{
     Hook,
     ct::{
-        CT_EVENT_RING_BYTES, CT_EVENTS_WAKE_BYTES, CT_F_ASSURED, CT_F_DSR, CT_F_FULL_NAT, CT_F_LB,
+        CT_EVENTS_WAKE_BYTES, CT_EVENTS_WAKE_END, CT_F_ASSURED, CT_F_DSR, CT_F_FULL_NAT, CT_F_LB,
         CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CT_F_SNAT, CT_INSTALL_MAX,
         CT_RECORD_CREATE, CT_RECORD_REMOVE, CtEntry, CtEvent, CtKey, CtRecord, DIR_ORIGINAL,
         DIR_REPLY, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL,
@@ -1244,15 +1244,12 @@ fn set_flag(e: &mut CtEntry, flag: u8) -> bool {
 }
 
 /// Writes an event straight into the ring (no stack copy); counts it as lost if full. The
-/// daemon is woken only by the event that takes the unread data past `CT_EVENTS_WAKE_BYTES`
-/// (give or take the events other CPUs write meanwhile: its drain timer covers a wakeup
-/// missed that way); otherwise it finds the events on its timer.
+/// daemon is woken only by events written while the unread data is within
+/// `CT_EVENTS_WAKE_BYTES..CT_EVENTS_WAKE_END`; otherwise it finds them on its drain timer.
 #[inline(always)]
 pub(crate) fn emit(key: &CtKey, kind: u8, e: &CtEntry, now: u64) {
     let unread = FP_CT_EVENTS.query(u64::from(BPF_RB_AVAIL_DATA));
-    let wake = if (CT_EVENTS_WAKE_BYTES..CT_EVENTS_WAKE_BYTES + 16 * CT_EVENT_RING_BYTES)
-        .contains(&unread)
-    {
+    let wake = if (CT_EVENTS_WAKE_BYTES..CT_EVENTS_WAKE_END).contains(&unread) {
         BPF_RB_FORCE_WAKEUP
     } else {
         BPF_RB_NO_WAKEUP

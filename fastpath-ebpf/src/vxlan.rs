@@ -20,7 +20,7 @@ use aya_ebpf::{
 };
 use fastpath_common::{
     Hook,
-    ct::{IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_VXLAN_UNDERLAY},
+    ct::{IFACE_F_CT_XDP, IFACE_F_VXLAN_UNDERLAY},
     reason,
     vxlan::{VXLAN_HDR_V4, VXLAN_HDR_V6, VxlanNet, VxlanPeer, vxlan_stat},
 };
@@ -369,11 +369,10 @@ fn arriving(pkt: &Packet, ifindex: u32, why: u32) -> Result<(u32, u32, [u64; 9])
     }
     let (net, hdr_len) = our_vxlan(pkt, outer).ok_or(why)?;
     // A device that tracks connections (its XDP hook, generic mode, tracks, translates
-    // and routes what the kernel decapsulated; or its TC ingress tracks) has every packet
-    // pass there.
+    // and routes what the kernel decapsulated) has every packet pass there.
     if FP_IFACE
         .get(net)
-        .is_some_and(|i| i.flags & (IFACE_F_CT_XDP | IFACE_F_CT_TC_INGRESS) != 0)
+        .is_some_and(|i| i.flags & IFACE_F_CT_XDP != 0)
     {
         return Err(reason::VXLAN_MISS);
     }

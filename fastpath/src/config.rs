@@ -488,9 +488,8 @@ pub struct InterfaceConfig {
     /// `route = true`) are encapsulated at XDP with the outer headers learned from the
     /// device's own packets and sent out of the underlay directly; the network's packets
     /// arriving on the underlay are decapsulated at XDP and their inner packet routed. With
-    /// a hook of its own (conntrack on: XDP, generic mode, or TC ingress), the kernel
-    /// decapsulates the network's packets and the device's hook tracks the inner packets'
-    /// connections (at XDP also NAT and load balancing) and routes them.
+    /// `xdp = "generic"` (conntrack on), the kernel decapsulates the network's packets and
+    /// the device's XDP hook tracks, load-balances and routes the inner packets.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub vxlan: Option<VxlanPort>,
 }
@@ -1036,15 +1035,25 @@ impl Config {
                 ),
             ));
         }
-        let hooked = iface.xdp != XdpMode::Off || iface.tc_ingress;
-        if iface.tc_egress || (hooked && !iface.conntrack) {
-            return Err(err(
-                iface.name.span(),
-                format!("interface[{i}].vxlan"),
-                format!(
-                    "interface {name:?} is a vxlan device: the fast path works on the underlay and the routing interfaces, and on the device itself only to track connections (XDP, generic mode: NAT and load balancing of what the kernel decapsulates; or TC ingress: tracking only); set tc_egress = false, and xdp = \"off\" and tc_ingress = false, or keep conntrack on"
-                ),
-            ));
+        let device_err = |why: String| err(iface.name.span(), format!("interface[{i}].vxlan"), why);
+        if iface.tc_ingress || iface.tc_egress {
+            return Err(device_err(format!(
+                "interface {name:?} is a vxlan device: no TC program runs on it (the underlay decapsulates and learns, the routing interfaces encapsulate); set tc_ingress = false and tc_egress = false"
+            )));
+        }
+        match iface.xdp {
+            XdpMode::Off => {}
+            XdpMode::Generic if iface.conntrack && !iface.route && !iface.snat => {}
+            XdpMode::Generic => {
+                return Err(device_err(format!(
+                    "interface {name:?} is a vxlan device with xdp = \"generic\": its XDP hook tracks, load-balances and routes what the kernel decapsulated, so it needs conntrack on, and takes no route = true (it routes already) and no snat = true (translate where the traffic leaves); set conntrack = true and remove route and snat"
+                )));
+            }
+            XdpMode::Auto | XdpMode::Native => {
+                return Err(device_err(format!(
+                    "interface {name:?} is a vxlan device, which has no native XDP: set xdp = \"off\" (the fast path decapsulates on the underlay), or xdp = \"generic\" to load-balance and NAT on the device what the kernel decapsulated (the underlay then leaves this network's packets to the kernel)"
+                )));
+            }
         }
         let under = vx.underlay.get_ref();
         match self.interfaces.iter().find(|o| o.name.get_ref() == under) {
@@ -1170,6 +1179,9 @@ impl Config {
                     ),
                 ));
             }
+            if let Some(vx) = &iface.vxlan {
+                self.validate_vxlan(&err, i, iface, vx)?;
+            }
             if iface.route && iface.xdp == XdpMode::Off && !iface.tc_ingress {
                 return Err(err(
                     iface.name.span(),
@@ -1200,9 +1212,6 @@ impl Config {
                         ),
                     ));
                 }
-            }
-            if let Some(vx) = &iface.vxlan {
-                self.validate_vxlan(&err, i, iface, vx)?;
             }
             if !iface.snat {
                 for (k, span) in [
@@ -2002,7 +2011,7 @@ mod tests {
     }
 
     #[test]
-    fn a_vxlan_device_needs_a_valid_vni_an_underlay_with_both_hooks_and_hooks_only_to_track() {
+    fn a_vxlan_device_needs_a_valid_vni_an_underlay_with_both_hooks_and_at_most_generic_xdp() {
         let cfg = |under: &str, dev: &str| {
             Config::parse_with(
                 Path::new("test.toml"),
@@ -2030,20 +2039,24 @@ mod tests {
             &dev(42),
         )
         .expect("an underlay decapsulating at TC ingress");
-        cfg(
-            "tc_egress = true",
-            "vxlan = { vni = 42, local = \"192.0.2.1\", underlay = \"lo\" }",
-        )
-        .expect("XDP (connection tracking) on the device");
         let under = "tc_egress = true";
         let vx = "vxlan = { vni = 42, local = \"192.0.2.1\", underlay = \"lo\" }";
-        for dev_hooks in [
-            "xdp = \"off\"\ntc_egress = true",
-            "xdp = \"generic\"\nconntrack = false",
-            "xdp = \"off\"\ntc_ingress = true\nconntrack = false",
+        for (dev_hooks, says) in [
+            ("", "has no native XDP"),
+            ("xdp = \"native\"", "has no native XDP"),
+            (
+                "xdp = \"off\"\ntc_egress = true",
+                "no TC program runs on it",
+            ),
+            (
+                "xdp = \"off\"\ntc_ingress = true",
+                "no TC program runs on it",
+            ),
+            ("xdp = \"generic\"\nconntrack = false", "needs conntrack on"),
+            ("xdp = \"generic\"\nroute = true", "takes no route = true"),
         ] {
             let e = cfg(under, &format!("{dev_hooks}\n{vx}")).expect_err(dev_hooks);
-            assert!(e.to_string().contains("only to track connections"), "{e}");
+            assert!(e.to_string().contains(says), "{dev_hooks}: {e}");
         }
         let ok = cfg(under, &format!("xdp = \"generic\"\n{vx}"))
             .expect("connection tracking at the device's XDP");

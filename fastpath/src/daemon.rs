@@ -284,7 +284,13 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
                     tokio::task::block_in_place(|| rules.health_changed(change));
                 }
             }
-            _ = ct_events::drain_next(&mut ct_ring, &mut ct_drain, &hub) => {}
+            drained = ct_events::drain_next(&mut ct_ring, &mut ct_drain, &hub) => {
+                if let Err(e) = drained {
+                    // Not expected (an epoll error on the ring's fd); the timer keeps draining.
+                    warn!(error = %e, "Waiting for the conntrack event ring failed");
+                    ct_drain.tick().await;
+                }
+            }
             ready = async {
                 match logger.as_mut() {
                     Some(l) => l.readable_mut().await.map(Some),
@@ -299,6 +305,9 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         }
     }
 
+    // The events since the last drain (up to `ct_events::DRAIN_EVERY` of them) reach the
+    // subscribers (the event log, HA) before they stop.
+    ct_events::drain(ct_ring.get_mut(), &hub);
     let _ = stop_tx.send(true);
     let _ = api_task.await;
     if let Some(t) = metrics_task {

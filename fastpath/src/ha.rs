@@ -63,8 +63,9 @@ const LAG_SAMPLES: usize = 4096;
 /// How long the feeder waits after an event for more before making changes: a short
 /// connection's events (NEW, REPLIED, ESTABLISHED, CLOSED) mostly become one change, and a
 /// busy node sends 50 messages a second, each one TLS record, write and acknowledgement,
-/// rather than one per event. The lag grows by at most this much, far below a failover's
-/// detection time (keepalived's `advert_int` is 1 s).
+/// rather than one per event. The lag grows by at most this much (on top of the event
+/// ring's drain period, `ct_events::DRAIN_EVERY`), far below a failover's detection time
+/// (keepalived's `advert_int` is 1 s).
 const COALESCE: Duration = Duration::from_millis(20);
 /// How often lost ring events are looked for.
 const LOSS_POLL: Duration = Duration::from_millis(200);

@@ -218,4 +218,23 @@ fn routes_and_nats_over_the_overlay() {
             "{url}: a decapsulated {decap_a} of the replies in the fast path:\n{tables}"
         );
     }
+    // Pod to pod, no VIP: b's underlay leaves these to the kernel as well (its device tracks
+    // connections), and the device's XDP hook routes the inner packets (the download's ACKs)
+    // to b's pod.
+    let b0 = b.stats();
+    topo.ns("pa")
+        .download_exact(&format!("http://{}/blob", nb.pod_addr()), &body);
+    let db = b.stats().delta(&b0);
+    let (routed, decap_b, miss) = (
+        fast(&db, hook, reason::ROUTED),
+        fast(&db, hook, reason::VXLAN_DECAP),
+        db.get(hook, Verdict::Kernel, reason::VXLAN_MISS).packets,
+    );
+    assert!(
+        decap_b == 0 && routed >= 50 && routed * 10 >= miss * 9,
+        "pod to pod: b decapsulated {decap_b} packets in the fast path (want 0), left {miss} \
+         to the kernel's decapsulation and routed {routed} at XDP (the device's: want nearly \
+         all of those):\n{}",
+        db.render_table()
+    );
 }
