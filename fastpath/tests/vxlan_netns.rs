@@ -23,7 +23,7 @@ use std::path::Path;
 
 use fastpath::{
     stats::StatsSnapshot,
-    testkit::netns::{Daemon, prepare_test},
+    testkit::netns::{Daemon, HttpServer, Topology, prepare_test},
     testkit::vxlan_cases::{
         OVERLAY_NODES, Underlay, overlay_daemon_config, overlay_nat_daemon_config, two_node_overlay,
     },
@@ -32,6 +32,17 @@ use fastpath_common::{Hook, Verdict, reason};
 
 fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_fastpath"))
+}
+
+/// nginx in pod b serving a 4 MiB `blob`; the server lives as long as the value returned.
+fn blob_server(topo: &Topology) -> (HttpServer, Vec<u8>) {
+    let mut nginx = topo
+        .ns("pb")
+        .http_server(80)
+        .unwrap_or_else(|e| panic!("nginx: {e}"));
+    let body = nginx.serve_blob("blob", 4 << 20);
+    let _ = nginx.process();
+    (nginx, body)
 }
 
 fn fast(d: &StatsSnapshot, hook: Hook, code: u32) -> u64 {
@@ -71,12 +82,7 @@ fn carries_the_overlay(hook: Hook, underlay: Underlay) {
     let config = |n| overlay_daemon_config(n, hook, underlay);
     let a = Daemon::start(bin(), topo.ns("na"), &config(na));
     let b = Daemon::start(bin(), topo.ns("nb"), &config(nb));
-    let mut nginx = topo
-        .ns("pb")
-        .http_server(80)
-        .unwrap_or_else(|e| panic!("nginx: {e}"));
-    let body = nginx.serve_blob("blob", 4 << 20);
-    let _ = nginx.process();
+    let (_nginx, body) = blob_server(&topo);
     for inner6 in [false, true] {
         let (pod_a, pod_b) = if inner6 {
             (na.pod_addr6(), nb.pod_addr6())
@@ -169,12 +175,7 @@ fn routes_and_nats_over_the_overlay() {
         topo.ns("nb"),
         &overlay_nat_daemon_config(nb, underlay, &services),
     );
-    let mut nginx = topo
-        .ns("pb")
-        .http_server(80)
-        .unwrap_or_else(|e| panic!("nginx: {e}"));
-    let body = nginx.serve_blob("blob", 4 << 20);
-    let _ = nginx.process();
+    let (_nginx, body) = blob_server(&topo);
     for url in [
         format!("http://{VIP}/blob"),
         format!("http://[{VIP6}]/blob"),
