@@ -8,13 +8,16 @@
 //! per-packet fields (outer IPv4 identification and checksum, UDP source port). Misses,
 //! invalidation by generation, TCP FIN/RST and frames the fast path must leave alone go to the
 //! kernel unchanged, each with its reason. A second test replays the same frames at TC
-//! ingress, where the fast path works with XDP off. Needs root; without it the test fails (never
-//! skips).
+//! ingress, where the fast path works with XDP off; a third does both over an IPv6 underlay
+//! (`tests/fixtures/vxlan6/`: its outer frames vary per packet in the UDP source port only).
+//! Needs root; without it the test fails (never skips).
 
 use fastpath::testkit::{
     fixture::{Case, CounterDelta, Fixture, Seed, raw_verdict},
     require_root,
-    vxlan_cases::{Captures, N0_MAC, Overlay, REMOTE, VNI, VXLAN0_MAC, outer_masked, to_hex},
+    vxlan_cases::{
+        Captures, N0_MAC, Overlay, REMOTE, Underlay, VNI, VXLAN0_MAC, outer_masked, to_hex,
+    },
 };
 use fastpath_common::{
     Hook, Verdict,
@@ -66,9 +69,9 @@ fn to_kernel(name: &str, hook: Hook, seed: &Seed, input: Vec<u8>, on: u32, why: 
 #[test]
 fn vxlan_encap_and_decap_match_the_kernels_own_packets() {
     require_root("vxlan_fixtures");
-    let (_overlay, kept) = captures();
+    let (overlay, kept) = captures(Underlay::V4);
     let n0 = ifindex("n0");
-    let seed = seed(Hook::Xdp);
+    let seed = seed(Hook::Xdp, &overlay);
     let mut fx = Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));
     let (learn, encap) = encap_and_decap(&mut fx, &seed, &kept, Hook::Xdp);
     let check = |fx: &mut Fixture, c: &Case| {
@@ -187,13 +190,13 @@ fn vxlan_encap_and_decap_match_the_kernels_own_packets() {
 
 /// The overlay (the thread is then in its node namespace) and the kept frames, checked
 /// against a fresh capture of the kernel's (see the module's documentation).
-fn captures() -> (Overlay, Captures) {
-    let overlay = Overlay::build();
+fn captures(underlay: Underlay) -> (Overlay, Captures) {
+    let overlay = Overlay::build(underlay);
     let fresh = overlay.capture();
     if std::env::var("FP_UPDATE_FIXTURES").is_ok_and(|v| v == "1") {
-        fresh.save().expect("writing the fixture files");
+        fresh.save(underlay).expect("writing the fixture files");
     }
-    let kept = Captures::load().unwrap_or_else(|e| {
+    let kept = Captures::load(underlay).unwrap_or_else(|e| {
         panic!("reading the fixture files ({e}); FP_UPDATE_FIXTURES=1 writes them from a capture")
     });
     // The kernel still makes the frames kept (but for its per-packet fields).
@@ -226,7 +229,7 @@ fn captures() -> (Overlay, Captures) {
 
 /// The node's interfaces as the daemon configures them, routing at `hook` (XDP, or TC
 /// ingress with XDP off).
-fn seed(hook: Hook) -> Seed {
+fn seed(hook: Hook, overlay: &Overlay) -> Seed {
     let route = if hook == Hook::Xdp {
         IFACE_F_ROUTE
     } else {
@@ -250,7 +253,7 @@ fn seed(hook: Hook) -> Seed {
                 ..IfaceConfig::default()
             },
         );
-    seed.vxlan_nets = vec![(VNI, Overlay::net())];
+    seed.vxlan_nets = vec![(VNI, overlay.net())];
     seed.config.flags |= fastpath_common::stats::CONFIG_F_VXLAN;
     seed
 }
@@ -258,16 +261,30 @@ fn seed(hook: Hook) -> Seed {
 /// At `hook`, on a fixture with nothing learned: decapsulation gives the kernel's routed
 /// frame byte for byte; what it leaves to the kernel comes out as it went in; encapsulation
 /// misses until the kernel's frame leaving the underlay teaches the headers, and then gives
-/// the kernel's frame but for the outer identification, checksum and source port (the
-/// identification going on from the kernel's). Returns the learning case and the
-/// encapsulation case.
+/// the kernel's frame but for the outer source port and, over IPv4, identification and
+/// checksum (the identification going on from the kernel's). Returns the learning case and
+/// the encapsulation case.
 fn encap_and_decap(fx: &mut Fixture, seed: &Seed, kept: &Captures, hook: Hook) -> (Case, Case) {
-    let (n0, und0) = (ifindex("n0"), ifindex("und0"));
-    let check = |fx: &mut Fixture, c: &Case| {
-        if let Err(f) = fx.evaluate(c) {
-            panic!("{hook:?}: {f}");
-        }
-    };
+    let und0 = ifindex("und0");
+    let (underlay, outer_udp) = underlay_of(kept);
+    let o = underlay.outer();
+    let check = |fx: &mut Fixture, c: &Case| checked(fx, c, hook);
+    // At TC, the fast path decapsulates only an inner packet of the outer one's IP version
+    // (the skb's protocol stays); this inner IPv4 over an IPv6 underlay is the kernel's.
+    if hook != Hook::Xdp && underlay == Underlay::V6 {
+        check(
+            fx,
+            &to_kernel(
+                "decap_other_ip_version",
+                hook,
+                seed,
+                kept.decap_in.clone(),
+                und0,
+                reason::VXLAN_MISS,
+            ),
+        );
+        return encap(fx, seed, kept, hook);
+    }
     let decap_bytes = kept.decap_in.len() as u64;
     check(
         fx,
@@ -291,21 +308,15 @@ fn encap_and_decap(fx: &mut Fixture, seed: &Seed, kept: &Captures, hook: Hook) -
     // Frames decapsulation leaves to the kernel come out as they went in: another VNI, an
     // inner TTL that expires (the kernel sends the ICMP error).
     let mut other_vni = kept.decap_in.clone();
-    other_vni[48] ^= 1;
+    // The VNI's last byte (the VXLAN header follows the outer UDP one).
+    other_vni[o.udp + 8 + 6] ^= 1;
     check(
         fx,
-        &to_kernel(
-            "decap_other_vni",
-            hook,
-            seed,
-            other_vni,
-            und0,
-            reason::NO_STAGE_IPV4_UDP,
-        ),
+        &to_kernel("decap_other_vni", hook, seed, other_vni, und0, outer_udp),
     );
     let mut ttl1 = kept.decap_in.clone();
-    ttl1[50 + 14 + 8] = 1;
-    let ttl1 = fix_ipv4_check(ttl1, 50 + 14);
+    ttl1[o.inner + 14 + 8] = 1;
+    let ttl1 = fix_ipv4_check(ttl1, o.inner + 14);
     check(
         fx,
         &to_kernel(
@@ -317,7 +328,32 @@ fn encap_and_decap(fx: &mut Fixture, seed: &Seed, kept: &Captures, hook: Hook) -
             reason::ROUTE_TTL_EXPIRED,
         ),
     );
+    encap(fx, seed, kept, hook)
+}
 
+/// The kept frames' underlay, and the reason the kernel's path counts an outer datagram of
+/// it under.
+fn underlay_of(kept: &Captures) -> (Underlay, u32) {
+    match Underlay::of(&kept.decap_in) {
+        Some(Underlay::V4) => (Underlay::V4, reason::NO_STAGE_IPV4_UDP),
+        Some(Underlay::V6) => (Underlay::V6, reason::NO_STAGE_IPV6_UDP),
+        None => panic!("the kept frames are not Ethernet/IP"),
+    }
+}
+
+/// Evaluates `c`; panics with what differs.
+fn checked(fx: &mut Fixture, c: &Case, hook: Hook) {
+    if let Err(f) = fx.evaluate(c) {
+        panic!("{hook:?}: {f}");
+    }
+}
+
+/// Encapsulation at `hook`: see [`encap_and_decap`].
+fn encap(fx: &mut Fixture, seed: &Seed, kept: &Captures, hook: Hook) -> (Case, Case) {
+    let (n0, und0) = (ifindex("n0"), ifindex("und0"));
+    let (underlay, outer_udp) = underlay_of(kept);
+    let o = underlay.outer();
+    let check = |fx: &mut Fixture, c: &Case| checked(fx, c, hook);
     // Encapsulation: a miss before anything is learned.
     check(
         fx,
@@ -337,7 +373,7 @@ fn encap_and_decap(fx: &mut Fixture, seed: &Seed, kept: &Captures, hook: Hook) -
         seed,
         kept.encap_out.clone(),
         und0,
-        reason::NO_STAGE_IPV4_UDP,
+        outer_udp,
     );
     check(fx, &learn);
     let encap = Case {
@@ -363,18 +399,21 @@ fn encap_and_decap(fx: &mut Fixture, seed: &Seed, kept: &Captures, hook: Hook) -
         to_hex(&out.output),
         to_hex(&kept.encap_out)
     );
-    assert_eq!(
-        ipv4_sum(&out.output, 14),
-        0,
-        "{hook:?}: outer IPv4 checksum"
-    );
     let id = |f: &[u8]| u16::from_be_bytes([f[18], f[19]]);
-    assert_eq!(
-        id(&out.output),
-        id(&kept.encap_out).wrapping_add(1),
-        "{hook:?}: the identification goes on from the kernel's"
-    );
-    let sport = u16::from_be_bytes([out.output[34], out.output[35]]);
+    if underlay == Underlay::V4 {
+        assert_eq!(
+            ipv4_sum(&out.output, 14),
+            0,
+            "{hook:?}: outer IPv4 checksum"
+        );
+        assert_eq!(
+            id(&out.output),
+            id(&kept.encap_out).wrapping_add(1),
+            "{hook:?}: the identification goes on from the kernel's"
+        );
+    }
+    let sport_of = |f: &[u8]| [f[o.udp], f[o.udp + 1]];
+    let sport = u16::from_be_bytes(sport_of(&out.output));
     assert!((32768..60999).contains(&sport), "source port {sport}");
     assert_eq!(
         out.counters
@@ -386,19 +425,23 @@ fn encap_and_decap(fx: &mut Fixture, seed: &Seed, kept: &Captures, hook: Hook) -
     );
     // The same flow keeps its source port.
     let again = fx.run(&encap).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(
-        [again.output[34], again.output[35]],
-        [out.output[34], out.output[35]]
-    );
+    assert_eq!(sport_of(&again.output), sport_of(&out.output));
     // The kernel's next frame teaches nothing new in this generation: the identification
     // goes on from the fast path's.
     check(fx, &learn);
     let third = fx.run(&encap).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(
-        id(&third.output),
-        id(&kept.encap_out).wrapping_add(3),
-        "{hook:?}: relearned within a generation"
-    );
+    match underlay {
+        Underlay::V4 => assert_eq!(
+            id(&third.output),
+            id(&kept.encap_out).wrapping_add(3),
+            "{hook:?}: relearned within a generation"
+        ),
+        // Nothing varies per packet in one flow's IPv6 outer headers.
+        Underlay::V6 => assert_eq!(
+            third.output, again.output,
+            "{hook:?}: relearned within a generation"
+        ),
+    }
     (learn, encap)
 }
 
@@ -407,7 +450,29 @@ fn encap_and_decap(fx: &mut Fixture, seed: &Seed, kept: &Captures, hook: Hook) -
 #[test]
 fn vxlan_at_tc_ingress_matches_the_kernels_own_packets() {
     require_root("vxlan_fixtures");
-    let (_overlay, kept) = captures();
+    let (overlay, kept) = captures(Underlay::V4);
     let mut fx = Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));
-    encap_and_decap(&mut fx, &seed(Hook::TcIngress), &kept, Hook::TcIngress);
+    encap_and_decap(
+        &mut fx,
+        &seed(Hook::TcIngress, &overlay),
+        &kept,
+        Hook::TcIngress,
+    );
+}
+
+/// Over an IPv6 underlay, at XDP and at TC ingress: the kernel's vxlan device's frames
+/// (zero UDP checksums, as the fast path sends) against the fast path's.
+#[test]
+fn vxlan_over_an_ipv6_underlay_matches_the_kernels_own_packets() {
+    require_root("vxlan_fixtures");
+    let (overlay, kept) = captures(Underlay::V6);
+    for hook in [Hook::Xdp, Hook::TcIngress] {
+        let mut fx = Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));
+        encap_and_decap(&mut fx, &seed(hook, &overlay), &kept, hook);
+    }
+    eprintln!(
+        "VXLAN fixtures over IPv6: decapsulation byte-exact, encapsulation byte-exact but for the outer source port ({} and {} bytes)",
+        kept.decap_out.len(),
+        kept.encap_out.len()
+    );
 }

@@ -7,7 +7,11 @@
 //! (VNI 42, local 192.168.50.1, 10.2.0.1/24, `noudpcsum`: the fast path sends no outer UDP
 //! checksum, as RFC 7348 recommends over IPv4). The remote has its own `vxlan0` (10.2.0.2)
 //! with the node's in its FDB, and routes the pods' 10.1.0.0/24 through it. Every MAC
-//! address, neighbour and FDB entry is static: no ARP or learning in the captures.
+//! address, neighbour and FDB entry is static: no ARP or learning in the captures. Over an
+//! IPv6 underlay ([`Underlay::V6`]) the VTEPs are fd00:50::1 and fd00:50::2 and the devices
+//! send and accept zero UDP checksums (`udp6zerocsumtx udp6zerocsumrx`, as the fast path
+//! sends); the pods and the overlay stay IPv4. Its frames are kept in
+//! `tests/fixtures/vxlan6/`.
 //!
 //! Four frames, each what a link carried:
 //! - `decap_in`: a UDP datagram the remote sent to the pod, as its vxlan device encapsulated
@@ -38,6 +42,9 @@ pub const POD: [u8; 4] = [10, 1, 0, 2];
 pub const REMOTE: [u8; 4] = [10, 2, 0, 2];
 pub const LOCAL_VTEP: [u8; 4] = [192, 168, 50, 1];
 pub const REMOTE_VTEP: [u8; 4] = [192, 168, 50, 2];
+/// The VTEPs over an IPv6 underlay: fd00:50::1 and fd00:50::2.
+pub const LOCAL_VTEP6: [u8; 16] = [0xfd, 0, 0, 0x50, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+pub const REMOTE_VTEP6: [u8; 16] = [0xfd, 0, 0, 0x50, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2];
 pub const VNI: u32 = 42;
 pub const VXLAN_PORT: u16 = 4789;
 const PAYLOAD: &[u8] = b"fastpath vxlan fixture";
@@ -58,6 +65,7 @@ pub const FIXTURE_NAMES: [&str; 4] = ["decap_in", "decap_out", "encap_in", "enca
 pub struct Overlay {
     pub pod: Netns,
     pub remote: Netns,
+    pub underlay: Underlay,
 }
 
 fn mac(m: [u8; 6]) -> String {
@@ -347,14 +355,37 @@ fn overlay_config(
 }
 
 impl Overlay {
-    /// Moves this thread to a fresh namespace, the node, and builds the topology around it.
-    /// Panics on any failure. Needs root.
-    pub fn build() -> Overlay {
+    /// Moves this thread to a fresh namespace, the node, and builds the topology around it,
+    /// the VTEPs on `underlay`. Panics on any failure. Needs root.
+    pub fn build(underlay: Underlay) -> Overlay {
         let pod = Netns::create("vx-pod").unwrap_or_else(|e| panic!("{e}"));
         let remote = Netns::create("vx-remote").unwrap_or_else(|e| panic!("{e}"));
         super::enter_fresh_netns(&[]);
         let (n0, p0, und0, und1) = (mac(N0_MAC), mac(P0_MAC), mac(UND0_MAC), mac(UND1_MAC));
         let (vx0, vx1) = (mac(VXLAN0_MAC), mac(REMOTE_VXLAN_MAC));
+        // The VTEPs' addresses (with prefix) and the `ip` family flag of their neighbours.
+        let (local, remote_vtep, local_cidr, remote_cidr, family) = match underlay {
+            Underlay::V4 => (
+                "192.168.50.1",
+                "192.168.50.2",
+                "192.168.50.1/24",
+                "192.168.50.2/24",
+                "-4",
+            ),
+            Underlay::V6 => (
+                "fd00:50::1",
+                "fd00:50::2",
+                "fd00:50::1/64",
+                "fd00:50::2/64",
+                "-6",
+            ),
+        };
+        // An IPv6 VTEP address is usable at once (no duplicate address detection).
+        let nodad: &[&str] = if underlay == Underlay::V6 {
+            &["nodad"]
+        } else {
+            &[]
+        };
         let node = [
             vec!["ip", "link", "set", "lo", "up"],
             vec!["sysctl", "-qw", "net.ipv4.ip_forward=1"],
@@ -393,14 +424,15 @@ impl Overlay {
                 remote.name(),
             ],
             vec!["ip", "addr", "add", "10.1.0.1/24", "dev", "n0"],
-            vec!["ip", "addr", "add", "192.168.50.1/24", "dev", "und0"],
+            [&["ip", "addr", "add", local_cidr, "dev", "und0"][..], nodad].concat(),
             vec!["ip", "link", "set", "n0", "up"],
             vec!["ip", "link", "set", "und0", "up"],
             vec![
                 "ip",
+                family,
                 "neigh",
                 "add",
-                "192.168.50.2",
+                remote_vtep,
                 "lladdr",
                 &und1,
                 "dev",
@@ -424,12 +456,12 @@ impl Overlay {
         super::run_commands(&node.iter().map(Vec::as_slice).collect::<Vec<_>>());
         let node_vxlan = VxlanDevice {
             mac: &vx0,
-            local: "192.168.50.1",
+            local,
             underlay: "und0",
             addr: "10.2.0.1/24",
             peer_addr: "10.2.0.2",
             peer_mac: &vx1,
-            peer_vtep: "192.168.50.2",
+            peer_vtep: remote_vtep,
         };
         for cmd in node_vxlan.commands() {
             super::run_commands(&[&cmd.iter().map(String::as_str).collect::<Vec<_>>()]);
@@ -453,12 +485,13 @@ impl Overlay {
             pod.ip(&cmd).unwrap_or_else(|e| panic!("{e}"));
         }
         for cmd in [
-            vec!["addr", "add", "192.168.50.2/24", "dev", "und1"],
+            [&["addr", "add", remote_cidr, "dev", "und1"][..], nodad].concat(),
             vec!["link", "set", "und1", "up"],
             vec![
+                family,
                 "neigh",
                 "add",
-                "192.168.50.1",
+                local,
                 "lladdr",
                 &und0,
                 "dev",
@@ -471,12 +504,12 @@ impl Overlay {
         }
         let remote_vxlan = VxlanDevice {
             mac: &vx1,
-            local: "192.168.50.2",
+            local: remote_vtep,
             underlay: "und1",
             addr: "10.2.0.2/24",
             peer_addr: "10.2.0.1",
             peer_mac: &vx0,
-            peer_vtep: "192.168.50.1",
+            peer_vtep: local,
         };
         for cmd in remote_vxlan.commands() {
             remote.run(&cmd).unwrap_or_else(|e| panic!("{e}"));
@@ -492,22 +525,32 @@ impl Overlay {
                 "vxlan0",
             ])
             .unwrap_or_else(|e| panic!("{e}"));
-        Overlay { pod, remote }
+        Overlay {
+            pod,
+            remote,
+            underlay,
+        }
     }
 
     /// The node's VXLAN network as the daemon would configure it (ifindexes of this thread's
     /// namespace).
-    pub fn net() -> VxlanNet {
+    pub fn net(&self) -> VxlanNet {
         let idx = |n: &str| crate::config::ifindex(n).unwrap_or_else(|| panic!("no {n}"));
-        let mut local = [0; 16];
-        local[..4].copy_from_slice(&LOCAL_VTEP);
+        let (local, family) = match self.underlay {
+            Underlay::V4 => {
+                let mut local = [0; 16];
+                local[..4].copy_from_slice(&LOCAL_VTEP);
+                (local, 4)
+            }
+            Underlay::V6 => (LOCAL_VTEP6, 6),
+        };
         VxlanNet {
             ifindex: idx("vxlan0"),
             underlay: idx("und0"),
             port: VXLAN_PORT,
             port_min: 32768,
             port_max: 60999,
-            family: 4,
+            family,
             _pad: 0,
             local,
         }
@@ -606,21 +649,66 @@ fn inner_udp_to(f: &[u8], dst: [u8; 4]) -> bool {
     f.len() >= 42 && f[12..14] == [0x08, 0x00] && f[23] == 17 && f[30..34] == dst
 }
 
-/// Whether `f` is VXLAN (IPv4 underlay, port 4789) carrying UDP to `inner_dst`.
-fn vxlan_of(f: &[u8], inner_dst: [u8; 4]) -> bool {
-    f.len() >= 50 + 42
-        && f[12..14] == [0x08, 0x00]
-        && f[23] == 17
-        && f[36..38] == VXLAN_PORT.to_be_bytes()
-        && inner_udp_to(&f[50..], inner_dst)
+/// The outer headers' layout of a VXLAN frame over `underlay`: where the outer UDP header
+/// and the inner frame start.
+#[derive(Clone, Copy, Debug)]
+pub struct Outer {
+    pub udp: usize,
+    pub inner: usize,
 }
 
-/// An outer frame with the fields the kernel varies per packet zeroed: the IPv4
-/// identification and header checksum, and the UDP source port (from the flow hash, whose
-/// seed is random per boot).
+impl Underlay {
+    /// Where the outer UDP header and the inner frame of a VXLAN frame start.
+    pub fn outer(self) -> Outer {
+        let udp = match self {
+            Underlay::V4 => 14 + 20,
+            Underlay::V6 => 14 + 40,
+        };
+        Outer {
+            udp,
+            inner: udp + 8 + 8,
+        }
+    }
+
+    /// The outer frame's EtherType.
+    fn ethertype(self) -> [u8; 2] {
+        match self {
+            Underlay::V4 => [0x08, 0x00],
+            Underlay::V6 => [0x86, 0xdd],
+        }
+    }
+
+    /// The underlay of a VXLAN frame, by its outer EtherType.
+    pub fn of(f: &[u8]) -> Option<Underlay> {
+        [Underlay::V4, Underlay::V6]
+            .into_iter()
+            .find(|u| f.get(12..14) == Some(&u.ethertype()[..]))
+    }
+}
+
+/// Whether `f` is VXLAN (port 4789, over either underlay) carrying UDP to `inner_dst`.
+fn vxlan_of(f: &[u8], inner_dst: [u8; 4]) -> bool {
+    let Some(u) = Underlay::of(f) else {
+        return false;
+    };
+    let o = u.outer();
+    let next_header = if u == Underlay::V4 { 23 } else { 20 };
+    f.len() >= o.inner + 42
+        && f[next_header] == 17
+        && f[o.udp + 2..o.udp + 4] == VXLAN_PORT.to_be_bytes()
+        && inner_udp_to(&f[o.inner..], inner_dst)
+}
+
+/// An outer frame with the fields the kernel varies per packet zeroed: the UDP source port
+/// (from the flow hash, whose seed is random per boot) and, over IPv4, the identification
+/// and header checksum.
 pub fn outer_masked(f: &[u8]) -> Vec<u8> {
     let mut m = f.to_vec();
-    for i in [18, 19, 24, 25, 34, 35] {
+    let masked: &[usize] = match Underlay::of(f) {
+        Some(Underlay::V6) => &[54, 55],
+        _ => &[18, 19, 24, 25, 34, 35],
+    };
+    for &i in masked {
         if let Some(b) = m.get_mut(i) {
             *b = 0;
         }
@@ -628,9 +716,12 @@ pub fn outer_masked(f: &[u8]) -> Vec<u8> {
     m
 }
 
-/// Where the fixture files live.
-pub fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vxlan")
+/// Where the fixture files of `underlay` live.
+pub fn fixture_dir(underlay: Underlay) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(match underlay {
+        Underlay::V4 => "tests/fixtures/vxlan",
+        Underlay::V6 => "tests/fixtures/vxlan6",
+    })
 }
 
 /// A frame as the fixture files hold it: hex, 16 bytes per line.
@@ -654,10 +745,10 @@ pub fn from_hex(text: &str) -> Result<Vec<u8>, String> {
 }
 
 impl Captures {
-    /// The frames kept in the fixture files.
-    pub fn load() -> Result<Captures, String> {
+    /// The frames kept in the fixture files of `underlay`.
+    pub fn load(underlay: Underlay) -> Result<Captures, String> {
         let mut f = FIXTURE_NAMES.iter().map(|name| {
-            let path = fixture_dir().join(format!("{name}.hex"));
+            let path = fixture_dir(underlay).join(format!("{name}.hex"));
             std::fs::read_to_string(&path)
                 .map_err(|e| format!("{}: {e}", path.display()))
                 .and_then(|t| from_hex(&t).map_err(|e| format!("{}: {e}", path.display())))
@@ -671,11 +762,12 @@ impl Captures {
         })
     }
 
-    /// Writes the fixture files.
-    pub fn save(&self) -> std::io::Result<()> {
-        std::fs::create_dir_all(fixture_dir())?;
+    /// Writes the fixture files of `underlay`.
+    pub fn save(&self, underlay: Underlay) -> std::io::Result<()> {
+        let dir = fixture_dir(underlay);
+        std::fs::create_dir_all(&dir)?;
         for (name, f) in FIXTURE_NAMES.iter().zip(self.frames()) {
-            std::fs::write(fixture_dir().join(format!("{name}.hex")), to_hex(f))?;
+            std::fs::write(dir.join(format!("{name}.hex")), to_hex(f))?;
         }
         Ok(())
     }
