@@ -160,12 +160,13 @@ impl OverlayNode {
     }
 }
 
-/// The IP version of [`two_node_overlay`]'s underlay.
+/// The IP version of an overlay's underlay: [`two_node_overlay`]'s, and the fixtures'
+/// [`Overlay`]'s (whose frames [`Underlay::outer`] and [`Underlay::of`] read).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Underlay {
-    /// 192.168.60.0/24.
+    /// 192.168.60.0/24 (the fixtures': 192.168.50.0/24).
     V4,
-    /// fd00:60::/64.
+    /// fd00:60::/64 (the fixtures': fd00:50::/64).
     V6,
 }
 
@@ -363,23 +364,27 @@ impl Overlay {
         super::enter_fresh_netns(&[]);
         let (n0, p0, und0, und1) = (mac(N0_MAC), mac(P0_MAC), mac(UND0_MAC), mac(UND1_MAC));
         let (vx0, vx1) = (mac(VXLAN0_MAC), mac(REMOTE_VXLAN_MAC));
-        // The VTEPs' addresses (with prefix) and the `ip` family flag of their neighbours.
-        let (local, remote_vtep, local_cidr, remote_cidr, family) = match underlay {
+        // The VTEPs' addresses, their prefix length and the `ip` family flag of their
+        // neighbours.
+        let (local, remote_vtep, prefix, family) = match underlay {
             Underlay::V4 => (
-                "192.168.50.1",
-                "192.168.50.2",
-                "192.168.50.1/24",
-                "192.168.50.2/24",
+                std::net::Ipv4Addr::from(LOCAL_VTEP).to_string(),
+                std::net::Ipv4Addr::from(REMOTE_VTEP).to_string(),
+                24,
                 "-4",
             ),
             Underlay::V6 => (
-                "fd00:50::1",
-                "fd00:50::2",
-                "fd00:50::1/64",
-                "fd00:50::2/64",
+                std::net::Ipv6Addr::from(LOCAL_VTEP6).to_string(),
+                std::net::Ipv6Addr::from(REMOTE_VTEP6).to_string(),
+                64,
                 "-6",
             ),
         };
+        let (local_cidr, remote_cidr) = (
+            format!("{local}/{prefix}"),
+            format!("{remote_vtep}/{prefix}"),
+        );
+        let (local, remote_vtep) = (local.as_str(), remote_vtep.as_str());
         // An IPv6 VTEP address is usable at once (no duplicate address detection).
         let nodad: &[&str] = if underlay == Underlay::V6 {
             &["nodad"]
@@ -424,7 +429,11 @@ impl Overlay {
                 remote.name(),
             ],
             vec!["ip", "addr", "add", "10.1.0.1/24", "dev", "n0"],
-            [&["ip", "addr", "add", local_cidr, "dev", "und0"][..], nodad].concat(),
+            [
+                &["ip", "addr", "add", &local_cidr, "dev", "und0"][..],
+                nodad,
+            ]
+            .concat(),
             vec!["ip", "link", "set", "n0", "up"],
             vec!["ip", "link", "set", "und0", "up"],
             vec![
@@ -485,7 +494,7 @@ impl Overlay {
             pod.ip(&cmd).unwrap_or_else(|e| panic!("{e}"));
         }
         for cmd in [
-            [&["addr", "add", remote_cidr, "dev", "und1"][..], nodad].concat(),
+            [&["addr", "add", &remote_cidr, "dev", "und1"][..], nodad].concat(),
             vec!["link", "set", "und1", "up"],
             vec![
                 family,
@@ -701,12 +710,15 @@ fn vxlan_of(f: &[u8], inner_dst: [u8; 4]) -> bool {
 
 /// An outer frame with the fields the kernel varies per packet zeroed: the UDP source port
 /// (from the flow hash, whose seed is random per boot) and, over IPv4, the identification
-/// and header checksum.
+/// and header checksum. (Over IPv6 the flow label is the device's, 0 unless configured, and
+/// the UDP checksum zero.)
 pub fn outer_masked(f: &[u8]) -> Vec<u8> {
     let mut m = f.to_vec();
-    let masked: &[usize] = match Underlay::of(f) {
-        Some(Underlay::V6) => &[54, 55],
-        _ => &[18, 19, 24, 25, 34, 35],
+    let u = Underlay::of(f).unwrap_or(Underlay::V4);
+    let sport = u.outer().udp;
+    let masked: &[usize] = match u {
+        Underlay::V4 => &[18, 19, 24, 25, sport, sport + 1],
+        Underlay::V6 => &[sport, sport + 1],
     };
     for &i in masked {
         if let Some(b) = m.get_mut(i) {
