@@ -36,8 +36,8 @@ use fastpath_common::{
 use crate::{
     gateway, lb,
     maps::{
-        FP_CT, FP_CT_ENTRY, FP_CT_EVENTS, FP_CT_KEY, FP_CT_KEY2, FP_CT_NEW, FP_CT_STATS, FP_IFACE,
-        FP_NAT, FP_SVC_KEY,
+        FP_CT, FP_CT_ENTRY, FP_CT_EVENTS, FP_CT_KEY, FP_CT_KEY2, FP_CT_KEY3, FP_CT_NEW,
+        FP_CT_STATS, FP_IFACE, FP_NAT, FP_SVC_KEY,
     },
     packet::Packet,
     parse::{
@@ -548,19 +548,38 @@ fn alloc_port(
 
 /// The alias key of a new load-balanced connection is taken: if by a TCP connection that has
 /// ended (TIME_WAIT/CLOSE — e.g. the client's earlier direct connection to the backend from the
-/// same port, which Linux may hand out again for another destination), it gives way, as the
-/// backend's own stack lets a new SYN reuse a TIME_WAIT tuple. True if it was removed.
+/// same port, which Linux may hand out again for another destination), or by the alias of an
+/// earlier load-balanced connection that has ended or is gone (the client's earlier connection
+/// to another VIP of the same backend from the same port), it gives way, as the backend's own
+/// stack lets a new SYN reuse a TIME_WAIT tuple. True if it was removed.
 #[inline(always)]
 fn replace_ended(alias: &CtKey) -> bool {
     let Some(e) = FP_CT.get_ptr(alias) else {
         return false;
     };
+    if alias.proto != IPPROTO_TCP {
+        return false;
+    }
     // SAFETY: a valid map value pointer for this run.
-    let (proto_tcp, state, flags) = (alias.proto == IPPROTO_TCP, unsafe { (*e).state }, unsafe {
-        (*e).flags
-    });
-    let ended = proto_tcp && (state == tcp_state::TIME_WAIT || state == tcp_state::CLOSE);
-    if ended && flags & CT_F_LB_ALIAS == 0 && FP_CT.remove(alias).is_ok() {
+    let e = unsafe { &*e };
+    let ended = |state: u8| state == tcp_state::TIME_WAIT || state == tcp_state::CLOSE;
+    let gives_way = if e.flags & CT_F_LB_ALIAS == 0 {
+        ended(e.state)
+    } else {
+        // An alias keeps no state: its connection's entry says whether it has ended.
+        let Some(conn) = FP_CT_KEY3.get_ptr_mut(0) else {
+            return false;
+        };
+        // SAFETY: this CPU's scratch key, used by this program run only.
+        let conn = unsafe { &mut *conn };
+        lb_peer_key_into(alias, e, conn)
+            && match FP_CT.get_ptr(conn) {
+                None => true,
+                // SAFETY: as above.
+                Some(c) => ended(unsafe { (*c).state }),
+            }
+    };
+    if gives_way && FP_CT.remove(alias).is_ok() {
         count(ct_stat::REOPENED);
         return true;
     }

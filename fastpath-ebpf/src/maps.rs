@@ -137,6 +137,11 @@ pub static FP_SVC_KEY: PerCpuArray<SvcKey> = PerCpuArray::with_max_entries(1, 0)
 #[map(name = "FP_CT_KEY2")]
 pub static FP_CT_KEY2: PerCpuArray<CtKey> = PerCpuArray::with_max_entries(1, 0);
 
+/// This CPU's third conntrack key: the connection an alias that is in the way belongs to
+/// (`conntrack::replace_ended`), while the first two hold the new connection's keys.
+#[map(name = "FP_CT_KEY3")]
+pub static FP_CT_KEY3: PerCpuArray<CtKey> = PerCpuArray::with_max_entries(1, 0);
+
 /// Source-IP affinity: a client of a service → the backend its last new connection got and
 /// when. An LRU (the least recently seen clients go when full): losing one only means its next
 /// connection is balanced afresh.

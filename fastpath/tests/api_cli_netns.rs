@@ -148,6 +148,9 @@ fn fetch(lb: &LbTopology, dir: &TempDir, url: &str, n: usize) -> Vec<Fetched> {
             Duration::from_secs(60),
         )
         .unwrap_or_else(|e| panic!("curl: {e}"));
+    if !out.stderr.is_empty() {
+        eprintln!("curl {url} stderr: {}", text(&out.stderr));
+    }
     let got: Vec<Fetched> = text(&out.stdout)
         .lines()
         .map(
@@ -184,9 +187,10 @@ fn fetch_ok(
     let failed: Vec<&String> = got.iter().filter_map(|r| r.as_ref().err()).collect();
     assert!(
         failed.is_empty(),
-        "curl {url}: {} of {n} requests failed, e.g. {:?}\ndaemon log:\n{}",
+        "curl {url}: {} of {n} requests failed, e.g. {:?}\nstats:\n{}\ndaemon log:\n{}",
         failed.len(),
         &failed[..failed.len().min(3)],
+        text(&daemon.cli(&["stats"]).stdout),
         daemon.log()
     );
     let mut per = [0; BACKENDS];
