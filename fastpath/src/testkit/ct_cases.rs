@@ -1948,7 +1948,36 @@ fn lb_sequences() -> Vec<Seq> {
         b"a",
     );
     let zero_reply_out = udp_zero(R, &udp4_vip, b"a");
+    // Two VIPs of one backend: a client's port, free again once its connection through the
+    // first ended, opens a connection through the second (the same alias key).
+    let vip4b = [10, 0, 0, 101];
+    let two_vips = one4.clone() + &service_toml(&ip4(vip4b), 80, "tcp", &[(ip4(BE4[0]), 8080)], "");
+    let port_reused = Seq::lb(
+        "lb_an_ended_connections_alias_gives_way_to_another_vips",
+        tcp_vip,
+        &two_vips,
+    )
+    .via(be0, 8080)
+    .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+    .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
+    .lb_tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
+    .lb_tcp(O, FIN, FW, SEEN_ASSURED, HIT, &[])
+    .lb_tcp(R, FIN, LA, SEEN_ASSURED, HIT, &[])
+    .lb_tcp(O, ACK, TW, SEEN_ASSURED, HIT_CLOSED, &[(CLOSED_EV, TW)])
+    .table_len(2)
+    .flow(Flow::v4(proto::TCP, A4, 40000, vip4b, 80))
+    .via(be0, 8080)
+    .lb_tcp(
+        O,
+        SYN,
+        SS,
+        NOFLAGS,
+        &[LOOKUPS, NEW, REOPENED],
+        &[(NEW_EV, SS)],
+    )
+    .table_len(3);
     vec![
+        port_reused,
         // ICMP errors from the backend side about the client's packets (fragmentation needed,
         // port unreachable; packet too big): the client sees them about its own packets to
         // the VIP, from the VIP, every checksum as a full recomputation gives it.
