@@ -418,6 +418,17 @@ impl Seq {
         self.lb_packet(dir, what, io, Some(state), ct_flags, stats, events)
     }
 
+    /// A whole load-balanced TCP connection, new to TIME_WAIT: the handshake, then the
+    /// client's FIN, the backend's FIN and the client's last ACK.
+    fn lb_tcp_open_and_close(self) -> Self {
+        self.lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+            .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
+            .lb_tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
+            .lb_tcp(O, FIN, FW, SEEN_ASSURED, HIT, &[])
+            .lb_tcp(R, FIN, LA, SEEN_ASSURED, HIT, &[])
+            .lb_tcp(O, ACK, TW, SEEN_ASSURED, HIT_CLOSED, &[(CLOSED_EV, TW)])
+    }
+
     /// A UDP datagram of a load-balanced connection (see [`Seq::lb_packet`]).
     fn lb_udp(
         self,
@@ -1958,12 +1969,7 @@ fn lb_sequences() -> Vec<Seq> {
         &two_vips,
     )
     .via(be0, 8080)
-    .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
-    .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
-    .lb_tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
-    .lb_tcp(O, FIN, FW, SEEN_ASSURED, HIT, &[])
-    .lb_tcp(R, FIN, LA, SEEN_ASSURED, HIT, &[])
-    .lb_tcp(O, ACK, TW, SEEN_ASSURED, HIT_CLOSED, &[(CLOSED_EV, TW)])
+    .lb_tcp_open_and_close()
     .table_len(2)
     .flow(Flow::v4(proto::TCP, A4, 40000, vip4b, 80))
     .via(be0, 8080)
@@ -2105,12 +2111,7 @@ fn lb_sequences() -> Vec<Seq> {
             &one4,
         )
         .via(be0, 8080)
-        .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
-        .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
-        .lb_tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
-        .lb_tcp(O, FIN, FW, SEEN_ASSURED, HIT, &[])
-        .lb_tcp(R, FIN, LA, SEEN_ASSURED, HIT, &[])
-        .lb_tcp(O, ACK, TW, SEEN_ASSURED, HIT_CLOSED, &[(CLOSED_EV, TW)])
+        .lb_tcp_open_and_close()
         .reseed(&moved)
         .via(v4(BE4[1]), 8080)
         .lb_tcp(
