@@ -8,7 +8,9 @@
 //! `vxlan_encap` and `vxlan_decap` on both nodes, over IPv4 and IPv6 in the overlay. Then the
 //! same with XDP off, the pod link and the underlay doing it at TC ingress (where an inner
 //! packet of the other IP version than the underlay's is the kernel's to decapsulate), and
-//! both again over an IPv6 underlay.
+//! both again over an IPv6 underlay. And with Flannel's netfilter rules on both nodes (the
+//! kernel tracks what it forwards; the fast path's packets skip the node's netfilter), at
+//! both hooks.
 //!
 //! Routing + NAT over the overlay: node b load-balances a VIP (IPv4 and IPv6) that node a
 //! routes into the overlay to its pod; b's vxlan device tracks connections at (generic) XDP,
@@ -25,7 +27,8 @@ use fastpath::{
     stats::StatsSnapshot,
     testkit::netns::{Daemon, HttpServer, Topology, prepare_test},
     testkit::vxlan_cases::{
-        OVERLAY_NODES, Underlay, overlay_daemon_config, overlay_nat_daemon_config, two_node_overlay,
+        OVERLAY_NODES, Underlay, add_flannel_rules, overlay_daemon_config,
+        overlay_nat_daemon_config, two_node_overlay,
     },
 };
 use fastpath_common::{Hook, Verdict, reason};
@@ -49,36 +52,78 @@ fn fast(d: &StatsSnapshot, hook: Hook, code: u32) -> u64 {
     d.get(hook, Verdict::Forward, code).packets
 }
 
+/// The nodes' netfilter: none, or Flannel's rules (connection tracking on).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Nodes {
+    Bare,
+    Flannel,
+}
+
 #[test]
 fn two_nodes_carry_their_pods_overlay_in_the_fast_path_at_xdp() {
-    carries_the_overlay(Hook::Xdp, Underlay::V4);
+    carries_the_overlay(Hook::Xdp, Underlay::V4, Nodes::Bare);
 }
 
 /// The same with XDP off: the pod link routes and encapsulates at TC ingress, the underlay
 /// decapsulates there.
 #[test]
 fn two_nodes_carry_their_pods_overlay_in_the_fast_path_at_tc() {
-    carries_the_overlay(Hook::TcIngress, Underlay::V4);
+    carries_the_overlay(Hook::TcIngress, Underlay::V4, Nodes::Bare);
 }
 
 #[test]
 fn two_nodes_carry_their_pods_overlay_over_an_ipv6_underlay_at_xdp() {
-    carries_the_overlay(Hook::Xdp, Underlay::V6);
+    carries_the_overlay(Hook::Xdp, Underlay::V6, Nodes::Bare);
 }
 
 #[test]
 fn two_nodes_carry_their_pods_overlay_over_an_ipv6_underlay_at_tc() {
-    carries_the_overlay(Hook::TcIngress, Underlay::V6);
+    carries_the_overlay(Hook::TcIngress, Underlay::V6, Nodes::Bare);
 }
 
-fn carries_the_overlay(hook: Hook, underlay: Underlay) {
-    prepare_test(&["ethtool", "nginx", "curl", "ping", "bridge"]);
+/// With Flannel's rules on both nodes, at the hook the overlay benchmark compares at TC.
+#[test]
+fn nodes_with_flannels_netfilter_rules_carry_their_pods_overlay_in_the_fast_path_at_tc() {
+    carries_the_overlay(Hook::TcIngress, Underlay::V4, Nodes::Flannel);
+}
+
+#[test]
+fn nodes_with_flannels_netfilter_rules_carry_their_pods_overlay_in_the_fast_path_at_xdp() {
+    carries_the_overlay(Hook::Xdp, Underlay::V4, Nodes::Flannel);
+}
+
+fn carries_the_overlay(hook: Hook, underlay: Underlay, nodes: Nodes) {
+    prepare_test(&[
+        "ethtool",
+        "nginx",
+        "curl",
+        "ping",
+        "bridge",
+        "iptables",
+        "conntrack",
+    ]);
     let topo = two_node_overlay(underlay).unwrap_or_else(|e| panic!("building the overlay: {e}"));
+    if nodes == Nodes::Flannel {
+        add_flannel_rules(&topo).unwrap_or_else(|e| panic!("Flannel's rules: {e}"));
+    }
     let [na, nb] = &OVERLAY_NODES;
     // The kernel's overlay alone.
     topo.ns("pa")
         .run(&["ping", "-c", "2", "-i", "0.2", "-W", "2", &nb.pod_addr()])
         .unwrap_or_else(|e| panic!("ping over the kernel's overlay: {e}"));
+    if nodes == Nodes::Flannel {
+        // The rules are live: both nodes' kernels tracked that ping.
+        for node in ["na", "nb"] {
+            let tracked = topo
+                .ns(node)
+                .run(&["conntrack", "-L", "-p", "icmp"])
+                .unwrap_or_else(|e| panic!("conntrack -L on {node}: {e}"));
+            assert!(
+                tracked.contains(&nb.pod_addr()),
+                "node {node}'s kernel did not track the ping to pod b:\n{tracked}"
+            );
+        }
+    }
     let config = |n| overlay_daemon_config(n, hook, underlay);
     let a = Daemon::start(bin(), topo.ns("na"), &config(na));
     let b = Daemon::start(bin(), topo.ns("nb"), &config(nb));
@@ -106,7 +151,7 @@ fn carries_the_overlay(hook: Hook, underlay: Underlay) {
         topo.ns("pa").download_exact(&url, &body);
         let (da, db) = (a.stats().delta(&a0), b.stats().delta(&b0));
         let tables = format!("a:\n{}\nb:\n{}", da.render_table(), db.render_table());
-        eprintln!("{family} in the overlay, {underlay:?} underlay, {hook:?}:\n{tables}");
+        eprintln!("{family} in the overlay, {underlay:?} underlay, {hook:?}, {nodes:?}:\n{tables}");
         // At TC an inner packet must be of the outer one's IP version to be decapsulated:
         // the others are the kernel's.
         let decapsulates = hook == Hook::Xdp || inner6 == (underlay == Underlay::V6);

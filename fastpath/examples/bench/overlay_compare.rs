@@ -18,6 +18,13 @@
 //! 0.9 per request; bytes: 90% of iperf3's). At TC, the underlay's GRO aggregates are the
 //! kernel's vxlan device's (eBPF on Linux 6.18 cannot clear their tunnel offload state), so
 //! node b's share of iperf3's bytes is reported, not required.
+//!
+//! All of it twice: on bare nodes (no netfilter rules: the kernel's overlay at its leanest),
+//! then on nodes with Flannel's netfilter rules (`testkit::vxlan_cases::add_flannel_rules`:
+//! the kernel tracks every packet it forwards, sends or receives, as on the Kubernetes nodes
+//! ONCache was measured on; the fast path's packets skip the node's netfilter). Each kernel
+//! run there must leave its wrk connections in both nodes' connection tracking tables (both
+//! flushed before every run), or the benchmark fails.
 
 use std::{fmt::Write as _, fs, time::Instant};
 
@@ -27,7 +34,8 @@ use fastpath::{
     testkit::{
         netns::{Daemon, Netns, TempDir, Topology, find_tools},
         vxlan_cases::{
-            OVERLAY_NODES, OverlayNode, Underlay, overlay_daemon_config, two_node_overlay,
+            OVERLAY_NODES, OverlayNode, Underlay, add_flannel_rules, overlay_daemon_config,
+            two_node_overlay,
         },
     },
 };
@@ -41,7 +49,17 @@ use crate::{
     },
 };
 
-const TOOLS: &[&str] = &["iperf3", "wrk", "nginx", "ethtool", "ping", "bridge"];
+const TOOLS: &[&str] = &[
+    "iperf3",
+    "wrk",
+    "nginx",
+    "ethtool",
+    "ping",
+    "bridge",
+    "iptables",
+    "ip6tables",
+    "conntrack",
+];
 /// What ONCache published over a standard VXLAN overlay: TCP throughput +12%, TCP
 /// request/response rate +36%.
 const ONCACHE_GBIT: f64 = 1.12;
@@ -82,6 +100,27 @@ impl Contender {
     }
 }
 
+/// The nodes' netfilter configuration, the same for every contender.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Nodes {
+    /// No rules: the kernel's overlay at its leanest.
+    Bare,
+    /// Flannel's rules: connection tracking on every packet the kernel handles.
+    Flannel,
+}
+
+const NODES: [Nodes; 2] = [Nodes::Bare, Nodes::Flannel];
+
+impl Nodes {
+    fn name(self) -> &'static str {
+        match self {
+            Nodes::Bare => "nodes without netfilter rules",
+            Nodes::Flannel => "nodes with Flannel's netfilter rules (connection tracking)",
+        }
+    }
+}
+
 /// One contender's results.
 #[derive(Debug, Serialize)]
 pub struct OverlayRow {
@@ -99,6 +138,14 @@ pub struct OverlayRow {
 pub struct OverlayReport {
     rounds: usize,
     seconds_per_run: u32,
+    /// One comparison per node configuration, in [`NODES`] order.
+    settings: Vec<OverlaySetting>,
+}
+
+/// The contenders on nodes configured as `nodes`.
+#[derive(Debug, Serialize)]
+pub struct OverlaySetting {
+    nodes: Nodes,
     rows: Vec<OverlayRow>,
     /// Each fastpath contender against the kernel.
     vs_kernel: Vec<VsKernel>,
@@ -131,6 +178,7 @@ struct Sample {
 
 struct Bed {
     topo: Topology,
+    nodes: Nodes,
     dir: TempDir,
     bin: std::path::PathBuf,
     _nginx: fastpath::testkit::netns::HttpServer,
@@ -159,8 +207,11 @@ impl Daemons {
 }
 
 impl Bed {
-    fn new(bin: &std::path::Path) -> Result<Bed> {
+    fn new(bin: &std::path::Path, nodes: Nodes) -> Result<Bed> {
         let topo = two_node_overlay(Underlay::V4).context("building the two-node overlay")?;
+        if nodes == Nodes::Flannel {
+            add_flannel_rules(&topo).context("Flannel's netfilter rules")?;
+        }
         for n in &OVERLAY_NODES {
             for dev in ["pod0", "und0"] {
                 topo.ns(n.role)
@@ -174,6 +225,7 @@ impl Bed {
         fs::write(dir.join("report.lua"), WRK_SCRIPT).context("writing wrk's script")?;
         Ok(Bed {
             topo,
+            nodes,
             dir,
             bin: bin.to_owned(),
             _nginx: nginx,
@@ -182,6 +234,46 @@ impl Bed {
 
     fn ns(&self, role: &str) -> &Netns {
         self.topo.ns(role)
+    }
+
+    /// With Flannel's rules, empties both nodes' connection tracking tables.
+    fn flush_conntrack(&self) -> Result<()> {
+        if self.nodes == Nodes::Flannel {
+            for n in &OVERLAY_NODES {
+                // conntrack -F reports on stderr; an empty table is no error.
+                self.ns(n.role)
+                    .run(&["conntrack", "-F"])
+                    .with_context(|| format!("conntrack -F on {}", n.role))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// With Flannel's rules, checks the kernel contender's wrk connections are in both nodes'
+    /// connection tracking tables: the baseline paid for them.
+    fn check_tracked(&self, c: Contender, server: &str) -> Result<()> {
+        if self.nodes != Nodes::Flannel || c != Contender::Kernel {
+            return Ok(());
+        }
+        for n in &OVERLAY_NODES {
+            let table = self
+                .ns(n.role)
+                .run(&["conntrack", "-L", "-p", "tcp", "--dport", "80"])
+                .with_context(|| format!("conntrack -L on {}", n.role))?;
+            let tracked = table
+                .lines()
+                .filter(|l| l.contains(&format!("dst={server} ")))
+                .count();
+            let want: usize = CONNECTIONS.parse().context("wrk's connections")?;
+            if tracked < want {
+                bail!(
+                    "{}: node {}'s kernel tracked {tracked} connections to {server}:80 during wrk's {CONNECTIONS}: Flannel's rules are not in effect:\n{table}",
+                    c.name(),
+                    n.role
+                );
+            }
+        }
+        Ok(())
     }
 
     fn start(&self, c: Contender) -> Result<Option<Daemons>> {
@@ -230,6 +322,7 @@ impl Bed {
             .run(&["ping", "-c", "3", "-i", "0.2", "-W", "2", &server_addr])
             .context("ping across the overlay")?;
         let mut s = Sample::default();
+        self.flush_conntrack()?;
         // Request/response rate.
         let url = format!("http://{server_addr}/{PAGE}");
         let stats_before = daemons.map(Daemons::stats);
@@ -242,6 +335,7 @@ impl Bed {
             .busy_seconds(started.elapsed().as_secs_f64());
         s.rr = rr;
         s.rr_cpu_us = busy * 1e6 / requests.max(1) as f64;
+        self.check_tracked(c, &server_addr)?;
         if let (Some(d), Some(b0)) = (daemons, &stats_before) {
             let [(encap, _), (decap, _)] = d.fast_counts(b0);
             let least = (0.9 * requests as f64) as u64;
@@ -275,7 +369,8 @@ impl Bed {
             }
         }
         eprintln!(
-            "{}: {:.0} req/s ({:.1} µs CPU each), {:.2} Gbit/s ({:.0} ns CPU per KB)",
+            "{}, {}: {:.0} req/s ({:.1} µs CPU each), {:.2} Gbit/s ({:.0} ns CPU per KB)",
+            self.nodes.name(),
             c.name(),
             s.rr,
             s.rr_cpu_us,
@@ -288,8 +383,22 @@ impl Bed {
 
 pub fn run(bin: &std::path::Path) -> Result<OverlayReport> {
     find_tools(TOOLS).context("the overlay comparison")?;
-    let bed = Bed::new(bin)?;
-    let samples = interleaved("overlay comparison", &CONTENDERS, |c| {
+    let settings = NODES
+        .iter()
+        .map(|&nodes| setting(bin, nodes))
+        .collect::<Result<_>>()?;
+    Ok(OverlayReport {
+        rounds: ROUNDS,
+        seconds_per_run: SECS,
+        settings,
+    })
+}
+
+/// The interleaved rounds of every contender on nodes configured as `nodes`.
+fn setting(bin: &std::path::Path, nodes: Nodes) -> Result<OverlaySetting> {
+    let bed = Bed::new(bin, nodes)?;
+    let what = format!("overlay comparison, {}", nodes.name());
+    let samples = interleaved(&what, &CONTENDERS, |c| {
         let daemons = bed.start(c)?;
         let s = bed.round(c, daemons.as_ref());
         bed.stop(daemons)?;
@@ -326,9 +435,8 @@ pub fn run(bin: &std::path::Path) -> Result<OverlayReport> {
             }
         })
         .collect();
-    Ok(OverlayReport {
-        rounds: ROUNDS,
-        seconds_per_run: SECS,
+    Ok(OverlaySetting {
+        nodes,
         rows,
         vs_kernel,
     })
@@ -342,13 +450,23 @@ pub fn markdown(r: &OverlayReport) -> String {
     );
     let _ = writeln!(
         md,
-        "Two nodes joined by an underlay veth carry a kernel VXLAN overlay (VNI 42, MTU 1450), a pod namespace behind each (`testkit::vxlan_cases::two_node_overlay`). The fastpath contenders run a daemon on each node: the first packets towards the other node take the kernel's overlay path and teach the underlay's TC egress the outer headers; later ones are encapsulated where the pod link routes and decapsulated on the underlay — at XDP, or at TC ingress with XDP off (there a GRO aggregate of TCP segments is encapsulated once, while arriving aggregates go to the kernel's vxlan device: eBPF on Linux 6.18 cannot clear their tunnel offload state). Every fastpath run must show node a encapsulating and node b decapsulating at least 90% of what pod b received (0.9 packets per request; 90% of iperf3's bytes, node b's share reported rather than required at TC). {} interleaved rounds of {} s runs, the first contender alternating, pod a → pod b: wrk keep-alive, {} connections, a 64-byte page from nginx (requests/s, whole-machine CPU per request); iperf3 TCP, one stream (Gbit/s, whole-machine CPU per KB received). The pods have checksum offloads off; both nodes' `pod0` and `und0` run GRO for every contender. Medians (min–max) over rounds; ratio = fastpath ÷ kernel. ONCache, the design this follows, published +{:.0}% request/response rate and +{:.0}% TCP throughput over a standard VXLAN overlay.\n",
+        "Two nodes joined by an underlay veth carry a kernel VXLAN overlay (VNI 42, MTU 1450), a pod namespace behind each (`testkit::vxlan_cases::two_node_overlay`). The fastpath contenders run a daemon on each node: the first packets towards the other node take the kernel's overlay path and teach the underlay's TC egress the outer headers; later ones are encapsulated where the pod link routes and decapsulated on the underlay — at XDP, or at TC ingress with XDP off (there a GRO aggregate of TCP segments is encapsulated once, while arriving aggregates go to the kernel's vxlan device: eBPF on Linux 6.18 cannot clear their tunnel offload state). Every fastpath run must show node a encapsulating and node b decapsulating at least 90% of what pod b received (0.9 packets per request; 90% of iperf3's bytes, node b's share reported rather than required at TC). {} interleaved rounds of {} s runs, the first contender alternating, pod a → pod b: wrk keep-alive, {} connections, a 64-byte page from nginx (requests/s, whole-machine CPU per request); iperf3 TCP, one stream (Gbit/s, whole-machine CPU per KB received). The pods have checksum offloads off; both nodes' `pod0` and `und0` run GRO for every contender. Medians (min–max) over rounds; ratio = fastpath ÷ kernel. ONCache, the design this follows, published +{:.0}% request/response rate and +{:.0}% TCP throughput over a standard VXLAN overlay: Antrea's and Flannel's, on Kubernetes nodes whose netfilter tracks connections. Everything runs twice: on bare nodes (no netfilter rules: the kernel's overlay at its leanest), then on nodes with Flannel's own rules, as its VXLAN backend installs them (`FLANNEL-FWD` accepting the cluster's traffic in FORWARD, `FLANNEL-POSTRTG` masquerading pods' traffic leaving the cluster; `testkit::vxlan_cases::add_flannel_rules`): each node's kernel then tracks every packet it forwards, sends or receives, while the fast path's packets skip the node's netfilter. There both nodes' connection tracking tables are flushed before every run, and each kernel run must leave its {} wrk connections in both, or the benchmark fails.\n",
         r.rounds,
         r.seconds_per_run,
         CONNECTIONS,
         (ONCACHE_RR - 1.0) * 100.0,
-        (ONCACHE_GBIT - 1.0) * 100.0
+        (ONCACHE_GBIT - 1.0) * 100.0,
+        CONNECTIONS
     );
+    for setting in &r.settings {
+        setting_markdown(&mut md, setting);
+    }
+    md
+}
+
+/// One node configuration's table and ratios.
+fn setting_markdown(md: &mut String, r: &OverlaySetting) {
+    let _ = writeln!(md, "### On {}\n", r.nodes.name());
     let _ = writeln!(
         md,
         "| contender | requests/s | CPU µs/request | TCP Gbit/s | CPU ns/KB |\n|---|---:|---:|---:|---:|"
@@ -389,5 +507,4 @@ pub fn markdown(r: &OverlayReport) -> String {
         );
     }
     md.push('\n');
-    md
 }

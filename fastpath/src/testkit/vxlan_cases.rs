@@ -297,6 +297,54 @@ pub fn two_node_overlay(underlay: Underlay) -> Result<Topology, NetnsError> {
     Ok(topo)
 }
 
+/// Flannel's netfilter rules, as its VXLAN backend installs them on a node, on both nodes of
+/// [`two_node_overlay`] (the cluster network 10.10.0.0/16 and fd00:10::/48, each node's pod
+/// subnet its own): the FORWARD chain accepts the cluster's traffic (`FLANNEL-FWD`) and
+/// POSTROUTING masquerades pods' traffic leaving the cluster (`FLANNEL-POSTRTG`). With a NAT
+/// rule loaded, each node's kernel tracks every packet it forwards, sends or receives
+/// (netfilter connection tracking), as on the nodes of the Kubernetes clusters ONCache was
+/// measured on.
+pub fn add_flannel_rules(topo: &Topology) -> Result<(), NetnsError> {
+    for n in &OVERLAY_NODES {
+        for (tool, cluster, own, multicast) in [
+            (
+                "iptables",
+                "10.10.0.0/16".to_string(),
+                format!("10.10.{}.0/24", n.subnet),
+                "224.0.0.0/4",
+            ),
+            (
+                "ip6tables",
+                "fd00:10::/48".to_string(),
+                format!("fd00:10:{}::/64", n.subnet),
+                "ff00::/8",
+            ),
+        ] {
+            let rules = [
+                "-N FLANNEL-FWD".to_string(),
+                "-A FORWARD -j FLANNEL-FWD".into(),
+                format!("-A FLANNEL-FWD -s {cluster} -j ACCEPT"),
+                format!("-A FLANNEL-FWD -d {cluster} -j ACCEPT"),
+                "-t nat -N FLANNEL-POSTRTG".into(),
+                "-t nat -A POSTROUTING -j FLANNEL-POSTRTG".into(),
+                "-t nat -A FLANNEL-POSTRTG -m mark --mark 0x4000/0x4000 -j RETURN".into(),
+                format!("-t nat -A FLANNEL-POSTRTG -s {own} -d {cluster} -j RETURN"),
+                format!("-t nat -A FLANNEL-POSTRTG -s {cluster} -d {own} -j RETURN"),
+                format!("-t nat -A FLANNEL-POSTRTG ! -s {cluster} -d {own} -j RETURN"),
+                format!(
+                    "-t nat -A FLANNEL-POSTRTG -s {cluster} ! -d {multicast} -j MASQUERADE --random-fully"
+                ),
+            ];
+            for rule in rules {
+                let mut cmd = vec![tool.to_string()];
+                cmd.extend(rule.split_whitespace().map(String::from));
+                topo.ns(n.role).run(&cmd)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A node's fastpath daemon in [`two_node_overlay`]: routing on the pod link, the underlay
 /// with TC egress (where it learns the kernel's outer headers), the vxlan device's network;
 /// no connection tracking. The pod link routes and the underlay decapsulates at `hook`: XDP,
