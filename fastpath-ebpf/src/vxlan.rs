@@ -6,7 +6,9 @@
 //! of many TCP segments is encapsulated once).
 //!
 //! TCP FIN and RST segments take the kernel's path both ways, so the kernel's own connection
-//! tracking (netfilter), which saw the connection start there, also sees it end.
+//! tracking (netfilter) sees the end of a connection it tracked from the start (whose first
+//! packets took the kernel's path before the next hop was learned). One that began in the
+//! fast path is unknown to it: its FIN and RST are INVALID there.
 
 use aya_ebpf::{
     EbpfContext as _,

@@ -93,35 +93,39 @@ fn nodes_with_flannels_netfilter_rules_carry_their_pods_overlay_in_the_fast_path
 }
 
 fn carries_the_overlay(hook: Hook, underlay: Underlay, nodes: Nodes) {
-    prepare_test(&[
-        "ethtool",
-        "nginx",
-        "curl",
-        "ping",
-        "bridge",
-        "iptables",
-        "conntrack",
-    ]);
+    let tools = ["ethtool", "nginx", "curl", "ping", "bridge"];
+    let flannel_tools = ["iptables", "ip6tables", "conntrack"];
+    match nodes {
+        Nodes::Bare => prepare_test(&tools),
+        Nodes::Flannel => prepare_test(&[&tools[..], &flannel_tools[..]].concat()),
+    }
     let topo = two_node_overlay(underlay).unwrap_or_else(|e| panic!("building the overlay: {e}"));
     if nodes == Nodes::Flannel {
         add_flannel_rules(&topo).unwrap_or_else(|e| panic!("Flannel's rules: {e}"));
     }
     let [na, nb] = &OVERLAY_NODES;
     // The kernel's overlay alone.
-    topo.ns("pa")
-        .run(&["ping", "-c", "2", "-i", "0.2", "-W", "2", &nb.pod_addr()])
-        .unwrap_or_else(|e| panic!("ping over the kernel's overlay: {e}"));
+    for to in [nb.pod_addr(), nb.pod_addr6()] {
+        topo.ns("pa")
+            .run(&["ping", "-c", "2", "-i", "0.2", "-W", "2", &to])
+            .unwrap_or_else(|e| panic!("ping {to} over the kernel's overlay: {e}"));
+    }
     if nodes == Nodes::Flannel {
-        // The rules are live: both nodes' kernels tracked that ping.
+        // The rules are live: both nodes' kernels tracked those pings, IPv4 and IPv6.
         for node in ["na", "nb"] {
-            let tracked = topo
-                .ns(node)
-                .run(&["conntrack", "-L", "-p", "icmp"])
-                .unwrap_or_else(|e| panic!("conntrack -L on {node}: {e}"));
-            assert!(
-                tracked.contains(&nb.pod_addr()),
-                "node {node}'s kernel did not track the ping to pod b:\n{tracked}"
-            );
+            for (family, proto, to) in [
+                ("ipv4", "icmp", nb.pod_addr()),
+                ("ipv6", "icmpv6", nb.pod_addr6()),
+            ] {
+                let tracked = topo
+                    .ns(node)
+                    .run(&["conntrack", "-L", "-f", family, "-p", proto])
+                    .unwrap_or_else(|e| panic!("conntrack -L on {node}: {e}"));
+                assert!(
+                    tracked.contains(&format!("dst={to} ")),
+                    "node {node}'s kernel did not track the ping to {to}:\n{tracked}"
+                );
+            }
         }
     }
     let config = |n| overlay_daemon_config(n, hook, underlay);

@@ -298,7 +298,7 @@ pub fn two_node_overlay(underlay: Underlay) -> Result<Topology, NetnsError> {
 }
 
 /// Flannel's netfilter rules, as its VXLAN backend installs them on a node, on both nodes of
-/// [`two_node_overlay`] (the cluster network 10.10.0.0/16 and fd00:10::/48, each node's pod
+/// [`two_node_overlay`] (the cluster network 10.10.0.0/16 and fd00:10::/32, each node's pod
 /// subnet its own): the FORWARD chain accepts the cluster's traffic (`FLANNEL-FWD`) and
 /// POSTROUTING masquerades pods' traffic leaving the cluster (`FLANNEL-POSTRTG`). With a NAT
 /// rule loaded, each node's kernel tracks every packet it forwards, sends or receives
@@ -315,7 +315,7 @@ pub fn add_flannel_rules(topo: &Topology) -> Result<(), NetnsError> {
             ),
             (
                 "ip6tables",
-                "fd00:10::/48".to_string(),
+                "fd00:10::/32".to_string(),
                 format!("fd00:10:{}::/64", n.subnet),
                 "ff00::/8",
             ),
@@ -334,9 +334,13 @@ pub fn add_flannel_rules(topo: &Topology) -> Result<(), NetnsError> {
                 format!(
                     "-t nat -A FLANNEL-POSTRTG -s {cluster} ! -d {multicast} -j MASQUERADE --random-fully"
                 ),
+                format!(
+                    "-t nat -A FLANNEL-POSTRTG ! -s {cluster} -d {cluster} -j MASQUERADE --random-fully"
+                ),
             ];
             for rule in rules {
-                let mut cmd = vec![tool.to_string()];
+                // -w: wait for the xtables lock (iptables-legacy's is the host's).
+                let mut cmd = vec![tool.to_string(), "-w".into()];
                 cmd.extend(rule.split_whitespace().map(String::from));
                 topo.ns(n.role).run(&cmd)?;
             }
