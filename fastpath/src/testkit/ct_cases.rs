@@ -429,6 +429,19 @@ impl Seq {
             .lb_tcp(O, ACK, TW, SEEN_ASSURED, HIT_CLOSED, &[(CLOSED_EV, TW)])
     }
 
+    /// A load-balanced SYN that takes the place of an ended connection on its tuple (its
+    /// entry or alias gives way): a new connection, counted reopened.
+    fn lb_syn_reopening(self) -> Self {
+        self.lb_tcp(
+            O,
+            SYN,
+            SS,
+            NOFLAGS,
+            &[LOOKUPS, NEW, REOPENED],
+            &[(NEW_EV, SS)],
+        )
+    }
+
     /// A UDP datagram of a load-balanced connection (see [`Seq::lb_packet`]).
     fn lb_udp(
         self,
@@ -1973,14 +1986,7 @@ fn lb_sequences() -> Vec<Seq> {
     .table_len(2)
     .flow(Flow::v4(proto::TCP, A4, 40000, vip4b, 80))
     .via(be0, 8080)
-    .lb_tcp(
-        O,
-        SYN,
-        SS,
-        NOFLAGS,
-        &[LOOKUPS, NEW, REOPENED],
-        &[(NEW_EV, SS)],
-    )
+    .lb_syn_reopening()
     .table_len(3);
     vec![
         port_reused,
@@ -2093,14 +2099,7 @@ fn lb_sequences() -> Vec<Seq> {
         .active_close()
         .flow(tcp_vip)
         .via(be0, 8080)
-        .lb_tcp(
-            O,
-            SYN,
-            SS,
-            NOFLAGS,
-            &[LOOKUPS, NEW, REOPENED],
-            &[(NEW_EV, SS)],
-        )
+        .lb_syn_reopening()
         .table_len(2)
         .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)]),
         // A SYN on the tuple of a closed connection is a new connection: balanced again by
