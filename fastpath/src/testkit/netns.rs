@@ -142,6 +142,7 @@ pub fn find_tools(tools: &[&str]) -> Result<(), NetnsError> {
                 "nginx" => "nginx-light",
                 "nc" => "netcat-openbsd",
                 "nft" => "nftables",
+                "ip6tables" => "iptables",
                 other => other,
             };
             return Err(NetnsError::MissingTool {
