@@ -54,10 +54,13 @@ commands:
   demo        bootstrap, build, and run the namespace demo (client, fast-path node, 3 backends;
               then a two-node VXLAN overlay)
   test        bootstrap, check formatting, run every test (unit, datapath fixtures, namespaces)
-  bench       bootstrap, build, run the benchmarks (BPF_PROG_TEST_RUN datapath, conntrack, LB,
-              and the load-balancer comparison in namespaces); writes docs/bench/ and
-              docs/BENCHMARKS.md. `bench -- --only SECTION` runs one section and only prints
-              it (sections: updates, drain, lb, lb-compare)
+  bench       bootstrap, build, run every benchmark section (BPF_PROG_TEST_RUN ns/packet,
+              conntrack, updates, API, the comparisons with the kernel, iptables, nftables,
+              HAProxy in namespaces, HA replication); writes docs/bench/*.json, the plots
+              docs/bench/*.svg and docs/BENCHMARKS.md. `bench SECTION` re-measures one section
+              and rewrites them with the other sections' committed results; `bench --render`
+              rewrites the report and plots from the committed JSON; `bench --help` lists the
+              sections
   build       bootstrap and build the release binary target/release/fastpath
   bootstrap   only install toolchains, bpf-linker and Debian packages (idempotent)
   lint        cargo fmt --check and clippy with warnings denied
@@ -371,7 +374,9 @@ fn demo(extra: &[String]) -> Result<()> {
 }
 
 fn bench(extra: &[String]) -> Result<()> {
-    require_root("bench")?;
+    if !extra.iter().any(|a| a == "--render" || a == "--help") {
+        require_root("bench")?;
+    }
     // The load-balancer comparison runs target/release/fastpath, so build the binary too.
     run_example("bench", &["--bins"], extra)
 }

@@ -16,7 +16,7 @@ use fastpath::{
     api::{client, pb},
     testkit::netns::{Daemon, TempDir, test_lb_topology, unique_pin_dir},
 };
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 const CHANGES: usize = 200;
 const BACKENDS: usize = 100;
@@ -24,7 +24,7 @@ const BIG: usize = 10_000;
 const BIG_ROUNDS: usize = 5;
 const VIP: &str = "10.200.0.100";
 
-#[derive(Serialize)]
+#[derive(Default, Serialize, Deserialize)]
 pub struct ApiRow {
     pub what: String,
     pub samples: usize,
@@ -35,7 +35,7 @@ pub struct ApiRow {
     pub daemon_p50_ms: Option<f64>,
 }
 
-#[derive(Serialize)]
+#[derive(Default, Serialize, Deserialize)]
 pub struct ApiReport {
     pub rows: Vec<ApiRow>,
     pub iptables_version: String,

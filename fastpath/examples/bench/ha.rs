@@ -29,7 +29,7 @@ use fastpath::{
         },
     },
 };
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::lb_compare::process_cpu_s;
 
@@ -50,7 +50,7 @@ const FULL_GAP_US: u32 = 1;
 const PACED_GAP_US: u32 = 20;
 
 /// One run's measurements.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Default, Clone, Debug, Serialize, Deserialize)]
 pub struct HaRun {
     pub syns_sent: u32,
     /// Connections (and all entries: connections + aliases) on A and, as A's, on B.
@@ -81,14 +81,14 @@ pub struct HaRun {
 }
 
 /// One rate's runs and their medians.
-#[derive(Debug, Serialize)]
+#[derive(Default, Debug, Serialize, Deserialize)]
 pub struct HaRate {
     pub label: String,
     pub gap_us: u32,
     pub runs: Vec<HaRun>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Default, Debug, Serialize, Deserialize)]
 pub struct HaReport {
     pub runs_per_rate: usize,
     pub ct_capacity: u32,

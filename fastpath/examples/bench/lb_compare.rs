@@ -28,7 +28,7 @@ use fastpath::testkit::{
     },
 };
 use fastpath_common::reason;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Backends behind the VIP (one nginx each).
 const BACKENDS: usize = 3;
@@ -172,7 +172,7 @@ impl Mode {
 }
 
 /// What wrk reported for one run (printed by the `done` hook of [`WRK_SCRIPT`]).
-#[derive(Clone, Copy, Debug, Default, Serialize)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
 pub(crate) struct WrkRun {
     pub(crate) requests: u64,
     bytes: u64,
@@ -200,7 +200,7 @@ end
 "#;
 
 /// Median, spread and ratios of one metric of one contender.
-#[derive(Debug, Serialize)]
+#[derive(Default, Debug, Serialize, Deserialize)]
 pub struct Metric {
     median: f64,
     min: f64,
@@ -213,14 +213,14 @@ pub struct Metric {
 }
 
 /// One contender's results over the rounds.
-#[derive(Debug, Serialize)]
+#[derive(Default, Debug, Serialize, Deserialize)]
 pub struct ContenderRow {
-    contender: &'static str,
-    what: &'static str,
+    contender: String,
+    what: String,
     new_connection_rps: Metric,
     /// fastpath and its HA contender: the new-connection req/s of the `ha_extra_rounds`
     /// (empty for the others); the HA comparison pairs them after `new_connection_rps`'s.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     new_connection_extra_rps: Vec<f64>,
     keep_alive_rps: Metric,
     throughput_gbit_s: Metric,
@@ -245,14 +245,14 @@ pub struct ContenderRow {
     /// CPU; `None` where no process of its own runs (the kernel does the work).
     process_cpu_percent: Option<[f64; 3]>,
     /// The HA contender: node B's CPU, as `process_cpu_percent`, and what was replicated.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     peer_process_cpu_percent: Option<[f64; 3]>,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     ha: Option<HaTotals>,
 }
 
 /// The comparison's results and method.
-#[derive(Debug, Serialize)]
+#[derive(Default, Debug, Serialize, Deserialize)]
 pub struct CompareReport {
     backends: usize,
     rounds: usize,
@@ -296,7 +296,7 @@ struct Samples {
 }
 
 /// Replication over the HA contender's measured runs.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct HaTotals {
     /// Changes A made for B (its `last_seq` delta) and B received, summed over the runs.
     changes: u64,
@@ -558,8 +558,8 @@ pub fn run(bin: &Path) -> Result<CompareReport> {
         .iter()
         .zip(&samples)
         .map(|(&c, s)| ContenderRow {
-            contender: c.key(),
-            what: c.what(),
+            contender: c.key().to_owned(),
+            what: c.what().to_owned(),
             new_connection_rps: metric(c, |s| &s.new_connection),
             new_connection_extra_rps: s.new_connection_extra.clone(),
             keep_alive_rps: metric(c, |s| &s.keep_alive),

@@ -22,14 +22,16 @@
 //! HA replication (`ha`) makes 100k load-balanced connections through node A of a sync pair
 //! and measures their replication to node B; see that module.
 //!
-//! Writes docs/bench/datapath.json and docs/bench/ha.json and regenerates docs/BENCHMARKS.md.
-//! `bench --only SECTION` (or `bench SECTION`) runs one section and prints it, writing
-//! nothing; see [`SECTIONS`].
+//! Writes docs/bench/datapath.json and docs/bench/ha.json and regenerates docs/BENCHMARKS.md
+//! from them. `bench SECTION` (or `bench --only SECTION`) re-measures one section (see
+//! [`SECTIONS`]) and regenerates the report with the other sections' committed results, each
+//! section's commit and date recorded; `bench --render` regenerates it from the JSON alone.
 
 use std::{
+    collections::BTreeMap,
     fmt::Write as _,
     fs,
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::Command,
     sync::{
         Arc,
@@ -58,7 +60,7 @@ use fastpath_common::{
     ct::{CtEvent, DEFAULT_TIMEOUTS_S, IFACE_F_CT_XDP, ct_event, ct_stat},
     map_names,
 };
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tokio::{
     io::{Interest, unix::AsyncFd},
     sync::broadcast,
@@ -95,11 +97,11 @@ const BENCH_CASES: &[(&str, &str)] = &[
     ),
 ];
 
-#[derive(Serialize)]
+#[derive(Default, Serialize, Deserialize)]
 struct Row {
     case: String,
     what: String,
-    hook: &'static str,
+    hook: String,
     frame_bytes: usize,
     median_ns: f64,
     min_ns: f64,
@@ -110,22 +112,22 @@ struct Row {
     within_budget: bool,
 }
 
-#[derive(Serialize)]
+#[derive(Default, Serialize, Deserialize)]
 struct FloorRow {
-    hook: &'static str,
+    hook: String,
     median_ns: f64,
     min_ns: f64,
     max_ns: f64,
 }
 
 /// One conntrack measurement at one table size.
-#[derive(Serialize)]
+#[derive(Default, Serialize, Deserialize)]
 struct CtRow {
     path: String,
     /// Conntrack entries when the measurement starts.
     table_entries: u32,
     /// LB rows: backends of the service.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     backends: Option<usize>,
     median_ns: f64,
     min_ns: f64,
@@ -135,20 +137,24 @@ struct CtRow {
 }
 
 /// Cost of one expiry pass over the table (nothing expired: the walk itself).
-#[derive(Serialize)]
+#[derive(Default, Serialize, Deserialize)]
 struct GcRow {
     table_entries: u32,
     /// What the entries are.
-    shape: &'static str,
+    shape: String,
     median_ms: f64,
     min_ms: f64,
     max_ms: f64,
 }
 
-#[derive(Serialize)]
+#[derive(Default, Serialize, Deserialize)]
 struct Report {
-    generated_by: &'static str,
+    generated_by: String,
+    /// The last section's run.
     machine: Machine,
+    /// Each section's run (`bench SECTION` re-measures one).
+    #[serde(default)]
+    measured: BTreeMap<String, Machine>,
     repeat_per_call: u32,
     rounds: usize,
     floors: Vec<FloorRow>,
@@ -168,7 +174,7 @@ struct Report {
 
 /// Time from an `apply_services` call to the datapath using the result (the call returns
 /// after the service's value write, which the next packet sees).
-#[derive(Serialize)]
+#[derive(Default, Serialize, Deserialize)]
 struct UpdateRow {
     what: String,
     services_in_datapath: usize,
@@ -180,7 +186,7 @@ struct UpdateRow {
     met: bool,
 }
 
-#[derive(Serialize)]
+#[derive(Clone, Default, PartialEq, Serialize, Deserialize)]
 struct Machine {
     kernel: String,
     cpu: String,
@@ -196,101 +202,221 @@ struct Config<'a> {
     samples: Vec<f64>,
 }
 
-/// Sections that run alone (printed, nothing written): `bench SECTION` or
-/// `bench --only SECTION`.
-const SECTIONS: &str = "updates, api, drain, conntrack (CT hit, miss and the expiry pass), lb (the LB rows of the conntrack table), lb-compare, route-compare, overlay-compare, ha";
+/// The sections, in the order a full run measures them. `bench SECTION` (or
+/// `bench --only SECTION`) re-measures one and keeps the others' committed results.
+const SECTIONS: &[(&str, &str)] = &[
+    (
+        "parse",
+        "ns/packet of the parse-only paths and the empty-program floors",
+    ),
+    (
+        "conntrack",
+        "CT hit and miss, the LB rows and the expiry pass",
+    ),
+    ("lb", "only the LB rows of the conntrack table"),
+    ("drain", "conntrack events through the ring to a subscriber"),
+    ("updates", "apply_services latency at 1 and 10k services"),
+    ("api", "config changes through the gRPC API and the CLI"),
+    ("lb-compare", "load balancers compared in namespaces"),
+    ("route-compare", "routing vs kernel forwarding"),
+    (
+        "overlay-compare",
+        "VXLAN overlay vs the kernel's vxlan devices",
+    ),
+    ("ha", "100k connections replicated to a peer"),
+];
+
+/// One section's results, to put into the [`Report`].
+enum Part {
+    Parse(Vec<FloorRow>, Vec<Row>),
+    Conntrack(Vec<CtRow>, Vec<GcRow>),
+    Lb(Vec<CtRow>),
+    Drain(DrainReport),
+    Updates(Vec<UpdateRow>),
+    Api(api::ApiReport),
+    LbCompare(lb_compare::CompareReport),
+    RouteCompare(route_compare::RouteReport),
+    OverlayCompare(overlay_compare::OverlayReport),
+    Ha(ha::HaReport),
+}
+
+fn section_names() -> String {
+    SECTIONS
+        .iter()
+        .map(|(name, what)| format!("{name} ({what})"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--").collect();
+    let usage = || {
+        format!(
+            "`bench` measures every section and rewrites docs/bench/*.json, docs/bench/*.svg and docs/BENCHMARKS.md; `bench SECTION` (or `--only SECTION`) re-measures one section and rewrites them with the other sections' committed results; `bench --render` rewrites docs/BENCHMARKS.md and the plots from the committed JSON alone. Sections: {}",
+            section_names()
+        )
+    };
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let only = match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
         [] => None,
+        ["--help" | "-h"] => {
+            println!("{}", usage());
+            return Ok(());
+        }
+        ["--render"] => {
+            let report = Report::load(&root)?;
+            return write_docs(&root, &report);
+        }
         ["--only", section] | [section] => Some(section.to_owned()),
-        _ => bail!(
-            "unknown arguments {args:?}; `bench` runs everything and writes docs/, `bench --only SECTION` runs one section and prints it (writes nothing); sections: {SECTIONS}"
-        ),
+        _ => bail!("unknown arguments {args:?}; {}", usage()),
     };
-    match only.as_deref() {
-        None if std::env::var_os("FP_BENCH_CONTENDERS").is_some() => bail!(
-            "FP_BENCH_CONTENDERS is for `bench --only lb-compare`; a full run writes docs/ and runs every contender: unset it"
-        ),
-        None => {}
-        Some("updates") => {
-            let mut fx = Fixture::new().context("loading the datapath (run as root)")?;
-            let rows = bench_service_updates(&mut fx)?;
-            eprintln!();
-            print!("{}", updates_markdown(&rows));
-            return Ok(());
-        }
-        Some("api") => {
-            let report = bench_api()?;
-            eprintln!();
-            print!("{}", api::markdown(&report));
-            return Ok(());
-        }
-        Some("drain") => {
-            let fx = Fixture::new().context("loading the datapath (run as root)")?;
-            let drain = bench_ct_drain(&fx)?;
-            eprintln!();
-            print!("{}", drain_markdown(&drain));
-            return Ok(());
-        }
-        Some("conntrack") => {
-            let mut fx = Fixture::new().context("loading the datapath (run as root)")?;
-            let (rows, gc) = bench_conntrack(&mut fx)?;
-            eprintln!();
-            for r in &rows {
-                println!(
-                    "{} at {} entries: median {:.1} ns ({:.1}–{:.1}), floor {:.1} ns, over floor {:+.1} ns",
-                    r.path,
-                    r.table_entries,
-                    r.median_ns,
-                    r.min_ns,
-                    r.max_ns,
-                    r.floor_median_ns,
-                    r.over_floor_ns
+    let report = match only {
+        None => {
+            if std::env::var_os("FP_BENCH_CONTENDERS").is_some() {
+                bail!(
+                    "FP_BENCH_CONTENDERS is for `bench lb-compare` while developing: a full run measures every contender; unset it"
                 );
             }
-            print!("{}", gc_markdown(&gc));
-            return Ok(());
+            let mut report = Report::default();
+            // `lb` is part of `conntrack`.
+            for (name, _) in SECTIONS.iter().filter(|(name, _)| *name != "lb") {
+                report.set(name, measure(name)?);
+            }
+            report
         }
-        Some("lb") => {
-            let mut fx = Fixture::new().context("loading the datapath (run as root)")?;
+        Some(section) => {
+            if !SECTIONS.iter().any(|(name, _)| *name == section) {
+                bail!("unknown section {section:?}; {}", usage());
+            }
+            if std::env::var_os("FP_BENCH_CONTENDERS").is_some() {
+                let part = measure(&section)?;
+                eprintln!(
+                    "\nFP_BENCH_CONTENDERS is set: a partial comparison, printed and not written"
+                );
+                if let Part::LbCompare(r) = &part {
+                    print!("{}", lb_compare::markdown(r));
+                }
+                return Ok(());
+            }
+            let mut report = Report::load(&root).context(
+                "`bench SECTION` replaces one section of the results in docs/bench/; run `cargo xtask bench` once to measure them all",
+            )?;
+            report.set(&section, measure(&section)?);
+            report
+        }
+    };
+    eprintln!();
+    write_docs(&root, &report)
+}
+
+/// Measures one section.
+fn measure(section: &str) -> Result<Part> {
+    let fixture = || Fixture::new().context("loading the datapath (run as root)");
+    eprintln!("== {section}");
+    Ok(match section {
+        "parse" => {
+            let (floors, rows) = bench_parse(&mut fixture()?)?;
+            Part::Parse(floors, rows)
+        }
+        "conntrack" => {
+            let (rows, gc) = bench_conntrack(&mut fixture()?)?;
+            Part::Conntrack(rows, gc)
+        }
+        "lb" => {
+            let mut fx = fixture()?;
+            fx.ct_clear()?;
             let rows = bench_lb(&mut fx)?;
-            eprintln!();
-            for r in &rows {
-                println!(
-                    "{}: median {:.1} ns ({:.1}–{:.1}), floor {:.1} ns, over floor {:+.1} ns",
-                    r.path, r.median_ns, r.min_ns, r.max_ns, r.floor_median_ns, r.over_floor_ns
-                );
+            fx.ct_clear()?;
+            Part::Lb(rows)
+        }
+        "drain" => Part::Drain(bench_ct_drain(&fixture()?)?),
+        "updates" => Part::Updates(bench_service_updates(&mut fixture()?)?),
+        "api" => Part::Api(api::run(&daemon_bin_swept()?)?),
+        "lb-compare" => Part::LbCompare(lb_compare::run(&daemon_bin_swept()?)?),
+        "route-compare" => Part::RouteCompare(route_compare::run(&daemon_bin_swept()?)?),
+        "overlay-compare" => Part::OverlayCompare(overlay_compare::run(&daemon_bin_swept()?)?),
+        "ha" => Part::Ha(ha::run(&daemon_bin_swept()?)?),
+        other => bail!("unknown section {other:?}; sections: {}", section_names()),
+    })
+}
+
+impl Report {
+    /// The committed results: docs/bench/datapath.json and docs/bench/ha.json.
+    fn load(root: &Path) -> Result<Report> {
+        let read = |name: &str| -> Result<String> {
+            let path = root.join("docs/bench").join(name);
+            fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
+        };
+        let mut report: Report = serde_json::from_str(&read("datapath.json")?)
+            .context("parsing docs/bench/datapath.json (written by an older `bench`? run `cargo xtask bench`)")?;
+        if report.measured.is_empty() {
+            // Written by a full run before sections were recorded: all from that run.
+            for (name, _) in SECTIONS {
+                report
+                    .measured
+                    .insert((*name).to_owned(), report.machine.clone());
             }
-            return Ok(());
         }
-        Some("lb-compare") => {
-            let report = bench_lb_compare()?;
-            eprintln!();
-            print!("{}", lb_compare::markdown(&report));
-            return Ok(());
-        }
-        Some("route-compare") => {
-            let report = bench_route_compare()?;
-            eprintln!();
-            print!("{}", route_compare::markdown(&report));
-            return Ok(());
-        }
-        Some("overlay-compare") => {
-            let report = bench_overlay_compare()?;
-            eprintln!();
-            print!("{}", overlay_compare::markdown(&report));
-            return Ok(());
-        }
-        Some("ha") => {
-            let report = bench_ha()?;
-            eprintln!();
-            print!("{}", ha::markdown(&report));
-            return Ok(());
-        }
-        Some(other) => bail!("unknown section {other:?}; sections: {SECTIONS}"),
+        report.ha = serde_json::from_str(&read("ha.json")?).context(
+            "parsing docs/bench/ha.json (written by an older `bench`? run `cargo xtask bench`)",
+        )?;
+        Ok(report)
     }
+
+    /// Puts a section's results in, recording when and where they were measured.
+    fn set(&mut self, section: &str, part: Part) {
+        let machine = machine();
+        self.generated_by = "cargo xtask bench".to_owned();
+        self.measured.insert(section.to_owned(), machine.clone());
+        self.machine = machine;
+        match part {
+            Part::Parse(floors, rows) => {
+                self.repeat_per_call = REPEAT;
+                self.rounds = ROUNDS;
+                self.floors = floors;
+                self.rows = rows;
+            }
+            Part::Conntrack(rows, gc) => {
+                self.measured.insert("lb".to_owned(), self.machine.clone());
+                self.conntrack = rows;
+                self.conntrack_gc = gc;
+            }
+            Part::Lb(rows) => {
+                self.conntrack.retain(|r| r.backends.is_none());
+                self.conntrack.extend(rows);
+            }
+            Part::Drain(d) => self.conntrack_drain = d,
+            Part::Updates(u) => self.service_updates = u,
+            Part::Api(a) => self.api_changes = a,
+            Part::LbCompare(c) => self.lb_compare = c,
+            Part::RouteCompare(c) => self.route_compare = c,
+            Part::OverlayCompare(c) => self.overlay_compare = c,
+            Part::Ha(h) => self.ha = h,
+        }
+    }
+}
+
+/// Writes the JSON, the plots and docs/BENCHMARKS.md.
+fn write_docs(root: &Path, report: &Report) -> Result<()> {
+    let dir = root.join("docs/bench");
+    fs::create_dir_all(&dir)?;
+    let write = |path: PathBuf, text: &str| {
+        fs::write(&path, text).with_context(|| format!("writing {}", path.display()))
+    };
+    write(
+        dir.join("datapath.json"),
+        &(serde_json::to_string_pretty(report)? + "\n"),
+    )?;
+    ha::write_json(&report.ha, &dir.join("ha.json"))?;
+    let md = markdown(report);
+    write(root.join("docs/BENCHMARKS.md"), &md)?;
+    print!("{md}");
+    eprintln!("wrote docs/bench/datapath.json, docs/bench/ha.json and docs/BENCHMARKS.md");
+    Ok(())
+}
+
+/// ns/packet of the parse-only paths ([`BENCH_CASES`]) next to the empty-program floors.
+fn bench_parse(fx: &mut Fixture) -> Result<(Vec<FloorRow>, Vec<Row>)> {
     let all = parser_cases();
     let mut picked = Vec::new();
     for (name, what) in BENCH_CASES {
@@ -315,7 +441,6 @@ fn main() -> Result<()> {
         .map(|(c, _)| *c)
         .context("no TC case")?;
 
-    let mut fx = Fixture::new().context("loading the datapath (run as root)")?;
     // Sanity: every picked case passes its fixture check before it is timed.
     for (case, _) in &picked {
         fx.evaluate(case)
@@ -394,7 +519,7 @@ fn main() -> Result<()> {
         rows.push(Row {
             case: cfg.case.name.clone(),
             what: what.to_string(),
-            hook: cfg.case.hook.name(),
+            hook: cfg.case.hook.name().to_owned(),
             frame_bytes: cfg.case.input.len(),
             median_ns: median,
             min_ns: min,
@@ -406,45 +531,7 @@ fn main() -> Result<()> {
         });
     }
 
-    let (conntrack, conntrack_gc) = bench_conntrack(&mut fx)?;
-    let conntrack_drain = bench_ct_drain(&fx)?;
-    let service_updates = bench_service_updates(&mut fx)?;
-    drop(fx);
-    let api_changes = bench_api()?;
-    let lb_compare = bench_lb_compare()?;
-    let route_compare = bench_route_compare()?;
-    let overlay_compare = bench_overlay_compare()?;
-    let ha_report = bench_ha()?;
-    eprintln!();
-    let report = Report {
-        generated_by: "cargo xtask bench",
-        machine: machine(),
-        repeat_per_call: REPEAT,
-        rounds: ROUNDS,
-        floors,
-        rows,
-        conntrack,
-        conntrack_gc,
-        conntrack_drain,
-        service_updates,
-        api_changes,
-        lb_compare,
-        route_compare,
-        overlay_compare,
-        ha: ha_report,
-    };
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    fs::create_dir_all(root.join("docs/bench"))?;
-    fs::write(
-        root.join("docs/bench/datapath.json"),
-        serde_json::to_string_pretty(&report)? + "\n",
-    )?;
-    let md = markdown(&report);
-    ha::write_json(&report.ha, &root.join("docs/bench/ha.json"))?;
-    fs::write(root.join("docs/BENCHMARKS.md"), &md)?;
-    print!("{md}");
-    eprintln!("wrote docs/bench/datapath.json, docs/bench/ha.json and docs/BENCHMARKS.md");
-    Ok(())
+    Ok((floors, rows))
 }
 
 /// Conntrack table sizes measured.
@@ -501,7 +588,7 @@ fn gc_passes(fx: &Fixture, size: u32, shape: &'static str) -> Result<GcRow> {
     let (median_ms, min_ms, max_ms) = stats(&ms);
     Ok(GcRow {
         table_entries: size,
-        shape,
+        shape: shape.to_owned(),
         median_ms,
         min_ms,
         max_ms,
@@ -762,7 +849,7 @@ const DRAIN_WORKERS: usize = 2;
 const RING_RECORD_BYTES: u64 = (8 + size_of::<CtEvent>() as u64).next_multiple_of(8);
 
 /// Events/s over the measured rounds.
-#[derive(Serialize)]
+#[derive(Default, Serialize, Deserialize)]
 struct RateRow {
     median_events_per_s: f64,
     min_events_per_s: f64,
@@ -770,7 +857,7 @@ struct RateRow {
 }
 
 /// Conntrack event ring drain: events/s delivered to a subscriber, with zero loss.
-#[derive(Serialize)]
+#[derive(Default, Serialize, Deserialize)]
 struct DrainReport {
     events_per_round: u64,
     rounds: usize,
@@ -1084,7 +1171,7 @@ fn ct_row(path: impl Into<String>, size: u32, samples: &[f64], floor: &[f64]) ->
 fn floor_row(hook: &'static str, samples: &[f64]) -> FloorRow {
     let (median_ns, min_ns, max_ns) = stats(samples);
     FloorRow {
-        hook,
+        hook: hook.to_owned(),
         median_ns,
         min_ns,
         max_ns,
@@ -1112,24 +1199,6 @@ fn stats(samples: &[f64]) -> (f64, f64, f64) {
     (median, s[0], s[n - 1])
 }
 
-/// The load-balancer comparison through namespaces, with the daemon built beside this example
-/// and leftovers of killed earlier runs removed first.
-/// Config changes through the API and the CLI (see `api`), with the daemon built beside this
-/// example.
-fn bench_api() -> Result<api::ApiReport> {
-    let bin = example_fastpath_bin()?;
-    sweep_stale(PREFIX).context("removing leftovers of earlier runs")?;
-    api::run(&bin)
-}
-
-/// 100k connections replicated to a peer (see `ha`), with the daemon built beside this
-/// example.
-fn bench_ha() -> Result<ha::HaReport> {
-    let bin = example_fastpath_bin()?;
-    sweep_stale(PREFIX).context("removing leftovers of earlier runs")?;
-    ha::run(&bin)
-}
-
 /// The daemon built beside this example, after removing (and naming) what earlier runs of
 /// the namespace benchmarks left behind.
 fn daemon_bin_swept() -> Result<PathBuf> {
@@ -1141,18 +1210,6 @@ fn daemon_bin_swept() -> Result<PathBuf> {
     Ok(bin)
 }
 
-fn bench_lb_compare() -> Result<lb_compare::CompareReport> {
-    lb_compare::run(&daemon_bin_swept()?)
-}
-
-fn bench_route_compare() -> Result<route_compare::RouteReport> {
-    route_compare::run(&daemon_bin_swept()?)
-}
-
-fn bench_overlay_compare() -> Result<overlay_compare::OverlayReport> {
-    overlay_compare::run(&daemon_bin_swept()?)
-}
-
 fn markdown(r: &Report) -> String {
     let mut md = String::new();
     let _ = writeln!(md, "# fastpath benchmarks\n");
@@ -1160,12 +1217,7 @@ fn markdown(r: &Report) -> String {
         md,
         "Regenerated by `cargo xtask bench` (as root); raw numbers in [`bench/datapath.json`](bench/datapath.json).\n"
     );
-    let m = &r.machine;
-    let _ = writeln!(
-        md,
-        "Machine: {} ({} CPUs), kernel {}, commit {}, {}.\n",
-        m.cpu, m.cpus, m.kernel, m.commit, m.date
-    );
+    md.push_str(&measured_markdown(r));
     let _ = writeln!(md, "## Datapath ns/packet (BPF_PROG_TEST_RUN)\n");
     let _ = writeln!(
         md,
@@ -1300,6 +1352,34 @@ fn markdown(r: &Report) -> String {
         md,
         "Noise: this shared 2-CPU VM alternates between a fast state (empty-program floor 29–31 ns) and a slow one (34–36 ns) that lasts minutes; in the slow state every path\u{2019}s cost over the floor grows by about half, so rows near the target flip between met and missed from run to run. Compare medians measured in one run, never across runs."
     );
+    md
+}
+
+/// The machine, and which commit each section was measured at (one line when a full run
+/// measured them all).
+fn measured_markdown(r: &Report) -> String {
+    let m = &r.machine;
+    let mut md = format!("Machine: {} ({} CPUs), kernel {}", m.cpu, m.cpus, m.kernel);
+    let runs: Vec<(&String, &Machine)> = r.measured.iter().collect();
+    let one_run = runs
+        .iter()
+        .all(|(_, s)| s.commit == m.commit && s.date == m.date && s.kernel == m.kernel);
+    if one_run {
+        let _ = writeln!(md, ", commit {}, {}.\n", m.commit, m.date);
+        return md;
+    }
+    let _ = writeln!(
+        md,
+        ".\n\nSections were measured in separate runs (`cargo xtask bench SECTION` re-measures one):\n\n| section | commit | date | kernel |\n|---|---|---|---|"
+    );
+    for (section, s) in runs {
+        let _ = writeln!(
+            md,
+            "| {section} | {} | {} | {} |",
+            s.commit, s.date, s.kernel
+        );
+    }
+    md.push('\n');
     md
 }
 
@@ -1523,7 +1603,26 @@ fn machine() -> Machine {
         cpus: std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(0),
-        commit: sh("git", &["rev-parse", "--short", "HEAD"]),
+        // Uncommitted changes outside docs/ are flagged: the numbers are not HEAD's.
+        commit: {
+            let head = sh("git", &["rev-parse", "--short", "HEAD"]);
+            let changed = sh(
+                "git",
+                &[
+                    "status",
+                    "--porcelain",
+                    "--untracked-files=no",
+                    "--",
+                    ".",
+                    ":!docs",
+                ],
+            );
+            if changed.is_empty() {
+                head
+            } else {
+                format!("{head} + uncommitted changes")
+            }
+        },
         date: sh("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
     }
 }

@@ -40,7 +40,7 @@ use fastpath::{
     },
 };
 use fastpath_common::{Hook, Verdict, reason};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{
     lb_compare::{Machine, WRK_SCRIPT},
@@ -65,7 +65,7 @@ const TOOLS: &[&str] = &[
 const ONCACHE_GBIT: f64 = 1.12;
 const ONCACHE_RR: f64 = 1.36;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 enum Contender {
     Kernel,
@@ -101,7 +101,7 @@ impl Contender {
 }
 
 /// The nodes' netfilter configuration, the same for every contender.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Nodes {
     /// No rules: the kernel's overlay at its leanest.
@@ -122,10 +122,10 @@ impl Nodes {
 }
 
 /// One contender's results.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct OverlayRow {
     contender: Contender,
-    what: &'static str,
+    what: String,
     rr_per_s: Spread,
     /// Whole-machine CPU per request, µs.
     rr_cpu_us: Spread,
@@ -134,7 +134,7 @@ pub struct OverlayRow {
     tcp_cpu_ns_per_kb: Spread,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Default, Debug, Serialize, Deserialize)]
 pub struct OverlayReport {
     rounds: usize,
     seconds_per_run: u32,
@@ -143,7 +143,7 @@ pub struct OverlayReport {
 }
 
 /// The contenders on nodes configured as `nodes`.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct OverlaySetting {
     nodes: Nodes,
     rows: Vec<OverlayRow>,
@@ -152,7 +152,7 @@ pub struct OverlaySetting {
 }
 
 /// One fastpath contender ÷ the kernel.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct VsKernel {
     contender: Contender,
     /// Ratio of medians: requests/s, TCP throughput, CPU per request, CPU per byte.
@@ -410,7 +410,7 @@ fn setting(bin: &std::path::Path, nodes: Nodes) -> Result<OverlaySetting> {
         .enumerate()
         .map(|(i, &c)| OverlayRow {
             contender: c,
-            what: c.name(),
+            what: c.name().to_owned(),
             rr_per_s: Spread::of(col(i, |s| s.rr)),
             rr_cpu_us: Spread::of(col(i, |s| s.rr_cpu_us)),
             tcp_gbit_s: Spread::of(col(i, |s| s.gbit)),

@@ -24,7 +24,7 @@ use fastpath::testkit::netns::{
     unique_pin_dir,
 };
 use fastpath_common::{Hook, Verdict, reason};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use fastpath::testkit::{fixture::Fixture, packet::Pkt};
 
@@ -41,7 +41,7 @@ pub(crate) const CONNECTIONS: &str = "16";
 pub(crate) const PAGE: &str = "small.html";
 const TOOLS: &[&str] = &["iperf3", "wrk", "nginx", "ethtool", "cat"];
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 enum Contender {
     Kernel,
@@ -77,7 +77,7 @@ impl Contender {
 }
 
 /// Median and min–max of one metric over the rounds.
-#[derive(Debug, Default, Serialize)]
+#[derive(Debug, Default, Serialize, Deserialize)]
 pub(crate) struct Spread {
     pub(crate) median: f64,
     pub(crate) min: f64,
@@ -103,10 +103,10 @@ impl Spread {
 }
 
 /// One contender's results.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct RouteRow {
     contender: Contender,
-    what: &'static str,
+    what: String,
     udp_pps: Spread,
     /// Datagrams fp's first link took but the server did not receive, in % of those taken
     /// (median over rounds): what the path dropped on the way.
@@ -117,7 +117,7 @@ pub struct RouteRow {
     tcp_gbit_s: Spread,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Default, Debug, Serialize, Deserialize)]
 pub struct RouteReport {
     rounds: usize,
     seconds_per_run: u32,
@@ -127,7 +127,7 @@ pub struct RouteReport {
 }
 
 /// One fastpath contender ÷ the kernel.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct VsKernel {
     contender: Contender,
     /// Ratio of medians: packets/s, request/response rate, TCP throughput, CPU per packet.
@@ -474,7 +474,7 @@ pub fn run(bin: &Path) -> Result<RouteReport> {
         .enumerate()
         .map(|(i, &c)| RouteRow {
             contender: c,
-            what: c.name(),
+            what: c.name().to_owned(),
             udp_pps: Spread::of(col(i, |s| s.pps)),
             udp_loss_percent: crate::stats(&col(i, |s| s.loss_pct)).0,
             udp_cpu_ns_per_packet: Spread::of(col(i, |s| s.cpu_ns)),

@@ -955,7 +955,7 @@ pub fn lb_entries(pin_dir: &Path, origin: u32) -> Result<LbEntries, PairError> {
 }
 
 /// Node A's own load-balanced entries against those node B holds as A's.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LbTableDiff {
     /// A's entries (connections and aliases), and of them the connections.
     pub a_entries: usize,
