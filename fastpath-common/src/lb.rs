@@ -218,7 +218,9 @@ pub struct BackendCounters {
 }
 
 /// Capacities (entries) of the LB maps.
-pub const MAX_SERVICES: u32 = 65_536;
+/// Services: 2^18, so 131072 fit with updates written beside them (the benchmark sweeps up to
+/// 100k).
+pub const MAX_SERVICES: u32 = 1 << 18;
 pub const MAX_BACKENDS: u32 = 1 << 18;
 /// Clients remembered for source-IP affinity (an LRU: the least recently seen go first).
 pub const AFFINITY_ENTRIES: u32 = 1 << 18;

@@ -1519,11 +1519,20 @@ impl Config {
                 if weighted == 0 {
                     return 0;
                 }
-                u64::from(
-                    s.maglev_table_size
-                        .as_ref()
-                        .map_or_else(|| crate::maglev::auto_size(weighted), |m| *m.get_ref()),
-                )
+                // The selection table `lb` writes for the service's scheduler.
+                match s.scheduler {
+                    Scheduler::Maglev => u64::from(
+                        s.maglev_table_size
+                            .as_ref()
+                            .map_or_else(|| crate::maglev::auto_size(weighted), |m| *m.get_ref()),
+                    ),
+                    Scheduler::Wrr => {
+                        let weights: Vec<u32> =
+                            s.backends.iter().map(|b| *b.weight.get_ref()).collect();
+                        crate::lb::wrr_sequence(&weights).len() as u64
+                    }
+                    Scheduler::LeastConnections => 1,
+                }
             })
             .sum();
         let backends: u64 = self.services.iter().map(|s| s.backends.len() as u64).sum();
@@ -1737,6 +1746,7 @@ fn line_of(text: &str, at: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fmt::Write as _;
 
     fn parse(text: &str) -> Result<Config, ConfigError> {
         Config::parse(Path::new("test.toml"), text)
@@ -1938,6 +1948,28 @@ mod tests {
             .expect_err("missing certificate");
         assert_eq!(e.key.as_deref(), Some("ha.tls_cert"), "{e}");
         assert!(e.to_string().contains("mutual TLS"), "{e}");
+    }
+
+    #[test]
+    fn selection_slots_are_counted_per_scheduler() {
+        // 20000 one-backend services: as Maglev tables (251 slots each) they need 5 Mi slots,
+        // more than fit; weighted round robin takes one slot each.
+        let services = |scheduler: &str| {
+            let mut s = String::from("[[interface]]\nname = \"lo\"\n");
+            for i in 0..20_000u32 {
+                let _ = write!(
+                    s,
+                    "[[service]]\nvip = \"10.64.{}.{}\"\nport = 80\nscheduler = \"{scheduler}\"\n[[service.backend]]\naddress = \"10.1.0.1\"\nport = 80\n",
+                    i / 256,
+                    i % 256
+                );
+            }
+            s
+        };
+        let e = parse(&services("maglev")).expect_err("5 Mi Maglev slots do not fit");
+        assert!(e.to_string().contains("Maglev table slots"), "{e}");
+        let c = parse(&services("wrr")).expect("20000 one-slot services fit");
+        assert_eq!(c.services.len(), 20_000);
     }
 
     #[test]
