@@ -86,7 +86,7 @@ const TOOLS: &[&str] = &[
 
 /// One way of getting the client's requests to the backends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Contender {
+pub(crate) enum Contender {
     /// The baseline: the client talks to backend 0 directly, fp only routes.
     Direct,
     Fastpath,
@@ -108,7 +108,7 @@ impl Contender {
     ];
 
     /// Short name, for JSON and progress.
-    fn key(self) -> &'static str {
+    pub(crate) fn key(self) -> &'static str {
         match self {
             Contender::Direct => "direct",
             Contender::Fastpath => "fastpath",
@@ -120,7 +120,7 @@ impl Contender {
     }
 
     /// What runs on fp, for the table.
-    fn what(self) -> &'static str {
+    pub(crate) fn what(self) -> &'static str {
         match self {
             Contender::Direct => "direct to backend 0 (no LB; fp routes)",
             Contender::Fastpath => "fastpath daemon (XDP, NAT mode, Maglev)",
@@ -134,7 +134,7 @@ impl Contender {
     }
 
     /// Where the client sends its requests.
-    fn target(self) -> Ipv4Addr {
+    pub(crate) fn target(self) -> Ipv4Addr {
         match self {
             Contender::Direct => LbTopology::backend_v4(0),
             _ => VIP,
@@ -150,7 +150,7 @@ impl Contender {
 
 /// The three measurements of one contender in one round.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Mode {
+pub(crate) enum Mode {
     /// `Connection: close`: a TCP connection per request.
     NewConnection,
     /// wrk's default: requests over persistent connections.
@@ -271,10 +271,12 @@ pub struct CompareReport {
 
 /// Per-contender samples while the rounds run.
 #[derive(Default)]
-struct Samples {
-    new_connection: Vec<f64>,
+pub(crate) struct Samples {
+    pub(crate) new_connection: Vec<f64>,
+    /// Whole-machine CPU time per request (busy CPU seconds ÷ requests), µs, by [`Mode`].
+    pub(crate) cpu_us_per_request: [Vec<f64>; 3],
     /// New-connection runs of the `HA_EXTRA_ROUNDS` (fastpath and its HA contender only).
-    new_connection_extra: Vec<f64>,
+    pub(crate) new_connection_extra: Vec<f64>,
     keep_alive: Vec<f64>,
     throughput: Vec<f64>,
     conntrack: Vec<f64>,
@@ -314,7 +316,7 @@ pub struct HaTotals {
 }
 
 /// What is running on fp for one contender; [`Bench::teardown`] removes it.
-enum Running {
+pub(crate) enum Running {
     Nothing,
     /// The daemon on fp and, for the HA contender, its peer (node B).
     Daemon(Daemon, Option<Box<Daemon>>),
@@ -368,7 +370,7 @@ fn ticks_s(ticks: u64) -> f64 {
 }
 
 /// The topology, the backends' servers and the files the runs need.
-struct Bench {
+pub(crate) struct Bench {
     bin: std::path::PathBuf,
     /// nginx on every backend, kept running for the runs; dropped before `lb`, so the servers
     /// stop before their namespaces go.
@@ -627,7 +629,7 @@ pub fn run(bin: &Path) -> Result<CompareReport> {
 impl Bench {
     /// The topology with checksum offloads off on every interface, nginx on every backend
     /// serving [`PAGE`] and [`BULK`], and wrk's script.
-    fn new(bin: &Path) -> Result<Bench> {
+    pub(crate) fn new(bin: &Path) -> Result<Bench> {
         let backlog = Backlog::raise()?;
         let mut lb = lb_topology(BACKENDS).context("building the namespace topology")?;
         // Node B's namespace and the sync link: used by the HA contender only (fastpath does
@@ -692,8 +694,12 @@ impl Bench {
         })
     }
 
-    fn fp(&self) -> &Netns {
+    pub(crate) fn fp(&self) -> &Netns {
         self.lb.fp()
+    }
+
+    pub(crate) fn topology(&self) -> &LbTopology {
+        &self.lb
     }
 
     /// One round of contender `c`: set up, check one request goes through, warm up, the three
@@ -701,8 +707,26 @@ impl Bench {
     /// Sets `c` up, runs `modes` and tears it down. Only a run of every mode is one of the
     /// `ROUNDS`; a new-connection run alone is one of the `HA_EXTRA_ROUNDS`.
     fn measure(&self, c: Contender, modes: &[Mode], s: &mut Samples) -> Result<()> {
-        let running = self.setup(c)?;
-        let result = self.measure_running(c, &running, modes, s);
+        self.measure_with(c, 1, modes, s, |_| Ok(()), |_| ())
+    }
+
+    /// [`Bench::measure`] with `services` services configured (the measured one and
+    /// `services - 1` others: see [`Bench::setup`]), then `more` while `c` still runs.
+    pub(crate) fn measure_with(
+        &self,
+        c: Contender,
+        services: usize,
+        modes: &[Mode],
+        s: &mut Samples,
+        more: impl FnOnce(&Running) -> Result<()>,
+        ready: impl FnOnce(Duration),
+    ) -> Result<()> {
+        let started = std::time::Instant::now();
+        let running = self.setup(c, services)?;
+        ready(started.elapsed());
+        let result = self
+            .measure_running(c, &running, modes, s)
+            .and_then(|()| more(&running));
         // Torn down whatever happened: the next contender must find fp clean.
         let down = self.teardown(running);
         result.and(down)
@@ -770,6 +794,8 @@ impl Bench {
                 peer.unwrap_or(0.0),
             );
             s.process_cpu[m].extend(own);
+            s.cpu_us_per_request[m]
+                .push(machine.busy_seconds(run.duration_s) * 1e6 / run.requests.max(1) as f64);
             s.peer_cpu[m].extend(peer);
             check_run(c, mode, &run, &before, &after)
                 .with_context(|| format!("{} run{}", mode.name(), daemon_log(running)))?;
@@ -837,19 +863,40 @@ impl Bench {
         parse_wrk(&stdout).with_context(|| format!("`{}` printed:\n{stdout}", args.join(" ")))
     }
 
-    /// Sets `c` up on fp.
-    fn setup(&self, c: Contender) -> Result<Running> {
+    /// Sets `c` up on fp with `services` services: the measured one ([`VIP`], TCP [`PORT`]
+    /// over the backends; and UDP [`UDP_PORT`] where the contender balances UDP) and
+    /// `services - 1` others ([`other_vip`], TCP [`PORT`]), each the way that contender
+    /// holds many services; the measured one comes last where the contender matches in order.
+    fn setup(&self, c: Contender, services: usize) -> Result<Running> {
         let fp = self.fp();
         let backends: Vec<Ipv4Addr> = (0..BACKENDS).map(LbTopology::backend_v4).collect();
+        let others = services.saturating_sub(1);
         match c {
             Contender::Direct => Ok(Running::Nothing),
             Contender::Fastpath | Contender::FastpathHa => {
-                let mut toml = format!("[[service]]\nvip = \"{VIP}\"\nport = {PORT}\n");
-                for b in &backends {
+                // The others: one backend each, weighted round robin (a one-slot selection
+                // table: 100k Maglev tables of the auto size, 251 slots, would not fit the
+                // datapath's 4 Mi slots).
+                let mut toml = String::new();
+                for i in 0..others {
                     let _ = write!(
                         toml,
-                        "[[service.backend]]\naddress = \"{b}\"\nport = {PORT}\n"
+                        "[[service]]\nvip = \"{}\"\nport = {PORT}\nscheduler = \"wrr\"\n[[service.backend]]\naddress = \"{}\"\nport = {PORT}\n",
+                        other_vip(i),
+                        backends[0]
                     );
+                }
+                for port in [PORT, UDP_PORT] {
+                    let _ = write!(toml, "[[service]]\nvip = \"{VIP}\"\nport = {port}\n");
+                    if port == UDP_PORT {
+                        toml.push_str("protocol = \"udp\"\n");
+                    }
+                    for b in &backends {
+                        let _ = write!(
+                            toml,
+                            "[[service.backend]]\naddress = \"{b}\"\nport = {port}\n"
+                        );
+                    }
                 }
                 let mut config = self.lb.fp_config(&unique_pin_dir("lbcmp")).services(&toml);
                 // The HA contender: node B first (same service, attached to its end of the
@@ -908,49 +955,74 @@ impl Bench {
                 Ok(Running::Daemon(daemon, peer))
             }
             Contender::Iptables => {
-                // kube-proxy's layout: PREROUTING jumps to a per-service chain whose rules
-                // DNAT to backend i with probability 1/(n - i); the last takes the rest.
-                let ipt = |args: &[&str]| -> Result<()> {
-                    fp.run(&[&["iptables", "-w", "-t", "nat"], args].concat())
-                        .map(drop)
-                        .context("adding the iptables rules")
-                };
-                ipt(&["-N", IPT_CHAIN])?;
-                ipt(&[
-                    "-A",
-                    "PREROUTING",
-                    "-d",
-                    &format!("{VIP}/32"),
-                    "-p",
-                    "tcp",
-                    "--dport",
-                    &PORT.to_string(),
-                    "-j",
-                    IPT_CHAIN,
-                ])?;
-                for (i, b) in backends.iter().enumerate() {
-                    let to = format!("{b}:{PORT}");
-                    let p = format!("{:.10}", 1.0 / (BACKENDS - i) as f64);
-                    let mut rule = vec!["-A", IPT_CHAIN];
-                    if i + 1 < BACKENDS {
-                        rule.extend(["-m", "statistic", "--mode", "random", "--probability", &p]);
-                    }
-                    // A port in the target needs the protocol named, as kube-proxy does.
-                    rule.extend(["-p", "tcp", "-j", "DNAT", "--to-destination", &to]);
-                    ipt(&rule)?;
+                // kube-proxy's layout, loaded with one iptables-restore: PREROUTING jumps to
+                // the services chain, one rule per service (the measured service's last),
+                // which jumps to the service's chain, whose rules DNAT to backend i with
+                // probability 1/(n - i) (the last takes the rest). The others share the
+                // measured TCP service's chain: only the matching service's chain is walked.
+                let mut rules = format!(
+                    "*nat\n:{IPT_SERVICES} - [0:0]\n:{IPT_CHAIN} - [0:0]\n:{IPT_CHAIN_UDP} - [0:0]\n-A PREROUTING -j {IPT_SERVICES}\n"
+                );
+                for i in 0..others {
+                    let _ = writeln!(
+                        rules,
+                        "-A {IPT_SERVICES} -d {}/32 -p tcp --dport {PORT} -j {IPT_CHAIN}",
+                        other_vip(i)
+                    );
                 }
+                for (proto, port, chain) in
+                    [("tcp", PORT, IPT_CHAIN), ("udp", UDP_PORT, IPT_CHAIN_UDP)]
+                {
+                    let _ = writeln!(
+                        rules,
+                        "-A {IPT_SERVICES} -d {VIP}/32 -p {proto} --dport {port} -j {chain}"
+                    );
+                    for (i, b) in backends.iter().enumerate() {
+                        let mut rule = format!("-A {chain}");
+                        if i + 1 < BACKENDS {
+                            let _ = write!(
+                                rule,
+                                " -m statistic --mode random --probability {:.10}",
+                                1.0 / (BACKENDS - i) as f64
+                            );
+                        }
+                        // A port in the target needs the protocol named, as kube-proxy does.
+                        let _ = writeln!(rule, " -p {proto} -j DNAT --to-destination {b}:{port}");
+                        rules.push_str(&rule);
+                    }
+                }
+                rules.push_str("COMMIT\n");
+                let path = self.dir.join("rules.iptables");
+                fs::write(&path, rules).context("writing the iptables rules")?;
+                fp.run(&[
+                    "iptables-restore",
+                    "-w",
+                    "--noflush",
+                    path.to_str().context("non-UTF-8 temp path")?,
+                ])
+                .context("loading the iptables rules")?;
                 conntrack_checksum_off(fp)?;
                 Ok(Running::Nothing)
             }
             Contender::Nftables => {
-                let map: Vec<String> = backends
+                // kube-proxy's nftables layout: one verdict map from (address, protocol,
+                // port) to the service's chain, which picks a backend with numgen.
+                let mut elements = Vec::with_capacity(others + 2);
+                for i in 0..others {
+                    elements.push(format!("{} . tcp . {PORT} : goto svc_tcp", other_vip(i)));
+                }
+                elements.push(format!("{VIP} . tcp . {PORT} : goto svc_tcp"));
+                elements.push(format!("{VIP} . udp . {UDP_PORT} : goto svc_udp"));
+                // The backends listen on the service's port: only the address changes.
+                let map = backends
                     .iter()
                     .enumerate()
                     .map(|(i, b)| format!("{i} : {b}"))
-                    .collect();
+                    .collect::<Vec<_>>()
+                    .join(", ");
                 let ruleset = format!(
-                    "table ip {NFT_TABLE} {{\n  chain prerouting {{\n    type nat hook prerouting priority dstnat; policy accept;\n    ip daddr {VIP} tcp dport {PORT} counter dnat to numgen random mod {BACKENDS} map {{ {} }}\n  }}\n}}\n",
-                    map.join(", ")
+                    "table ip {NFT_TABLE} {{\n  map services {{\n    type ipv4_addr . inet_proto . inet_service : verdict\n    elements = {{ {} }}\n  }}\n  chain prerouting {{\n    type nat hook prerouting priority dstnat; policy accept;\n    counter ip daddr . meta l4proto . th dport vmap @services\n  }}\n  chain svc_tcp {{\n    dnat to numgen random mod {BACKENDS} map {{ {map} }}\n  }}\n  chain svc_udp {{\n    dnat to numgen random mod {BACKENDS} map {{ {map} }}\n  }}\n}}\n",
+                    elements.join(",\n      "),
                 );
                 let path = self.dir.join("ruleset.nft");
                 fs::write(&path, ruleset).context("writing the nftables ruleset")?;
@@ -963,8 +1035,28 @@ impl Bench {
                 fp.add_addr("lo", &format!("{VIP}/32"))
                     .context("adding the VIP to fp's loopback for HAProxy")?;
                 let dir = TempDir::new("haproxy")?;
+                // Many services: one listener on every local address (the others' addresses
+                // are made local by a route) and the service picked by destination address
+                // from a list HAProxy keeps as a tree (`dst -f`). All share one backend
+                // section: only the lookup grows with the count.
+                let (bind, pick) = if others == 0 {
+                    (format!("{VIP}:{PORT}"), "default_backend nginx".to_owned())
+                } else {
+                    fp.ip(&["route", "add", "local", OTHER_VIPS, "dev", "lo"])
+                        .context("making the other VIPs local on fp for HAProxy")?;
+                    let list: String = (0..others)
+                        .map(|i| format!("{}\n", other_vip(i)))
+                        .chain([format!("{VIP}\n")])
+                        .collect();
+                    let path = dir.join("vips.lst");
+                    fs::write(&path, list).context("writing HAProxy's VIP list")?;
+                    (
+                        format!(":{PORT}"),
+                        format!("use_backend nginx if {{ dst -f {} }}", path.display()),
+                    )
+                };
                 let mut cfg = format!(
-                    "global\n    maxconn 4096\ndefaults\n    mode tcp\n    timeout connect 5s\n    timeout client 30s\n    timeout server 30s\nfrontend vip\n    bind {VIP}:{PORT}\n    default_backend nginx\nbackend nginx\n    balance roundrobin\n"
+                    "global\n    maxconn 4096\ndefaults\n    mode tcp\n    timeout connect 5s\n    timeout client 30s\n    timeout server 30s\nfrontend vip\n    bind {bind}\n    {pick}\nbackend nginx\n    balance roundrobin\n"
                 );
                 for (i, b) in backends.iter().enumerate() {
                     let _ = writeln!(cfg, "    server b{i} {b}:{PORT}");
@@ -1013,6 +1105,11 @@ impl Bench {
                 process.kill();
                 fp.ip(&["addr", "del", &format!("{VIP}/32"), "dev", "lo"])
                     .context("removing the VIP from fp's loopback")?;
+                let local = fp.ip(&["route", "show", "table", "local", OTHER_VIPS])?;
+                if !local.trim().is_empty() {
+                    fp.ip(&["route", "del", "local", OTHER_VIPS, "dev", "lo"])
+                        .context("removing the other VIPs' local route")?;
+                }
                 None
             }
         };
@@ -1115,8 +1212,21 @@ fn tcp_retransmits(ns: &Netns) -> Result<[u64; 2]> {
     Ok([value(keys[0])?, value(keys[1])?])
 }
 
-/// The iptables contender's per-service chain.
+/// The iptables contender's services chain (kube-proxy's KUBE-SERVICES) and per-service
+/// chains.
+const IPT_SERVICES: &str = "FPBENCH-SERVICES";
 const IPT_CHAIN: &str = "FPBENCH-SVC";
+const IPT_CHAIN_UDP: &str = "FPBENCH-SVC-UDP";
+/// The measured service's UDP port (the backends' discard port: nothing listens, so their
+/// stacks count the datagrams as `Udp NoPorts`).
+pub(crate) const UDP_PORT: u16 = 9;
+/// Where the other services' VIPs are: 10.64.0.0/10, [`other_vip`].
+const OTHER_VIPS: &str = "10.64.0.0/10";
+
+/// The VIP of the `i`th other service (not measured) in a many-service setup.
+fn other_vip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 64, 0, 1)) + i as u32)
+}
 /// The nftables contender's table.
 const NFT_TABLE: &str = "fpbench";
 

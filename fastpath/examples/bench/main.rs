@@ -69,9 +69,11 @@ use tokio::{
 mod api;
 mod ha;
 mod lb_compare;
+mod lb_sweep;
 mod overlay_compare;
 #[path = "../../tests/support/pki.rs"]
 mod pki;
+mod plot;
 mod route_compare;
 
 /// Runs per BPF_PROG_TEST_RUN call (the kernel loops in-kernel and reports the mean).
@@ -165,6 +167,8 @@ struct Report {
     service_updates: Vec<UpdateRow>,
     api_changes: api::ApiReport,
     lb_compare: lb_compare::CompareReport,
+    #[serde(default)]
+    lb_sweep: lb_sweep::SweepReport,
     route_compare: route_compare::RouteReport,
     overlay_compare: overlay_compare::OverlayReport,
     /// Written to its own file, docs/bench/ha.json.
@@ -218,6 +222,10 @@ const SECTIONS: &[(&str, &str)] = &[
     ("updates", "apply_services latency at 1 and 10k services"),
     ("api", "config changes through the gRPC API and the CLI"),
     ("lb-compare", "load balancers compared in namespaces"),
+    (
+        "lb-sweep",
+        "the load balancers over 1, 1k, 10k and 100k services",
+    ),
     ("route-compare", "routing vs kernel forwarding"),
     (
         "overlay-compare",
@@ -235,6 +243,7 @@ enum Part {
     Updates(Vec<UpdateRow>),
     Api(api::ApiReport),
     LbCompare(lb_compare::CompareReport),
+    LbSweep(lb_sweep::SweepReport),
     RouteCompare(route_compare::RouteReport),
     OverlayCompare(overlay_compare::OverlayReport),
     Ha(ha::HaReport),
@@ -333,6 +342,7 @@ fn measure(section: &str) -> Result<Part> {
         "updates" => Part::Updates(bench_service_updates(&mut fixture()?)?),
         "api" => Part::Api(api::run(&daemon_bin_swept()?)?),
         "lb-compare" => Part::LbCompare(lb_compare::run(&daemon_bin_swept()?)?),
+        "lb-sweep" => Part::LbSweep(lb_sweep::run(&daemon_bin_swept()?)?),
         "route-compare" => Part::RouteCompare(route_compare::run(&daemon_bin_swept()?)?),
         "overlay-compare" => Part::OverlayCompare(overlay_compare::run(&daemon_bin_swept()?)?),
         "ha" => Part::Ha(ha::run(&daemon_bin_swept()?)?),
@@ -389,6 +399,7 @@ impl Report {
             Part::Updates(u) => self.service_updates = u,
             Part::Api(a) => self.api_changes = a,
             Part::LbCompare(c) => self.lb_compare = c,
+            Part::LbSweep(c) => self.lb_sweep = c,
             Part::RouteCompare(c) => self.route_compare = c,
             Part::OverlayCompare(c) => self.overlay_compare = c,
             Part::Ha(h) => self.ha = h,
@@ -1301,6 +1312,7 @@ fn markdown(r: &Report) -> String {
     md.push_str(&updates_markdown(&r.service_updates));
     md.push_str(&api::markdown(&r.api_changes));
     md.push_str(&lb_compare::markdown(&r.lb_compare));
+    md.push_str(&lb_sweep::markdown(&r.lb_sweep));
     md.push_str(&route_compare::markdown(&r.route_compare));
     md.push_str(&overlay_compare::markdown(&r.overlay_compare));
     md.push_str(&ha::markdown(&r.ha));

@@ -33,10 +33,10 @@ use crate::lb_compare::{Backlog, Machine, WRK_SCRIPT, parse_wrk};
 pub(crate) const ROUNDS: usize = 5;
 pub(crate) const SECS: u32 = 5;
 const SERVER4: &str = "10.221.0.2";
-const UDP_PAYLOAD: usize = 64;
+pub(crate) const UDP_PAYLOAD: usize = 64;
 /// Frames per live-frames call, and per batch within it.
-const GEN_CALL: u32 = 1 << 20;
-const GEN_BATCH: u32 = 64;
+pub(crate) const GEN_CALL: u32 = 1 << 20;
+pub(crate) const GEN_BATCH: u32 = 64;
 pub(crate) const CONNECTIONS: &str = "16";
 pub(crate) const PAGE: &str = "small.html";
 const TOOLS: &[&str] = &["iperf3", "wrk", "nginx", "ethtool", "cat"];
@@ -391,7 +391,7 @@ pub(crate) fn iperf3_tcp(client: &Netns, server: &Netns, addr: &str) -> Result<(
 }
 
 /// The MAC address of `dev` in `ns`.
-fn mac(ns: &Netns, dev: &str) -> Result<[u8; 6]> {
+pub(crate) fn mac(ns: &Netns, dev: &str) -> Result<[u8; 6]> {
     let json = ns.ip(&["-j", "link", "show", "dev", dev])?;
     let v: serde_json::Value = serde_json::from_str(&json).context("parsing `ip -j link`")?;
     let text = v
@@ -424,7 +424,7 @@ fn xdp_xmit(ns: &Netns) -> Result<u64> {
 
 /// Datagrams `ns`'s stack received for a port nothing listens on (/proc/net/snmp, `Udp:
 /// NoPorts`): the generator's, counted where they end.
-fn udp_no_ports(ns: &Netns) -> Result<u64> {
+pub(crate) fn udp_no_ports(ns: &Netns) -> Result<u64> {
     let snmp = ns.run(&["cat", "/proc/net/snmp"])?;
     let mut udp = snmp.lines().filter(|l| l.starts_with("Udp: "));
     let (Some(names), Some(values)) = (udp.next(), udp.next()) else {

@@ -1,0 +1,382 @@
+//! The load balancers over 1, 1k, 10k and 100k services: new connections/s (wrk, a TCP
+//! connection per request) and small-UDP packets/s (the in-kernel generator of
+//! `route_compare`), with the whole machine's CPU time per connection and per datagram, on the
+//! load-balancer comparison's topology (`lb_compare::Bench`). Each contender holds the other
+//! services the way it holds many (see `Bench::setup`); only the measured one carries traffic,
+//! so what grows is the lookup: kube-proxy's iptables chain is walked rule by rule for every
+//! new connection, nftables' verdict map, HAProxy's address tree and fastpath's hash map are
+//! looked up.
+//!
+//! Rounds interleave everything: every round runs every service count and, in each, every
+//! contender (the first one rotating). Plain kernel forwarding straight to one backend is the
+//! baseline, at one service (it has none).
+
+use std::{fmt::Write as _, time::Duration};
+
+use anyhow::{Context as _, Result, bail};
+use fastpath::testkit::{
+    fixture::Fixture,
+    netns::{LbTopology, Netns},
+    packet::Pkt,
+};
+use fastpath_common::reason;
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    lb_compare::{Bench, Contender, Machine, Mode, Running, Samples, UDP_PORT},
+    route_compare::{GEN_BATCH, GEN_CALL, SECS, Spread, UDP_PAYLOAD, mac, udp_no_ports},
+};
+
+/// Service counts swept.
+const SERVICES: [usize; 4] = [1, 1_000, 10_000, 100_000];
+/// Measured rounds.
+const ROUNDS: usize = 5;
+/// The contenders, in their first round's order; `Direct` runs at one service only.
+const CONTENDERS: [Contender; 5] = [
+    Contender::Direct,
+    Contender::Fastpath,
+    Contender::Iptables,
+    Contender::Nftables,
+    Contender::Haproxy,
+];
+
+/// One contender at one service count.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct SweepRow {
+    contender: String,
+    what: String,
+    services: usize,
+    new_conn_per_s: Spread,
+    /// Whole-machine CPU µs per connection (busy CPU time ÷ requests).
+    cpu_us_per_conn: Spread,
+    /// Datagrams/s the backends received; `None` where the contender does not balance UDP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    udp_pps: Option<Spread>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    cpu_ns_per_datagram: Option<Spread>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    udp_loss_pct: Option<Spread>,
+    /// Seconds from starting the setup (rules loaded, daemon started) to ready.
+    setup_s: Spread,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct SweepReport {
+    rounds: usize,
+    seconds_per_run: u32,
+    services: Vec<usize>,
+    rows: Vec<SweepRow>,
+}
+
+/// One contender's samples at one service count.
+#[derive(Default)]
+struct Cell {
+    wrk: Samples,
+    pps: Vec<f64>,
+    cpu_ns: Vec<f64>,
+    loss: Vec<f64>,
+    setup_s: Vec<f64>,
+}
+
+fn balances_udp(c: Contender) -> bool {
+    c != Contender::Haproxy
+}
+
+pub fn run(bin: &std::path::Path) -> Result<SweepReport> {
+    let bench = Bench::new(bin)?;
+    let topo = bench.topology();
+    // The generator's XDP frames reach fp's client link as XDP frames: a veth takes them
+    // only when its receiving end runs NAPI (GRO on), for every contender alike.
+    for (ns, dev) in [
+        (topo.client(), LbTopology::HOST_IF),
+        (topo.fp(), LbTopology::FP_CLIENT_IF),
+    ] {
+        ns.run(&["ethtool", "-K", dev, "gro", "on"])
+            .with_context(|| format!("turning GRO on on {dev}"))?;
+    }
+    let frame = |to: std::net::Ipv4Addr| -> Result<Vec<u8>> {
+        Ok(Pkt::eth()
+            .macs(
+                mac(topo.fp(), LbTopology::FP_CLIENT_IF)?,
+                mac(topo.client(), LbTopology::HOST_IF)?,
+            )
+            .ipv4(LbTopology::client_v4().octets(), to.octets())
+            .udp(40000, UDP_PORT)
+            .payload(&[0x5a; UDP_PAYLOAD])
+            .build())
+    };
+    let mut cells: Vec<Vec<Cell>> = SERVICES
+        .iter()
+        .map(|_| CONTENDERS.iter().map(|_| Cell::default()).collect())
+        .collect();
+    for round in 0..ROUNDS {
+        for (si, &services) in SERVICES.iter().enumerate() {
+            eprintln!(
+                "lb-sweep: round {} of {ROUNDS}, {services} services",
+                round + 1
+            );
+            for k in 0..CONTENDERS.len() {
+                let ci = (k + round) % CONTENDERS.len();
+                let c = CONTENDERS[ci];
+                if c == Contender::Direct && services > 1 {
+                    continue;
+                }
+                let cell = &mut cells[si][ci];
+                let started = std::time::Instant::now();
+                let frame = frame(c.target())?;
+                let mut setup_s = 0.0;
+                bench
+                    .measure_with(
+                        c,
+                        services,
+                        &[Mode::NewConnection],
+                        &mut cell.wrk,
+                        |running| {
+                            if balances_udp(c) {
+                                let (pps, cpu_ns, loss) = udp_run(topo, &frame, c, running)?;
+                                cell.pps.push(pps);
+                                cell.cpu_ns.push(cpu_ns);
+                                cell.loss.push(loss);
+                            }
+                            Ok(())
+                        },
+                        |ready| setup_s = ready.as_secs_f64(),
+                    )
+                    .with_context(|| {
+                        format!(
+                            "{} with {services} services (round {})",
+                            c.what(),
+                            round + 1
+                        )
+                    })?;
+                cell.setup_s.push(setup_s);
+                eprintln!(
+                    "  {} at {services}: set up in {setup_s:.2} s, {:.0} s in all",
+                    c.key(),
+                    started.elapsed().as_secs_f64()
+                );
+            }
+        }
+    }
+    drop(bench);
+    let mut rows = Vec::new();
+    for (si, &services) in SERVICES.iter().enumerate() {
+        for (ci, &c) in CONTENDERS.iter().enumerate() {
+            let cell = std::mem::take(&mut cells[si][ci]);
+            // A run of one mode is filed with the extra runs (see `Bench::measure_running`).
+            if cell.wrk.new_connection_extra.is_empty() {
+                continue;
+            }
+            let udp = |v: Vec<f64>| (!v.is_empty()).then(|| Spread::of(v));
+            rows.push(SweepRow {
+                contender: c.key().to_owned(),
+                what: c.what().to_owned(),
+                services,
+                new_conn_per_s: Spread::of(cell.wrk.new_connection_extra),
+                cpu_us_per_conn: Spread::of(
+                    cell.wrk.cpu_us_per_request[Mode::NewConnection as usize].clone(),
+                ),
+                udp_pps: udp(cell.pps),
+                cpu_ns_per_datagram: udp(cell.cpu_ns),
+                udp_loss_pct: udp(cell.loss),
+                setup_s: Spread::of(cell.setup_s),
+            });
+        }
+    }
+    Ok(SweepReport {
+        rounds: ROUNDS,
+        seconds_per_run: SECS,
+        services: SERVICES.to_vec(),
+        rows,
+    })
+}
+
+/// The generator for [`SECS`] seconds from the client to `c`'s target, UDP port
+/// [`UDP_PORT`]: datagrams/s the backends received, whole-machine CPU ns per datagram, and
+/// the share lost between fp's client link and the backends.
+fn udp_run(
+    topo: &LbTopology,
+    frame: &[u8],
+    c: Contender,
+    running: &Running,
+) -> Result<(f64, f64, f64)> {
+    let received_now = || -> Result<u64> {
+        (0..topo.backends())
+            .map(|i| udp_no_ports(topo.backend(i)))
+            .sum()
+    };
+    let lb_packets = || -> Result<Option<u64>> {
+        Ok(match running {
+            // Translated at XDP (then routed by the kernel: the verdict is the kernel's).
+            Running::Daemon(d, _) => Some(
+                fastpath::datapath::pinned_stats(d.pin_dir())
+                    .context("reading the daemon's counters")?
+                    .packets_for_reason(reason::LB_TO_BACKEND),
+            ),
+            _ => None,
+        })
+    };
+    let lb_before = lb_packets()?;
+    let got_before = received_now()?;
+    let taken_before = fp_rx_packets(topo.fp())?;
+    let before = Machine::read()?;
+    let (sent, secs) = generate(topo.client(), frame)?;
+    std::thread::sleep(Duration::from_millis(200));
+    let m = Machine::read()?.since(before);
+    let taken = fp_rx_packets(topo.fp())? - taken_before;
+    let received = received_now()? - got_before;
+    if received == 0 || secs <= 0.0 {
+        bail!(
+            "{}: the backends received none of the {sent} datagrams generated ({taken} taken by fp)",
+            c.key()
+        );
+    }
+    if let (Some(b), Some(a)) = (lb_before, lb_packets()?) {
+        let lb = a - b;
+        if (lb as f64) < 0.9 * received as f64 {
+            bail!(
+                "fastpath translated {lb} packets at XDP while the backends received {received} datagrams: the traffic did not take the fast path"
+            );
+        }
+    }
+    let received = received as f64;
+    let loss = 100.0 * (taken as f64 - received).max(0.0) / (taken as f64).max(1.0);
+    let pps = received / secs;
+    let cpu_ns = m.busy_seconds(secs) * 1e9 / received;
+    eprintln!(
+        "  {}: {pps:.0} datagrams/s at the backends ({loss:.1}% of what fp took lost, {cpu_ns:.0} ns CPU each)",
+        c.key()
+    );
+    Ok((pps, cpu_ns, loss))
+}
+
+/// Packets fp's client link received (its XDP program, or the stack, took them).
+fn fp_rx_packets(fp: &Netns) -> Result<u64> {
+    let path = format!(
+        "/sys/class/net/{}/statistics/rx_packets",
+        LbTopology::FP_CLIENT_IF
+    );
+    let out = fp.run(&["cat", &path])?;
+    out.trim()
+        .parse()
+        .with_context(|| format!("{path}: {out:?}"))
+}
+
+/// The live-frames generator in `client` for [`SECS`] seconds: frames sent, seconds taken.
+fn generate(client: &Netns, frame: &[u8]) -> Result<(u64, f64)> {
+    client.in_netns(|| -> Result<(u64, f64)> {
+        let ifindex =
+            fastpath::config::ifindex(LbTopology::HOST_IF).context("no eth0 in the client")?;
+        let mut fx = Fixture::new().context("loading the generator")?;
+        let started = std::time::Instant::now();
+        let mut sent = 0u64;
+        while started.elapsed() < Duration::from_secs(u64::from(SECS)) {
+            fx.transmit_live(ifindex, frame, GEN_CALL, GEN_BATCH)
+                .context("the live-frames generator")?;
+            sent += u64::from(GEN_CALL);
+        }
+        Ok((sent, started.elapsed().as_secs_f64()))
+    })?
+}
+
+/// The section of docs/BENCHMARKS.md.
+pub fn markdown(r: &SweepReport) -> String {
+    let mut md = String::new();
+    let _ = writeln!(md, "## Load balancers over 1 to 100k services\n");
+    let _ = writeln!(
+        md,
+        "The load-balancer comparison's topology and contenders (client — fp — 3 nginx backends, offloads off), with {} services configured on fp: the measured one (the VIP, TCP port 80 and UDP port {UDP_PORT}, over the three backends) and the others, each held the way that contender holds many — fastpath: one service each in its service map (one backend each, weighted round robin: 100k Maglev tables of the default 251 slots would not fit the datapath's 4 Mi slots); iptables: kube-proxy's layout, one rule per service in a services chain walked in order for every new connection, the measured service's rules last; nftables: kube-proxy's nftables layout, one verdict map keyed by address, protocol and port; HAProxy: one listener on every local address and the service picked by destination from an address list (`dst -f`, a tree). {} interleaved rounds (every service count, every contender, the first rotating). New connections/s: wrk, 16 connections, `Connection: close`, {} s after a 1 s warm-up, checked as in the comparison. Small UDP: the in-kernel generator of the routing comparison in the client (XDP live frames, batches of {GEN_BATCH}) sends {UDP_PAYLOAD}-byte datagrams, one flow, to the VIP's UDP port for {} s: datagrams/s the backends' stacks received; loss = taken by fp's client link but not received (HAProxy does not balance UDP). CPU: the whole machine's busy time (both CPUs: client, fp, backends) ÷ connections or datagrams. Setup: from the start of the contender's setup (rules loaded, daemon started with its config) to ready. Plain kernel forwarding to backend 0 (no load balancer) is the baseline. Medians (min–max).\n",
+        r.services
+            .iter()
+            .map(|n| n.to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        r.rounds,
+        r.seconds_per_run,
+        r.seconds_per_run,
+    );
+    let _ = writeln!(
+        md,
+        "| contender | services | new conn/s | CPU µs/conn | UDP datagrams/s | CPU ns/datagram | UDP loss % | setup s |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    let opt = |s: &Option<Spread>, d: usize| s.as_ref().map_or("—".to_owned(), |s| s.cell(d));
+    for row in &r.rows {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            row.what,
+            row.services,
+            row.new_conn_per_s.cell(0),
+            row.cpu_us_per_conn.cell(1),
+            opt(&row.udp_pps, 0),
+            opt(&row.cpu_ns_per_datagram, 0),
+            opt(&row.udp_loss_pct, 1),
+            row.setup_s.cell(2),
+        );
+    }
+    let _ = writeln!(md);
+    md.push_str(&verdicts(r));
+    md
+}
+
+/// The row of `contender` at `services`.
+fn row<'a>(r: &'a SweepReport, contender: &str, services: usize) -> Option<&'a SweepRow> {
+    r.rows
+        .iter()
+        .find(|x| x.contender == contender && x.services == services)
+}
+
+/// The targets: fastpath ≥ 2.5× iptables in packets/s and ≥ 1.5× HAProxy in new
+/// connections/s, and flat (within 10%) from 1 to 100k services.
+fn verdicts(r: &SweepReport) -> String {
+    let mut md = String::new();
+    let met = |ok: bool| if ok { "met" } else { "**missed**" };
+    for &n in &r.services {
+        let (Some(fp), Some(ipt), Some(ha)) = (
+            row(r, "fastpath", n),
+            row(r, "iptables", n),
+            row(r, "haproxy", n),
+        ) else {
+            continue;
+        };
+        let pps = match (&fp.udp_pps, &ipt.udp_pps) {
+            (Some(a), Some(b)) => a.median / b.median,
+            _ => f64::NAN,
+        };
+        let conn = fp.new_conn_per_s.median / ha.new_conn_per_s.median;
+        let _ = writeln!(
+            md,
+            "- {n} services: fastpath ÷ iptables DNAT in UDP packets/s **{pps:.2}×** (target 2.5×: {}); fastpath ÷ HAProxy in new connections/s **{conn:.2}×** (target 1.5×: {}); fastpath ÷ iptables in new connections/s {:.2}×.",
+            met(pps >= 2.5),
+            met(conn >= 1.5),
+            fp.new_conn_per_s.median / ipt.new_conn_per_s.median
+        );
+    }
+    let (first, last) = (r.services.first(), r.services.last());
+    for c in ["fastpath", "iptables", "nftables", "haproxy"] {
+        let (Some(a), Some(b)) = (
+            first.and_then(|&n| row(r, c, n)),
+            last.and_then(|&n| row(r, c, n)),
+        ) else {
+            continue;
+        };
+        let ratio = b.new_conn_per_s.median / a.new_conn_per_s.median;
+        let pps = match (&a.udp_pps, &b.udp_pps) {
+            (Some(x), Some(y)) => format!(", UDP packets/s {:.2}×", y.median / x.median),
+            _ => String::new(),
+        };
+        let _ = writeln!(
+            md,
+            "- {c}: {} services ÷ {} service: new connections/s {ratio:.2}×{pps}{}",
+            b.services,
+            a.services,
+            if c == "fastpath" {
+                format!(" (flat within 10%: {})", met((ratio - 1.0).abs() <= 0.10))
+            } else {
+                String::new()
+            }
+        );
+    }
+    md.push('\n');
+    md
+}
