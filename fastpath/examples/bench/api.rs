@@ -11,6 +11,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::plot::{Bar, Figure};
 use anyhow::{Context as _, Result, bail};
 use fastpath::{
     api::{client, pb},
@@ -288,4 +289,27 @@ pub fn markdown(r: &ApiReport) -> String {
     }
     md.push('\n');
     md
+}
+
+/// The changes' median latencies (no whisker: the table gives p99 and max).
+pub fn figures(r: &ApiReport) -> Vec<Figure> {
+    let bars: Vec<Bar> = r
+        .rows
+        .iter()
+        .map(|row| {
+            let label = row.what.split(':').next().unwrap_or(&row.what).to_owned();
+            Bar::new(
+                label,
+                (row.p50_ms, f64::NAN, f64::NAN),
+                !row.what.starts_with("Linux alternative"),
+            )
+        })
+        .collect();
+    vec![Figure::bars(
+        "api_changes.svg",
+        "Config changes: median command-to-effect time",
+        "ms",
+        &bars,
+        None,
+    )]
 }

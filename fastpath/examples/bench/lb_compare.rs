@@ -19,6 +19,7 @@
 
 use std::{fmt::Write as _, fs, net::Ipv4Addr, path::Path, time::Duration};
 
+use crate::plot::{Bar, Figure};
 use anyhow::{Context as _, Result, bail};
 use fastpath::testkit::{
     ha::{self as pair, Node, NodeTls, SyncPair},
@@ -183,6 +184,9 @@ pub(crate) struct WrkRun {
     timeouts: u64,
     /// Responses with a status over 399.
     pub(crate) non_2xx: u64,
+    /// Request latency percentiles (wrk's: request sent → response read), µs.
+    pub(crate) p50_us: u64,
+    pub(crate) p99_us: u64,
 }
 
 impl WrkRun {
@@ -194,8 +198,9 @@ impl WrkRun {
 /// wrk's Lua hook: one machine-readable summary line.
 pub(crate) const WRK_SCRIPT: &str = r#"done = function(summary, latency, requests)
   local e = summary.errors
-  io.write(string.format("FPBENCH requests=%d bytes=%d duration_us=%d connect=%d read=%d write=%d timeout=%d status=%d\n",
-    summary.requests, summary.bytes, summary.duration, e.connect, e.read, e.write, e.timeout, e.status))
+  io.write(string.format("FPBENCH requests=%d bytes=%d duration_us=%d connect=%d read=%d write=%d timeout=%d status=%d p50_us=%d p99_us=%d\n",
+    summary.requests, summary.bytes, summary.duration, e.connect, e.read, e.write, e.timeout, e.status,
+    latency:percentile(50.0), latency:percentile(99.0)))
 end
 "#;
 
@@ -224,6 +229,13 @@ pub struct ContenderRow {
     new_connection_extra_rps: Vec<f64>,
     keep_alive_rps: Metric,
     throughput_gbit_s: Metric,
+    /// Medians over rounds of wrk's request latency p50 and p99, µs, by mode (new
+    /// connection, keep-alive, throughput).
+    #[serde(default)]
+    latency_us: [[f64; 2]; 3],
+    /// Medians over rounds of the whole machine's CPU per request, µs, by mode.
+    #[serde(default)]
+    cpu_us_per_request: [f64; 3],
     /// Totals over every measured run: socket errors (connect, read, write, timeout) and
     /// non-2xx responses.
     socket_errors: u64,
@@ -275,6 +287,8 @@ pub(crate) struct Samples {
     pub(crate) new_connection: Vec<f64>,
     /// Whole-machine CPU time per request (busy CPU seconds ÷ requests), µs, by [`Mode`].
     pub(crate) cpu_us_per_request: [Vec<f64>; 3],
+    /// wrk's request latency (p50, p99) per run, µs, by [`Mode`].
+    pub(crate) latency_us: [Vec<[f64; 2]>; 3],
     /// New-connection runs of the `HA_EXTRA_ROUNDS` (fastpath and its HA contender only).
     pub(crate) new_connection_extra: Vec<f64>,
     keep_alive: Vec<f64>,
@@ -566,6 +580,11 @@ pub fn run(bin: &Path) -> Result<CompareReport> {
             new_connection_extra_rps: s.new_connection_extra.clone(),
             keep_alive_rps: metric(c, |s| &s.keep_alive),
             throughput_gbit_s: metric(c, |s| &s.throughput),
+            latency_us: s.latency_us.each_ref().map(|runs| {
+                let p = |i: usize| crate::stats(&runs.iter().map(|l| l[i]).collect::<Vec<_>>()).0;
+                [p(0), p(1)]
+            }),
+            cpu_us_per_request: s.cpu_us_per_request.each_ref().map(|v| crate::stats(v).0),
             socket_errors: s.socket_errors,
             non_2xx: s.non_2xx,
             requests: s.requests,
@@ -796,6 +815,7 @@ impl Bench {
             s.process_cpu[m].extend(own);
             s.cpu_us_per_request[m]
                 .push(machine.busy_seconds(run.duration_s) * 1e6 / run.requests.max(1) as f64);
+            s.latency_us[m].push([run.p50_us as f64, run.p99_us as f64]);
             s.peer_cpu[m].extend(peer);
             check_run(c, mode, &run, &before, &after)
                 .with_context(|| format!("{} run{}", mode.name(), daemon_log(running)))?;
@@ -1344,6 +1364,8 @@ pub(crate) fn parse_wrk(stdout: &str) -> Result<WrkRun> {
             "write" => run.write_errors = v,
             "timeout" => run.timeouts = v,
             "status" => run.non_2xx = v,
+            "p50_us" => run.p50_us = v,
+            "p99_us" => run.p99_us = v,
             other => bail!("unknown field {other:?}"),
         }
     }
@@ -1574,6 +1596,23 @@ pub fn markdown(r: &CompareReport) -> String {
         "Kernel conntrack is part of what is compared: iptables and nftables DNAT need nf_conntrack in fp (the NAT binding lives in the connection's conntrack entry; the last column counts fp's entries right after a new-connection run), fastpath keeps its own connection table in a BPF map and leaves nf_conntrack unused in fp, and HAProxy terminates the client's connection in fp's TCP stack and opens its own to the backend (no NAT, no conntrack, but two TCP connections per request). Client retransmits are summed over the measured runs, and so are the packets the host's per-CPU receive backlogs dropped (/proc/net/softnet_stat; a veth with no XDP program queues what it receives there): with both CPUs busy, the kernel's default backlog of 1000 packets overflowed (1.4 million drops counted on this machine over earlier runs of this bench), and every lost SYN stalls its connection for the 1 s retransmission timeout — so the bench raises `net.core.netdev_max_backlog` to {} for its runs (host-wide, set back afterwards), as a box that forwards for a living would. The backends keep no TIME_WAIT (`net.ipv4.tcp_max_tw_buckets` = 0 in their namespaces): the one client address reuses each of its ports every few seconds, and a SYN that meets its tuple's TIME_WAIT from a run of another contender (the direct one dials the backend, the load balancers' clients the VIP, and the client derives the SYN's sequence number and timestamp from a hash of what it dials) was answered with an ACK and retried after 1 s, thousands of times per run for the contenders that ran within a minute after the direct one. Steal is the CPU time the hypervisor gave to other guests during a run, in % of the machine's (/proc/stat): runs it hits go slower whatever the contender. The last column is the CPU the contender's own process took during the runs (user and system time of all its threads, ÷ the run's duration): the fastpath daemon drains the conntrack event ring (the datapath's connection events) and runs the expiry pass on the same 2 CPUs, HAProxy relays every byte through its sockets; the kernel contenders' work happens in softirq context and is not attributed. Versions: {}; {}; {}. The machine's 2 CPUs run everything — wrk, the three nginx, HAProxy's threads (its default: one per CPU) and the kernel's packet processing in every namespace — so these numbers compare the contenders' CPU cost per request on one box rather than what each could do on its own hardware; another engineer's tests may share the machine during a run.\n",
         BACKLOG, r.haproxy, r.iptables, r.nftables
     );
+    let _ = writeln!(
+        md,
+        "Latency and CPU per request, the same runs: wrk's request latency (request sent → response read; a new-connection request includes the connection's handshake), medians over rounds of each run's p50 and p99; and the whole machine's busy CPU time (both CPUs: client, fp, backends) ÷ requests.\n\n| contender | new conn p50 / p99 ms | keep-alive p50 / p99 ms | CPU µs/request: new conn / keep-alive |\n|---|---:|---:|---:|"
+    );
+    for c in &r.contenders {
+        let ms = |l: [f64; 2]| format!("{:.2} / {:.2}", l[0] / 1e3, l[1] / 1e3);
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {:.1} / {:.1} |",
+            c.what,
+            ms(c.latency_us[0]),
+            ms(c.latency_us[1]),
+            c.cpu_us_per_request[0],
+            c.cpu_us_per_request[1]
+        );
+    }
+    let _ = writeln!(md);
     md.push_str(&ha_markdown(r));
     md
 }
@@ -1740,4 +1779,45 @@ mod tests {
         let nft = "table ip fpbench {\n\tchain prerouting {\n\t\tip daddr 10.200.0.100 tcp dport 80 counter packets 42 bytes 2520 dnat to numgen random mod 3 map { 0 : 10.200.10.2 }\n\t}\n}\n";
         assert_eq!(nft_counter_packets(nft), Some(42));
     }
+}
+
+/// The comparison's charts: requests/s with a new connection each, keep-alive requests/s,
+/// throughput.
+pub fn figures(r: &CompareReport) -> Vec<Figure> {
+    let bars = |pick: fn(&ContenderRow) -> &Metric| -> Vec<Bar> {
+        r.contenders
+            .iter()
+            .map(|c| {
+                let m = pick(c);
+                Bar::new(
+                    c.contender.as_str(),
+                    (m.median, m.min, m.max),
+                    c.contender.starts_with("fastpath"),
+                )
+            })
+            .collect()
+    };
+    vec![
+        Figure::bars(
+            "lb_new_connections.svg",
+            "Load balancers: requests/s, a new connection per request",
+            "requests/s",
+            &bars(|c| &c.new_connection_rps),
+            None,
+        ),
+        Figure::bars(
+            "lb_keep_alive.svg",
+            "Load balancers: keep-alive requests/s",
+            "requests/s",
+            &bars(|c| &c.keep_alive_rps),
+            None,
+        ),
+        Figure::bars(
+            "lb_throughput.svg",
+            "Load balancers: throughput of a large file",
+            "Gbit/s",
+            &bars(|c| &c.throughput_gbit_s),
+            None,
+        ),
+    ]
 }

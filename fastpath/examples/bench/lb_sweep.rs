@@ -13,6 +13,7 @@
 
 use std::{fmt::Write as _, time::Duration};
 
+use crate::plot::{Figure, Series};
 use anyhow::{Context as _, Result, bail};
 use fastpath::testkit::{
     fixture::Fixture,
@@ -49,6 +50,10 @@ pub struct SweepRow {
     new_conn_per_s: Spread,
     /// Whole-machine CPU µs per connection (busy CPU time ÷ requests).
     cpu_us_per_conn: Spread,
+    /// wrk's request latency (connection, request, response), medians over rounds of each
+    /// run's p50 and p99, µs.
+    #[serde(default)]
+    latency_us: [f64; 2],
     /// Datagrams/s the backends received; `None` where the contender does not balance UDP.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     udp_pps: Option<Spread>,
@@ -176,6 +181,12 @@ pub fn run(bin: &std::path::Path) -> Result<SweepReport> {
                 cpu_us_per_conn: Spread::of(
                     cell.wrk.cpu_us_per_request[Mode::NewConnection as usize].clone(),
                 ),
+                latency_us: {
+                    let runs = &cell.wrk.latency_us[Mode::NewConnection as usize];
+                    let p =
+                        |i: usize| crate::stats(&runs.iter().map(|l| l[i]).collect::<Vec<_>>()).0;
+                    [p(0), p(1)]
+                },
                 udp_pps: udp(cell.pps),
                 cpu_ns_per_datagram: udp(cell.cpu_ns),
                 udp_loss_pct: udp(cell.loss),
@@ -297,16 +308,18 @@ pub fn markdown(r: &SweepReport) -> String {
     );
     let _ = writeln!(
         md,
-        "| contender | services | new conn/s | CPU µs/conn | UDP datagrams/s | CPU ns/datagram | UDP loss % | setup s |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+        "| contender | services | new conn/s | p50 / p99 ms | CPU µs/conn | UDP datagrams/s | CPU ns/datagram | UDP loss % | setup s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     let opt = |s: &Option<Spread>, d: usize| s.as_ref().map_or("—".to_owned(), |s| s.cell(d));
     for row in &r.rows {
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {:.2} / {:.2} | {} | {} | {} | {} | {} |",
             row.what,
             row.services,
             row.new_conn_per_s.cell(0),
+            row.latency_us[0] / 1e3,
+            row.latency_us[1] / 1e3,
             row.cpu_us_per_conn.cell(1),
             opt(&row.udp_pps, 0),
             opt(&row.cpu_ns_per_datagram, 0),
@@ -378,5 +391,111 @@ fn verdicts(r: &SweepReport) -> String {
         );
     }
     md.push('\n');
+    md
+}
+
+/// The sweep's charts: one line per contender over the service counts.
+pub fn figures(r: &SweepReport) -> Vec<Figure> {
+    if r.rows.is_empty() {
+        return Vec::new();
+    }
+    let series = |pick: fn(&SweepRow) -> Option<&Spread>| -> Vec<Series> {
+        CONTENDERS
+            .iter()
+            .filter_map(|c| {
+                let points: Vec<(f64, f64, f64, f64)> = r
+                    .rows
+                    .iter()
+                    .filter(|row| row.contender == c.key())
+                    .filter_map(|row| {
+                        pick(row).map(|s| (row.services as f64, s.median, s.min, s.max))
+                    })
+                    .collect();
+                (!points.is_empty()).then(|| Series {
+                    name: if *c == Contender::Direct {
+                        "kernel forwarding, no LB".to_owned()
+                    } else {
+                        c.key().to_owned()
+                    },
+                    points,
+                    ours: *c == Contender::Fastpath,
+                })
+            })
+            .collect()
+    };
+    vec![
+        Figure::lines(
+            "sweep_new_connections.svg",
+            "New connections/s over the number of services",
+            "services",
+            "connections/s",
+            &series(|row| Some(&row.new_conn_per_s)),
+        ),
+        Figure::lines(
+            "sweep_udp_pps.svg",
+            "Small UDP datagrams/s over the number of services",
+            "services",
+            "datagrams/s",
+            &series(|row| row.udp_pps.as_ref()),
+        ),
+        Figure::lines(
+            "sweep_cpu_per_connection.svg",
+            "Whole-machine CPU per connection over the number of services",
+            "services",
+            "µs per connection",
+            &series(|row| Some(&row.cpu_us_per_conn)),
+        ),
+    ]
+}
+
+/// The "Where we lose" paragraph: the sweep's targets fastpath missed, and why.
+pub fn where_we_lose(r: &SweepReport) -> String {
+    let mut md = String::new();
+    let Some(&n) = r.services.first() else {
+        return md;
+    };
+    let (Some(fp), Some(ipt), Some(ha)) = (
+        row(r, "fastpath", n),
+        row(r, "iptables", n),
+        row(r, "haproxy", n),
+    ) else {
+        return md;
+    };
+    if let (Some(a), Some(b), Some(ca), Some(cb)) = (
+        &fp.udp_pps,
+        &ipt.udp_pps,
+        &fp.cpu_ns_per_datagram,
+        &ipt.cpu_ns_per_datagram,
+    ) {
+        let ratio = a.median / b.median;
+        if ratio < 2.5 {
+            let direct = row(r, "direct", n).and_then(|d| d.udp_pps.as_ref());
+            let _ = writeln!(
+                md,
+                "Small-UDP packets/s through the load balancer at {n} service: fastpath {:.0}, iptables DNAT {:.0} — {ratio:.2}×, not the 2.5× targeted{}. The measured number is the whole machine's: its 2 CPUs run the generator, fp and the backends' stacks, which receive every datagram; fastpath translates at XDP and, configured as the tests and the demo configure it (no `route = true` on fp's links), hands the packet to the kernel to route, so per datagram it saves the kernel's conntrack and NAT but not its forwarding. Whole-machine CPU per datagram: fastpath {:.0} ns, iptables {:.0} ns ({:.2}×).\n",
+                a.median,
+                b.median,
+                direct.map_or(String::new(), |d| format!(
+                    "; plain kernel forwarding with no load balancer reached {:.0}",
+                    d.median
+                )),
+                ca.median,
+                cb.median,
+                ca.median / cb.median
+            );
+        }
+    }
+    let conn = fp.new_conn_per_s.median / ha.new_conn_per_s.median;
+    if conn < 1.5 {
+        let _ = writeln!(
+            md,
+            "New connections/s at {n} service: fastpath {:.0}, HAProxy {:.0} — {conn:.2}×, not the 1.5× targeted. wrk and the three nginx backends share the 2 CPUs with the load balancer, so connections/s is bounded by them for every contender; what each load balancer costs shows in the CPU per connection: fastpath {:.1} µs, HAProxy {:.1} µs (whole machine, {:.2}×).\n",
+            fp.new_conn_per_s.median,
+            ha.new_conn_per_s.median,
+            fp.cpu_us_per_conn.median,
+            ha.cpu_us_per_conn.median,
+            fp.cpu_us_per_conn.median / ha.cpu_us_per_conn.median
+        );
+    }
     md
 }

@@ -49,9 +49,11 @@ use fastpath::{
     datapath::{CtEventRing, CtTable, open_ct_events_pin},
     testkit::{
         cases::parser_cases,
+        enter_fresh_netns,
         fixture::{Case, Fixture, Seed},
         netns::{PREFIX, example_fastpath_bin, sweep_stale},
         packet::{Pkt, tcp_flags},
+        route_cases::{ROUTE_NETNS_SETUP, RouteIfaces, route_cases},
     },
 };
 use fastpath_common::{
@@ -60,6 +62,7 @@ use fastpath_common::{
     ct::{CtEvent, DEFAULT_TIMEOUTS_S, IFACE_F_CT_XDP, ct_event, ct_stat},
     map_names,
 };
+use plot::{Bar, Figure, embed};
 use serde::{Deserialize, Serialize};
 use tokio::{
     io::{Interest, unix::AsyncFd},
@@ -163,6 +166,9 @@ struct Report {
     rows: Vec<Row>,
     conntrack: Vec<CtRow>,
     conntrack_gc: Vec<GcRow>,
+    /// The L3 stage's ns/packet at FIB sizes.
+    #[serde(default)]
+    route_paths: Vec<CtRow>,
     conntrack_drain: DrainReport,
     service_updates: Vec<UpdateRow>,
     api_changes: api::ApiReport,
@@ -218,6 +224,10 @@ const SECTIONS: &[(&str, &str)] = &[
         "CT hit and miss, the LB rows and the expiry pass",
     ),
     ("lb", "only the LB rows of the conntrack table"),
+    (
+        "route",
+        "ns/packet of the L3 stage with 1k and 1M routes in the FIB",
+    ),
     ("drain", "conntrack events through the ring to a subscriber"),
     ("updates", "apply_services latency at 1 and 10k services"),
     ("api", "config changes through the gRPC API and the CLI"),
@@ -239,6 +249,7 @@ enum Part {
     Parse(Vec<FloorRow>, Vec<Row>),
     Conntrack(Vec<CtRow>, Vec<GcRow>),
     Lb(Vec<CtRow>),
+    Route(Vec<CtRow>),
     Drain(DrainReport),
     Updates(Vec<UpdateRow>),
     Api(api::ApiReport),
@@ -338,6 +349,7 @@ fn measure(section: &str) -> Result<Part> {
             fx.ct_clear()?;
             Part::Lb(rows)
         }
+        "route" => Part::Route(bench_route_paths()?),
         "drain" => Part::Drain(bench_ct_drain(&fixture()?)?),
         "updates" => Part::Updates(bench_service_updates(&mut fixture()?)?),
         "api" => Part::Api(api::run(&daemon_bin_swept()?)?),
@@ -395,6 +407,7 @@ impl Report {
                 self.conntrack.retain(|r| r.backends.is_none());
                 self.conntrack.extend(rows);
             }
+            Part::Route(rows) => self.route_paths = rows,
             Part::Drain(d) => self.conntrack_drain = d,
             Part::Updates(u) => self.service_updates = u,
             Part::Api(a) => self.api_changes = a,
@@ -419,10 +432,28 @@ fn write_docs(root: &Path, report: &Report) -> Result<()> {
         &(serde_json::to_string_pretty(report)? + "\n"),
     )?;
     ha::write_json(&report.ha, &dir.join("ha.json"))?;
+    let figures = figures(report);
+    // Charts no longer drawn go (a renamed one would linger).
+    for entry in fs::read_dir(&dir).with_context(|| format!("listing {}", dir.display()))? {
+        let path = entry?.path();
+        let drawn = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| figures.iter().any(|f| f.file == n));
+        if path.extension().is_some_and(|e| e == "svg") && !drawn {
+            fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+        }
+    }
+    for f in &figures {
+        write(dir.join(&f.file), &f.svg)?;
+    }
     let md = markdown(report);
     write(root.join("docs/BENCHMARKS.md"), &md)?;
     print!("{md}");
-    eprintln!("wrote docs/bench/datapath.json, docs/bench/ha.json and docs/BENCHMARKS.md");
+    eprintln!(
+        "wrote docs/bench/datapath.json, docs/bench/ha.json, {} charts (docs/bench/*.svg) and docs/BENCHMARKS.md",
+        figures.len()
+    );
     Ok(())
 }
 
@@ -675,6 +706,94 @@ fn bench_conntrack(fx: &mut Fixture) -> Result<(Vec<CtRow>, Vec<GcRow>)> {
     Ok((rows, gc_rows))
 }
 
+/// Routes added to the FIB for the routing rows (beside the cases' own handful).
+const ROUTE_SIZES: [u32; 3] = [0, 1_000, 1_000_000];
+/// The routing cases timed (`testkit::route_cases`): (case, what the row shows).
+const ROUTE_CASES: &[(&str, &str)] = &[
+    ("xdp_route_v4_via_a_gateway", "route at XDP: IPv4 via a gateway"),
+    ("xdp_route_v6_via_a_gateway", "route at XDP: IPv6 via a gateway"),
+    ("tc_ingress_route_v4_at_tc", "route at TC ingress: IPv4 via a gateway"),
+];
+
+/// The L3 stage: the routing cases in a namespace prepared by `ROUTE_NETNS_SETUP` (the
+/// datapath asks that namespace's FIB), with 0, 1k and 1M more IPv4 routes (/32s in
+/// 10.16.0.0/12 via the cases' gateway). A routed packet comes out rewritten (MACs, TTL), so
+/// each run is one run ([`time_once_each`], [`LB_RUNS`] of them, each after the floor also run
+/// once), like the LB rows.
+fn bench_route_paths() -> Result<Vec<CtRow>> {
+    thread::spawn(|| -> Result<Vec<CtRow>> {
+        enter_fresh_netns(ROUTE_NETNS_SETUP);
+        let ifindex = |name: &str| {
+            fastpath::config::ifindex(name).with_context(|| format!("no {name} in the namespace"))
+        };
+        let all = route_cases(RouteIfaces {
+            r0: ifindex("r0")?,
+            r1: ifindex("r1")?,
+            r2: ifindex("r2")?,
+        });
+        let mut picked = Vec::new();
+        for (name, what) in ROUTE_CASES {
+            let case = all
+                .iter()
+                .find(|c| c.name == *name)
+                .with_context(|| format!("routing case {name} is not in the fixture table"))?;
+            picked.push((case, *what));
+        }
+        let mut fx = Fixture::new().context("loading the datapath (run as root)")?;
+        let mut rows = Vec::new();
+        let mut routes = 0;
+        for size in ROUTE_SIZES {
+            add_routes(routes, size)?;
+            routes = size;
+            for (case, what) in &picked {
+                // Seeds the maps and checks the case still routes as its table says.
+                fx.evaluate(case)
+                    .map_err(|e| anyhow::anyhow!("{what}, {size} routes: {e}"))?;
+                let path = format!("{what} (repeat = 1)");
+                let (ns, floor) =
+                    time_once_each(&mut fx, &path, std::iter::repeat_n(*case, LB_RUNS))?;
+                rows.push(ct_row(path, size, &ns, &floor));
+            }
+            eprint!("r");
+        }
+        Ok(rows)
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("the routing benchmark's thread panicked"))?
+}
+
+/// Adds the routes `from..to` of the routing rows (10.16.0.0 + i, /32, via 10.2.0.1) to this
+/// thread's namespace with one `ip -batch`.
+fn add_routes(from: u32, to: u32) -> Result<()> {
+    if to <= from {
+        return Ok(());
+    }
+    let mut batch = String::new();
+    let base = u32::from(std::net::Ipv4Addr::new(10, 16, 0, 0));
+    for i in from..to {
+        let _ = writeln!(
+            batch,
+            "route add {}/32 via 10.2.0.1",
+            std::net::Ipv4Addr::from(base + i)
+        );
+    }
+    let dir = std::env::temp_dir().join(format!("fp-bench-routes-{}", std::process::id()));
+    fs::write(&dir, batch).context("writing the routes' batch file")?;
+    let out = Command::new("ip")
+        .args(["-batch"])
+        .arg(&dir)
+        .output()
+        .context("running ip -batch")?;
+    let _ = fs::remove_file(&dir);
+    if !out.status.success() {
+        bail!(
+            "ip -batch adding routes {from}..{to}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
 /// Backend counts of the LB benchmark's one service (Maglev, table auto-sized).
 const LB_BACKENDS: [usize; 3] = [1, 16, 1024];
 /// Runs per LB measurement: each packet runs once (repeat = 1), against a floor also run once.
@@ -700,22 +819,53 @@ fn bench_lb(fx: &mut Fixture) -> Result<Vec<CtRow>> {
     let mut rows = Vec::new();
     for n in LB_BACKENDS {
         fx.ct_clear()?;
-        rows.extend(bench_lb_service(fx, n)?);
+        rows.extend(bench_lb_service(fx, n, LbMode::Nat, 0)?);
         eprint!("l");
+    }
+    // NAT and full-NAT among many connections: the table pre-filled as the load balancer
+    // fills it (connections and their aliases).
+    for mode in [LbMode::Nat, LbMode::FullNat] {
+        for size in CT_SIZES {
+            fx.ct_clear()?;
+            fx.ct_fill_lb(size, monotonic_ns())?;
+            rows.extend(bench_lb_service(fx, LB_TABLE_BACKENDS, mode, size)?);
+            eprint!("l");
+        }
     }
     Ok(rows)
 }
+
+/// How the LB benchmark's service forwards.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum LbMode {
+    /// The destination translated (the default).
+    Nat,
+    /// Source and destination translated: backends answer [`LB_SNAT`].
+    FullNat,
+}
+
+/// Backends of the service measured among many conntrack entries.
+const LB_TABLE_BACKENDS: usize = 16;
+/// The full-NAT service's source address.
+const LB_SNAT: [u8; 4] = [10, 254, 0, 200];
 
 /// One service on 10.254.0.100:80 with `n` backends. The hit rows: the packets of one
 /// established connection, each way, each run once (a translated packet would come back
 /// translated on a repeat); each is first checked to come out translated (to the backend
 /// Maglev picked, and back from the VIP). The new-connection row: `LB_RUNS` SYNs from new
 /// source ports, each run once: service lookup, Maglev pick, conntrack insert, translation.
-fn bench_lb_service(fx: &mut Fixture, n: usize) -> Result<Vec<CtRow>> {
+fn bench_lb_service(fx: &mut Fixture, n: usize, mode: LbMode, filled: u32) -> Result<Vec<CtRow>> {
     let mut toml = format!(
         "[[service]]\nvip = \"{}\"\nport = 80\n",
         std::net::Ipv4Addr::from(LB_VIP)
     );
+    if mode == LbMode::FullNat {
+        let _ = writeln!(
+            toml,
+            "mode = \"full_nat\"\nsnat_address = \"{}\"",
+            std::net::Ipv4Addr::from(LB_SNAT)
+        );
+    }
     for i in 0..n {
         let _ = write!(
             toml,
@@ -733,18 +883,24 @@ fn bench_lb_service(fx: &mut Fixture, n: usize) -> Result<Vec<CtRow>> {
                 .build(),
         )
     };
-    let from_backend = |backend, flags| {
-        case(
-            Pkt::eth()
-                .ipv4(backend, LB_CLIENT)
-                .tcp(8080, 40000, flags)
-                .build(),
-        )
+    // Backends answer the client (NAT) or the source full-NAT gave the connection.
+    let from_backend = |backend, (to, port): ([u8; 4], u16), flags| {
+        case(Pkt::eth().ipv4(backend, to).tcp(8080, port, flags).build())
     };
     let what = format!(
-        "{n} backend{}, Maglev {} slots",
+        "{}{n} backend{}, Maglev {} slots{}",
+        if mode == LbMode::FullNat {
+            "full-NAT, "
+        } else {
+            ""
+        },
         if n == 1 { "" } else { "s" },
-        fastpath::maglev::auto_size(n)
+        fastpath::maglev::auto_size(n),
+        if filled > 0 {
+            format!(", {filled} conntrack entries")
+        } else {
+            String::new()
+        }
     );
     let field = |frame: &[u8], at: usize, len: usize| frame.get(at..at + len).map(<[u8]>::to_vec);
 
@@ -759,10 +915,30 @@ fn bench_lb_service(fx: &mut Fixture, n: usize) -> Result<Vec<CtRow>> {
             syn.output
         );
     };
+    // Where the backend's replies go: the client, or the address and port full-NAT chose.
+    let reply_to = match mode {
+        LbMode::Nat => (LB_CLIENT, 40000),
+        LbMode::FullNat => {
+            let src = field(&syn.output, IP4_SRC, 4).and_then(|a| <[u8; 4]>::try_from(a).ok());
+            let sport = field(&syn.output, L4_SPORT, 2)
+                .and_then(|p| <[u8; 2]>::try_from(p).ok())
+                .map(u16::from_be_bytes);
+            match (src, sport) {
+                (Some(a), Some(p)) if a == LB_SNAT => (a, p),
+                _ => bail!(
+                    "LB benchmark ({what}): the SYN did not come out from the full-NAT address {LB_SNAT:?}; output {:02x?}",
+                    syn.output
+                ),
+            }
+        }
+    };
     // Seeded once, by the SYN's run: the timed runs below leave the maps alone (see
     // `Fixture::rerun_repeat`), as re-seeding a thousand backends between them would evict
     // the caches the datapath runs from.
-    fx.rerun_repeat(&from_backend(backend, tcp_flags::SYN | tcp_flags::ACK), 1)?;
+    fx.rerun_repeat(
+        &from_backend(backend, reply_to, tcp_flags::SYN | tcp_flags::ACK),
+        1,
+    )?;
     fx.rerun_repeat(&to_vip(40000, tcp_flags::ACK), 1)?;
 
     let mut rows = Vec::new();
@@ -775,7 +951,7 @@ fn bench_lb_service(fx: &mut Fixture, n: usize) -> Result<Vec<CtRow>> {
         ),
         (
             "LB hit: backend → client, translated back to the VIP",
-            from_backend(backend, tcp_flags::ACK),
+            from_backend(backend, reply_to, tcp_flags::ACK),
             (IP4_SRC, L4_SPORT),
             (LB_VIP, 80),
         ),
@@ -803,7 +979,7 @@ fn bench_lb_service(fx: &mut Fixture, n: usize) -> Result<Vec<CtRow>> {
         let (ns, floor) = time_once_each(fx, &path, std::iter::repeat_n(&c, LB_RUNS))?;
         rows.push(CtRow {
             backends: Some(n),
-            ..ct_row(path, 1, &ns, &floor)
+            ..ct_row(path, filled.max(1), &ns, &floor)
         });
     }
 
@@ -1264,6 +1440,7 @@ fn markdown(r: &Report) -> String {
         );
     }
     let _ = writeln!(md);
+    md.push_str(&embed(&parse_figures(r)));
     let _ = writeln!(
         md,
         "Every path above parses the packet into the per-CPU packet context, passes the conntrack stage (the interface does not track here: see the Conntrack section for tracked packets), counts the packet once in the per-CPU stats map under (hook, verdict, reason) and hands it to the kernel: no forwarding stage exists yet.\n"
@@ -1282,12 +1459,17 @@ fn markdown(r: &Report) -> String {
     );
     let _ = writeln!(
         md,
-        "LB rows: one service on a VIP (NAT mode, Maglev, table auto-sized) with {} backends. LB hit: the packets of one established connection, each way, {LB_RUNS} calls of one run each (repeat = 1: a repeat would see its own translated packet), each right after the floor also run once; each packet is first checked to come out translated (to the backend Maglev picked, back from the VIP). The hit path does not depend on the backend count (the connection's entry holds its backend); the new-connection rows, {LB_RUNS} SYNs from new source ports each run once, are where the service lookup, the Maglev pick and the conntrack insert happen. The maps are seeded once per backend count, not between the timed calls (re-applying a thousand backends between them would time a datapath whose caches the seeding just evicted). Table entries: the count when the measurement starts.\n",
+        "LB rows: one service on a VIP (NAT mode, Maglev, table auto-sized) with {} backends. LB hit: the packets of one established connection, each way, {LB_RUNS} calls of one run each (repeat = 1: a repeat would see its own translated packet), each right after the floor also run once; each packet is first checked to come out translated (to the backend Maglev picked, back from the VIP). The hit path does not depend on the backend count (the connection's entry holds its backend); the new-connection rows, {LB_RUNS} SYNs from new source ports each run once, are where the service lookup, the Maglev pick and the conntrack insert happen. Then one service of {LB_TABLE_BACKENDS} backends in NAT and in full-NAT mode (`snat_address`: both addresses translated, the backend answering the address and port full-NAT chose) with the table pre-filled with {} entries as the load balancer fills it (connections and their aliases). The maps are seeded once per backend count, not between the timed calls (re-applying a thousand backends between them would time a datapath whose caches the seeding just evicted). Table entries: the count when the measurement starts.\n",
         LB_BACKENDS
             .iter()
             .map(|n| n.to_string())
             .collect::<Vec<_>>()
-            .join(", ")
+            .join(", "),
+        CT_SIZES
+            .iter()
+            .map(|n| n.to_string())
+            .collect::<Vec<_>>()
+            .join(" and ")
     );
     let _ = writeln!(
         md,
@@ -1307,14 +1489,21 @@ fn markdown(r: &Report) -> String {
         );
     }
     let _ = writeln!(md);
+    md.push_str(&embed(&conntrack_figures(r)));
+    md.push_str(&route_paths_markdown(r));
     md.push_str(&gc_markdown(&r.conntrack_gc));
     md.push_str(&drain_markdown(&r.conntrack_drain));
     md.push_str(&updates_markdown(&r.service_updates));
     md.push_str(&api::markdown(&r.api_changes));
+    md.push_str(&embed(&api::figures(&r.api_changes)));
     md.push_str(&lb_compare::markdown(&r.lb_compare));
+    md.push_str(&embed(&lb_compare::figures(&r.lb_compare)));
     md.push_str(&lb_sweep::markdown(&r.lb_sweep));
+    md.push_str(&embed(&lb_sweep::figures(&r.lb_sweep)));
     md.push_str(&route_compare::markdown(&r.route_compare));
+    md.push_str(&embed(&route_compare::figures(&r.route_compare)));
     md.push_str(&overlay_compare::markdown(&r.overlay_compare));
+    md.push_str(&embed(&overlay_compare::figures(&r.overlay_compare)));
     md.push_str(&ha::markdown(&r.ha));
     let _ = writeln!(md, "## Where we lose\n");
     let floor_xdp = r
@@ -1340,6 +1529,7 @@ fn markdown(r: &Report) -> String {
         );
     }
     md.push_str(&lb_compare::where_we_lose(&r.lb_compare));
+    md.push_str(&lb_sweep::where_we_lose(&r.lb_sweep));
     if missed.is_empty() {
         let _ = writeln!(
             md,
@@ -1359,12 +1549,155 @@ fn markdown(r: &Report) -> String {
             }
         );
     }
-    let _ = writeln!(md, "## How to reproduce\n\n```sh\ncargo xtask bench\n```\n");
+    let _ = writeln!(
+        md,
+        "## How to reproduce\n\nOn a machine like the one above (root, Linux with BPF, XDP and network namespaces; the command installs its toolchains and Debian packages itself):\n\n```sh\ncargo xtask bench                 # every section: about 70 minutes; rewrites docs/bench/ and this file\ncargo xtask bench -- lb-sweep     # one section; the others' committed results are kept\ncargo xtask bench -- --render     # this file and the charts from docs/bench/*.json alone\ncargo xtask bench -- --help       # the sections\n```\n\nSections: {}. Each section records the commit and date it was measured at (the table at the top when they differ). Compare a fresh run with this report by its medians and spreads: on this kind of machine a median moves within the min–max range shown, not beyond it; measure both sides of a comparison in one run.\n",
+        SECTIONS
+            .iter()
+            .map(|(name, _)| format!("`{name}`"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     let _ = writeln!(
         md,
         "Noise: this shared 2-CPU VM alternates between a fast state (empty-program floor 29–31 ns) and a slow one (34–36 ns) that lasts minutes; in the slow state every path\u{2019}s cost over the floor grows by about half, so rows near the target flip between met and missed from run to run. Compare medians measured in one run, never across runs."
     );
     md
+}
+
+/// The L3 stage's rows.
+fn route_paths_markdown(r: &Report) -> String {
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "### Routing (L3 stage)\n\nThe routing fixture cases (`testkit::route_cases`) in a namespace of their own (`ROUTE_NETNS_SETUP`: the datapath asks its FIB with `bpf_fib_lookup`), with {} more IPv4 routes (/32s in 10.16.0.0/12 via the cases' gateway) beside the cases' own handful. A routed frame comes out rewritten (MAC addresses, TTL), so each timed run is one run, {LB_RUNS} of them, each right after the empty program also run once (repeat = 1: its floor includes the kernel's per-call timing, as in the LB rows). Each case is first checked against its fixture expectation (forwarded, reason `routed`, the expected frame).\n",
+        ROUTE_SIZES
+            .iter()
+            .map(|n| n.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let _ = writeln!(
+        md,
+        "| path | routes added | median ns | min–max ns | floor ns | over floor ns |\n|---|---:|---:|---:|---:|---:|"
+    );
+    for c in &r.route_paths {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {:.1} | {:.1}–{:.1} | {:.1} | {:+.1} |",
+            c.path,
+            c.table_entries,
+            c.median_ns,
+            c.min_ns,
+            c.max_ns,
+            c.floor_median_ns,
+            c.over_floor_ns
+        );
+    }
+    if r.route_paths.is_empty() {
+        let _ = writeln!(
+            md,
+            "| not measured yet: `cargo xtask bench -- route` | | | | | |"
+        );
+    }
+    md.push('\n');
+    md
+}
+
+/// Every chart of the report.
+fn figures(r: &Report) -> Vec<Figure> {
+    let mut all = parse_figures(r);
+    all.extend(conntrack_figures(r));
+    all.extend(api::figures(&r.api_changes));
+    all.extend(lb_compare::figures(&r.lb_compare));
+    all.extend(lb_sweep::figures(&r.lb_sweep));
+    all.extend(route_compare::figures(&r.route_compare));
+    all.extend(overlay_compare::figures(&r.overlay_compare));
+    all
+}
+
+/// The XDP floor's median, ns.
+fn xdp_floor(r: &Report) -> f64 {
+    r.floors
+        .iter()
+        .find(|f| f.hook == "xdp")
+        .map_or(f64::NAN, |f| f.median_ns)
+}
+
+/// The parse-only paths next to the empty XDP program.
+fn parse_figures(r: &Report) -> Vec<Figure> {
+    let bars: Vec<Bar> = r
+        .rows
+        .iter()
+        .map(|row| {
+            Bar::new(
+                row.what.as_str(),
+                (row.median_ns, row.min_ns, row.max_ns),
+                true,
+            )
+        })
+        .collect();
+    vec![Figure::bars(
+        "ns_parse.svg",
+        "Parse-only paths: ns/packet (BPF_PROG_TEST_RUN)",
+        "ns/packet",
+        &bars,
+        Some(("empty XDP program", xdp_floor(r))),
+    )]
+}
+
+/// Conntrack and LB paths: their cost over the empty program measured with them (repeat = 1
+/// rows carry the kernel's per-call timing in their floor), against the floor itself — the
+/// CT-hit target (within 2× the floor) is met where its bar stays left of the line.
+fn conntrack_figures(r: &Report) -> Vec<Figure> {
+    let bars: Vec<Bar> = r
+        .conntrack
+        .iter()
+        .map(|c| {
+            let what = c.path.split(':').next().unwrap_or(&c.path);
+            let label = match c.backends {
+                Some(n) => {
+                    let dir = if c.path.contains("backend → client") {
+                        " back"
+                    } else {
+                        ""
+                    };
+                    format!("{what}{dir}, {n} backend{}", if n == 1 { "" } else { "s" })
+                }
+                None => format!("{what}, {} entries", c.table_entries),
+            };
+            Bar::new(label, (c.over_floor_ns, f64::NAN, f64::NAN), true)
+        })
+        .collect();
+    let route: Vec<Bar> = r
+        .route_paths
+        .iter()
+        .map(|c| {
+            let what = c.path.split(" (").next().unwrap_or(&c.path);
+            Bar::new(
+                format!("{what}, +{} routes", c.table_entries),
+                (c.over_floor_ns, f64::NAN, f64::NAN),
+                true,
+            )
+        })
+        .collect();
+    let mut figures = vec![Figure::bars(
+        "ns_conntrack_lb.svg",
+        "Conntrack and LB paths: ns/packet over the empty-program floor",
+        "ns over the floor",
+        &bars,
+        Some(("floor (CT hit target: below)", xdp_floor(r))),
+    )];
+    if !route.is_empty() {
+        figures.push(Figure::bars(
+            "ns_route.svg",
+            "L3 stage: ns/packet over the empty-program floor by FIB size",
+            "ns over the floor",
+            &route,
+            None,
+        ));
+    }
+    figures
 }
 
 /// The machine, and which commit each section was measured at (one line when a full run

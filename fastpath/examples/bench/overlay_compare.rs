@@ -28,6 +28,7 @@
 
 use std::{fmt::Write as _, fs, time::Instant};
 
+use crate::plot::{Bar, Figure};
 use anyhow::{Context as _, Result, bail};
 use fastpath::{
     stats::StatsSnapshot,
@@ -507,4 +508,49 @@ fn setting_markdown(md: &mut String, r: &OverlaySetting) {
         );
     }
     md.push('\n');
+}
+
+/// The overlay comparison's charts: requests/s and TCP throughput, every contender in every
+/// node setting.
+pub fn figures(r: &OverlayReport) -> Vec<Figure> {
+    let bars = |pick: fn(&OverlayRow) -> &Spread| -> Vec<Bar> {
+        r.settings
+            .iter()
+            .flat_map(|setting| {
+                setting.rows.iter().map(move |row| {
+                    let s = pick(row);
+                    let nodes = match setting.nodes {
+                        Nodes::Bare => "bare nodes",
+                        Nodes::Flannel => "Flannel nodes",
+                    };
+                    let hook = match row.contender {
+                        Contender::Kernel => "kernel vxlan",
+                        Contender::Fastpath => "fastpath at XDP",
+                        Contender::FastpathTc => "fastpath at TC",
+                    };
+                    Bar::new(
+                        format!("{hook}, {nodes}"),
+                        (s.median, s.min, s.max),
+                        row.contender != Contender::Kernel,
+                    )
+                })
+            })
+            .collect()
+    };
+    vec![
+        Figure::bars(
+            "overlay_rr.svg",
+            "VXLAN overlay: pod-to-pod requests/s",
+            "requests/s",
+            &bars(|row| &row.rr_per_s),
+            None,
+        ),
+        Figure::bars(
+            "overlay_tcp.svg",
+            "VXLAN overlay: pod-to-pod TCP throughput",
+            "Gbit/s",
+            &bars(|row| &row.tcp_gbit_s),
+            None,
+        ),
+    ]
 }

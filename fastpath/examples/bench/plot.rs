@@ -36,6 +36,69 @@ const SMALL: &str = r#"font-size="11""#;
 /// Line attributes of the reference line.
 const DASHED: &str = r#" stroke-dasharray="5 3""#;
 
+/// A chart written to docs/bench/`file` and shown in docs/BENCHMARKS.md under `title`.
+pub(crate) struct Figure {
+    pub(crate) file: String,
+    pub(crate) title: String,
+    pub(crate) svg: String,
+}
+
+impl Figure {
+    pub(crate) fn bars(
+        file: &str,
+        title: &str,
+        unit: &str,
+        bars: &[Bar],
+        reference: Option<(&str, f64)>,
+    ) -> Figure {
+        Figure {
+            file: file.to_owned(),
+            title: title.to_owned(),
+            svg: bar_chart(title, unit, bars, reference),
+        }
+    }
+
+    pub(crate) fn lines(
+        file: &str,
+        title: &str,
+        x_label: &str,
+        y_label: &str,
+        series: &[Series],
+    ) -> Figure {
+        Figure {
+            file: file.to_owned(),
+            title: title.to_owned(),
+            svg: line_chart(title, x_label, y_label, series, true),
+        }
+    }
+}
+
+/// The Markdown that shows `figures` (docs/BENCHMARKS.md links docs/bench/).
+pub(crate) fn embed(figures: &[Figure]) -> String {
+    let mut md = String::new();
+    for f in figures {
+        let _ = writeln!(md, "![{}](bench/{})\n", f.title, f.file);
+    }
+    md
+}
+
+impl Bar {
+    /// A bar from a median and its spread.
+    pub(crate) fn new(
+        label: impl Into<String>,
+        (median, min, max): (f64, f64, f64),
+        ours: bool,
+    ) -> Bar {
+        Bar {
+            label: label.into(),
+            median,
+            min,
+            max,
+            ours,
+        }
+    }
+}
+
 /// One bar: a median with its min–max spread over rounds.
 #[derive(Debug, Clone)]
 pub(crate) struct Bar {

@@ -18,6 +18,7 @@
 
 use std::{fmt::Write as _, fs, path::Path, time::Duration};
 
+use crate::plot::{Bar, Figure};
 use anyhow::{Context as _, Result, bail};
 use fastpath::testkit::netns::{
     Daemon, DaemonConfig, HookedInterface, Netns, TempDir, Topology, VethEnd, find_tools,
@@ -552,4 +553,37 @@ pub fn markdown(r: &RouteReport) -> String {
 /// Per round, `f` of a contender's sample ÷ `f` of the baseline's sample of the same round.
 pub fn round_ratios<S>(of: &[S], base: &[S], f: fn(&S) -> f64) -> Vec<f64> {
     of.iter().zip(base).map(|(x, b)| f(x) / f(b)).collect()
+}
+
+/// The routing comparison's charts: datagrams/s and requests/s.
+pub fn figures(r: &RouteReport) -> Vec<Figure> {
+    let bars = |pick: fn(&RouteRow) -> &Spread| -> Vec<Bar> {
+        r.rows
+            .iter()
+            .map(|row| {
+                let s = pick(row);
+                Bar::new(
+                    row.what.as_str(),
+                    (s.median, s.min, s.max),
+                    row.contender != Contender::Kernel,
+                )
+            })
+            .collect()
+    };
+    vec![
+        Figure::bars(
+            "route_pps.svg",
+            "Routing: 64-byte UDP datagrams/s",
+            "datagrams/s",
+            &bars(|row| &row.udp_pps),
+            None,
+        ),
+        Figure::bars(
+            "route_rr.svg",
+            "Routing: keep-alive requests/s",
+            "requests/s",
+            &bars(|row| &row.rr_per_s),
+            None,
+        ),
+    ]
 }
