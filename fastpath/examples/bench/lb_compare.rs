@@ -395,6 +395,10 @@ pub(crate) struct Bench {
     dir: TempDir,
     /// The receive backlog raised for the runs; restored when the bench ends.
     _backlog: Backlog,
+    /// fastpath routes what it translates at XDP (`route = true` on fp's links) instead of
+    /// handing it to the kernel to route. On veth this needs NAPI (GRO) on the links' far
+    /// ends, which the caller turns on.
+    pub(crate) routes_in_fast_path: bool,
 }
 
 /// Packets the per-CPU receive backlog holds during the runs (`net.core.netdev_max_backlog`,
@@ -710,6 +714,7 @@ impl Bench {
             tls: crate::ha::write_tls(&dir),
             dir,
             _backlog: backlog,
+            routes_in_fast_path: false,
         })
     }
 
@@ -919,6 +924,11 @@ impl Bench {
                     }
                 }
                 let mut config = self.lb.fp_config(&unique_pin_dir("lbcmp")).services(&toml);
+                if self.routes_in_fast_path {
+                    for iface in self.lb.fp_interfaces() {
+                        config = config.interface_key(&iface, "route = true");
+                    }
+                }
                 // The HA contender: node B first (same service, attached to its end of the
                 // sync link), then A with `[ha]`; B must hold A's snapshot before the runs.
                 let peer = if c == Contender::FastpathHa {
