@@ -17,15 +17,9 @@
 use fastpath::testkit::{
     fixture::{Case, CounterDelta, Fixture, Seed, raw_verdict},
     require_root,
-    vxlan_cases::{
-        Captures, N0_MAC, Overlay, REMOTE, Underlay, VNI, VXLAN0_MAC, outer_masked, to_hex,
-    },
+    vxlan_cases::{Captures, N0_MAC, Overlay, REMOTE, Underlay, node_seed, outer_masked, to_hex},
 };
-use fastpath_common::{
-    Hook, Verdict,
-    ct::{IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IFACE_F_VXLAN, IFACE_F_VXLAN_UNDERLAY, IfaceConfig},
-    reason,
-};
+use fastpath_common::{Hook, Verdict, reason};
 
 fn ifindex(name: &str) -> u32 {
     fastpath::config::ifindex(name).unwrap_or_else(|| panic!("no interface {name}"))
@@ -73,7 +67,7 @@ fn vxlan_encap_and_decap_match_the_kernels_own_packets() {
     require_root("vxlan_fixtures");
     let (overlay, kept) = captures(Underlay::V4);
     let n0 = ifindex("n0");
-    let seed = seed(Hook::Xdp, &overlay);
+    let seed = node_seed(Hook::Xdp, &overlay);
     let mut fx = Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));
     let (learn, encap) = encap_and_decap(&mut fx, &seed, &kept, Hook::Xdp);
     let check = |fx: &mut Fixture, c: &Case| {
@@ -227,37 +221,6 @@ fn captures(underlay: Underlay) -> (Overlay, Captures) {
         to_hex(&fresh.encap_out)
     );
     (overlay, kept)
-}
-
-/// The node's interfaces as the daemon configures them, routing at `hook` (XDP, or TC
-/// ingress with XDP off).
-fn seed(hook: Hook, overlay: &Overlay) -> Seed {
-    let route = if hook == Hook::Xdp {
-        IFACE_F_ROUTE
-    } else {
-        IFACE_F_ROUTE_TC
-    };
-    let mut seed = Seed::default()
-        .with_iface_config(
-            ifindex("n0"),
-            IfaceConfig {
-                flags: route,
-                mac: N0_MAC,
-                ..IfaceConfig::default()
-            },
-        )
-        .with_iface(ifindex("und0"), IFACE_F_VXLAN_UNDERLAY)
-        .with_iface_config(
-            ifindex("vxlan0"),
-            IfaceConfig {
-                flags: IFACE_F_VXLAN | IFACE_F_ROUTE | IFACE_F_ROUTE_TC,
-                mac: VXLAN0_MAC,
-                ..IfaceConfig::default()
-            },
-        );
-    seed.vxlan_nets = vec![(VNI, overlay.net())];
-    seed.config.flags |= fastpath_common::stats::CONFIG_F_VXLAN;
-    seed
 }
 
 /// At `hook`, on a fixture with nothing learned: decapsulation gives the kernel's routed
@@ -464,7 +427,7 @@ fn vxlan_at_tc_ingress_matches_the_kernels_own_packets() {
     let mut fx = Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));
     encap_and_decap(
         &mut fx,
-        &seed(Hook::TcIngress, &overlay),
+        &node_seed(Hook::TcIngress, &overlay),
         &kept,
         Hook::TcIngress,
     );
@@ -478,7 +441,7 @@ fn vxlan_over_an_ipv6_underlay_matches_the_kernels_own_packets() {
     let (overlay, kept) = captures(Underlay::V6);
     for hook in [Hook::Xdp, Hook::TcIngress] {
         let mut fx = Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));
-        encap_and_decap(&mut fx, &seed(hook, &overlay), &kept, hook);
+        encap_and_decap(&mut fx, &node_seed(hook, &overlay), &kept, hook);
     }
     eprintln!(
         "VXLAN fixtures over IPv6: decapsulation byte-exact at XDP (at TC the kernel's), encapsulation byte-exact but for the outer source port at both ({} and {} bytes)",

@@ -24,10 +24,15 @@
 
 use std::{path::PathBuf, time::Duration};
 
-use fastpath_common::{Hook, vxlan::VxlanNet};
+use fastpath_common::{
+    Hook,
+    ct::{IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IFACE_F_VXLAN, IFACE_F_VXLAN_UNDERLAY, IfaceConfig},
+    vxlan::VxlanNet,
+};
 
 use super::{
     capture::{Direction, PacketSocket},
+    fixture::Seed,
     netns::{DaemonConfig, HookedInterface, Netns, NetnsError, Topology, VethEnd, unique_pin_dir},
     packet::{Ipv4, Pkt},
 };
@@ -405,6 +410,41 @@ fn overlay_config(
         None => config = config.interface_key("pod0", "conntrack = false"),
     }
     config
+}
+
+/// The node's interfaces as the daemon configures them, routing at `hook` (XDP, or TC
+/// ingress with XDP off), in the node namespace [`Overlay::build`] put this thread in.
+/// Panics if an interface is missing.
+pub fn node_seed(hook: Hook, overlay: &Overlay) -> Seed {
+    let ifindex = |name: &str| {
+        crate::config::ifindex(name).unwrap_or_else(|| panic!("no interface {name} in the node"))
+    };
+    let route = if hook == Hook::Xdp {
+        IFACE_F_ROUTE
+    } else {
+        IFACE_F_ROUTE_TC
+    };
+    let mut seed = Seed::default()
+        .with_iface_config(
+            ifindex("n0"),
+            IfaceConfig {
+                flags: route,
+                mac: N0_MAC,
+                ..IfaceConfig::default()
+            },
+        )
+        .with_iface(ifindex("und0"), IFACE_F_VXLAN_UNDERLAY)
+        .with_iface_config(
+            ifindex("vxlan0"),
+            IfaceConfig {
+                flags: IFACE_F_VXLAN | IFACE_F_ROUTE | IFACE_F_ROUTE_TC,
+                mac: VXLAN0_MAC,
+                ..IfaceConfig::default()
+            },
+        );
+    seed.vxlan_nets = vec![(VNI, overlay.net())];
+    seed.config.flags |= fastpath_common::stats::CONFIG_F_VXLAN;
+    seed
 }
 
 impl Overlay {
