@@ -792,7 +792,7 @@ fn bench_route_paths() -> Result<Vec<CtRow>> {
 /// one run ([`time_once_each`]).
 fn bench_vxlan_paths() -> Result<Vec<CtRow>> {
     use fastpath::testkit::{
-        fixture::raw_verdict,
+        fixture::{CounterDelta, raw_verdict},
         vxlan_cases::{Captures, Overlay, Underlay, node_seed},
     };
     use fastpath_common::{Verdict, reason};
@@ -820,6 +820,13 @@ fn bench_vxlan_paths() -> Result<Vec<CtRow>> {
             };
             let decap = Case {
                 expect_output: Some(kept.decap_out.clone()),
+                expect_counters: vec![CounterDelta::new(
+                    hook,
+                    Verdict::Forward,
+                    reason::VXLAN_DECAP,
+                    1,
+                    kept.decap_in.len() as u64,
+                )],
                 ..case("decap", hook, Verdict::Forward, &kept.decap_in, und0)
             };
             fx.evaluate(&decap)
