@@ -293,7 +293,9 @@ fn main() -> Result<()> {
         }
         ["--render"] => {
             let report = Report::load(&root)?;
-            return write_docs(&root, &report);
+            write_docs(&root, &report)?;
+            print!("{}", markdown(&report));
+            return Ok(());
         }
         ["--only", section] | [section] => Some(section.to_owned()),
         _ => bail!("unknown arguments {args:?}; {}", usage()),
@@ -305,13 +307,21 @@ fn main() -> Result<()> {
                     "FP_BENCH_CONTENDERS is for `bench lb-compare` while developing: a full run measures every contender; unset it"
                 );
             }
-            let mut report = Report::default();
+            // Written after every section, over the committed results (if any): a run
+            // stopped halfway leaves the sections it measured, each with its commit.
+            let mut report = if root.join("docs/bench/datapath.json").exists() {
+                Report::load(&root)?
+            } else {
+                Report::default()
+            };
             // `lb` is part of `conntrack`.
             for (name, _) in SECTIONS.iter().filter(|(name, _)| *name != "lb") {
                 let started = machine();
                 report.set(name, started, measure(name)?);
+                write_docs(&root, &report)?;
             }
-            report
+            print!("{}", markdown(&report));
+            return Ok(());
         }
         Some(section) => {
             if !SECTIONS.iter().any(|(name, _)| *name == section) {
@@ -336,7 +346,9 @@ fn main() -> Result<()> {
         }
     };
     eprintln!();
-    write_docs(&root, &report)
+    write_docs(&root, &report)?;
+    print!("{}", markdown(&report));
+    Ok(())
 }
 
 /// Measures one section.
@@ -461,7 +473,6 @@ fn write_docs(root: &Path, report: &Report) -> Result<()> {
     }
     let md = markdown(report);
     write(root.join("docs/BENCHMARKS.md"), &md)?;
-    print!("{md}");
     eprintln!(
         "wrote docs/bench/datapath.json, docs/bench/ha.json, {} charts (docs/bench/*.svg) and docs/BENCHMARKS.md",
         figures.len()
