@@ -14,7 +14,7 @@
 
 use aya_ebpf::{
     bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
-    helpers::bpf_ktime_get_ns,
+    helpers::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
 };
 use fastpath_common::{
     Hook,
@@ -178,8 +178,11 @@ pub fn track(
     let src_is_lo = key.normalize();
     count(ct_stat::LOOKUPS);
     let key: &CtKey = key;
-    // SAFETY: bpf_ktime_get_ns has no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    // The coarse monotonic clock: the last tick's time (jiffies' resolution, as Linux's own
+    // conntrack keeps time), a read instead of a clock-source read per packet; userspace
+    // compares it with CLOCK_MONOTONIC, which it trails by at most one tick.
+    // SAFETY: bpf_ktime_get_coarse_ns has no preconditions.
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
     let lb_here = hook == Hook::Xdp && is_tcp_udp;
     let mut hit = FP_CT.get_ptr_mut(&key);
     if lb_here
@@ -431,12 +434,12 @@ fn lb_create(
     let sport = if dsr {
         0
     } else if full {
-        match alloc_port(alias, snat_is_lo, svc, key, back, now) {
+        match alloc_port(alias, snat_is_lo, svc, key, back) {
             Ok(port) => port,
             Err(code) => return Action::Drop(code),
         }
     } else {
-        if !insert(alias, back, now) && !(replace_ended(alias) && insert(alias, back, now)) {
+        if !insert(alias, back) && !(replace_ended(alias) && insert(alias, back)) {
             // Without the alias the replies could not be translated: no connection at all.
             count(ct_stat::INSERT_FAILED);
             return Action::Drop(reason::LB_TABLE_FULL);
@@ -463,7 +466,7 @@ fn lb_create(
     entry.packets[DIR_ORIGINAL] = 1;
     entry.bytes[DIR_ORIGINAL] = len as u64;
     let entry: &CtEntry = entry;
-    if !insert(key, entry, now) {
+    if !insert(key, entry) {
         if !dsr {
             let _ = FP_CT.remove(alias);
         }
@@ -472,7 +475,7 @@ fn lb_create(
     }
     let _ = FP_CT_NEW.push(key, BPF_EXIST);
     count(ct_stat::NEW);
-    emit(key, ct_event::NEW, entry, now);
+    emit(key, ct_event::NEW, entry, event_ns());
     lb::count(svc.id, idx, len, true);
     lb::opened(idx);
     nat(
@@ -503,7 +506,6 @@ fn alloc_port(
     svc: &Service,
     key: &CtKey,
     back: &CtEntry,
-    now: u64,
 ) -> Result<u16, u32> {
     let lo = u32::from(svc.snat_port_lo);
     if svc.snat_port_hi < svc.snat_port_lo {
@@ -536,7 +538,7 @@ fn alloc_port(
     }
     if full {
         // The table is full, not the port range: make room once for this port.
-        if early_drop(now) && FP_CT.insert(&*alias, back, BPF_NOEXIST).is_ok() {
+        if early_drop() && FP_CT.insert(&*alias, back, BPF_NOEXIST).is_ok() {
             return Ok(port);
         }
         count(ct_stat::INSERT_FAILED);
@@ -691,9 +693,9 @@ fn remove_replicated(key: &CtKey, origin: u32) -> bool {
 
 /// Inserts a new entry, making room by early drop when the table is full.
 #[inline(always)]
-fn insert(key: &CtKey, entry: &CtEntry, now: u64) -> bool {
+fn insert(key: &CtKey, entry: &CtEntry) -> bool {
     FP_CT.insert(key, entry, BPF_NOEXIST).is_ok()
-        || (early_drop(now) && FP_CT.insert(key, entry, BPF_NOEXIST).is_ok())
+        || (early_drop() && FP_CT.insert(key, entry, BPF_NOEXIST).is_ok())
 }
 
 /// A backend's reply, found through the alias: steps the connection's own entry (client ↔
@@ -1001,7 +1003,7 @@ fn create(
     entry.packets[DIR_ORIGINAL] = 1;
     entry.bytes[DIR_ORIGINAL] = len as u64;
     let entry: &CtEntry = entry;
-    if !insert(key, entry, now) {
+    if !insert(key, entry) {
         count(ct_stat::INSERT_FAILED);
         return Some(reason::FW_TABLE_FULL);
     }
@@ -1009,14 +1011,14 @@ fn create(
     // entry is then simply never dropped early (it still expires).
     let _ = FP_CT_NEW.push(key, BPF_EXIST);
     count(ct_stat::NEW);
-    emit(key, ct_event::NEW, entry, now);
+    emit(key, ct_event::NEW, entry, event_ns());
     None
 }
 
 /// Makes room in a full table: removes the oldest entry that is still unassured. False if
 /// none was found within `EARLY_DROP_TRIES` candidates.
 #[inline(always)]
-fn early_drop(now: u64) -> bool {
+fn early_drop() -> bool {
     for _ in 0..EARLY_DROP_TRIES {
         let Ok(Some(victim)) = FP_CT_NEW.pop() else {
             return false;
@@ -1035,7 +1037,7 @@ fn early_drop(now: u64) -> bool {
                 lb::closed(e.nat.backend);
             }
             count(ct_stat::EARLY_DROP);
-            emit(&victim, ct_event::EARLY_DROP, &e, now);
+            emit(&victim, ct_event::EARLY_DROP, &e, event_ns());
             return true;
         }
     }
@@ -1087,7 +1089,7 @@ fn update(
                 e.state = tcp_state::SYN_SENT;
                 dir = DIR_ORIGINAL;
                 count(ct_stat::REOPENED);
-                emit(key, ct_event::NEW, e, now);
+                emit(key, ct_event::NEW, e, event_ns());
                 let _ = FP_CT_NEW.push(key, BPF_EXIST);
             }
             TcpStep::To(s) => {
@@ -1096,7 +1098,7 @@ fn update(
                     // Linux: "if only reply is a RST, we can consider ourselves not to have an
                     // established connection" — the entry goes at once.
                     count(ct_stat::KILLED);
-                    emit(key, ct_event::KILLED, e, now);
+                    emit(key, ct_event::KILLED, e, event_ns());
                     if e.flags & CT_F_LB != 0 && !closed(was) {
                         lb::closed(e.nat.backend);
                     }
@@ -1111,11 +1113,11 @@ fn update(
                     && set_flag(e, CT_F_ASSURED)
                 {
                     count(ct_stat::ASSURED);
-                    emit(key, ct_event::ESTABLISHED, e, now);
+                    emit(key, ct_event::ESTABLISHED, e, event_ns());
                 }
                 if closed(s) && !closed(was) {
                     count(ct_stat::CLOSED);
-                    emit(key, ct_event::CLOSED, e, now);
+                    emit(key, ct_event::CLOSED, e, event_ns());
                     if e.flags & CT_F_LB != 0 {
                         lb::closed(e.nat.backend);
                     }
@@ -1125,7 +1127,7 @@ fn update(
                 // Accepted, so a reply still counts as seen, with its event (as in Linux:
                 // IPCT_REPLY follows any accepted reply), but not accounted.
                 count(ct_stat::IGNORED);
-                mark_replied(key, e, dir, now);
+                mark_replied(key, e, dir);
                 return None;
             }
             TcpStep::Invalid => {
@@ -1142,9 +1144,9 @@ fn update(
         // UDP, as in Linux: replied and still active 2 s after it began is a stream. ICMP
         // echo is never assured.
         count(ct_stat::ASSURED);
-        emit(key, ct_event::ESTABLISHED, e, now);
+        emit(key, ct_event::ESTABLISHED, e, event_ns());
     }
-    mark_replied(key, e, dir, now);
+    mark_replied(key, e, dir);
     let d = dir & 1;
     e.packets[d] += 1;
     e.bytes[d] += len as u64;
@@ -1156,10 +1158,10 @@ fn update(
 /// with a REPLIED event (Linux's IPCT_REPLY) from the CPU whose atomic set it, so every
 /// transition has exactly one event.
 #[inline(always)]
-fn mark_replied(key: &CtKey, e: &mut CtEntry, dir: usize, now: u64) {
+fn mark_replied(key: &CtKey, e: &mut CtEntry, dir: usize) {
     // perf: an atomic or only the first time (a plain read first).
     if dir == DIR_REPLY && e.flags & CT_F_SEEN_REPLY == 0 && set_flag(e, CT_F_SEEN_REPLY) {
-        emit(key, ct_event::REPLIED, e, now);
+        emit(key, ct_event::REPLIED, e, event_ns());
     }
 }
 
@@ -1262,11 +1264,19 @@ fn set_flag(e: &mut CtEntry, flag: u8) -> bool {
     (old >> 8) as u8 & flag == 0
 }
 
+/// An event's timestamp: the precise monotonic clock (events are rare beside packets, and
+/// consecutive events of one connection must be ordered; entries keep the coarse one).
+#[inline(always)]
+fn event_ns() -> u64 {
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    unsafe { bpf_ktime_get_ns() }
+}
+
 /// Writes an event straight into the ring (no stack copy); counts it as lost if full. The
 /// daemon is woken only by events written while the unread data is within
 /// `CT_EVENTS_WAKE_BYTES..CT_EVENTS_WAKE_END`; otherwise it finds them on its drain timer.
 #[inline(always)]
-pub(crate) fn emit(key: &CtKey, kind: u8, e: &CtEntry, now: u64) {
+pub(crate) fn emit(key: &CtKey, kind: u8, e: &CtEntry, ts_ns: u64) {
     let unread = FP_CT_EVENTS.query(u64::from(BPF_RB_AVAIL_DATA));
     let wake = if (CT_EVENTS_WAKE_BYTES..CT_EVENTS_WAKE_END).contains(&unread) {
         BPF_RB_FORCE_WAKEUP
@@ -1286,7 +1296,7 @@ pub(crate) fn emit(key: &CtKey, kind: u8, e: &CtEntry, now: u64) {
     // kind/state/flags and padding, then the 6 words of the NAT binding); CtKey is 5 words and
     // CtNat 6, both 8-aligned. Any bytes are a valid CtEvent.
     unsafe {
-        core::ptr::write_volatile(words, now);
+        core::ptr::write_volatile(words, ts_ns);
         let mut i = 0;
         while i < 5 {
             core::ptr::write_volatile(words.add(1 + i), core::ptr::read_volatile(key_words.add(i)));

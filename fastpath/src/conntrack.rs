@@ -142,7 +142,9 @@ pub fn render(r: &CtRow) -> String {
     line
 }
 
-/// Current CLOCK_MONOTONIC in ns (the clock of bpf_ktime_get_ns).
+/// Current CLOCK_MONOTONIC in ns: the clock of the datapath's event timestamps
+/// (bpf_ktime_get_ns); entries' `created_ns` and `last_seen_ns` come from its coarse form
+/// (bpf_ktime_get_coarse_ns, the last tick's time), which trails it by at most one tick.
 pub fn monotonic_ns() -> u64 {
     // SAFETY: an all-zero timespec is valid; clock_gettime writes into it.
     let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
