@@ -62,6 +62,8 @@ pub mod map_names {
     pub const TC_TAILS: &str = "FP_TC_TAILS";
     /// The routing benchmark generator's frame headers (`bench::BENCH_FRAME_WORDS` words).
     pub const BENCH_FRAME: &str = "FP_BENCH_FRAME";
+    /// The key `bench_ct_lookup` looks up.
+    pub const BENCH_CT_KEY: &str = "FP_BENCH_CT_KEY";
 }
 
 /// Names of the programs in the eBPF object.
@@ -77,6 +79,13 @@ pub mod program_names {
     /// XDP_TX for every frame: the routing benchmark's in-kernel traffic generator
     /// (BPF_PROG_TEST_RUN in live-frames mode); never attached.
     pub const BENCH_XDP_TX: &str = "bench_xdp_tx";
+    /// Drops IPv4 datagrams to `bench::SINK_UDP_PORT` and passes everything else: attached
+    /// by the load-balancer benchmark to the backends' links as a traffic sink, as a
+    /// generator's receiving port (the veth counts the drops).
+    pub const BENCH_XDP_SINK: &str = "bench_xdp_sink";
+    /// One lookup in the conntrack table (of `FP_BENCH_CT_KEY`) and nothing else: the
+    /// benchmark's measure of the hash lookup inside the CT-hit path; never attached.
+    pub const BENCH_CT_LOOKUP: &str = "bench_ct_lookup";
     /// Creates and removes conntrack entries for the daemon, a batch of
     /// [`crate::ct::CtRecord`]s per BPF_PROG_TEST_RUN (HA applies a peer's changes with it);
     /// never attached.
@@ -129,4 +138,7 @@ pub mod bench {
     /// Words of the routing benchmark's generator frame `bench_xdp_tx` restores in every
     /// frame it sends (48 bytes: Ethernet, IPv4 and UDP headers, and some payload).
     pub const BENCH_FRAME_WORDS: usize = 6;
+    /// The UDP port whose IPv4 datagrams `bench_xdp_sink` drops (the discard port, which the
+    /// load-balancer benchmarks send to).
+    pub const SINK_UDP_PORT: u16 = 9;
 }

@@ -466,6 +466,50 @@ pub fn bench_xdp_tx(ctx: XdpContext) -> u32 {
     xdp_action::XDP_TX
 }
 
+/// The conntrack table's lookup of the key in `FP_BENCH_CT_KEY`, and nothing else: the share
+/// of the hash lookup in the CT-hit path, for the benchmark. XDP_PASS when the key is in the
+/// table, XDP_DROP when it is not. Never attached.
+#[xdp]
+pub fn bench_ct_lookup(_ctx: XdpContext) -> u32 {
+    let Some(key) = maps::FP_BENCH_CT_KEY.get(0) else {
+        return xdp_action::XDP_ABORTED;
+    };
+    // SAFETY: the value is only tested for presence, not read.
+    if unsafe { maps::FP_CT.get(key) }.is_some() {
+        xdp_action::XDP_PASS
+    } else {
+        xdp_action::XDP_DROP
+    }
+}
+
+/// A traffic sink for the load-balancer benchmark, attached to the backends' links: drops
+/// IPv4 UDP datagrams to `bench::SINK_UDP_PORT` (no IP options) and passes everything else
+/// (ARP, TCP, ...) to the stack. The veth counts what it dropped (`ethtool -S`: xdp_drops).
+#[xdp]
+pub fn bench_xdp_sink(ctx: XdpContext) -> u32 {
+    if sink_takes(&xdp_packet(&ctx)).is_some() {
+        xdp_action::XDP_DROP
+    } else {
+        xdp_action::XDP_PASS
+    }
+}
+
+/// `Some` for what `bench_xdp_sink` drops.
+#[inline(always)]
+fn sink_takes(pkt: &Packet) -> Option<()> {
+    // verifier: one value at a time with `?` (a tuple of `Option`s let LLVM read an
+    // uninitialised register on a `None` path).
+    let ty: [u8; 2] = pkt.load_now(12)?;
+    let version_ihl: u8 = pkt.load_now(14)?;
+    let proto: u8 = pkt.load_now(23)?;
+    let port: [u8; 2] = pkt.load_now(36)?;
+    (ty == [0x08, 0x00]
+        && version_ihl == 0x45
+        && proto == 17
+        && u16::from_be_bytes(port) == fastpath_common::bench::SINK_UDP_PORT)
+        .then_some(())
+}
+
 /// The daemon's batch writer of conntrack entries: the "packet" is a run of `CtRecord`s,
 /// carried out in order while they are the simple case; returns how many were (see
 /// `conntrack::install`). Run by BPF_PROG_TEST_RUN, one syscall for up to `CT_INSTALL_MAX`

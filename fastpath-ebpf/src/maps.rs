@@ -98,6 +98,10 @@ pub static FP_BENCH_SEQ: Array<u64> = Array::with_max_entries(1, 0);
 #[map(name = "FP_BENCH_FRAME")]
 pub static FP_BENCH_FRAME: Array<[u64; BENCH_FRAME_WORDS]> = Array::with_max_entries(1, 0);
 
+/// The conntrack key `bench_ct_lookup` looks up, written by the benchmark. Not pinned.
+#[map(name = "FP_BENCH_CT_KEY")]
+pub static FP_BENCH_CT_KEY: Array<CtKey> = Array::with_max_entries(1, 0);
+
 /// Services: (VIP, port, protocol) → `Service`, written by the daemon (one value write
 /// switches a service to its new selection table).
 #[map(name = "FP_SVC")]

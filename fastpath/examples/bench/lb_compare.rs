@@ -1249,7 +1249,7 @@ const IPT_CHAIN: &str = "FPBENCH-SVC";
 const IPT_CHAIN_UDP: &str = "FPBENCH-SVC-UDP";
 /// The measured service's UDP port (the backends' discard port: nothing listens, so their
 /// stacks count the datagrams as `Udp NoPorts`).
-pub(crate) const UDP_PORT: u16 = 9;
+pub(crate) const UDP_PORT: u16 = fastpath_common::bench::SINK_UDP_PORT;
 /// Where the other services' VIPs are: 10.64.0.0/10, [`other_vip`].
 const OTHER_VIPS: &str = "10.64.0.0/10";
 

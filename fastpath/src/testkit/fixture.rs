@@ -22,7 +22,11 @@ use std::{
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray, RingBuf},
-    programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions, TestRunResult, Xdp},
+    programs::{
+        NetworkInterface, ProgramError, SchedClassifier, TestRun, TestRunOptions, TestRunResult,
+        Xdp,
+        xdp::{XdpLinkId, XdpMode},
+    },
 };
 use fastpath_common::{
     Counter, DatapathConfig, Hook, Verdict,
@@ -417,6 +421,8 @@ impl Fixture {
             program_names::BENCH_FLOOR_XDP,
             program_names::BENCH_CT_EVENTS,
             program_names::BENCH_XDP_TX,
+            program_names::BENCH_XDP_SINK,
+            program_names::BENCH_CT_LOOKUP,
             program_names::CT_INSTALL,
         ] {
             let xdp: &mut Xdp = program_mut(&mut ebpf, name)?;
@@ -538,6 +544,36 @@ impl Fixture {
         })
     }
 
+    /// Looks `key` up in the conntrack table `repeat` times through `bench_ct_lookup` (the
+    /// lookup alone, no packet parsed): the verdict is XDP_PASS when the key is there.
+    pub fn run_ct_lookup_repeat(
+        &mut self,
+        key: &CtKey,
+        input: &[u8],
+        repeat: u32,
+    ) -> Result<RepeatRun, FixtureError> {
+        let name = map_names::BENCH_CT_KEY;
+        let map = self
+            .ebpf
+            .map_mut(name)
+            .ok_or(FixtureError::MissingMap { name })?;
+        let mut keys: Array<_, CtKey> = Array::try_from(map).map_err(map_error(name))?;
+        keys.set(0, key, 0).map_err(map_error(name))?;
+        let mut out = vec![0u8; input.len() + OUTPUT_SLACK];
+        let res = self.test_run_program(
+            program_names::BENCH_CT_LOOKUP,
+            Hook::Xdp,
+            input,
+            &mut out,
+            repeat.max(1),
+            None,
+        )?;
+        Ok(RepeatRun {
+            verdict: res.return_value,
+            per_run: res.duration,
+        })
+    }
+
     /// Runs the synthetic conntrack event producer (`bench_ct_events`) `runs` times: each run
     /// emits [`fastpath_common::bench::CT_EVENTS_PER_RUN`] numbered events into `FP_CT_EVENTS`.
     /// For the ring-drain benchmark; `&self`, so it can run while another thread drains. For
@@ -613,6 +649,24 @@ impl Fixture {
         xdp.test_run(opts)
             .map_err(|source| FixtureError::Program { name, source })?;
         Ok(started.elapsed())
+    }
+
+    /// Attaches `bench_xdp_sink` in native mode to interface `ifindex` of this thread's
+    /// network namespace (a veth: it then drops the benchmark's datagrams and counts them as
+    /// `xdp_drops`). Attached until [`Fixture::detach_sink`] or the fixture is dropped.
+    pub fn attach_sink(&mut self, ifindex: u32) -> Result<XdpLinkId, FixtureError> {
+        let name = program_names::BENCH_XDP_SINK;
+        let xdp: &mut Xdp = program_mut(&mut self.ebpf, name)?;
+        xdp.attach(NetworkInterface::Index(ifindex), XdpMode::Driver)
+            .map_err(|source| FixtureError::Program { name, source })
+    }
+
+    /// Detaches a sink [`Fixture::attach_sink`] attached.
+    pub fn detach_sink(&mut self, id: XdpLinkId) -> Result<(), FixtureError> {
+        let name = program_names::BENCH_XDP_SINK;
+        let xdp: &mut Xdp = program_mut(&mut self.ebpf, name)?;
+        xdp.detach(id)
+            .map_err(|source| FixtureError::Program { name, source })
     }
 
     /// Runs the case and compares everything it states; `Err` says what differed.
