@@ -16,7 +16,7 @@ use std::{fmt::Write as _, time::Duration};
 use crate::plot::{Figure, Series};
 use anyhow::{Context as _, Result, bail};
 use fastpath::testkit::{
-    fixture::Fixture,
+    fixture::XdpSink,
     netns::{LbTopology, Netns},
     packet::Pkt,
 };
@@ -24,8 +24,8 @@ use fastpath_common::{Hook, Verdict, reason};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    lb_compare::{Bench, Contender, Machine, Mode, Running, Samples, UDP_PORT},
-    route_compare::{GEN_BATCH, GEN_CALL, SECS, Spread, UDP_PAYLOAD, mac, udp_no_ports},
+    lb_compare::{Bench, Contender, Mode, Running, Samples, UDP_PORT},
+    route_compare::{GEN_BATCH, Generator, SECS, Spread, UDP_PAYLOAD, mac, udp_no_ports},
 };
 
 /// Service counts swept.
@@ -144,6 +144,7 @@ pub fn run(bin: &std::path::Path) -> Result<SweepReport> {
             .payload(&[0x5a; UDP_PAYLOAD])
             .build())
     };
+    let mut generator = Generator::load()?;
     let mut cells: Vec<Vec<Cell>> = SERVICES
         .iter()
         .map(|_| CONTENDERS.iter().map(|_| Cell::default()).collect())
@@ -178,7 +179,7 @@ pub fn run(bin: &std::path::Path) -> Result<SweepReport> {
                                         Sink::Stack => None,
                                     };
                                     let (pps, cpu_ns, loss) =
-                                        udp_run(topo, &frame, c, running, sink)?;
+                                        udp_run(topo, &frame, c, running, sink, &mut generator)?;
                                     let udp = &mut cell.udp[sink as usize];
                                     udp.pps.push(pps);
                                     udp.cpu_ns.push(cpu_ns);
@@ -247,23 +248,21 @@ pub fn run(bin: &std::path::Path) -> Result<SweepReport> {
     })
 }
 
-/// `bench_xdp_sink` on every backend's link, for as long as the value lives (the fixture
-/// holds the links).
-struct Sinks(#[allow(dead_code)] Fixture);
+/// `bench_xdp_sink` on every backend's link, for as long as the value lives.
+struct Sinks(#[allow(dead_code)] XdpSink);
 
 impl Sinks {
     fn attach(topo: &LbTopology) -> Result<Sinks> {
-        let mut fx = Fixture::new().context("loading the XDP sink")?;
+        let mut sink = XdpSink::load().context("loading the XDP sink")?;
         for i in 0..topo.backends() {
             topo.backend(i).in_netns(|| -> Result<()> {
                 let ifindex = fastpath::config::ifindex(LbTopology::HOST_IF)
                     .context("no eth0 in a backend")?;
-                fx.attach_sink(ifindex)
-                    .context("attaching the XDP sink to a backend's link")?;
-                Ok(())
+                sink.attach(ifindex)
+                    .context("attaching the XDP sink to a backend's link")
             })??;
         }
-        Ok(Sinks(fx))
+        Ok(Sinks(sink))
     }
 }
 
@@ -293,6 +292,7 @@ fn udp_run(
     c: Contender,
     running: &Running,
     sink: Sink,
+    generator: &mut Generator,
 ) -> Result<(f64, f64, f64)> {
     let received_now = || -> Result<u64> {
         (0..topo.backends())
@@ -316,10 +316,9 @@ fn udp_run(
     let lb_before = lb_packets()?;
     let got_before = received_now()?;
     let taken_before = fp_rx_packets(topo.fp())?;
-    let before = Machine::read()?;
-    let (sent, secs) = generate(topo.client(), frame)?;
+    let (sent, secs, m) = generator.run(topo.client(), LbTopology::HOST_IF, frame)?;
+    // The last frames may still be on their way.
     std::thread::sleep(Duration::from_millis(200));
-    let m = Machine::read()?.since(before);
     let taken = fp_rx_packets(topo.fp())? - taken_before;
     let received = received_now()? - got_before;
     if received == 0 || secs <= 0.0 {
@@ -361,23 +360,6 @@ fn fp_rx_packets(fp: &Netns) -> Result<u64> {
     out.trim()
         .parse()
         .with_context(|| format!("{path}: {out:?}"))
-}
-
-/// The live-frames generator in `client` for [`SECS`] seconds: frames sent, seconds taken.
-fn generate(client: &Netns, frame: &[u8]) -> Result<(u64, f64)> {
-    client.in_netns(|| -> Result<(u64, f64)> {
-        let ifindex =
-            fastpath::config::ifindex(LbTopology::HOST_IF).context("no eth0 in the client")?;
-        let mut fx = Fixture::new().context("loading the generator")?;
-        let started = std::time::Instant::now();
-        let mut sent = 0u64;
-        while started.elapsed() < Duration::from_secs(u64::from(SECS)) {
-            fx.transmit_live(ifindex, frame, GEN_CALL, GEN_BATCH)
-                .context("the live-frames generator")?;
-            sent += u64::from(GEN_CALL);
-        }
-        Ok((sent, started.elapsed().as_secs_f64()))
-    })?
 }
 
 /// The section of docs/BENCHMARKS.md.

@@ -148,11 +148,47 @@ struct Sample {
     gbit: f64,
 }
 
+/// The in-kernel traffic generator (`Fixture::transmit_live`: BPF_PROG_TEST_RUN of an XDP_TX
+/// program in live-frames mode), loaded once so that no verification happens in a run.
+pub(crate) struct Generator(Fixture);
+
+impl Generator {
+    pub(crate) fn load() -> Result<Generator> {
+        Ok(Generator(Fixture::new().context("loading the generator")?))
+    }
+
+    /// Sends `frame` out of `iface` of `ns` for [`SECS`] seconds, in calls of [`GEN_CALL`]
+    /// frames: frames sent, seconds taken, and the machine's CPU use over those seconds.
+    pub(crate) fn run(
+        &mut self,
+        ns: &Netns,
+        iface: &str,
+        frame: &[u8],
+    ) -> Result<(u64, f64, Machine)> {
+        let fx = &mut self.0;
+        ns.in_netns(|| -> Result<(u64, f64, Machine)> {
+            let ifindex = fastpath::config::ifindex(iface)
+                .with_context(|| format!("no {iface} in {}", ns.name()))?;
+            let before = Machine::read()?;
+            let started = std::time::Instant::now();
+            let mut sent = 0u64;
+            while started.elapsed() < Duration::from_secs(u64::from(SECS)) {
+                fx.transmit_live(ifindex, frame, GEN_CALL, GEN_BATCH)
+                    .context("the live-frames generator")?;
+                sent += u64::from(GEN_CALL);
+            }
+            let secs = started.elapsed().as_secs_f64();
+            Ok((sent, secs, Machine::read()?.since(before)))
+        })?
+    }
+}
+
 struct Bed {
     topo: Topology,
     dir: TempDir,
     /// The generator's frame: client → server, UDP to the discard port.
     frame: Vec<u8>,
+    generator: std::sync::Mutex<Generator>,
     bin: std::path::PathBuf,
     _nginx: fastpath::testkit::netns::HttpServer,
 }
@@ -201,6 +237,7 @@ impl Bed {
             topo,
             dir,
             frame,
+            generator: std::sync::Mutex::new(Generator::load()?),
             bin: bin.to_owned(),
             _nginx: nginx,
         })
@@ -258,23 +295,6 @@ impl Bed {
         Ok(())
     }
 
-    /// The generator, for [`SECS`] seconds: frames sent, seconds taken.
-    fn generate(&self) -> Result<(u64, f64)> {
-        let frame = &self.frame;
-        self.ns("client").in_netns(|| -> Result<(u64, f64)> {
-            let ifindex = fastpath::config::ifindex("eth0").context("no eth0 in client")?;
-            let mut fx = Fixture::new().context("loading the generator")?;
-            let started = std::time::Instant::now();
-            let mut sent = 0u64;
-            while started.elapsed() < Duration::from_secs(u64::from(SECS)) {
-                fx.transmit_live(ifindex, frame, GEN_CALL, GEN_BATCH)
-                    .context("the live-frames generator")?;
-                sent += u64::from(GEN_CALL);
-            }
-            Ok((sent, started.elapsed().as_secs_f64()))
-        })?
-    }
-
     /// One round of `c`'s three runs.
     fn round(&self, c: Contender, daemon: Option<&Daemon>) -> Result<Sample> {
         let mut s = Sample::default();
@@ -285,18 +305,20 @@ impl Bed {
                 .packets
         };
         // Packets/s.
-        let before = Machine::read()?;
         let routed_before = daemon.map(routed).unwrap_or(0);
         let got_before = udp_no_ports(self.ns("server"))?;
         let taken_before = xdp_xmit(self.ns("client"))?;
-        let (generated, secs) = self.generate()?;
+        let (generated, secs, m) = self
+            .generator
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the generator's lock is poisoned"))?
+            .run(self.ns("client"), "eth0", &self.frame)?;
         // What fp's c0 took: the generator runs faster than the path, and a full receive
         // ring refuses the rest at once (generator overrun, not loss on the path).
         let sent = xdp_xmit(self.ns("client"))? - taken_before;
         // The last frames may still be on their way.
         std::thread::sleep(Duration::from_millis(200));
         let received = (udp_no_ports(self.ns("server"))? - got_before) as f64;
-        let m = Machine::read()?.since(before);
         if received <= 0.0 || secs <= 0.0 || sent == 0 {
             bail!(
                 "{}: {received} datagrams arrived of {sent} fp took ({generated} generated)",

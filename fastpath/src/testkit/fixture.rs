@@ -24,8 +24,7 @@ use aya::{
     maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray, RingBuf},
     programs::{
         NetworkInterface, ProgramError, SchedClassifier, TestRun, TestRunOptions, TestRunResult,
-        Xdp,
-        xdp::{XdpLinkId, XdpMode},
+        Xdp, xdp::XdpMode,
     },
 };
 use fastpath_common::{
@@ -421,7 +420,6 @@ impl Fixture {
             program_names::BENCH_FLOOR_XDP,
             program_names::BENCH_CT_EVENTS,
             program_names::BENCH_XDP_TX,
-            program_names::BENCH_XDP_SINK,
             program_names::BENCH_CT_LOOKUP,
             program_names::CT_INSTALL,
         ] {
@@ -649,24 +647,6 @@ impl Fixture {
         xdp.test_run(opts)
             .map_err(|source| FixtureError::Program { name, source })?;
         Ok(started.elapsed())
-    }
-
-    /// Attaches `bench_xdp_sink` in native mode to interface `ifindex` of this thread's
-    /// network namespace (a veth: it then drops the benchmark's datagrams and counts them as
-    /// `xdp_drops`). Attached until [`Fixture::detach_sink`] or the fixture is dropped.
-    pub fn attach_sink(&mut self, ifindex: u32) -> Result<XdpLinkId, FixtureError> {
-        let name = program_names::BENCH_XDP_SINK;
-        let xdp: &mut Xdp = program_mut(&mut self.ebpf, name)?;
-        xdp.attach(NetworkInterface::Index(ifindex), XdpMode::Driver)
-            .map_err(|source| FixtureError::Program { name, source })
-    }
-
-    /// Detaches a sink [`Fixture::attach_sink`] attached.
-    pub fn detach_sink(&mut self, id: XdpLinkId) -> Result<(), FixtureError> {
-        let name = program_names::BENCH_XDP_SINK;
-        let xdp: &mut Xdp = program_mut(&mut self.ebpf, name)?;
-        xdp.detach(id)
-            .map_err(|source| FixtureError::Program { name, source })
     }
 
     /// Runs the case and compares everything it states; `Err` says what differed.
@@ -1712,6 +1692,39 @@ fn events_name(events: &[(u8, u8)]) -> String {
         })
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// `bench_xdp_sink` loaded on its own (the object's maps in a pin directory of their own,
+/// no other program verified), for the load-balancer benchmark's backends: it drops the
+/// benchmark's datagrams on the links it is attached to. Detached when dropped.
+pub struct XdpSink {
+    ebpf: Ebpf,
+    _pins: PinDir,
+}
+
+impl XdpSink {
+    pub fn load() -> Result<Self, FixtureError> {
+        let pins = PinDir::create()?;
+        let mut ebpf = EbpfLoader::new()
+            .default_map_pin_directory(&pins.path)
+            .load(crate::EBPF_OBJECT)
+            .map_err(|source| FixtureError::Load { source })?;
+        let name = program_names::BENCH_XDP_SINK;
+        let xdp: &mut Xdp = program_mut(&mut ebpf, name)?;
+        xdp.load()
+            .map_err(|source| FixtureError::Program { name, source })?;
+        Ok(XdpSink { ebpf, _pins: pins })
+    }
+
+    /// Attaches the sink in native mode to interface `ifindex` of this thread's network
+    /// namespace (a veth: it then counts what it drops as `xdp_drops`).
+    pub fn attach(&mut self, ifindex: u32) -> Result<(), FixtureError> {
+        let name = program_names::BENCH_XDP_SINK;
+        let xdp: &mut Xdp = program_mut(&mut self.ebpf, name)?;
+        xdp.attach(NetworkInterface::Index(ifindex), XdpMode::Driver)
+            .map(drop)
+            .map_err(|source| FixtureError::Program { name, source })
+    }
 }
 
 /// A directory on a bpffs that only this fixture uses: a fresh subdirectory of `/sys/fs/bpf`
