@@ -1271,6 +1271,9 @@ impl Config {
                 ));
             }
         }
+        // Each service's first index by (VIP, port, protocol): the duplicate check in one
+        // pass (100k services compared pairwise took 19 s).
+        let mut first = std::collections::HashMap::with_capacity(self.services.len());
         for (i, svc) in self.services.iter().enumerate() {
             let vip = *svc.vip.get_ref();
             let key = |k: &str| format!("service[{i}].{k}");
@@ -1290,11 +1293,10 @@ impl Config {
                     "port 0 is not a service port; give 1..=65535".into(),
                 ));
             }
-            if let Some(j) = self.services[..i].iter().position(|o| {
-                o.vip.get_ref() == svc.vip.get_ref()
-                    && o.port.get_ref() == svc.port.get_ref()
-                    && o.protocol == svc.protocol
-            }) {
+            let j = *first
+                .entry((vip, *svc.port.get_ref(), svc.protocol))
+                .or_insert(i);
+            if j != i {
                 return Err(err(
                     svc.vip.span(),
                     key("vip"),
