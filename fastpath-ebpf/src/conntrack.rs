@@ -1136,9 +1136,11 @@ fn update(
             }
         }
     } else if p.l4_proto == IPPROTO_UDP
+        // saturating: an entry the daemon installed (from an HA peer) carries the precise
+        // clock, which runs up to a tick ahead of the coarse one.
         && seen_reply
         && e.flags & CT_F_ASSURED == 0
-        && now.wrapping_sub(e.created_ns) > UDP_STREAM_AFTER_NS
+        && now.saturating_sub(e.created_ns) > UDP_STREAM_AFTER_NS
         && set_flag(e, CT_F_ASSURED)
     {
         // UDP, as in Linux: replied and still active 2 s after it began is a stream. ICMP

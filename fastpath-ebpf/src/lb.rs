@@ -136,7 +136,7 @@ pub fn pick_for_client(
         let a = unsafe { &mut *a };
         let idx = a.backend;
         let in_range = idx >= svc.backends_off && idx - svc.backends_off < svc.backends_len;
-        if now.wrapping_sub(a.last_ns) <= window
+        if now.saturating_sub(a.last_ns) <= window
             && in_range
             && let Some(b) = FP_BACKENDS.get_ptr(idx)
         {

@@ -15,6 +15,7 @@ use std::{fmt::Write as _, time::Duration};
 
 use crate::plot::{Figure, Series};
 use anyhow::{Context as _, Result, bail};
+use aya::programs::xdp::XdpLinkId;
 use fastpath::testkit::{
     fixture::XdpSink,
     netns::{LbTopology, Netns},
@@ -145,6 +146,7 @@ pub fn run(bin: &std::path::Path) -> Result<SweepReport> {
             .build())
     };
     let mut generator = Generator::load()?;
+    let mut xdp_sink = XdpSink::load().context("loading the XDP sink")?;
     let mut cells: Vec<Vec<Cell>> = SERVICES
         .iter()
         .map(|_| CONTENDERS.iter().map(|_| Cell::default()).collect())
@@ -175,7 +177,7 @@ pub fn run(bin: &std::path::Path) -> Result<SweepReport> {
                             if balances_udp(c) {
                                 for sink in [Sink::Stack, Sink::Xdp] {
                                     let _sinks = match sink {
-                                        Sink::Xdp => Some(Sinks::attach(topo)?),
+                                        Sink::Xdp => Some(Sinks::attach(&mut xdp_sink, topo)?),
                                         Sink::Stack => None,
                                     };
                                     let (pps, cpu_ns, loss) =
@@ -249,20 +251,38 @@ pub fn run(bin: &std::path::Path) -> Result<SweepReport> {
 }
 
 /// `bench_xdp_sink` on every backend's link, for as long as the value lives.
-struct Sinks(#[allow(dead_code)] XdpSink);
+struct Sinks<'a> {
+    sink: &'a mut XdpSink,
+    links: Vec<XdpLinkId>,
+}
 
-impl Sinks {
-    fn attach(topo: &LbTopology) -> Result<Sinks> {
-        let mut sink = XdpSink::load().context("loading the XDP sink")?;
+impl<'a> Sinks<'a> {
+    fn attach(sink: &'a mut XdpSink, topo: &LbTopology) -> Result<Sinks<'a>> {
+        let mut sinks = Sinks {
+            sink,
+            links: Vec::new(),
+        };
         for i in 0..topo.backends() {
-            topo.backend(i).in_netns(|| -> Result<()> {
+            let sink = &mut *sinks.sink;
+            let link = topo.backend(i).in_netns(|| -> Result<XdpLinkId> {
                 let ifindex = fastpath::config::ifindex(LbTopology::HOST_IF)
                     .context("no eth0 in a backend")?;
                 sink.attach(ifindex)
                     .context("attaching the XDP sink to a backend's link")
             })??;
+            sinks.links.push(link);
         }
-        Ok(Sinks(sink))
+        Ok(sinks)
+    }
+}
+
+impl Drop for Sinks<'_> {
+    fn drop(&mut self) {
+        for link in self.links.drain(..) {
+            if let Err(e) = self.sink.detach(link) {
+                eprintln!("lb-sweep: detaching an XDP sink: {e}");
+            }
+        }
     }
 }
 
@@ -368,7 +388,7 @@ pub fn markdown(r: &SweepReport) -> String {
     let _ = writeln!(md, "## Load balancers over 1 to 100k services\n");
     let _ = writeln!(
         md,
-        "The load-balancer comparison's topology and contenders (client — fp — 3 nginx backends, checksum offloads off; GRO on at the client's, the backends' and fp's client-side link, as veth needs for XDP frames), with fastpath routing what it translates at XDP (`route = true` on fp's links, as an appliance runs it; the comparison above leaves routing to the kernel), and {} services configured on fp: the measured one (the VIP, TCP port 80 and UDP port {UDP_PORT}, over the three backends) and the others, each held the way that contender holds many — fastpath: one service each in its service map (one backend each, weighted round robin: 100k Maglev tables of the default 251 slots would not fit the datapath's 4 Mi slots); iptables: kube-proxy's layout, one rule per service in a services chain walked in order for every new connection, the measured service's rules last; nftables: kube-proxy's nftables layout, one verdict map keyed by address, protocol and port; HAProxy: one listener on every local address and the service picked by destination from an address list (`dst -f`, a tree). {} interleaved rounds (every service count, every contender, the first rotating). New connections/s: wrk, 16 connections, `Connection: close`, {} s after a 1 s warm-up, checked as in the comparison. Small UDP: the in-kernel generator of the routing comparison in the client (XDP live frames, batches of {GEN_BATCH}) sends {UDP_PAYLOAD}-byte datagrams, one flow, to the VIP's UDP port for {} s, twice per run: to the backends' stacks (datagrams/s they received), then to XDP sinks on the backends' links (`bench_xdp_sink` drops the datagrams before any skb exists, as a traffic generator's receiving port takes them; datagrams/s dropped there). The first is what the whole box delivers, the backends' stacks included; the second measures the load balancer's path: with the sinks, what differs between contenders is fp alone (the generator's cost is the same for all). On veth, a kernel contender's forwarded skb is turned into an XDP buffer at the sink (copied when it lacks XDP's headroom), which a NIC would not do; fastpath's frames arrive as XDP frames. Loss = taken by fp's client link but not received (HAProxy does not balance UDP). CPU: the whole machine's busy time (both CPUs: client, fp, backends) ÷ connections or datagrams. Setup: from the start of the contender's setup (rules loaded, daemon started with its config) to ready. Plain kernel forwarding to backend 0 (no load balancer) is the baseline. Medians (min–max).\n",
+        "The load-balancer comparison's topology and contenders (client — fp — 3 nginx backends, checksum offloads off; GRO on at the client's, the backends' and fp's client-side link, as veth needs for XDP frames), with fastpath routing what it translates at XDP (`route = true` on fp's links, as an appliance runs it; the comparison above leaves routing to the kernel), and {} services configured on fp: the measured one (the VIP, TCP port 80 and UDP port {UDP_PORT}, over the three backends) and the others, each held the way that contender holds many — fastpath: one service each in its service map (one backend each, weighted round robin: 100k Maglev tables of the default 251 slots would not fit the datapath's 4 Mi slots); iptables: kube-proxy's layout, one rule per service in a services chain walked in order for every new connection, the measured service's rules last; nftables: kube-proxy's nftables layout, one verdict map keyed by address, protocol and port; HAProxy: one listener on every local address and the service picked by destination from an address list (`dst -f`, a tree). {} interleaved rounds (every service count, every contender, the first rotating). New connections/s: wrk, 16 connections, `Connection: close`, {} s after a 1 s warm-up, checked as in the comparison. Small UDP: the in-kernel generator of the routing comparison in the client (XDP live frames, batches of {GEN_BATCH}) sends {UDP_PAYLOAD}-byte datagrams, one flow, to the VIP's UDP port for {} s, twice per run: to the backends' stacks (datagrams/s they received), then to XDP sinks on the backends' links (`bench_xdp_sink` drops the datagrams before any skb exists, as a traffic generator's receiving port takes them; datagrams/s dropped there). The first is what the whole box delivers, the backends' stacks included; the second measures the load balancer's path, as a generator's receiving port would: the generator costs every contender the same, the sinks almost nothing — but not the same. A kernel contender hands the backend's veth an skb, which the sink's XDP program gets only after veth copies it into an XDP buffer (its headroom is under XDP's 256 bytes), while fastpath's redirected frames arrive as XDP frames; between machines a NIC would transmit either without that copy, at a cost of its own. All of it runs on the generator's CPU (the generator sends from the kernel, and every veth hop's NAPI runs where it was scheduled), so a run is bound by one CPU. Loss = taken by fp's client link but not received (HAProxy does not balance UDP). CPU: the whole machine's busy time (both CPUs: client, fp, backends) ÷ connections or datagrams. Setup: from the start of the contender's setup (rules loaded, daemon started with its config) to ready. Plain kernel forwarding to backend 0 (no load balancer) is the baseline. Medians (min–max).\n",
         r.services
             .iter()
             .map(|n| n.to_string())

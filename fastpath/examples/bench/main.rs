@@ -1683,7 +1683,7 @@ fn markdown(r: &Report) -> String {
                 lookup.median_ns / lookup.floor_median_ns,
                 hit.over_floor_ns - lookup.over_floor_ns,
                 if lookup.median_ns >= 2.0 * lookup.floor_median_ns {
-                    " No connection tracker that looks its table up can be within 2× of this floor: the lookup alone is over it."
+                    " No connection tracker that looks its connection up in a BPF hash map can be within 2× of this floor: that lookup alone is over it."
                 } else {
                     ""
                 }
@@ -1724,7 +1724,7 @@ fn markdown(r: &Report) -> String {
     );
     let _ = writeln!(
         md,
-        "Noise: the machine is a shared 2-CPU VM. Its speed changes for minutes at a time (on an AMD EPYC VM the empty-program floor moved between 29–31 and 34–36 ns, every path's cost over it by about half), and other guests take CPU time (the steal columns); the same bench on another VM kind gives other absolute numbers (an Intel Xeon VM without AMD's SRSO mitigation: floor 6 ns, 26 ns on the EPYC one). Rows near a target can flip between met and missed from run to run. Compare medians measured in one run, never across runs or machines."
+        "Noise: the machine is a shared 2-CPU VM. Its speed changes for minutes at a time (on an AMD EPYC VM the empty-program floor moved between 29–31 and 34–36 ns, every path's cost over it by about half), and other guests take CPU time (the steal columns); the same bench on another VM kind gives other absolute numbers (an Intel Xeon VM without AMD's SRSO mitigation: floor 6 ns, 26–36 ns on the EPYC one). Rows near a target can flip between met and missed from run to run. Compare medians measured in one run, never across runs or machines."
     );
     md
 }

@@ -24,7 +24,8 @@ use aya::{
     maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray, RingBuf},
     programs::{
         NetworkInterface, ProgramError, SchedClassifier, TestRun, TestRunOptions, TestRunResult,
-        Xdp, xdp::XdpMode,
+        Xdp,
+        xdp::{XdpLinkId, XdpMode},
     },
 };
 use fastpath_common::{
@@ -1696,7 +1697,8 @@ fn events_name(events: &[(u8, u8)]) -> String {
 
 /// `bench_xdp_sink` loaded on its own (the object's maps in a pin directory of their own,
 /// no other program verified), for the load-balancer benchmark's backends: it drops the
-/// benchmark's datagrams on the links it is attached to. Detached when dropped.
+/// benchmark's datagrams on the links it is attached to. Detached by [`XdpSink::detach`] or
+/// when dropped.
 pub struct XdpSink {
     ebpf: Ebpf,
     _pins: PinDir,
@@ -1718,11 +1720,18 @@ impl XdpSink {
 
     /// Attaches the sink in native mode to interface `ifindex` of this thread's network
     /// namespace (a veth: it then counts what it drops as `xdp_drops`).
-    pub fn attach(&mut self, ifindex: u32) -> Result<(), FixtureError> {
+    pub fn attach(&mut self, ifindex: u32) -> Result<XdpLinkId, FixtureError> {
         let name = program_names::BENCH_XDP_SINK;
         let xdp: &mut Xdp = program_mut(&mut self.ebpf, name)?;
         xdp.attach(NetworkInterface::Index(ifindex), XdpMode::Driver)
-            .map(drop)
+            .map_err(|source| FixtureError::Program { name, source })
+    }
+
+    /// Detaches what [`XdpSink::attach`] attached.
+    pub fn detach(&mut self, link: XdpLinkId) -> Result<(), FixtureError> {
+        let name = program_names::BENCH_XDP_SINK;
+        let xdp: &mut Xdp = program_mut(&mut self.ebpf, name)?;
+        xdp.detach(link)
             .map_err(|source| FixtureError::Program { name, source })
     }
 }
