@@ -499,6 +499,9 @@ const _: () = assert!(core::mem::size_of::<IfaceConfig>() == 16);
 /// Entries of the per-interface array (`FP_IFACE`): interfaces with a larger ifindex are not
 /// tracked (the daemon says so).
 pub const IFACE_SLOTS: u32 = 1 << 16;
+/// Routing interfaces the XDP redirect device map (`FP_TX_PORTS`) holds; XDP redirects to
+/// others by ifindex.
+pub const TX_PORTS: u32 = 4096;
 
 /// Track connections at this interface's XDP hook.
 pub const IFACE_F_CT_XDP: u32 = 1 << 0;

@@ -29,6 +29,8 @@ pub mod map_names {
     pub const CT_EVENTS: &str = "FP_CT_EVENTS";
     /// ifindex → [`crate::ct::IfaceConfig`].
     pub const IFACE: &str = "FP_IFACE";
+    /// The routing interfaces XDP redirects to (a device map: `FP_TX_PORTS`).
+    pub const TX_PORTS: &str = "FP_TX_PORTS";
     /// [`crate::lb::SvcKey`] → [`crate::lb::Service`].
     pub const SVC: &str = "FP_SVC";
     /// Backend index → [`crate::lb::Backend`].

@@ -109,8 +109,7 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
         Verdict::Kernel => xdp_action::XDP_PASS,
         // Routed, or direct server return: out of the interface the stage chose (its MAC
         // addresses are in place).
-        // SAFETY: bpf_redirect has no preconditions; it returns the XDP action to take.
-        Verdict::Forward => unsafe { bpf_redirect(route::out_ifindex(), 0) as u32 },
+        Verdict::Forward => route::xdp_redirect(route::out_ifindex()),
     }
 }
 
@@ -127,8 +126,7 @@ pub fn fastpath_xdp_vlan_forward(ctx: XdpContext) -> u32 {
     };
     if tagged {
         stats::count(Hook::Xdp, Verdict::Forward, route::handed_over(), len);
-        // SAFETY: bpf_redirect has no preconditions; it returns the XDP action to take.
-        unsafe { bpf_redirect(out, 0) as u32 }
+        route::xdp_redirect(out)
     } else {
         stats::count(
             Hook::Xdp,
@@ -149,8 +147,7 @@ pub fn fastpath_xdp_vxlan_encap(ctx: XdpContext) -> u32 {
     match vxlan::encap(&ctx) {
         vxlan::Encap::Sent(underlay) => {
             stats::count(Hook::Xdp, Verdict::Forward, reason::VXLAN_ENCAP, len);
-            // SAFETY: bpf_redirect has no preconditions; it returns the XDP action to take.
-            unsafe { bpf_redirect(underlay, 0) as u32 }
+            route::xdp_redirect(underlay)
         }
         vxlan::Encap::Kernel(why) => {
             stats::count(Hook::Xdp, Verdict::Kernel, why, len);
@@ -180,8 +177,7 @@ pub fn fastpath_xdp_vxlan_decap(ctx: XdpContext) -> u32 {
                 return xdp_action::XDP_DROP;
             }
             stats::count(Hook::Xdp, Verdict::Forward, why, len);
-            // SAFETY: bpf_redirect has no preconditions; it returns the XDP action to take.
-            unsafe { bpf_redirect(out, 0) as u32 }
+            route::xdp_redirect(out)
         }
         vxlan::Decap::Kernel(why) => {
             stats::count(Hook::Xdp, Verdict::Kernel, why, len);

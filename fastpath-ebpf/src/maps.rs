@@ -4,7 +4,7 @@
 use crate::{conntrack::NatPlan, gateway::FibParams, parse::Parsed};
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray, Queue, RingBuf},
+    maps::{Array, DevMapHash, HashMap, LruHashMap, PerCpuArray, ProgramArray, Queue, RingBuf},
 };
 use fastpath_common::{
     Counter, DatapathConfig,
@@ -74,6 +74,14 @@ pub static FP_CT_EVENTS: RingBuf = RingBuf::pinned(CT_EVENTS_BYTES, 0);
 /// while a hash lookup is a kernel call on every packet. 65536 ifindexes × 16 B = 1 MiB.
 #[map(name = "FP_IFACE")]
 pub static FP_IFACE: Array<IfaceConfig> = Array::pinned(IFACE_SLOTS, 0);
+
+/// The routing interfaces, by ifindex, for XDP's redirects: a device map holds the device
+/// itself, where a redirect by ifindex looks it up for every packet. The daemon keeps it
+/// equal to the interfaces with `route = true`; a redirect to another goes by ifindex.
+#[map(name = "FP_TX_PORTS")]
+pub static FP_TX_PORTS: DevMapHash = DevMapHash::pinned(TX_PORTS, 0);
+/// `FP_TX_PORTS`' capacity (`fastpath_common::ct::TX_PORTS`).
+const TX_PORTS: u32 = fastpath_common::ct::TX_PORTS;
 
 /// This CPU's packet context: what the parser learned about the packet being processed,
 /// read by the later stages. One entry per CPU; overwritten by every packet.

@@ -22,7 +22,7 @@ use aya_ebpf::{
 
 use crate::{
     gateway,
-    maps::{FP_IFACE, FP_NAT, FP_PEER},
+    maps::{FP_IFACE, FP_NAT, FP_PEER, FP_TX_PORTS},
     packet::Packet,
     parse::{FAMILY_IPV4, IPPROTO_TCP, Parsed},
 };
@@ -199,6 +199,18 @@ pub fn redirect_to(ifindex: u32) {
     if let Some(plan) = FP_NAT.get_ptr_mut(0) {
         // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
         unsafe { (*plan).out_ifindex = ifindex };
+    }
+}
+
+/// The XDP action that sends this packet out of `out`: through the device map of the
+/// routing interfaces (`FP_TX_PORTS`, which holds the device), else by ifindex (a lookup of
+/// the device per packet).
+#[inline(always)]
+pub fn xdp_redirect(out: u32) -> u32 {
+    match FP_TX_PORTS.redirect(out, 0) {
+        Ok(action) => action,
+        // SAFETY: bpf_redirect has no preconditions; it returns the XDP action to take.
+        Err(_) => unsafe { bpf_redirect(out, 0) as u32 },
     }
 }
 

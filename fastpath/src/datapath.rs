@@ -19,7 +19,7 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, IterableMap as _, MapData, PerCpuArray, RingBuf},
+    maps::{Array, DevMapHash, HashMap, IterableMap as _, MapData, PerCpuArray, RingBuf},
     programs::{
         LinkOrder, ProgramError, SchedClassifier, TcAttach, TcAttachType, Xdp,
         XdpMode as AyaXdpMode,
@@ -424,7 +424,41 @@ impl Datapath {
                     })?;
             }
         }
+        self.set_tx_ports(wanted.keys().copied())?;
         self.set_vxlan_nets(&nets)
+    }
+
+    /// Makes the XDP redirect device map (`FP_TX_PORTS`) hold these interfaces and no others.
+    /// One that does not fit is still reached: XDP redirects to it by ifindex.
+    fn set_tx_ports(&mut self, ifindexes: impl Iterator<Item = u32>) -> Result<(), DatapathError> {
+        let name = map_names::TX_PORTS;
+        let map = self
+            .ebpf
+            .map_mut(name)
+            .ok_or(DatapathError::MissingMap { name })?;
+        let mut ports: DevMapHash<&mut MapData> =
+            DevMapHash::try_from(map).map_err(|source| DatapathError::Map {
+                what: "opening FP_TX_PORTS".into(),
+                source,
+            })?;
+        let wanted: std::collections::BTreeSet<u32> = ifindexes.collect();
+        for &ifindex in &wanted {
+            if let Err(e) = ports.insert(ifindex, ifindex, None, 0) {
+                warn!(ifindex, error = %e, "Interface not in the XDP redirect device map; XDP redirects to it by ifindex");
+            }
+        }
+        let stale: Vec<u32> = ports
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| !wanted.contains(k))
+            .collect();
+        for ifindex in stale {
+            ports.remove(ifindex).map_err(|source| DatapathError::Map {
+                what: format!("removing FP_TX_PORTS[{ifindex}]"),
+                source,
+            })?;
+        }
+        Ok(())
     }
 
     /// Writes the VXLAN networks (`FP_VXLAN_NET`: these, and no others) and starts a new
