@@ -8,6 +8,7 @@ pub mod csum;
 pub mod ct;
 pub mod lb;
 pub mod reason;
+pub mod route;
 pub mod stats;
 pub mod vxlan;
 
@@ -51,10 +52,15 @@ pub mod map_names {
     pub const VXLAN_NET: &str = "FP_VXLAN_NET";
     /// [`crate::vxlan::VxlanKey`] → [`crate::vxlan::VxlanPeer`]: learned outer headers.
     pub const VXLAN_PEER: &str = "FP_VXLAN_PEER";
-    /// The current generation of learned headers (one u64); bumping it invalidates them all.
+    /// The current generation of learned VXLAN headers and cached routes (one u64); bumping
+    /// it invalidates them all.
     pub const VXLAN_GEN: &str = "FP_VXLAN_GEN";
     /// Per-CPU learning counters indexed by [`crate::vxlan::vxlan_stat`].
     pub const VXLAN_STATS: &str = "FP_VXLAN_STATS";
+    /// The route cache: the FIB's answer per flow (not pinned; 48-byte key, 40-byte value).
+    pub const ROUTE_CACHE: &str = "FP_ROUTE_CACHE";
+    /// Per-CPU route cache counters indexed by [`crate::route::route_stat`].
+    pub const ROUTE_STATS: &str = "FP_ROUTE_STATS";
     /// ifindex → 1 when the interface is a veth (or netkit) whose peer is in another network
     /// namespace, else 0 (daemon-written from netlink, whatever the config).
     pub const PEER: &str = "FP_PEER";

@@ -17,6 +17,7 @@ use crate::{
     maps::{FP_CONFIG, FP_FIB, FP_IFACE, FP_NAT, FP_NEW_SVC, FP_SNAT, FP_SNAT_DST, FP_SVC_KEY},
     packet::Packet,
     parse::{FAMILY_IPV4, Parsed},
+    route::RouteKey,
 };
 
 /// `bpf_fib_lookup`'s parameters with plain fields (the kernel's layout, 64 bytes).
@@ -105,14 +106,30 @@ pub fn fib_lookup(
     flags: u32,
     tot_len: u16,
 ) -> Result<&'static FibParams, i64> {
-    let f = FP_FIB.get_ptr_mut(0).ok_or(-1i64)?;
+    let f = fib_question(pkt, p, ifindex, to_planned).ok_or(-1i64)?;
+    f.tot_len = tot_len;
+    fib_answer(pkt, f, flags)?;
+    Ok(f)
+}
+
+/// The question `bpf_fib_lookup` is asked for the packet that arrived on `ifindex` (see
+/// [`fib_lookup`]), in this CPU's `FP_FIB`, with no length. `None`: the addresses are not
+/// readable.
+#[inline(always)]
+pub fn fib_question(
+    pkt: &Packet,
+    p: &Parsed,
+    ifindex: u32,
+    to_planned: bool,
+) -> Option<&'static mut FibParams> {
+    let f = FP_FIB.get_ptr_mut(0)?;
     // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
     let f = unsafe { &mut *f };
     let l3 = p.l3_off as usize;
     f.l4_protocol = p.l4_proto;
     f.sport = p.src_port.to_be();
     f.dport = p.dst_port.to_be();
-    f.tot_len = tot_len;
+    f.tot_len = 0;
     f.ifindex = ifindex;
     f.flowinfo = 0;
     // perf: word stores (an array assignment compiles to a memset call).
@@ -122,18 +139,18 @@ pub fn fib_lookup(
         core::ptr::write_volatile(&raw mut f.tail[1], 0);
     }
     if p.family == FAMILY_IPV4 {
-        let a = pkt.load::<[u8; 8]>(l3 + 12).ok_or(-1i64)?;
+        let a = pkt.load::<[u8; 8]>(l3 + 12)?;
         f.family = AF_INET;
         f.src = [u64::from(u32::from_ne_bytes([a[0], a[1], a[2], a[3]])), 0];
         f.dst = [u64::from(u32::from_ne_bytes([a[4], a[5], a[6], a[7]])), 0];
     } else {
-        let a = pkt.load::<[u64; 4]>(l3 + 8).ok_or(-1i64)?;
+        let a = pkt.load::<[u64; 4]>(l3 + 8)?;
         f.family = AF_INET6;
         f.src = [a[0], a[1]];
         f.dst = [a[2], a[3]];
     }
     if to_planned {
-        let plan = FP_NAT.get_ptr(0).ok_or(-1i64)?;
+        let plan = FP_NAT.get_ptr(0)?;
         let words = plan.cast::<u64>();
         // SAFETY: `dst_addr` is the first 16 bytes of this CPU's 8-aligned plan (IPv4 in
         // the first 4, the rest zero, as the lookup's IPv4 field wants).
@@ -144,6 +161,13 @@ pub fn fib_lookup(
             ]
         };
     }
+    Some(f)
+}
+
+/// Asks `bpf_fib_lookup` the question in `f` (this CPU's `FP_FIB`, from [`fib_question`]);
+/// `f` holds the answer then. `Err`: the helper's `BPF_FIB_LKUP_RET_*` code.
+#[inline(always)]
+pub fn fib_answer(pkt: &Packet, f: &mut FibParams, flags: u32) -> Result<(), i64> {
     // SAFETY: the helper reads and writes the 64-byte parameter block (map memory) and reads
     // the context the packet came with.
     let rc = unsafe {
@@ -154,10 +178,41 @@ pub fn fib_lookup(
             flags,
         )
     };
-    if rc == 0 { Ok(f) } else { Err(rc) }
+    if rc == 0 { Ok(()) } else { Err(rc) }
 }
 
 impl FibParams {
+    /// The question's first 48 bytes (family, protocol, ports, length, arriving interface,
+    /// flow label, addresses): the route cache's key, while they hold the question (the
+    /// answer overwrites the interface, the length, the flow label and, for a route via a
+    /// gateway, the destination).
+    #[inline(always)]
+    pub fn key(&self) -> &RouteKey {
+        // SAFETY: the struct starts with 48 bytes of plain integers, 8-aligned as the key.
+        unsafe { &*(self as *const FibParams).cast::<RouteKey>() }
+    }
+
+    /// Sets the length the lookup checks against the route's MTU (0: none; see
+    /// [`fib_lookup`]).
+    #[inline(always)]
+    pub fn set_len(&mut self, tot_len: u16) {
+        self.tot_len = tot_len;
+    }
+
+    /// The answer's egress interface and its last 16 bytes (VLAN fields, MAC addresses).
+    #[inline(always)]
+    pub fn answer(&self) -> (u32, [u64; 2]) {
+        (self.ifindex, self.tail)
+    }
+
+    /// Writes an answer as [`FibParams::answer`] gave it: a route cache hit stands in for the
+    /// lookup for the code that reads the answer from here.
+    #[inline(always)]
+    pub fn set_answer(&mut self, out: u32, tail: [u64; 2]) {
+        self.ifindex = out;
+        self.tail = tail;
+    }
+
     /// After a successful TC lookup asked with no length: the egress route's MTU (the
     /// kernel's `mtu_result`, which shares the length's field).
     #[inline(always)]

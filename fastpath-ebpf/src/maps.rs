@@ -1,7 +1,12 @@
 //! Every map of the datapath, in one place. Pinned by name under `<pin_dir>/maps/` by the
 //! daemon, so a daemon restart or crash keeps both the counters and the attached programs.
 
-use crate::{conntrack::NatPlan, gateway::FibParams, parse::Parsed};
+use crate::{
+    conntrack::NatPlan,
+    gateway::FibParams,
+    parse::Parsed,
+    route::{RouteHop, RouteKey, RouteLearning},
+};
 use aya_ebpf::{
     macros::map,
     maps::{Array, DevMapHash, HashMap, LruHashMap, PerCpuArray, ProgramArray, Queue, RingBuf},
@@ -14,6 +19,7 @@ use fastpath_common::{
         AFFINITY_ENTRIES, Affinity, AffinityKey, Backend, BackendCounters, BackendLoad, LB_SLOTS,
         MAX_BACKENDS, MAX_SERVICES, MAX_SNAT_RULES, Service, SnatRule, SvcCounters, SvcKey,
     },
+    route::{ROUTE_CACHE_ENTRIES, route_stat},
     stats::STATS_ENTRIES,
     vxlan::{VXLAN_NETS, VXLAN_PEERS, VxlanKey, VxlanNet, VxlanPeer, vxlan_stat},
 };
@@ -52,6 +58,8 @@ pub static FP_CT: HashMap<CtKey, CtEntry> = HashMap::pinned(1 << 20, BPF_F_NO_PR
 
 /// Map flag: allocate hash entries on insert.
 const BPF_F_NO_PREALLOC: u32 = 1;
+/// Per-CPU LRU lists for an LRU hash.
+const BPF_F_NO_COMMON_LRU: u32 = 2;
 
 /// Keys of connections in the order they were created: the early-drop candidates, oldest
 /// first. When the table is full the conntrack stage pops keys until it finds one whose entry
@@ -221,7 +229,7 @@ pub static FP_VXLAN_NET: HashMap<u32, VxlanNet> = HashMap::pinned(VXLAN_NETS, 0)
 /// Outer headers learned from the kernel's vxlan devices, per (device, inner next-hop MAC).
 #[map(name = "FP_VXLAN_PEER")]
 pub static FP_VXLAN_PEER: LruHashMap<VxlanKey, VxlanPeer> = LruHashMap::pinned(VXLAN_PEERS, 0);
-/// The generation learned headers must have to be used (daemon-bumped).
+/// The generation learned headers and cached routes must have to be used (daemon-bumped).
 #[map(name = "FP_VXLAN_GEN")]
 pub static FP_VXLAN_GEN: Array<u64> = Array::pinned(1, 0);
 #[map(name = "FP_VXLAN_STATS")]
@@ -232,3 +240,16 @@ pub static FP_VXLAN_KEY: PerCpuArray<VxlanKey> = PerCpuArray::with_max_entries(1
 /// Scratch: an entry being learned (kept off the stack).
 #[map(name = "FP_VXLAN_LEARN")]
 pub static FP_VXLAN_LEARN: PerCpuArray<VxlanPeer> = PerCpuArray::with_max_entries(1, 0);
+
+/// The route cache (`fastpath_common::route`): the FIB's answer per flow. Not pinned: a
+/// load starts it empty. Per-CPU LRU lists (BPF_F_NO_COMMON_LRU): a CPU learning a flow
+/// takes no lock another CPU holds.
+#[map(name = "FP_ROUTE_CACHE")]
+pub static FP_ROUTE_CACHE: LruHashMap<RouteKey, RouteHop> =
+    LruHashMap::with_max_entries(ROUTE_CACHE_ENTRIES, BPF_F_NO_COMMON_LRU);
+/// Route cache hits, misses and stale entries per CPU (`route_stat`).
+#[map(name = "FP_ROUTE_STATS")]
+pub static FP_ROUTE_STATS: PerCpuArray<u64> = PerCpuArray::pinned(route_stat::SLOTS, 0);
+/// Scratch: a route cache entry being learned, with its key (kept off the stack).
+#[map(name = "FP_ROUTE_LEARN")]
+pub static FP_ROUTE_LEARN: PerCpuArray<RouteLearning> = PerCpuArray::with_max_entries(1, 0);

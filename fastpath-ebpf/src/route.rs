@@ -8,23 +8,34 @@
 //! the kernel's, with a reason: TTL expiry (it sends the ICMP error), local delivery and
 //! broadcast, unresolved neighbours (it resolves them), unreachable routes, MTU exceeded,
 //! IPv4 options and IPv6 extension headers, fragments, VLAN-tagged frames, martian addresses.
+//!
+//! The FIB's answer is cached per flow (`FP_ROUTE_CACHE`, see `fastpath_common::route`): a
+//! flow's later packets take it from there, a hash lookup instead of the FIB's walk of
+//! rules, tries and the neighbour table, until the generation changes (any route,
+//! neighbour, link or configuration change) or a second passes. The per-packet checks above
+//! (TTL, addresses, fragments, options, the egress interface's settings, the length against
+//! what is known to fit) run on every packet, cached or not.
 
 use fastpath_common::{
     Hook, TAIL_VLAN_FORWARD, TAIL_VXLAN_ENCAP, csum,
     ct::{IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_F_VXLAN},
     reason,
+    route::{ROUTE_CACHE_TTL_NS, route_stat},
 };
 
 use aya_ebpf::{
     bindings::__sk_buff,
-    helpers::{bpf_redirect, bpf_redirect_peer},
+    helpers::{bpf_ktime_get_coarse_ns, bpf_redirect, bpf_redirect_peer},
 };
 
 use crate::{
-    gateway,
-    maps::{FP_IFACE, FP_NAT, FP_PEER, FP_TX_PORTS},
+    gateway::{self, FibParams},
+    maps::{
+        FP_IFACE, FP_NAT, FP_PEER, FP_ROUTE_CACHE, FP_ROUTE_LEARN, FP_ROUTE_STATS, FP_TX_PORTS,
+    },
     packet::Packet,
     parse::{FAMILY_IPV4, IPPROTO_TCP, Parsed},
+    vxlan,
 };
 
 /// `bpf_fib_lookup` results (`BPF_FIB_LKUP_RET_*`).
@@ -93,26 +104,44 @@ pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> Result<(),
     } else {
         0
     };
-    let route = match gateway::fib_lookup(pkt, p, ifindex, false, 0, tot_len) {
-        Ok(r) => r,
-        Err(FIB_NOT_FWDED) => return Err(reason::ROUTE_NOT_FORWARDED),
-        Err(FIB_NO_NEIGH) => return Err(reason::ROUTE_NO_NEIGHBOR),
-        Err(FIB_FRAG_NEEDED) => return Err(reason::ROUTE_MTU),
-        Err(FIB_BLACKHOLE | FIB_UNREACHABLE | FIB_PROHIBIT) => {
-            return Err(reason::ROUTE_UNREACHABLE);
+    let f = gateway::fib_question(pkt, p, ifindex, false).ok_or(reason::ROUTE_OTHER)?;
+    // verifier: a hit writes its answer where the FIB writes its own, so both ways join with
+    // the same state below.
+    if !cached(f, pkt, p, gso_size, tot_len) {
+        // The answer overwrites parts of the question (the next hop's address replaces the
+        // destination): the key is kept first.
+        let Some(learning) = FP_ROUTE_LEARN.get_ptr_mut(0) else {
+            return Err(reason::ROUTE_OTHER);
+        };
+        // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
+        let learning = unsafe { &mut *learning };
+        learning.key = *f.key();
+        f.set_len(tot_len);
+        match gateway::fib_answer(pkt, f, 0) {
+            Ok(()) => {}
+            Err(FIB_NOT_FWDED) => return Err(reason::ROUTE_NOT_FORWARDED),
+            Err(FIB_NO_NEIGH) => return Err(reason::ROUTE_NO_NEIGHBOR),
+            Err(FIB_FRAG_NEEDED) => return Err(reason::ROUTE_MTU),
+            Err(FIB_BLACKHOLE | FIB_UNREACHABLE | FIB_PROHIBIT) => {
+                return Err(reason::ROUTE_UNREACHABLE);
+            }
+            Err(FIB_FWD_DISABLED) => return Err(reason::ROUTE_FORWARDING_OFF),
+            Err(_) => return Err(reason::ROUTE_OTHER),
         }
-        Err(FIB_FWD_DISABLED) => return Err(reason::ROUTE_FORWARDING_OFF),
-        Err(_) => return Err(reason::ROUTE_OTHER),
-    };
-    if gso_size != 0 && !segments_fit(pkt, p, gso_size, route.mtu()) {
-        return Err(reason::ROUTE_MTU);
+        // The longest packet known to fit: the route's MTU when the answer has it (TC asked
+        // with no length), else this packet's length.
+        let fits = if f.mtu() > tot_len { f.mtu() } else { tot_len };
+        if gso_size != 0 && !segments_fit(pkt, p, gso_size, fits) {
+            return Err(reason::ROUTE_MTU);
+        }
+        learn(learning, f, fits);
     }
-    let out = route.ifindex;
+    let out = f.ifindex;
     match FP_IFACE.get(out) {
         // A VXLAN network's device: encapsulated by a tail program (the entry point's), when
         // the headers for the next hop are learned. The tail program checks for learned
-        // headers and rewrites the packet itself (no stack room here); the FIB's answer waits
-        // for it in this CPU's `FP_FIB`.
+        // headers and rewrites the packet itself (no stack room here); the FIB's answer
+        // waits for it in this CPU's `FP_FIB`.
         Some(e) if e.flags & IFACE_F_VXLAN != 0 => {
             redirect_to(out);
             return Ok(());
@@ -120,11 +149,86 @@ pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> Result<(),
         Some(e) if e.flags & (IFACE_F_ROUTE | IFACE_F_ROUTE_TC) != 0 => {}
         _ => return Err(reason::ROUTE_EGRESS_NOT_ROUTED),
     }
-    if !rewrite(pkt, l3, v4, hdr, route.macs()) {
+    if !rewrite(pkt, l3, v4, hdr, f.macs()) {
         return Err(reason::ROUTE_OTHER);
     }
     redirect_to(out);
     Ok(())
+}
+
+/// What a route cache entry holds: the FIB's answer for a flow, and for how long it holds.
+#[repr(C)]
+pub struct RouteHop {
+    /// The `FP_VXLAN_GEN` generation it was learned in.
+    generation: u64,
+    /// Coarse-clock time it is used until.
+    expires_ns: u64,
+    /// The egress interface.
+    out: u32,
+    /// The longest IP packet known to fit the route (its MTU, or the longest packet the FIB
+    /// passed): a longer one asks the FIB, which checks the MTU.
+    fits: u16,
+    _pad: u16,
+    /// The answer's last 16 bytes: the next hop's MAC address and the egress interface's.
+    tail: [u64; 2],
+}
+
+/// The route cache key: the first 48 bytes of the FIB question (`FibParams::key`).
+pub type RouteKey = [u64; 6];
+
+/// Whether the route cache answers the FIB question in `f` — an answer of this generation,
+/// not expired, for which the packet (`tot_len` bytes, or a GRO aggregate of `gso_size`
+/// segments) is known to fit — and then writes it into `f` as the FIB would. Counted.
+#[inline(always)]
+fn cached(f: &mut FibParams, pkt: &Packet, p: &Parsed, gso_size: u32, tot_len: u16) -> bool {
+    let outcome = match FP_ROUTE_CACHE.get_ptr(f.key()) {
+        None => route_stat::MISS,
+        Some(hop) => {
+            // SAFETY: a live entry; `learn` replaces entries whole (a racing reader may mix
+            // fields of two answers for one flow, both the FIB's within a generation).
+            let hop = unsafe { &*hop };
+            // SAFETY: bpf_ktime_get_coarse_ns has no preconditions.
+            let now = unsafe { bpf_ktime_get_coarse_ns() };
+            if hop.generation != vxlan::generation() || now > hop.expires_ns {
+                route_stat::STALE
+            } else if !(if gso_size == 0 {
+                tot_len <= hop.fits
+            } else {
+                segments_fit(pkt, p, gso_size, hop.fits)
+            }) {
+                route_stat::MISS
+            } else {
+                f.set_answer(hop.out, hop.tail);
+                route_stat::HIT
+            }
+        }
+    };
+    if let Some(c) = FP_ROUTE_STATS.get_ptr_mut(outcome) {
+        // SAFETY: this CPU's slot of a per-CPU array.
+        unsafe { *c += 1 };
+    }
+    outcome == route_stat::HIT
+}
+
+/// A flow being learned: the FIB question's key and the answer to cache.
+#[repr(C)]
+pub struct RouteLearning {
+    key: RouteKey,
+    hop: RouteHop,
+}
+
+/// Caches the FIB's answer in `f` (packets up to `fits` bytes fit) under the question's key
+/// `learning` kept, for the flow's next packets.
+#[inline(always)]
+fn learn(learning: &mut RouteLearning, f: &FibParams, fits: u16) {
+    let hop = &mut learning.hop;
+    hop.generation = vxlan::generation();
+    // SAFETY: bpf_ktime_get_coarse_ns has no preconditions.
+    hop.expires_ns = unsafe { bpf_ktime_get_coarse_ns() } + ROUTE_CACHE_TTL_NS;
+    (hop.out, hop.tail) = f.answer();
+    hop.fits = fits;
+    // A full cache evicts its least recently used flow; an error leaves the flow uncached.
+    let _ = FP_ROUTE_CACHE.insert(&learning.key, &learning.hop, 0);
 }
 
 /// The segment size of a GRO aggregate (`skb->gso_size`; 0 for any other packet, and always

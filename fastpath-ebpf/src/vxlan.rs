@@ -42,9 +42,9 @@ const TCP_RST: u8 = 0x04;
 /// VXLAN header flags: the VNI is valid.
 const VXLAN_FLAG_VNI: u8 = 0x08;
 
-/// The current generation of learned headers.
+/// The current generation of learned headers and cached routes.
 #[inline(always)]
-fn generation() -> u64 {
+pub fn generation() -> u64 {
     FP_VXLAN_GEN.get(0).copied().unwrap_or(0)
 }
 

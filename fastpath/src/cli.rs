@@ -379,6 +379,12 @@ fn print_stats(s: &pb::Stats, out: Output) -> Outcome {
             vxlan.join(", "),
             s.vxlan_generation
         );
+        let routes: Vec<String> = s
+            .route_cache
+            .iter()
+            .map(|c| format!("{} {}", c.name, c.value))
+            .collect();
+        println!("route cache: {}", routes.join(", "));
         Ok(())
     }
 }

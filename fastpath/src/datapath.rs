@@ -38,6 +38,7 @@ use fastpath_common::{
     },
     lb::{Backend, MAX_SNAT_RULES, Service, SnatRule, SvcKey},
     map_names, program_names,
+    route::route_stat,
     vxlan::{VxlanNet, vxlan_stat},
 };
 use tracing::{info, warn};
@@ -1628,8 +1629,9 @@ fn vxlan_nets(
     Ok(out)
 }
 
-/// Starts a new generation of learned VXLAN headers (`FP_VXLAN_GEN`): every entry learned
-/// before is a miss until the kernel's path teaches it again.
+/// Starts a new generation of learned VXLAN headers and cached routes (`FP_VXLAN_GEN`):
+/// every entry learned before is a miss until the kernel's path (or the FIB) teaches it
+/// again.
 pub fn bump_vxlan_generation(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
     let map = ebpf
         .map_mut(map_names::VXLAN_GEN)
@@ -2006,6 +2008,15 @@ pub fn pinned_vxlan_stats(pin_dir: &Path) -> Result<(Vec<u64>, u64), DatapathErr
     let sums = pinned_counters(pin_dir, map_names::VXLAN_STATS, vxlan_stat::COUNT)?;
     let generation = VxlanGeneration::open_pin(&maps.join(map_names::VXLAN_GEN))?.current();
     Ok((sums, generation))
+}
+
+/// Route cache counters of a pinned datapath, summed over CPUs, indexed by `route_stat::*`.
+/// Zeros from a datapath pinned before the cache existed (no such map).
+pub fn pinned_route_stats(pin_dir: &Path) -> Result<Vec<u64>, DatapathError> {
+    if !pin_dir.join("maps").join(map_names::ROUTE_STATS).exists() {
+        return Ok(vec![0; route_stat::COUNT as usize]);
+    }
+    pinned_counters(pin_dir, map_names::ROUTE_STATS, route_stat::COUNT)
 }
 
 /// The first `count` slots of a pinned per-CPU array of counters, each summed over CPUs.

@@ -142,9 +142,21 @@ pub async fn render(shared: &Arc<Shared>) -> String {
         o.family(
             "fastpath_vxlan_generation",
             "gauge",
-            "Current generation of learned VXLAN headers (each route, neighbour, link or configuration change starts one).",
+            "Current generation of learned VXLAN headers and cached routes (each route, neighbour, link or configuration change starts one).",
         );
         o.sample("fastpath_vxlan_generation", &[], s.vxlan_generation);
+        o.family(
+            "fastpath_route_cache_total",
+            "counter",
+            "Route cache: routed packets that took their flow's cached FIB answer (hit), asked the FIB (miss), found an answer of an older generation or past its second (stale).",
+        );
+        for c in &s.route_cache {
+            o.sample(
+                "fastpath_route_cache_total",
+                &[("counter", &c.name)],
+                c.value,
+            );
+        }
     }
     let Ok(rules) = shared.rules().await else {
         return o.0;

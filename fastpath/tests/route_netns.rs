@@ -23,6 +23,7 @@
 use std::path::Path;
 
 use fastpath::{
+    datapath,
     stats::StatsSnapshot,
     testkit::netns::{
         Daemon, DaemonConfig, HookedInterface, Netns, Topology, VethEnd, prepare_test,
@@ -190,6 +191,27 @@ fn routes_between_links(hook: Hook) {
              packets went out through c0 rather than straight to its peer (bpf_redirect_peer)"
         );
     }
+
+    // The routed packets took their flows' cached FIB answers, bar each flow's first after
+    // a generation change or a second: `fastpath stats` reports the cache's counters.
+    let route_cache = datapath::pinned_route_stats(daemon.pin_dir())
+        .unwrap_or_else(|e| panic!("route cache counters: {e}"));
+    let [hits, misses, stale] = [0, 1, 2].map(|i| route_cache[i]);
+    assert!(
+        hits * 10 >= data_packets * 9 && misses + stale > 0,
+        "{data_packets} routed data packets, route cache hit {hits}, miss {misses}, stale \
+         {stale}: most packets should have hit their flow's cached answer"
+    );
+    let printed = daemon.cli_ok(&["stats"]);
+    assert!(
+        printed.contains(&format!(
+            "route cache: hit {hits}, miss {misses}, stale {stale}"
+        )),
+        "fastpath stats prints the route cache's counters:\n{printed}"
+    );
+    eprintln!(
+        "route cache: hit {hits}, miss {misses}, stale {stale} ({data_packets} data packets)"
+    );
 
     // TTL 1: fp's kernel answers with the ICMP error.
     for (server, said) in [

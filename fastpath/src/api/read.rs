@@ -68,6 +68,7 @@ pub fn stats(pin_dir: &Path, skip_entries: bool) -> Result<pb::Stats, DatapathEr
     };
     let sums = datapath::pinned_ct_stats(pin_dir)?;
     let (vxlan, vxlan_generation) = datapath::pinned_vxlan_stats(pin_dir)?;
+    let route_cache = datapath::pinned_route_stats(pin_dir)?;
     let named = |names: &[&str], sums: Vec<u64>| {
         names
             .iter()
@@ -87,6 +88,7 @@ pub fn stats(pin_dir: &Path, skip_entries: bool) -> Result<pb::Stats, DatapathEr
         timestamp_ns: conntrack::monotonic_ns(),
         vxlan: named(&fastpath_common::vxlan::vxlan_stat::NAMES, vxlan),
         vxlan_generation,
+        route_cache: named(&fastpath_common::route::route_stat::NAMES, route_cache),
     })
 }
 

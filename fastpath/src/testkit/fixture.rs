@@ -35,6 +35,7 @@ use fastpath_common::{
         DIR_REPLY, IfaceConfig, ct_event, ct_stat, tcp_state,
     },
     map_names, program_names,
+    route::route_stat,
     stats::CONFIG_F_DROP_MALFORMED,
     vxlan::VxlanNet,
 };
@@ -203,6 +204,20 @@ impl Seed {
             }
             for (vni, net) in &self.vxlan_nets {
                 nets.insert(vni, net, 0).map_err(map_err)?;
+            }
+        }
+        {
+            // Cached routes are not part of a seed: each seed starts with none.
+            let name = map_names::ROUTE_CACHE;
+            let map_err = map_error(name);
+            let map = ebpf
+                .map_mut(name)
+                .ok_or(FixtureError::MissingMap { name })?;
+            let mut cache: aya::maps::HashMap<_, [u64; 6], [u64; 5]> =
+                aya::maps::HashMap::try_from(map).map_err(map_err)?;
+            let old: Vec<[u64; 6]> = cache.keys().filter_map(Result::ok).collect();
+            for key in old {
+                cache.remove(&key).map_err(map_err)?;
             }
         }
         if let Some(g) = self.vxlan_generation {
@@ -473,6 +488,28 @@ impl Fixture {
         )
     }
 
+    /// The route cache counters, summed over CPUs, indexed by `route_stat::*`.
+    pub fn route_stats(&self) -> Result<Vec<u64>, FixtureError> {
+        let name = map_names::ROUTE_STATS;
+        let map = self
+            .ebpf
+            .map(name)
+            .ok_or(FixtureError::MissingMap { name })?;
+        let per_cpu: PerCpuArray<_, u64> = PerCpuArray::try_from(map).map_err(map_error(name))?;
+        (0..route_stat::COUNT)
+            .map(|slot| {
+                let values = per_cpu.get(&slot, 0).map_err(map_error(name))?;
+                Ok(values.iter().sum())
+            })
+            .collect()
+    }
+
+    /// Starts a new generation of learned VXLAN headers and cached routes, as the daemon
+    /// does on a route, neighbour, link or configuration change.
+    pub fn bump_generation(&mut self) -> Result<(), crate::datapath::DatapathError> {
+        crate::datapath::bump_vxlan_generation(&mut self.ebpf)
+    }
+
     /// Where this fixture's maps are pinned (removed on drop).
     pub fn pin_dir(&self) -> &Path {
         &self.pins.path
@@ -488,6 +525,13 @@ impl Fixture {
     pub fn run(&mut self, case: &Case) -> Result<Outcome, FixtureError> {
         check_input(case)?;
         case.seed.apply(&mut self.ebpf, &mut self.lb_writer)?;
+        self.rerun(case)
+    }
+
+    /// [`Fixture::run`] without applying the case's seed first: the maps stay as the previous
+    /// runs left them (conntrack entries, learned VXLAN headers, cached routes).
+    pub fn rerun(&mut self, case: &Case) -> Result<Outcome, FixtureError> {
+        check_input(case)?;
         let before = self.stats()?;
         let mut out = vec![0u8; case.input.len() + OUTPUT_SLACK];
         let res = self.test_run(case, &mut out, 1)?;
