@@ -227,6 +227,21 @@ fn learn(learning: &mut RouteLearning, f: &FibParams, fits: u16) {
     hop.expires_ns = unsafe { bpf_ktime_get_coarse_ns() } + ROUTE_CACHE_TTL_NS;
     (hop.out, hop.tail) = f.answer();
     hop.fits = fits;
+    // perf: an entry of an earlier generation is written in place (an insert allocates an
+    // element and frees the old one: ~4× the lookup's cost), its generation last, so a
+    // reader on another CPU that sees the new generation sees the new answer (x86 keeps
+    // stores in order; two CPUs learning one flow at once write the same answer).
+    if let Some(e) = FP_ROUTE_CACHE.get_ptr_mut(&learning.key) {
+        // SAFETY: a live entry of the cache.
+        let e = unsafe { &mut *e };
+        e.expires_ns = hop.expires_ns;
+        e.out = hop.out;
+        e.fits = hop.fits;
+        e.tail = hop.tail;
+        // SAFETY: a volatile store keeps the compiler from moving it before the others.
+        unsafe { core::ptr::write_volatile(&raw mut e.generation, hop.generation) };
+        return;
+    }
     // A full cache evicts its least recently used flow; an error leaves the flow uncached.
     let _ = FP_ROUTE_CACHE.insert(&learning.key, &learning.hop, 0);
 }

@@ -804,9 +804,20 @@ fn bench_route_paths() -> Result<Vec<CtRow>> {
                 // Seeds the maps and checks the case still routes as its table says.
                 fx.evaluate(case)
                     .map_err(|e| anyhow::anyhow!("{what}, {size} routes: {e}"))?;
-                let path = format!("{what} (repeat = 1)");
+                // A flow's later packets: the route cache's answer.
+                let path = format!("{what}, cached (repeat = 1)");
                 let (ns, floor) =
                     time_once_each(&mut fx, &path, std::iter::repeat_n(*case, LB_RUNS))?;
+                rows.push(ct_row(path, size, &ns, &floor));
+                // A flow's first packet after a change: a new generation before each run, so
+                // each asks the FIB and caches its answer.
+                let path = format!("{what}, FIB lookup (new generation; repeat = 1)");
+                let (ns, floor) = time_once_each_after(
+                    &mut fx,
+                    &path,
+                    std::iter::repeat_n(*case, LB_RUNS),
+                    |fx| Ok(fx.bump_generation()?),
+                )?;
                 rows.push(ct_row(path, size, &ns, &floor));
             }
             eprint!("r");
@@ -1163,8 +1174,19 @@ fn time_once_each<'a>(
     path: &str,
     cases: impl Iterator<Item = &'a Case>,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
+    time_once_each_after(fx, path, cases, |_| Ok(()))
+}
+
+/// [`time_once_each`] with `before(fx)` before each pair of runs (untimed).
+fn time_once_each_after<'a>(
+    fx: &mut Fixture,
+    path: &str,
+    cases: impl Iterator<Item = &'a Case>,
+    mut before: impl FnMut(&mut Fixture) -> Result<()>,
+) -> Result<(Vec<f64>, Vec<f64>)> {
     let (mut ns, mut floor) = (Vec::new(), Vec::new());
     for c in cases {
+        before(fx)?;
         floor.push(fx.run_floor_repeat(c.hook, &c.input, 1)?.per_run.as_nanos() as f64);
         let r = fx.rerun_repeat(c, 1)?;
         if r.verdict != c.expect_verdict {
@@ -1734,7 +1756,7 @@ fn route_paths_markdown(r: &Report) -> String {
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "### Routing (L3 stage)\n\nThe routing fixture cases (`testkit::route_cases`) in a namespace of their own (`ROUTE_NETNS_SETUP`: the datapath asks its FIB with `bpf_fib_lookup`), with {} more IPv4 routes (/32s in 10.16.0.0/12 via the cases' gateway) beside the cases' own handful. A routed frame comes out rewritten (MAC addresses, TTL), so each timed run is one run, {LB_RUNS} of them, each right after the empty program also run once (repeat = 1: its floor includes the kernel's per-call timing, as in the LB rows). Each case is first checked against its fixture expectation (forwarded, reason `routed`, the expected frame).\n",
+        "### Routing (L3 stage)\n\nThe routing fixture cases (`testkit::route_cases`) in a namespace of their own (`ROUTE_NETNS_SETUP`: the datapath asks its FIB with `bpf_fib_lookup`), with {} more IPv4 routes (/32s in 10.16.0.0/12 via the cases' gateway) beside the cases' own handful. A routed frame comes out rewritten (MAC addresses, TTL), so each timed run is one run, {LB_RUNS} of them, each right after the empty program also run once (repeat = 1: its floor includes the kernel's per-call timing, as in the LB rows). Each case is first checked against its fixture expectation (forwarded, reason `routed`, the expected frame), then timed twice: \"cached\", the flow's later packets, which take the route cache's answer, and \"FIB lookup\", a new generation before each run (as the daemon starts on a route, neighbour, link or configuration change), so that each asks the FIB and caches its answer, as a flow's first packet does.\n",
         ROUTE_SIZES
             .iter()
             .map(|n| n.to_string())
