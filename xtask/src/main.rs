@@ -59,8 +59,9 @@ commands:
               HAProxy in namespaces, HA replication); writes docs/bench/*.json, the plots
               docs/bench/*.svg and docs/BENCHMARKS.md. `bench SECTION` re-measures one section
               and rewrites them with the other sections' committed results; `bench --render`
-              rewrites the report and plots from the committed JSON; `bench --help` lists the
-              sections
+              rewrites the report and plots from the committed JSON; `bench --compare REV`
+              compares the results with those committed at REV (medians against spreads);
+              `bench --help` lists the sections
   build       bootstrap and build the release binary target/release/fastpath
   bootstrap   only install toolchains, bpf-linker and Debian packages (idempotent)
   lint        cargo fmt --check and clippy with warnings denied

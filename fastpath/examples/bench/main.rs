@@ -26,6 +26,8 @@
 //! from them. `bench SECTION` (or `bench --only SECTION`) re-measures one section (see
 //! [`SECTIONS`]) and regenerates the report with the other sections' committed results, each
 //! section's commit and date recorded; `bench --render` regenerates it from the JSON alone.
+//! A full run compares itself with the results it replaces, and `bench --compare REV` compares
+//! the results with those committed at a revision (see `compare`).
 
 use std::{
     collections::BTreeMap,
@@ -70,6 +72,7 @@ use tokio::{
 };
 
 mod api;
+mod compare;
 mod ha;
 mod lb_compare;
 mod lb_sweep;
@@ -183,6 +186,9 @@ struct Report {
     /// Written to its own file, docs/bench/ha.json.
     #[serde(skip)]
     ha: ha::HaReport,
+    /// This run's medians against the results it replaced (a full run, or `bench --compare`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    run_to_run: Option<compare::RunToRun>,
 }
 
 /// Time from an `apply_services` call to the datapath using the result (the call returns
@@ -280,7 +286,7 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--").collect();
     let usage = || {
         format!(
-            "`bench` measures every section and rewrites docs/bench/*.json, docs/bench/*.svg and docs/BENCHMARKS.md; `bench SECTION` (or `--only SECTION`) re-measures one section and rewrites them with the other sections' committed results; `bench --render` rewrites docs/BENCHMARKS.md and the plots from the committed JSON alone. Sections: {}",
+            "`bench` measures every section and rewrites docs/bench/*.json, docs/bench/*.svg and docs/BENCHMARKS.md; `bench SECTION` (or `--only SECTION`) re-measures one section and rewrites them with the other sections' committed results; `bench --render` rewrites docs/BENCHMARKS.md and the plots from the committed JSON alone; `bench --compare REV` compares the results in docs/bench/ with those committed at REV (which medians left the earlier run's min–max spread) and adds that to docs/BENCHMARKS.md. Sections: {}",
             section_names()
         )
     };
@@ -295,6 +301,15 @@ fn main() -> Result<()> {
             let report = Report::load(&root)?;
             write_docs(&root, &report)?;
             print!("{}", markdown(&report));
+            return Ok(());
+        }
+        ["--compare", rev] => {
+            let mut report = Report::load(&root)?;
+            let (name, earlier) = compare::at_revision(&root, rev)?;
+            let run = compare::compare(&name, &earlier, &report.results()?, None);
+            print!("{}", compare::markdown(&run));
+            report.run_to_run = Some(run);
+            write_docs(&root, &report)?;
             return Ok(());
         }
         ["--only", section] | [section] => Some(section.to_owned()),
@@ -314,10 +329,24 @@ fn main() -> Result<()> {
             } else {
                 Report::default()
             };
+            // What this run replaces, to compare with section by section.
+            let earlier = (!report.measured.is_empty())
+                .then(|| report.results())
+                .transpose()?;
+            let mut done = Vec::new();
             // `lb` is part of `conntrack`.
             for (name, _) in SECTIONS.iter().filter(|(name, _)| *name != "lb") {
                 let started = machine();
                 report.set(name, started, measure(name)?);
+                done.push(*name);
+                if let Some(earlier) = &earlier {
+                    report.run_to_run = Some(compare::compare(
+                        "the results it replaced in docs/bench/",
+                        earlier,
+                        &report.results()?,
+                        Some(done.as_slice()),
+                    ));
+                }
                 write_docs(&root, &report)?;
             }
             print!("{}", markdown(&report));
@@ -408,10 +437,22 @@ impl Report {
         Ok(report)
     }
 
+    /// All the results as JSON, ha.json's under `ha` (what [`compare`] reads).
+    fn results(&self) -> Result<serde_json::Value> {
+        let mut v = serde_json::to_value(self)?;
+        if let Some(m) = v.as_object_mut() {
+            m.insert("ha".to_owned(), serde_json::to_value(&self.ha)?);
+            m.remove("run_to_run");
+        }
+        Ok(v)
+    }
+
     /// Puts a section's results in, with `machine` as read when its measurement started (the
     /// tree the benchmark was built from: what changes during a long run is not in it).
     fn set(&mut self, section: &str, machine: Machine, part: Part) {
         self.generated_by = "cargo xtask bench".to_owned();
+        // It compared results this replaces.
+        self.run_to_run = None;
         self.measured.insert(section.to_owned(), machine.clone());
         self.machine = machine;
         match part {
@@ -1735,9 +1776,13 @@ fn markdown(r: &Report) -> String {
             missed.join("; "),
         );
     }
+    if let Some(run) = &r.run_to_run {
+        md.push_str(&compare::markdown(run));
+        md.push('\n');
+    }
     let _ = writeln!(
         md,
-        "## How to reproduce\n\nOn a machine like the one above (root, Linux with BPF, XDP and network namespaces; the command installs its toolchains and Debian packages itself):\n\n```sh\ncargo xtask bench                 # every section: about 70 minutes; rewrites docs/bench/ and this file\ncargo xtask bench -- lb-sweep     # one section; the others' committed results are kept\ncargo xtask bench -- --render     # this file and the charts from docs/bench/*.json alone\ncargo xtask bench -- --help       # the sections\n```\n\nSections: {}. Each section records the commit and date it was measured at (the table at the top when they differ). Compare a fresh run with this report by its medians and spreads: on this kind of machine a median moves within the min–max range shown, not beyond it; measure both sides of a comparison in one run.\n",
+        "## How to reproduce\n\nOn a machine like the one above (root, Linux with BPF, XDP and network namespaces; the command installs its toolchains and Debian packages itself):\n\n```sh\ncargo xtask bench                 # every section: about 70 minutes; rewrites docs/bench/ and this file\ncargo xtask bench -- lb-sweep     # one section; the others' committed results are kept\ncargo xtask bench -- --render     # this file and the charts from docs/bench/*.json alone\ncargo xtask bench -- --compare HEAD  # the results in docs/bench/ against those committed at HEAD\ncargo xtask bench -- --help       # the sections\n```\n\nSections: {}. Each section records the commit and date it was measured at (the table at the top when they differ). A full run compares itself with the results it replaces (\"Run to run\" above); `--compare REV` compares the results in docs/bench/ with those committed at any revision, number by number: which medians fall outside the earlier run's min–max spread. Measure both sides of a comparison between contenders in one run.\n",
         SECTIONS
             .iter()
             .map(|(name, _)| format!("`{name}`"))
@@ -1922,9 +1967,21 @@ fn measured_markdown(r: &Report) -> String {
         let _ = writeln!(md, ", commit {}, {}.\n", m.commit, m.date);
         return md;
     }
+    let same_tree = runs
+        .iter()
+        .all(|(_, s)| s.commit == m.commit && s.kernel == m.kernel);
     let _ = writeln!(
         md,
-        ".\n\nSections were measured in separate runs (`cargo xtask bench SECTION` re-measures one):\n\n| section | commit | date | kernel |\n|---|---|---|---|"
+        ".\n\n{}\n\n| section | commit | date | kernel |\n|---|---|---|---|",
+        if same_tree {
+            format!(
+                "Every section was measured at commit {} (by one full run, or sections re-run at that commit); the date is each section's start:",
+                m.commit
+            )
+        } else {
+            "Sections were measured in separate runs (`cargo xtask bench SECTION` re-measures one):"
+                .to_owned()
+        }
     );
     for (section, s) in runs {
         let _ = writeln!(

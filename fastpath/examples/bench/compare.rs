@@ -1,0 +1,529 @@
+//! Run to run: a run's medians against the spreads of the results it replaces.
+//!
+//! The report gives most numbers as a median with a min–max spread over rounds or runs; a
+//! fresh run on the same kind of machine should put each median inside the earlier run's
+//! spread. This finds every such number in both runs' JSON — objects with `median`, `min`
+//! and `max` (or `median_X`, `min_X`, `max_X`), and lists of unnamed runs (each numeric
+//! field's median and spread over the runs) — by a label made of the keys and the list
+//! items' names, and counts, per section, how many of this run's medians fall inside the
+//! earlier run's spread. Rows only one run has (renamed or new) are counted, not compared.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt::Write as _,
+    path::Path,
+    process::Command,
+};
+
+use anyhow::{Context as _, Result, bail};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// A median with its min–max spread.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Spread {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    fn holds(&self, x: f64) -> bool {
+        self.min <= x && x <= self.max
+    }
+}
+
+/// One number whose median moved outside the earlier run's spread.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Outside {
+    pub metric: String,
+    pub earlier: Spread,
+    pub this: Spread,
+}
+
+/// One section of the report, compared.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct SectionRun {
+    pub section: String,
+    /// "commit, date" of the earlier and of this run of the section.
+    pub earlier: String,
+    pub this: String,
+    pub compared: usize,
+    /// Of those, ratios between contenders measured in the same rounds.
+    #[serde(default)]
+    pub ratios: usize,
+    pub inside: usize,
+    /// Numbers only one of the runs reports (rows added, renamed or dropped between them).
+    pub only_earlier: usize,
+    pub only_this: usize,
+    pub outside: Vec<Outside>,
+}
+
+/// This run against an earlier one.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct RunToRun {
+    /// Which results this run is compared with.
+    pub earlier: String,
+    pub sections: Vec<SectionRun>,
+}
+
+/// The report's top-level keys, by section (`ha` is its own file, put under `ha`).
+const KEY_SECTIONS: &[(&str, &str)] = &[
+    ("floors", "parse"),
+    ("rows", "parse"),
+    ("conntrack", "conntrack"),
+    ("conntrack_gc", "conntrack"),
+    ("route_paths", "route"),
+    ("vxlan_paths", "vxlan"),
+    ("conntrack_drain", "drain"),
+    ("service_updates", "updates"),
+    ("api_changes", "api"),
+    ("lb_compare", "lb-compare"),
+    ("lb_sweep", "lb-sweep"),
+    ("route_compare", "route-compare"),
+    ("overlay_compare", "overlay-compare"),
+    ("ha", "ha"),
+];
+
+/// Keys that only hold items: left out of labels.
+const CONTAINERS: &[&str] = &["rows", "contenders", "settings", "runs", "rates"];
+
+/// Lists of per-round ratios end with this.
+const ROUND_RATIOS: &str = "round_ratios";
+
+/// What names the ratios [`round_ratios`] derives.
+const PER_ROUND: &str = "per round";
+
+/// Whether a label names a ratio between contenders measured in the same rounds.
+fn is_ratio(metric: &str) -> bool {
+    metric.contains(PER_ROUND) || metric.contains(ROUND_RATIOS)
+}
+
+/// The contender every ratio is taken of.
+const OURS: &str = "fastpath";
+
+/// Integer fields that name a list item, with what they count.
+const NAMING_COUNTS: &[(&str, &str)] = &[("table_entries", "entries"), ("services", "services")];
+
+/// The results at a git revision, named for the report: docs/bench/datapath.json with
+/// docs/bench/ha.json as `ha`.
+pub fn at_revision(root: &Path, rev: &str) -> Result<(String, Value)> {
+    let git = |args: &[&str]| -> Result<Vec<u8>> {
+        let out = Command::new("git")
+            .arg("-C")
+            .arg(root)
+            .args(args)
+            .output()
+            .context("running git")?;
+        if !out.status.success() {
+            bail!(
+                "`git {}` failed: {}; name a commit whose tree has the benchmark results (e.g. HEAD)",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(out.stdout)
+    };
+    let show = |file: &str| -> Result<Value> {
+        serde_json::from_slice(&git(&["show", &format!("{rev}:docs/bench/{file}")])?)
+            .with_context(|| format!("parsing docs/bench/{file} at {rev}"))
+    };
+    let commit = String::from_utf8_lossy(&git(&["rev-parse", "--short", rev])?)
+        .trim()
+        .to_owned();
+    let mut results = show("datapath.json")?;
+    let ha = show("ha.json")?;
+    match results.as_object_mut() {
+        Some(m) => {
+            m.insert("ha".to_owned(), ha);
+        }
+        None => bail!("docs/bench/datapath.json at {rev} is not a JSON object"),
+    }
+    Ok((format!("the results committed at {commit}"), results))
+}
+
+/// Compares `this` run's results with `earlier` ones, for `sections` (all when `None`).
+pub fn compare(
+    earlier_name: &str,
+    earlier: &Value,
+    this: &Value,
+    sections: Option<&[&str]>,
+) -> RunToRun {
+    let (old, new) = (by_section(earlier), by_section(this));
+    let mut out = RunToRun {
+        earlier: earlier_name.to_owned(),
+        sections: Vec::new(),
+    };
+    let mut names: Vec<&str> = Vec::new();
+    for (_, section) in KEY_SECTIONS {
+        if !names.contains(section) && sections.is_none_or(|s| s.contains(section)) {
+            names.push(section);
+        }
+    }
+    for section in names {
+        let empty = BTreeMap::new();
+        let o = old.get(section).unwrap_or(&empty);
+        let n = new.get(section).unwrap_or(&empty);
+        let mut s = SectionRun {
+            section: section.to_owned(),
+            earlier: measured(earlier, section),
+            this: measured(this, section),
+            only_earlier: o.keys().filter(|k| !n.contains_key(*k)).count(),
+            only_this: n.keys().filter(|k| !o.contains_key(*k)).count(),
+            ..SectionRun::default()
+        };
+        for (metric, was) in o {
+            let Some(now) = n.get(metric) else { continue };
+            s.compared += 1;
+            s.ratios += usize::from(is_ratio(metric));
+            if was.holds(now.median) {
+                s.inside += 1;
+            } else {
+                s.outside.push(Outside {
+                    metric: metric.clone(),
+                    earlier: *was,
+                    this: *now,
+                });
+            }
+        }
+        if s.compared + s.only_earlier + s.only_this > 0 {
+            out.sections.push(s);
+        }
+    }
+    out
+}
+
+/// "commit, date" a section was measured at, from the results' `measured` map.
+fn measured(results: &Value, section: &str) -> String {
+    let m = &results["measured"][section];
+    match (m["commit"].as_str(), m["date"].as_str()) {
+        (Some(c), Some(d)) => format!("{c}, {d}"),
+        _ => "not recorded".to_owned(),
+    }
+}
+
+/// Every spread in the results, by section and label.
+fn by_section(results: &Value) -> BTreeMap<&'static str, BTreeMap<String, Spread>> {
+    let mut out: BTreeMap<&'static str, BTreeMap<String, Spread>> = BTreeMap::new();
+    for (key, section) in KEY_SECTIONS {
+        if let Some(v) = results.get(*key) {
+            walk(v, key, out.entry(section).or_default());
+        }
+    }
+    out
+}
+
+fn join(label: &str, part: &str) -> String {
+    if part.is_empty() || CONTAINERS.contains(&part) {
+        label.to_owned()
+    } else if label.is_empty() {
+        part.to_owned()
+    } else {
+        format!("{label} / {part}")
+    }
+}
+
+fn walk(v: &Value, label: &str, out: &mut BTreeMap<String, Spread>) {
+    match v {
+        Value::Object(m) => walk_object(m, label, out),
+        Value::Array(items) => walk_list(items, label, out),
+        _ => {}
+    }
+}
+
+fn walk_object(m: &Map<String, Value>, label: &str, out: &mut BTreeMap<String, Spread>) {
+    for (k, x) in m {
+        let Some(unit) = k.strip_prefix("median") else {
+            continue;
+        };
+        let get = |bound: &str| m.get(&format!("{bound}{unit}")).and_then(Value::as_f64);
+        if let (Some(median), Some(min), Some(max)) = (x.as_f64(), get("min"), get("max")) {
+            let unit = unit.trim_start_matches('_');
+            let name = if unit.is_empty() {
+                label.to_owned()
+            } else {
+                join(label, unit)
+            };
+            out.insert(name, Spread { median, min, max });
+        }
+    }
+    for (k, x) in m {
+        if k.ends_with(ROUND_RATIOS) {
+            // Per-round ratios between contenders: their median and spread.
+            let samples: Vec<f64> = x
+                .as_array()
+                .map(|a| a.iter().filter_map(Value::as_f64).collect())
+                .unwrap_or_default();
+            if !samples.is_empty() {
+                let (median, min, max) = super::stats(&samples);
+                out.insert(join(label, k), Spread { median, min, max });
+            }
+        } else if x.is_object() || x.is_array() {
+            walk(x, &join(label, k), out);
+        }
+    }
+}
+
+/// A list item's name: its strings, and the counts that tell rows apart.
+fn item_name(m: &Map<String, Value>) -> String {
+    let mut parts: Vec<String> = m
+        .values()
+        .filter_map(Value::as_str)
+        .map(str::to_owned)
+        .collect();
+    for (key, what) in NAMING_COUNTS {
+        if let Some(n) = m.get(*key).and_then(Value::as_u64) {
+            parts.push(format!("{n} {what}"));
+        }
+    }
+    parts.join(", ")
+}
+
+fn walk_list(items: &[Value], label: &str, out: &mut BTreeMap<String, Spread>) {
+    let objects: Vec<&Map<String, Value>> = items.iter().filter_map(Value::as_object).collect();
+    if objects.is_empty() || objects.len() != items.len() {
+        return;
+    }
+    let names: Vec<String> = objects.iter().map(|m| item_name(m)).collect();
+    if objects.len() > 1 && names.iter().all(String::is_empty) {
+        // Runs of one configuration: each number's median and spread over the runs.
+        let keys: BTreeSet<&String> = objects.iter().flat_map(|m| m.keys()).collect();
+        for key in keys {
+            let samples: Vec<f64> = objects
+                .iter()
+                .filter_map(|m| m.get(key.as_str()).and_then(Value::as_f64))
+                .collect();
+            if samples.len() == objects.len() {
+                let (median, min, max) = super::stats(&samples);
+                out.insert(join(label, key), Spread { median, min, max });
+            }
+        }
+        return;
+    }
+    round_ratios(&objects, label, out);
+    let mut seen: BTreeMap<&str, usize> = BTreeMap::new();
+    for (m, name) in objects.iter().zip(&names) {
+        let nth = seen.entry(name).or_default();
+        *nth += 1;
+        let name = if *nth > 1 {
+            format!("{name} #{nth}")
+        } else {
+            name.clone()
+        };
+        walk_object(m, &join(label, &name), out);
+    }
+}
+
+fn contender(m: &Map<String, Value>) -> Option<&str> {
+    m.get("contender").and_then(Value::as_str)
+}
+
+/// Rows of contenders measured round by round (`samples` in round order): fastpath's
+/// per-round ratio to each other contender with the same counts (services), for every
+/// number both report — the ratios the report's claims are made of, which drift between
+/// runs cancels.
+fn round_ratios(rows: &[&Map<String, Value>], label: &str, out: &mut BTreeMap<String, Spread>) {
+    let counts = |m: &Map<String, Value>| -> Vec<Option<u64>> {
+        NAMING_COUNTS
+            .iter()
+            .map(|(key, _)| m.get(*key).and_then(Value::as_u64))
+            .collect()
+    };
+    for ours in rows.iter().filter(|m| contender(m) == Some(OURS)) {
+        for other in rows
+            .iter()
+            .filter(|m| contender(m).is_some_and(|c| c != OURS) && counts(m) == counts(ours))
+        {
+            let Some(name) = contender(other) else {
+                continue;
+            };
+            for (key, x) in *ours {
+                let samples = |v: Option<&Value>| -> Vec<f64> {
+                    v.and_then(|v| v.get("samples"))
+                        .and_then(Value::as_array)
+                        .map(|a| a.iter().filter_map(Value::as_f64).collect())
+                        .unwrap_or_default()
+                };
+                let (a, b) = (samples(Some(x)), samples(other.get(key)));
+                let ratios: Vec<f64> = a
+                    .iter()
+                    .zip(&b)
+                    .filter(|(_, d)| **d != 0.0)
+                    .map(|(n, d)| n / d)
+                    .collect();
+                if ratios.is_empty() {
+                    continue;
+                }
+                let (median, min, max) = super::stats(&ratios);
+                let mut at: Vec<String> = NAMING_COUNTS
+                    .iter()
+                    .filter_map(|(k, what)| Some(format!("{} {what}", ours.get(*k)?.as_u64()?)))
+                    .collect();
+                at.push(format!("{OURS} ÷ {name} {PER_ROUND}"));
+                out.insert(
+                    join(&join(label, &at.join(", ")), key),
+                    Spread { median, min, max },
+                );
+            }
+        }
+    }
+}
+
+fn number(x: f64) -> String {
+    let digits = if x.abs() >= 100.0 {
+        0
+    } else if x.abs() >= 10.0 {
+        1
+    } else {
+        2
+    };
+    format!("{x:.digits$}")
+}
+
+/// The report's "Run to run" section.
+pub fn markdown(r: &RunToRun) -> String {
+    let mut md = String::new();
+    let compared: usize = r.sections.iter().map(|s| s.compared).sum();
+    let inside: usize = r.sections.iter().map(|s| s.inside).sum();
+    let _ = writeln!(
+        md,
+        "## Run to run\n\nThis run against {}: for every number the report gives as a median with a min–max spread (over rounds, or over runs), whether this run's median lies inside the earlier run's spread. {inside} of {compared} do ({:.0}%). A section measured at another commit in the earlier run may differ for a reason: the code changed in between.\n",
+        r.earlier,
+        if compared == 0 {
+            0.0
+        } else {
+            100.0 * inside as f64 / compared as f64
+        }
+    );
+    // The same counts for the ratios between contenders alone, and how far medians moved.
+    let (mut ratios, mut ratios_outside, mut near, mut ratios_near) = (0, 0, 0, 0);
+    for s in &r.sections {
+        for o in &s.outside {
+            let within_10 =
+                (o.this.median - o.earlier.median).abs() <= 0.1 * o.earlier.median.abs();
+            near += usize::from(within_10);
+            if is_ratio(&o.metric) {
+                ratios_outside += 1;
+                ratios_near += usize::from(within_10);
+            }
+        }
+        ratios += s.ratios;
+    }
+    let _ = writeln!(
+        md,
+        "Of the {compared}, {ratios} are fastpath's per-round ratios to another contender measured in the same round (what the report's claims are made of; drift of the whole machine between runs cancels in them): {} of those lie inside the earlier spread. Of the medians outside, {near} moved by 10% or less ({ratios_near} of the {ratios_outside} ratios).\n",
+        ratios - ratios_outside
+    );
+    let _ = writeln!(
+        md,
+        "| section | earlier run | this run | medians compared | inside the earlier spread | only in the earlier run | only in this run |\n|---|---|---|---:|---:|---:|---:|"
+    );
+    for s in &r.sections {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            s.section, s.earlier, s.this, s.compared, s.inside, s.only_earlier, s.only_this
+        );
+    }
+    let outside: Vec<(&str, &Outside)> = r
+        .sections
+        .iter()
+        .flat_map(|s| s.outside.iter().map(move |o| (s.section.as_str(), o)))
+        .collect();
+    if !outside.is_empty() {
+        let _ = writeln!(
+            md,
+            "\nMedians outside the earlier run's spread:\n\n| section | number | earlier median (min–max) | this median (min–max) | change |\n|---|---|---:|---:|---:|"
+        );
+        for (section, o) in outside {
+            let change = if o.earlier.median == 0.0 {
+                "—".to_owned()
+            } else {
+                format!("{:+.1}%", 100.0 * (o.this.median / o.earlier.median - 1.0))
+            };
+            let _ = writeln!(
+                md,
+                "| {section} | {} | {} ({}–{}) | {} ({}–{}) | {change} |",
+                o.metric,
+                number(o.earlier.median),
+                number(o.earlier.min),
+                number(o.earlier.max),
+                number(o.this.median),
+                number(o.this.min),
+                number(o.this.max),
+            );
+        }
+    }
+    md
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn medians_inside_and_outside_the_earlier_spread() {
+        let earlier = json!({
+            "measured": {"parse": {"commit": "aaa", "date": "d1"}},
+            "floors": [{"hook": "xdp", "median_ns": 5.0, "min_ns": 5.0, "max_ns": 6.0}],
+            "rows": [{"case": "a", "median_ns": 17.0, "min_ns": 16.0, "max_ns": 18.0},
+                     {"case": "gone", "median_ns": 1.0, "min_ns": 1.0, "max_ns": 1.0}],
+            "ha": {"rates": [{"label": "full", "runs": [{"x": 1.0}, {"x": 3.0}, {"x": 2.0}]}]},
+        });
+        let this = json!({
+            "measured": {"parse": {"commit": "bbb", "date": "d2"}},
+            "floors": [{"hook": "xdp", "median_ns": 6.0, "min_ns": 5.0, "max_ns": 6.0}],
+            "rows": [{"case": "a", "median_ns": 19.0, "min_ns": 18.0, "max_ns": 20.0},
+                     {"case": "new", "median_ns": 1.0, "min_ns": 1.0, "max_ns": 1.0}],
+            "ha": {"rates": [{"label": "full", "runs": [{"x": 2.5}, {"x": 9.0}, {"x": 1.0}]}]},
+        });
+        let r = compare("the earlier run", &earlier, &this, None);
+        let cps = |samples: [f64; 3]| {
+            let (median, min, max) = crate::stats(&samples);
+            json!({"median": median, "min": min, "max": max, "samples": samples})
+        };
+        let sweep = |scale: f64| {
+            json!({"lb_sweep": {"rows": [
+                {"contender": "fastpath", "services": 1, "cps": cps([20.0, 30.0, 28.0].map(|x| x * scale))},
+                {"contender": "haproxy", "services": 1, "cps": cps([10.0, 20.0, 14.0].map(|x| x * scale))},
+            ]}, "route_compare": {"vs_kernel": [{"contender": "fastpath", "pps_round_ratios": [1.2 * scale, 1.3, 1.1]}]}})
+        };
+        // Everything 20% faster: the medians leave their spreads, the ratios do not.
+        let drift = compare("slower", &sweep(1.0), &sweep(1.2), None);
+        let outside: Vec<&str> = drift
+            .sections
+            .iter()
+            .flat_map(|s| s.outside.iter().map(|o| o.metric.as_str()))
+            .collect();
+        assert_eq!(outside, ["lb_sweep / fastpath, 1 services / cps"]);
+        let sweep_run = &drift.sections[0];
+        assert_eq!(sweep_run.section, "lb-sweep");
+        // fastpath's, HAProxy's and their per-round ratio (2, 1.5, 2 both times).
+        assert_eq!((sweep_run.compared, sweep_run.inside), (3, 2));
+        assert_eq!(drift.sections[1].section, "route-compare");
+        assert_eq!(
+            (drift.sections[1].compared, drift.sections[1].inside),
+            (1, 1)
+        );
+        let parse = &r.sections[0];
+        assert_eq!(parse.section, "parse");
+        assert_eq!(
+            (parse.earlier.as_str(), parse.this.as_str()),
+            ("aaa, d1", "bbb, d2")
+        );
+        assert_eq!((parse.compared, parse.inside), (2, 1));
+        assert_eq!((parse.only_earlier, parse.only_this), (1, 1));
+        assert_eq!(parse.outside[0].metric, "rows / a / ns");
+        assert_eq!(parse.outside[0].this.median, 19.0);
+        let ha = r.sections.iter().find(|s| s.section == "ha").unwrap();
+        // Runs 1, 2, 3 then 1, 2.5, 9: median 2.5 inside 1–3.
+        assert_eq!((ha.compared, ha.inside), (1, 1));
+        assert!(
+            markdown(&r).contains(
+                "| parse | rows / a / ns | 17.0 (16.0–18.0) | 19.0 (18.0–20.0) | +11.8% |"
+            )
+        );
+    }
+}
