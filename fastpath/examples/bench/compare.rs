@@ -19,52 +19,40 @@ use anyhow::{Context as _, Result, bail};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-/// A median with its min–max spread.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct Spread {
-    pub median: f64,
-    pub min: f64,
-    pub max: f64,
-}
-
-impl Spread {
-    fn holds(&self, x: f64) -> bool {
-        self.min <= x && x <= self.max
-    }
-}
+use crate::route_compare::Spread;
 
 /// One number whose median moved outside the earlier run's spread.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct Outside {
-    pub metric: String,
-    pub earlier: Spread,
-    pub this: Spread,
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub(crate) struct Outside {
+    pub(crate) metric: String,
+    pub(crate) earlier: Spread,
+    pub(crate) this: Spread,
 }
 
 /// One section of the report, compared.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct SectionRun {
-    pub section: String,
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub(crate) struct SectionRun {
+    pub(crate) section: String,
     /// "commit, date" of the earlier and of this run of the section.
-    pub earlier: String,
-    pub this: String,
-    pub compared: usize,
+    pub(crate) earlier: String,
+    pub(crate) this: String,
+    pub(crate) compared: usize,
     /// Of those, ratios between contenders measured in the same rounds.
     #[serde(default)]
-    pub ratios: usize,
-    pub inside: usize,
+    pub(crate) ratios: usize,
+    pub(crate) inside: usize,
     /// Numbers only one of the runs reports (rows added, renamed or dropped between them).
-    pub only_earlier: usize,
-    pub only_this: usize,
-    pub outside: Vec<Outside>,
+    pub(crate) only_earlier: usize,
+    pub(crate) only_this: usize,
+    pub(crate) outside: Vec<Outside>,
 }
 
 /// This run against an earlier one.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct RunToRun {
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub(crate) struct RunToRun {
     /// Which results this run is compared with.
-    pub earlier: String,
-    pub sections: Vec<SectionRun>,
+    pub(crate) earlier: String,
+    pub(crate) sections: Vec<SectionRun>,
 }
 
 /// The report's top-level keys, by section (`ha` is its own file, put under `ha`).
@@ -107,7 +95,7 @@ const NAMING_COUNTS: &[(&str, &str)] = &[("table_entries", "entries"), ("service
 
 /// The results at a git revision, named for the report: docs/bench/datapath.json with
 /// docs/bench/ha.json as `ha`.
-pub fn at_revision(root: &Path, rev: &str) -> Result<(String, Value)> {
+pub(crate) fn at_revision(root: &Path, rev: &str) -> Result<(String, Value)> {
     let git = |args: &[&str]| -> Result<Vec<u8>> {
         let out = Command::new("git")
             .arg("-C")
@@ -143,7 +131,7 @@ pub fn at_revision(root: &Path, rev: &str) -> Result<(String, Value)> {
 }
 
 /// Compares `this` run's results with `earlier` ones, for `sections` (all when `None`).
-pub fn compare(
+pub(crate) fn compare(
     earlier_name: &str,
     earlier: &Value,
     this: &Value,
@@ -176,13 +164,13 @@ pub fn compare(
             let Some(now) = n.get(metric) else { continue };
             s.compared += 1;
             s.ratios += usize::from(is_ratio(metric));
-            if was.holds(now.median) {
+            if was.min <= now.median && now.median <= was.max {
                 s.inside += 1;
             } else {
                 s.outside.push(Outside {
                     metric: metric.clone(),
-                    earlier: *was,
-                    this: *now,
+                    earlier: was.clone(),
+                    this: now.clone(),
                 });
             }
         }
@@ -244,19 +232,15 @@ fn walk_object(m: &Map<String, Value>, label: &str, out: &mut BTreeMap<String, S
             } else {
                 join(label, unit)
             };
-            out.insert(name, Spread { median, min, max });
+            out.insert(name, Spread::new(median, min, max));
         }
     }
     for (k, x) in m {
         if k.ends_with(ROUND_RATIOS) {
             // Per-round ratios between contenders: their median and spread.
-            let samples: Vec<f64> = x
-                .as_array()
-                .map(|a| a.iter().filter_map(Value::as_f64).collect())
-                .unwrap_or_default();
+            let samples = numbers(Some(x));
             if !samples.is_empty() {
-                let (median, min, max) = super::stats(&samples);
-                out.insert(join(label, k), Spread { median, min, max });
+                out.insert(join(label, k), Spread::of(samples));
             }
         } else if x.is_object() || x.is_array() {
             walk(x, &join(label, k), out);
@@ -264,18 +248,29 @@ fn walk_object(m: &Map<String, Value>, label: &str, out: &mut BTreeMap<String, S
     }
 }
 
-/// A list item's name: its strings, and the counts that tell rows apart.
+/// The numbers of a JSON array (none when `v` is not one).
+fn numbers(v: Option<&Value>) -> Vec<f64> {
+    v.and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_f64).collect())
+        .unwrap_or_default()
+}
+
+/// The counts that tell a list's rows apart ("1000 services").
+fn counts(m: &Map<String, Value>) -> Vec<String> {
+    NAMING_COUNTS
+        .iter()
+        .filter_map(|(key, what)| Some(format!("{} {what}", m.get(*key)?.as_u64()?)))
+        .collect()
+}
+
+/// A list item's name: its strings, and its counts.
 fn item_name(m: &Map<String, Value>) -> String {
     let mut parts: Vec<String> = m
         .values()
         .filter_map(Value::as_str)
         .map(str::to_owned)
         .collect();
-    for (key, what) in NAMING_COUNTS {
-        if let Some(n) = m.get(*key).and_then(Value::as_u64) {
-            parts.push(format!("{n} {what}"));
-        }
-    }
+    parts.extend(counts(m));
     parts.join(", ")
 }
 
@@ -294,8 +289,7 @@ fn walk_list(items: &[Value], label: &str, out: &mut BTreeMap<String, Spread>) {
                 .filter_map(|m| m.get(key.as_str()).and_then(Value::as_f64))
                 .collect();
             if samples.len() == objects.len() {
-                let (median, min, max) = super::stats(&samples);
-                out.insert(join(label, key), Spread { median, min, max });
+                out.insert(join(label, key), Spread::of(samples));
             }
         }
         return;
@@ -323,65 +317,45 @@ fn contender(m: &Map<String, Value>) -> Option<&str> {
 /// number both report — the ratios the report's claims are made of, which drift between
 /// runs cancels.
 fn round_ratios(rows: &[&Map<String, Value>], label: &str, out: &mut BTreeMap<String, Spread>) {
-    let counts = |m: &Map<String, Value>| -> Vec<Option<u64>> {
-        NAMING_COUNTS
-            .iter()
-            .map(|(key, _)| m.get(*key).and_then(Value::as_u64))
-            .collect()
-    };
     for ours in rows.iter().filter(|m| contender(m) == Some(OURS)) {
-        for other in rows
-            .iter()
-            .filter(|m| contender(m).is_some_and(|c| c != OURS) && counts(m) == counts(ours))
-        {
-            let Some(name) = contender(other) else {
+        let at = counts(ours);
+        for other in rows.iter().filter(|m| counts(m) == at) {
+            let Some(name) = contender(other).filter(|c| *c != OURS) else {
                 continue;
             };
+            let row = join(
+                label,
+                &[&at[..], &[format!("{OURS} ÷ {name} {PER_ROUND}")]]
+                    .concat()
+                    .join(", "),
+            );
             for (key, x) in *ours {
-                let samples = |v: Option<&Value>| -> Vec<f64> {
-                    v.and_then(|v| v.get("samples"))
-                        .and_then(Value::as_array)
-                        .map(|a| a.iter().filter_map(Value::as_f64).collect())
-                        .unwrap_or_default()
-                };
-                let (a, b) = (samples(Some(x)), samples(other.get(key)));
-                let ratios: Vec<f64> = a
+                let samples = |v: Option<&Value>| numbers(v.and_then(|v| v.get("samples")));
+                let ratios: Vec<f64> = samples(Some(x))
                     .iter()
-                    .zip(&b)
+                    .zip(&samples(other.get(key)))
                     .filter(|(_, d)| **d != 0.0)
                     .map(|(n, d)| n / d)
                     .collect();
-                if ratios.is_empty() {
-                    continue;
+                if !ratios.is_empty() {
+                    out.insert(join(&row, key), Spread::of(ratios));
                 }
-                let (median, min, max) = super::stats(&ratios);
-                let mut at: Vec<String> = NAMING_COUNTS
-                    .iter()
-                    .filter_map(|(k, what)| Some(format!("{} {what}", ours.get(*k)?.as_u64()?)))
-                    .collect();
-                at.push(format!("{OURS} ÷ {name} {PER_ROUND}"));
-                out.insert(
-                    join(&join(label, &at.join(", ")), key),
-                    Spread { median, min, max },
-                );
             }
         }
     }
 }
 
-fn number(x: f64) -> String {
-    let digits = if x.abs() >= 100.0 {
-        0
-    } else if x.abs() >= 10.0 {
-        1
-    } else {
-        2
-    };
-    format!("{x:.digits$}")
+/// Decimals for a table cell: fewer as numbers grow.
+fn digits(x: f64) -> usize {
+    match x.abs() {
+        x if x >= 100.0 => 0,
+        x if x >= 10.0 => 1,
+        _ => 2,
+    }
 }
 
 /// The report's "Run to run" section.
-pub fn markdown(r: &RunToRun) -> String {
+pub(crate) fn markdown(r: &RunToRun) -> String {
     let mut md = String::new();
     let compared: usize = r.sections.iter().map(|s| s.compared).sum();
     let inside: usize = r.sections.iter().map(|s| s.inside).sum();
@@ -443,14 +417,10 @@ pub fn markdown(r: &RunToRun) -> String {
             };
             let _ = writeln!(
                 md,
-                "| {section} | {} | {} ({}–{}) | {} ({}–{}) | {change} |",
+                "| {section} | {} | {} | {} | {change} |",
                 o.metric,
-                number(o.earlier.median),
-                number(o.earlier.min),
-                number(o.earlier.max),
-                number(o.this.median),
-                number(o.this.min),
-                number(o.this.max),
+                o.earlier.cell(digits(o.earlier.median)),
+                o.this.cell(digits(o.this.median)),
             );
         }
     }

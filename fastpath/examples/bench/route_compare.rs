@@ -78,11 +78,12 @@ impl Contender {
 }
 
 /// Median and min–max of one metric over the rounds.
-#[derive(Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub(crate) struct Spread {
     pub(crate) median: f64,
     pub(crate) min: f64,
     pub(crate) max: f64,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     samples: Vec<f64>,
 }
 
@@ -90,6 +91,16 @@ impl Spread {
     /// Its table cell, `median (min–max)`.
     pub(crate) fn cell(&self, digits: usize) -> String {
         crate::cell(self.median, self.min, self.max, digits)
+    }
+
+    /// A median and spread read back without their samples (`compare`).
+    pub(crate) fn new(median: f64, min: f64, max: f64) -> Spread {
+        Spread {
+            median,
+            min,
+            max,
+            samples: Vec::new(),
+        }
     }
 
     pub(crate) fn of(samples: Vec<f64>) -> Spread {
