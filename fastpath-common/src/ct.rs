@@ -398,7 +398,11 @@ pub mod ct_stat {
     /// New full-NAT connections refused because every candidate port was taken (the packet
     /// is dropped with reason `snat_exhausted`): widen the port range or add an address.
     pub const SNAT_EXHAUSTED: u32 = 17;
-    pub const COUNT: u32 = 18;
+    /// Packets towards a backend on the tuple of a live NAT-mode connection's alias — the
+    /// client reaching the backend directly from the port its connection to the VIP uses:
+    /// passed to the kernel untranslated and untracked (dropped by the stateful firewall).
+    pub const ALIAS_CLASH: u32 = 18;
+    pub const COUNT: u32 = 19;
     /// Slots in the map (room to append codes without resizing the pinned map).
     pub const SLOTS: u32 = 32;
 
@@ -421,6 +425,7 @@ pub mod ct_stat {
         "fw_dropped",
         "snat_retries",
         "snat_exhausted",
+        "alias_clash",
     ];
 }
 

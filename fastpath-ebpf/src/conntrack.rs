@@ -198,6 +198,30 @@ pub fn track(
         count(ct_stat::REOPENED);
         hit = None;
     }
+    if lb_here
+        && let Some(e) = hit
+        // SAFETY: as below.
+        && towards_backend(unsafe { &*e }, key, src_is_lo)
+    {
+        // Not the backend's reply: the client's own connection to the backend on the tuple
+        // its balanced connection uses after translation (the same client port to the VIP
+        // and to the backend). A SYN takes the tuple once the balanced connection has ended,
+        // as the backend's stack lets it; otherwise the packet goes to the kernel as it is,
+        // untracked — translated, it would reach the backend from the VIP.
+        count(ct_stat::HITS);
+        if !(p.l4_proto == IPPROTO_TCP
+            && tcp_classify(p.tcp_flags) == tcp_class::SYN
+            && replace_ended(key))
+        {
+            count(ct_stat::ALIAS_CLASH);
+            if firewall {
+                count(ct_stat::FW_DROPPED);
+                return Action::Drop(reason::FW_INVALID_STATE);
+            }
+            return Action::Pass;
+        }
+        hit = None;
+    }
     let refused = match hit {
         Some(e) => {
             count(ct_stat::HITS);
@@ -271,6 +295,23 @@ fn lb_reopens(e: &CtEntry, src_is_lo: bool, p: &Parsed) -> bool {
         && (e.state == tcp_state::TIME_WAIT || e.state == tcp_state::CLOSE)
         && e.dir(src_is_lo) == DIR_ORIGINAL
         && tcp_classify(p.tcp_flags) == tcp_class::SYN
+}
+
+/// Whether `e` is the alias of a NAT-mode connection and the packet (its source on the key's
+/// `lo` side if `src_is_lo`) was not sent by the backend: the alias key is client ↔ backend,
+/// and only the backend's side sends replies. (A full-NAT alias's other side is this node's
+/// own source address, which no arriving packet carries.)
+#[inline(always)]
+fn towards_backend(e: &CtEntry, key: &CtKey, src_is_lo: bool) -> bool {
+    if e.flags & (CT_F_LB_ALIAS | CT_F_FULL_NAT) != CT_F_LB_ALIAS {
+        return false;
+    }
+    let (addr, port) = if src_is_lo {
+        (&key.addr_lo, key.port_lo)
+    } else {
+        (&key.addr_hi, key.port_hi)
+    };
+    !(port == e.nat.port2 && *addr == e.nat.addr2)
 }
 
 /// Removes a load-balanced connection's entry and its alias (NAT: client ↔ backend, the

@@ -513,6 +513,47 @@ fn a_failing_backend_gets_no_new_connections_and_keeps_its_established_ones() {
     );
 }
 
+/// NAT mode: the backend sees a balanced connection under the client's own address and
+/// port, so a client that then dials that backend directly from the same port uses the tuple
+/// of the connection's alias. Once the balanced connection has ended, that is a connection of
+/// its own: it reaches the backend untranslated (before, the datapath took its SYN for the
+/// backend's reply and sent it on from the VIP, and the connection timed out).
+#[test]
+fn a_client_reaches_a_backend_directly_from_the_port_its_vip_connection_used() {
+    prepare_test(&["socat", "ethtool"]);
+    let lb = test_lb_topology(BACKENDS);
+    let _echo = banner_servers(&lb);
+    let svc = format!("[[service]]\nvip = \"{VIP4}\"\nport = 7000\n") + &backends_v4(7000);
+    let config = lb.fp_config(&unique_pin_dir("lb-direct")).services(&svc);
+    let daemon = Daemon::start(bin(), lb.fp(), &config);
+    let stats =
+        || fastpath::datapath::pinned_ct_stats(daemon.pin_dir()).unwrap_or_else(|e| panic!("{e}"));
+    for sport in [24000u16, 24001, 24002] {
+        let via_vip = banner(&lb, VIP4, sport).unwrap_or_else(|e| panic!("via the VIP: {e}"));
+        let n: usize = via_vip
+            .strip_prefix("backend-")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("unexpected banner {via_vip:?}"));
+        let backend = LbTopology::backend_v4(n).to_string();
+        let before = stats();
+        let direct = banner(&lb, &backend, sport).unwrap_or_else(|e| {
+            panic!(
+                "port {sport}: {backend} directly, after its connection through the VIP: {e}\nct list:\n{}",
+                ct_list(&daemon)
+            )
+        });
+        assert_eq!(direct, via_vip, "port {sport}: another server answered");
+        let after = stats();
+        let moved = |c: u32| after[c as usize] - before[c as usize];
+        assert_eq!(
+            (moved(ct_stat::REOPENED), moved(ct_stat::ALIAS_CLASH)),
+            (1, 0),
+            "port {sport}: the ended connection's alias gives way once, no packet clashes"
+        );
+        eprintln!("port {sport}: {via_vip} through the VIP, then directly at {backend}");
+    }
+}
+
 /// The conntrack key of the TCP connection `client:sport` → `vip:vport`.
 fn tcp_key(client: IpAddr, sport: u16, vip: IpAddr, vport: u16) -> CtKey {
     let (a, family) = fastpath::lb::addr16(client);

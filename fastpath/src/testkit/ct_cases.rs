@@ -52,9 +52,9 @@ const EST_EV: u8 = ct_event::ESTABLISHED;
 const CLOSED_EV: u8 = ct_event::CLOSED;
 
 use ct_stat::{
-    ASSURED, CLOSED, EARLY_DROP, FW_DROPPED, HITS, IGNORED, INSERT_FAILED, INVALID_NEW,
-    INVALID_STATE, KILLED, LOOKUPS, NEW, RELATED, RELATED_MISS, REOPENED, SNAT_EXHAUSTED,
-    SNAT_RETRIES,
+    ALIAS_CLASH, ASSURED, CLOSED, EARLY_DROP, FW_DROPPED, HITS, IGNORED, INSERT_FAILED,
+    INVALID_NEW, INVALID_STATE, KILLED, LOOKUPS, NEW, RELATED, RELATED_MISS, REOPENED,
+    SNAT_EXHAUSTED, SNAT_RETRIES,
 };
 /// Counter sets a step moves, each by one.
 const CREATED: &[u32] = &[LOOKUPS, NEW];
@@ -2102,6 +2102,73 @@ fn lb_sequences() -> Vec<Seq> {
         .lb_syn_reopening()
         .table_len(2)
         .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)]),
+        // The other way round: the client's connection through the VIP ended, and it dials
+        // the backend directly from the same port: the alias gives way to a plain connection,
+        // whose packets pass untranslated.
+        Seq::lb(
+            "lb_ended_connections_alias_gives_way_to_a_direct_connection",
+            tcp_vip,
+            &one4,
+        )
+        .via(be0, 8080)
+        .lb_tcp_open_and_close()
+        .flow(Flow {
+            server: be0,
+            sport: 8080,
+            ..tcp_vip
+        })
+        .tcp(
+            O,
+            SYN,
+            SS,
+            NOFLAGS,
+            &[LOOKUPS, HITS, REOPENED, NEW],
+            &[(NEW_EV, SS)],
+        )
+        .table_len(2)
+        .tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)]),
+        // While the balanced connection lives, a packet from the client to the backend on its
+        // alias tuple is not the backend's reply: it goes to the kernel as it is (translated
+        // it would reach the backend from the VIP), untracked, and the connection carries on.
+        Seq::lb(
+            "lb_direct_segment_on_a_live_connections_alias_is_not_translated",
+            tcp_vip,
+            &one4,
+        )
+        .via(be0, 8080)
+        .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+        .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
+        .untouched(
+            "SYN from the client to the backend on the alias tuple",
+            Flow {
+                server: be0,
+                sport: 8080,
+                ..tcp_vip
+            }
+            .tcp(O, SYN, &[]),
+            &[LOOKUPS, HITS, ALIAS_CLASH],
+        )
+        .table_len(2)
+        .lb_tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)]),
+        Seq::lb(
+            "lb_direct_datagram_on_a_live_flows_alias_is_not_translated",
+            udp4_vip,
+            &udp4_svc,
+        )
+        .via(v4(BE4[1]), 53)
+        .lb_udp(O, b"query", NOFLAGS, CREATED, &[(NEW_EV, 0)])
+        .untouched(
+            "datagram from the client to the backend on the alias tuple",
+            Flow {
+                server: v4(BE4[1]),
+                sport: 53,
+                ..udp4_vip
+            }
+            .udp(O, b"direct"),
+            &[LOOKUPS, HITS, ALIAS_CLASH],
+        )
+        .table_len(2)
+        .lb_udp(R, b"answer", SEEN, HIT, &[(REPLIED_EV, 0)]),
         // A SYN on the tuple of a closed connection is a new connection: balanced again by
         // the service as it is now, its old entry and alias replaced.
         Seq::lb(
