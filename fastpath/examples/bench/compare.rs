@@ -47,12 +47,81 @@ pub(crate) struct SectionRun {
     pub(crate) outside: Vec<Outside>,
 }
 
+/// How far a set of medians moved between two runs: `|this ÷ earlier − 1|`, in %.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub(crate) struct Moves {
+    pub(crate) count: usize,
+    pub(crate) p50: f64,
+    pub(crate) p90: f64,
+    pub(crate) max: f64,
+}
+
+impl Moves {
+    fn of(mut pct: Vec<f64>) -> Moves {
+        pct.sort_by(f64::total_cmp);
+        // Nearest rank: the smallest move at least `q` of them do not exceed.
+        let rank = |q: f64| {
+            let i = ((q * pct.len() as f64).ceil() as usize).clamp(1, pct.len().max(1)) - 1;
+            pct.get(i).copied().unwrap_or(0.0)
+        };
+        Moves {
+            count: pct.len(),
+            p50: rank(0.5),
+            p90: rank(0.9),
+            max: pct.last().copied().unwrap_or(0.0),
+        }
+    }
+}
+
+/// The report's stated run-to-run spread: 90% of its medians (other than ratios) and 90% of
+/// its ratios reproduce within these, as measured when it replaced the results before it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub(crate) struct Stated {
+    pub(crate) medians_pct: f64,
+    pub(crate) ratios_pct: f64,
+}
+
+/// This run's medians against the tolerance the report it replaced stated.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub(crate) struct AgainstStated {
+    pub(crate) stated: Stated,
+    pub(crate) medians: usize,
+    pub(crate) medians_within: usize,
+    pub(crate) ratios: usize,
+    pub(crate) ratios_within: usize,
+}
+
 /// This run against an earlier one.
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub(crate) struct RunToRun {
     /// Which results this run is compared with.
     pub(crate) earlier: String,
     pub(crate) sections: Vec<SectionRun>,
+    /// How far the medians other than ratios, and the ratios, moved.
+    #[serde(default)]
+    pub(crate) medians_moved: Moves,
+    #[serde(default)]
+    pub(crate) ratios_moved: Moves,
+    /// Against what the earlier results stated, when they stated it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) against_stated: Option<AgainstStated>,
+}
+
+impl RunToRun {
+    /// The spread this comparison states for the next run: the 90th percentile of the moves.
+    pub(crate) fn stated(&self) -> Option<Stated> {
+        (self.medians_moved.count > 0 && self.ratios_moved.count > 0).then_some(Stated {
+            medians_pct: self.medians_moved.p90,
+            ratios_pct: self.ratios_moved.p90,
+        })
+    }
+
+    /// The spread results read back from JSON state (their `run_to_run`), if any.
+    pub(crate) fn stated_in(results: &Value) -> Option<Stated> {
+        serde_json::from_value::<RunToRun>(results.get("run_to_run")?.clone())
+            .ok()?
+            .stated()
+    }
 }
 
 /// The report's top-level keys, by section (`ha` is its own file, put under `ha`).
@@ -131,17 +200,21 @@ pub(crate) fn at_revision(root: &Path, rev: &str) -> Result<(String, Value)> {
 }
 
 /// Compares `this` run's results with `earlier` ones, for `sections` (all when `None`).
+/// `stated`: the run-to-run spread the earlier results stated, to check this run against.
 pub(crate) fn compare(
     earlier_name: &str,
     earlier: &Value,
     this: &Value,
     sections: Option<&[&str]>,
+    stated: Option<Stated>,
 ) -> RunToRun {
     let (old, new) = (by_section(earlier), by_section(this));
     let mut out = RunToRun {
         earlier: earlier_name.to_owned(),
-        sections: Vec::new(),
+        ..RunToRun::default()
     };
+    // Each compared median's move in %, ratios apart.
+    let (mut moved, mut ratios_moved) = (Vec::new(), Vec::new());
     let mut names: Vec<&str> = Vec::new();
     for (_, section) in KEY_SECTIONS {
         if !names.contains(section) && sections.is_none_or(|s| s.contains(section)) {
@@ -164,6 +237,14 @@ pub(crate) fn compare(
             let Some(now) = n.get(metric) else { continue };
             s.compared += 1;
             s.ratios += usize::from(is_ratio(metric));
+            if was.median != 0.0 {
+                let pct = 100.0 * (now.median / was.median - 1.0).abs();
+                if is_ratio(metric) {
+                    ratios_moved.push(pct);
+                } else {
+                    moved.push(pct);
+                }
+            }
             if was.min <= now.median && now.median <= was.max {
                 s.inside += 1;
             } else {
@@ -178,6 +259,19 @@ pub(crate) fn compare(
             out.sections.push(s);
         }
     }
+    out.against_stated = stated.map(|stated| {
+        let within =
+            |moves: &[f64], tolerance: f64| moves.iter().filter(|&&m| m <= tolerance).count();
+        AgainstStated {
+            medians: moved.len(),
+            medians_within: within(&moved, stated.medians_pct),
+            ratios: ratios_moved.len(),
+            ratios_within: within(&ratios_moved, stated.ratios_pct),
+            stated,
+        }
+    });
+    out.medians_moved = Moves::of(moved);
+    out.ratios_moved = Moves::of(ratios_moved);
     out
 }
 
@@ -388,6 +482,49 @@ pub(crate) fn markdown(r: &RunToRun) -> String {
         "Of the {compared}, {ratios} are fastpath's per-round ratios to another contender measured in the same round (what the report's claims are made of; drift of the whole machine between runs cancels in them): {} of those lie inside the earlier spread. Of the medians outside, {near} moved by 10% or less ({ratios_near} of the {ratios_outside} ratios).\n",
         ratios - ratios_outside
     );
+    let (m, q) = (&r.medians_moved, &r.ratios_moved);
+    let _ = writeln!(
+        md,
+        "How far they moved, |this ÷ earlier − 1| (where the earlier median is not 0): the {} medians other than ratios by {:.1}% (median), {:.1}% (90th percentile), {:.1}% at most; the {} ratios by {:.1}%, {:.1}%, {:.1}%.\n",
+        m.count, m.p50, m.p90, m.max, q.count, q.p50, q.p90, q.max
+    );
+    if let Some(stated) = r.stated() {
+        let _ = writeln!(
+            md,
+            "**Stated spread.** A cell's min–max is the spread within one run, over its rounds; between runs the machine's speed drifts, so a fresh run is held to the run-to-run spread measured here instead: 90% of its medians within ±{:.1}% of this report's, and 90% of its ratios between contenders within ±{:.1}% (the 90th percentiles above).\n",
+            stated.medians_pct, stated.ratios_pct
+        );
+    }
+    if let Some(a) = &r.against_stated {
+        let pct = |k: usize, n: usize| {
+            if n == 0 {
+                0.0
+            } else {
+                100.0 * k as f64 / n as f64
+            }
+        };
+        let verdict = |k: usize, n: usize| {
+            if pct(k, n) >= 90.0 {
+                "met"
+            } else {
+                "**missed**"
+            }
+        };
+        let _ = writeln!(
+            md,
+            "Against the spread the replaced results stated (±{:.1}% for medians, ±{:.1}% for ratios): {} of {} medians ({:.0}%: {}) and {} of {} ratios ({:.0}%: {}) are within it.\n",
+            a.stated.medians_pct,
+            a.stated.ratios_pct,
+            a.medians_within,
+            a.medians,
+            pct(a.medians_within, a.medians),
+            verdict(a.medians_within, a.medians),
+            a.ratios_within,
+            a.ratios,
+            pct(a.ratios_within, a.ratios),
+            verdict(a.ratios_within, a.ratios),
+        );
+    }
     let _ = writeln!(
         md,
         "| section | earlier run | this run | medians compared | inside the earlier spread | only in the earlier run | only in this run |\n|---|---|---|---:|---:|---:|---:|"
@@ -449,7 +586,7 @@ mod tests {
                      {"case": "new", "median_ns": 1.0, "min_ns": 1.0, "max_ns": 1.0}],
             "ha": {"rates": [{"label": "full", "runs": [{"x": 2.5}, {"x": 9.0}, {"x": 1.0}]}]},
         });
-        let r = compare("the earlier run", &earlier, &this, None);
+        let r = compare("the earlier run", &earlier, &this, None, None);
         let cps = |samples: [f64; 3]| {
             let (median, min, max) = crate::stats(&samples);
             json!({"median": median, "min": min, "max": max, "samples": samples})
@@ -461,7 +598,11 @@ mod tests {
             ]}, "route_compare": {"vs_kernel": [{"contender": "fastpath", "pps_round_ratios": [1.2 * scale, 1.3, 1.1]}]}})
         };
         // Everything 20% faster: the medians leave their spreads, the ratios do not.
-        let drift = compare("slower", &sweep(1.0), &sweep(1.2), None);
+        let stated = Stated {
+            medians_pct: 10.0,
+            ratios_pct: 1.0,
+        };
+        let drift = compare("slower", &sweep(1.0), &sweep(1.2), None, Some(stated));
         let outside: Vec<&str> = drift
             .sections
             .iter()
@@ -472,6 +613,26 @@ mod tests {
         assert_eq!(sweep_run.section, "lb-sweep");
         // fastpath's, HAProxy's and their per-round ratio (2, 1.5, 2 both times).
         assert_eq!((sweep_run.compared, sweep_run.inside), (3, 2));
+        // Moved: fastpath's and HAProxy's cps by 20%; the ratios by 0% (fastpath ÷ HAProxy)
+        // and 8.3% (route-compare's per-round ratios: median 1.2, then 1.3).
+        assert_eq!(drift.medians_moved.count, 2);
+        assert!((drift.medians_moved.p90 - 20.0).abs() < 1e-9);
+        assert_eq!(drift.ratios_moved.count, 2);
+        assert!(drift.ratios_moved.p50.abs() < 1e-9);
+        assert!((drift.ratios_moved.max - 100.0 * (1.3 / 1.2 - 1.0)).abs() < 1e-9);
+        let a = drift.against_stated.as_ref().unwrap();
+        assert_eq!((a.medians_within, a.medians), (0, 2));
+        assert_eq!((a.ratios_within, a.ratios), (1, 2));
+        let text = markdown(&drift);
+        assert!(
+            text.contains("0 of 2 medians (0%: **missed**) and 1 of 2 ratios (50%: **missed**)"),
+            "{text}"
+        );
+        // What this comparison states for the next run, and reading it back from JSON.
+        let next = drift.stated().unwrap();
+        assert!((next.medians_pct - 20.0).abs() < 1e-9);
+        let json = json!({ "run_to_run": serde_json::to_value(&drift).unwrap() });
+        assert!((RunToRun::stated_in(&json).unwrap().ratios_pct - next.ratios_pct).abs() < 1e-9);
         assert_eq!(drift.sections[1].section, "route-compare");
         assert_eq!(
             (drift.sections[1].compared, drift.sections[1].inside),

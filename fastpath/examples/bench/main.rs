@@ -306,7 +306,8 @@ fn main() -> Result<()> {
         ["--compare", rev] => {
             let mut report = Report::load(&root)?;
             let (name, earlier) = compare::at_revision(&root, rev)?;
-            let run = compare::compare(&name, &earlier, &report.results()?, None);
+            let stated = compare::RunToRun::stated_in(&earlier);
+            let run = compare::compare(&name, &earlier, &report.results()?, None, stated);
             print!("{}", compare::markdown(&run));
             report.run_to_run = Some(run);
             write_docs(&root, &report)?;
@@ -333,6 +334,11 @@ fn main() -> Result<()> {
             let earlier = (!report.measured.is_empty())
                 .then(|| report.results())
                 .transpose()?;
+            // The run-to-run spread the replaced results state, to hold this run to.
+            let stated = report
+                .run_to_run
+                .as_ref()
+                .and_then(compare::RunToRun::stated);
             let mut done = Vec::new();
             // `lb` is part of `conntrack`.
             for (name, _) in SECTIONS.iter().filter(|(name, _)| *name != "lb") {
@@ -345,6 +351,7 @@ fn main() -> Result<()> {
                         earlier,
                         &report.results()?,
                         Some(done.as_slice()),
+                        stated.clone(),
                     ));
                 }
                 write_docs(&root, &report)?;
@@ -1782,7 +1789,7 @@ fn markdown(r: &Report) -> String {
     }
     let _ = writeln!(
         md,
-        "## How to reproduce\n\nOn a machine like the one above (root, Linux with BPF, XDP and network namespaces; the command installs its toolchains and Debian packages itself):\n\n```sh\ncargo xtask bench                 # every section: about 70 minutes; rewrites docs/bench/ and this file\ncargo xtask bench -- lb-sweep     # one section; the others' committed results are kept\ncargo xtask bench -- --render     # this file and the charts from docs/bench/*.json alone\ncargo xtask bench -- --compare HEAD  # the results in docs/bench/ against those committed at HEAD\ncargo xtask bench -- --help       # the sections\n```\n\nSections: {}. Each section records the commit and date it was measured at (the table at the top when they differ). A full run compares itself with the results it replaces (\"Run to run\" above); `--compare REV` compares the results in docs/bench/ with those committed at any revision, number by number: which medians fall outside the earlier run's min–max spread. Measure both sides of a comparison between contenders in one run.\n",
+        "## How to reproduce\n\nOn a machine like the one above (root, Linux with BPF, XDP and network namespaces; the command installs its toolchains and Debian packages itself):\n\n```sh\ncargo xtask bench                 # every section: about 70 minutes; rewrites docs/bench/ and this file\ncargo xtask bench -- lb-sweep     # one section; the others' committed results are kept\ncargo xtask bench -- --render     # this file and the charts from docs/bench/*.json alone\ncargo xtask bench -- --compare HEAD  # the results in docs/bench/ against those committed at HEAD\ncargo xtask bench -- --help       # the sections\n```\n\nSections: {}. Each section records the commit and date it was measured at (the table at the top when they differ). A full run compares itself with the results it replaces (\"Run to run\" above); `--compare REV` compares the results in docs/bench/ with those committed at any revision, number by number: which medians fall outside the earlier run's min–max spread, and whether 90% of them (and of the ratios between contenders) are within the run-to-run spread the earlier results stated. Measure both sides of a comparison between contenders in one run.\n",
         SECTIONS
             .iter()
             .map(|(name, _)| format!("`{name}`"))
