@@ -2169,6 +2169,47 @@ fn lb_sequences() -> Vec<Seq> {
         )
         .table_len(2)
         .lb_udp(R, b"answer", SEEN, HIT, &[(REPLIED_EV, 0)]),
+        Seq::lb(
+            "lb_direct_segment_on_a_live_v6_connections_alias_is_not_translated",
+            tcp6_vip,
+            &tcp6_svc,
+        )
+        .via(BE6, 8443)
+        .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+        .untouched(
+            "IPv6 SYN from the client to the backend on the alias tuple",
+            Flow {
+                server: BE6,
+                sport: 8443,
+                ..tcp6_vip
+            }
+            .tcp(O, SYN, &[]),
+            &[LOOKUPS, HITS, ALIAS_CLASH],
+        )
+        .table_len(2)
+        .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)]),
+        // Where the stateful firewall is on, such a packet is dropped as invalid.
+        Seq::new(
+            "lb_firewall_drops_a_direct_segment_on_a_live_connections_alias",
+            Seed::iface(TEST_RUN_IFINDEX, IFACE_F_CT_XDP | IFACE_F_FIREWALL).with_services(&one4),
+            Hook::Xdp,
+            tcp_vip,
+        )
+        .via(be0, 8080)
+        .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+        .untouched(
+            "SYN from the client to the backend on the alias tuple",
+            Flow {
+                server: be0,
+                sport: 8080,
+                ..tcp_vip
+            }
+            .tcp(O, SYN, &[]),
+            &[LOOKUPS, HITS, ALIAS_CLASH],
+        )
+        .dropped(reason::FW_INVALID_STATE)
+        .table_len(2)
+        .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)]),
         // A SYN on the tuple of a closed connection is a new connection: balanced again by
         // the service as it is now, its old entry and alias replaced.
         Seq::lb(
