@@ -427,6 +427,30 @@ pub mod ct_stat {
         "snat_exhausted",
         "alias_clash",
     ];
+
+    /// What each counter of [`NAMES`] counts, for `fastpath ct stats --help`.
+    pub const HELP: [&str; COUNT as usize] = [
+        "packets looked up (tracked protocols on a tracking hook)",
+        "packets that found their connection",
+        "connections created",
+        "creations refused by the full table (or a concurrent insert): the packet went untracked",
+        "packets with no connection that cannot start one (TCP without SYN, echo reply)",
+        "TCP packets that do not fit their connection's state (Linux's sIV)",
+        "TCP packets accepted without a state change (retransmissions; Linux's sIG)",
+        "connections that became assured (TCP established, UDP/ICMP answered)",
+        "TCP connections that reached TIME_WAIT or CLOSE",
+        "SYNs that took the tuple of an ended connection (its entry or alias gave way)",
+        "events lost because the event ring was full (the daemon or its HA peers missed them)",
+        "ICMP errors about a tracked connection (Linux's RELATED)",
+        "ICMP errors about no tracked connection",
+        "unassured connections removed to make room in a full table",
+        "connections removed by a RST before any reply",
+        "packets the stateful firewall dropped (each also under its reason in `fastpath stats`)",
+        "full-NAT/SNAT source ports found taken (the allocation moved to the next candidate)",
+        "full-NAT/SNAT connections refused: all 16 candidate ports taken (widen the range)",
+        "packets from a NAT connection's client to its backend on the connection's own tuple, \
+         not translated (the client dialled the backend directly from its VIP connection's port)",
+    ];
 }
 
 /// Event kinds in the conntrack event stream.

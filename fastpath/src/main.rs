@@ -277,6 +277,7 @@ pub enum CtCommand {
     /// Conntrack counters and the table's exact occupancy: `entries` (counted by reading the
     /// whole table, ~0.4 s at 1M entries) and `capacity`, then lookups, hits, new, insert
     /// failures, early drops, invalid and related packets, firewall drops, events lost.
+    #[command(after_long_help = ct_stats_help())]
     Stats {
         /// Read the pinned maps of this datapath directly, without the daemon.
         #[arg(long, value_name = "DIR")]
@@ -455,6 +456,34 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
+/// `ct stats --help`: what each counter counts, in the order the command prints them.
+fn ct_stats_help() -> String {
+    use fastpath_common::ct::ct_stat::{HELP, NAMES};
+    let width = NAMES.iter().map(|n| n.len()).max().unwrap_or(0);
+    let mut s = String::from(
+        "Counters (totals since the datapath was loaded; a restart with the same pin_dir keeps them):\n",
+    );
+    // Wrapped here with a hanging indent (clap would wrap these lines at column 0).
+    const COLUMNS: usize = 96;
+    let indent = " ".repeat(width + 4);
+    for (name, help) in NAMES.iter().zip(HELP) {
+        let mut line = format!("  {name:<width$} ");
+        for word in help.split_whitespace() {
+            if line.len() + 1 + word.len() > COLUMNS && line.len() > indent.len() {
+                s += line.trim_end();
+                s.push('\n');
+                line = indent.clone();
+            } else {
+                line.push(' ');
+            }
+            line += word;
+        }
+        s += &line;
+        s.push('\n');
+    }
+    s
+}
+
 /// Moves this thread (before any other is spawned) into /run/netns/NAME.
 fn enter_netns(name: &str) -> std::io::Result<()> {
     let f = File::open(PathBuf::from("/run/netns").join(name))?;
@@ -478,4 +507,28 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
         cur = src.source();
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    use super::*;
+
+    #[test]
+    fn ct_stats_help_explains_every_counter() {
+        let mut cmd = Cli::command();
+        let stats = cmd
+            .find_subcommand_mut("ct")
+            .and_then(|c| c.find_subcommand_mut("stats"))
+            .expect("ct stats");
+        let help = stats.render_long_help().to_string();
+        for name in fastpath_common::ct::ct_stat::NAMES {
+            assert!(
+                help.lines()
+                    .any(|l| l.trim_start().starts_with(&format!("{name} "))),
+                "`ct stats --help` does not explain {name}:\n{help}"
+            );
+        }
+    }
 }
