@@ -96,7 +96,13 @@ pub fn pass(table: &mut CtTable, t: &Timeouts, hub: &EventHub, stats: &GcStats, 
                 // It never closed: least-connections stops counting it now.
                 table.backend_gone(entry.nat.backend);
             }
+            // Its alias, if the entry under that tuple still is: once the connection ended,
+            // the tuple may have gone to a connection of its own (a direct one from the
+            // client's port, or another VIP's to the same backend), which stays.
             if let Some(alias) = lb_peer_key(key, &entry)
+                && table
+                    .get(&alias)
+                    .is_some_and(|a| lb_peer_key(&alias, &a).as_ref() == Some(key))
                 && table.remove(&alias)
             {
                 removed += 1;

@@ -14,7 +14,10 @@ use fastpath::{
     },
 };
 use fastpath_common::{
-    ct::{CT_F_LB, CT_F_LB_ALIAS, DEFAULT_TIMEOUTS_S, IFACE_F_CT_XDP},
+    ct::{
+        CT_F_ASSURED, CT_F_LB, CT_F_LB_ALIAS, CT_F_SEEN_REPLY, CtEntry, DEFAULT_TIMEOUTS_S,
+        IFACE_F_CT_XDP, tcp_state,
+    },
     lb::lb_peer_key,
     map_names,
 };
@@ -177,5 +180,67 @@ fn expiry_removes_orphaned_aliases_and_keeps_the_others() {
         stats.occupancy.load(std::sync::atomic::Ordering::Relaxed),
         6,
         "occupancy counts what is left"
+    );
+}
+
+/// A connection that expires takes its alias with it only while the tuple is still its alias:
+/// once it ended, the client may have dialled the backend directly from the same port, and the
+/// alias gave way to that connection's own entry — which the expiry keeps.
+#[test]
+fn expiry_keeps_a_connection_that_took_an_expired_connections_alias_tuple() {
+    require_root("conntrack_fixtures");
+    let mut fx = Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));
+    let seed = Seed::iface(1, IFACE_F_CT_XDP).with_services(
+        "[[service]]\nvip = \"10.9.0.100\"\nport = 80\nprotocol = \"tcp\"\n\
+         [[service.backend]]\naddress = \"10.9.1.1\"\nport = 80\n",
+    );
+    let syn = Case::xdp_to_kernel(
+        "syn",
+        &seed,
+        Pkt::eth()
+            .ipv4([10, 9, 2, 1], [10, 9, 0, 100])
+            .tcp(1000, 80, fastpath::testkit::packet::tcp_flags::SYN)
+            .build(),
+    );
+    fx.run(&syn).unwrap_or_else(|e| panic!("{e}"));
+    let before = fx.ct_entries().unwrap_or_else(|e| panic!("{e}"));
+    let (conn, entry) = before
+        .iter()
+        .find(|(_, e)| e.flags & CT_F_LB != 0)
+        .map(|(k, e)| (*k, *e))
+        .expect("the load-balanced connection");
+    let alias = lb_peer_key(&conn, &entry).expect("its alias");
+    let mut table = CtTable::open_pin(&fx.pin_dir().join(map_names::CT)).expect("FP_CT pinned");
+    // Its alias tuple now holds a direct connection's entry; the expiry runs 200 s later,
+    // when the balanced connection (SYN_SENT: 120 s) is idle past its timeout and the direct
+    // one (established) is not.
+    let now = monotonic_ns();
+    assert!(table.remove(&alias), "the alias was there");
+    let direct = CtEntry {
+        created_ns: now,
+        last_seen_ns: now,
+        state: tcp_state::ESTABLISHED,
+        flags: CT_F_SEEN_REPLY | CT_F_ASSURED,
+        ..CtEntry::default()
+    };
+    table
+        .insert(&alias, &direct)
+        .expect("the direct connection");
+    ct_gc::pass(
+        &mut table,
+        &DEFAULT_TIMEOUTS_S,
+        &EventHub::new(),
+        &GcStats::default(),
+        now + 200_000_000_000,
+    );
+    let after = fx.ct_entries().unwrap_or_else(|e| panic!("{e}"));
+    assert!(!after.contains_key(&conn), "the idle connection expired");
+    let kept = after
+        .get(&alias)
+        .expect("the direct connection on the alias tuple is kept");
+    assert_eq!(
+        (kept.flags, kept.state),
+        (direct.flags, direct.state),
+        "and untouched"
     );
 }
