@@ -258,6 +258,13 @@ pub fn lb_peer_key(key: &crate::ct::CtKey, e: &crate::ct::CtEntry) -> Option<cra
     lb_peer_key_into(key, e, &mut other).then_some(other)
 }
 
+/// Of a NAT-mode alias (client ↔ backend), whether the backend is the key's `lo` side: the
+/// alias entry holds the backend's address and port (`nat.addr2`, `nat.port2`).
+#[inline(always)]
+pub fn nat_alias_backend_is_lo(key: &crate::ct::CtKey, e: &crate::ct::CtEntry) -> bool {
+    key.addr_lo == e.nat.addr2 && key.port_lo == e.nat.port2
+}
+
 /// [`lb_peer_key`] written into `out` (the datapath keeps keys out of its small stack);
 /// false, `out` untouched, for other entries.
 #[inline(always)]
@@ -279,7 +286,7 @@ pub fn lb_peer_key_into(
         (!full).then_some(e.flags & CT_F_ORIG_IS_LO != 0)
     } else if e.flags & CT_F_LB_ALIAS != 0 {
         // Full-NAT: the client ↔ the VIP; NAT: the client is the side that is not the backend.
-        (!full).then_some(!(key.addr_lo == e.nat.addr2 && key.port_lo == e.nat.port2))
+        (!full).then_some(!nat_alias_backend_is_lo(key, e))
     } else {
         return false;
     };

@@ -28,7 +28,7 @@ use fastpath_common::{
     },
     lb::{
         CtNat, SNAT_TRIES, SVC_F_DSR, SVC_F_FULL_NAT, SVC_F_GATEWAY, SVC_F_NO_BACKEND_DROP,
-        SVC_F_NO_BACKEND_REJECT, Service, flow_hash, lb_peer_key_into,
+        SVC_F_NO_BACKEND_REJECT, Service, flow_hash, lb_peer_key_into, nat_alias_backend_is_lo,
     },
     reason,
 };
@@ -303,15 +303,8 @@ fn lb_reopens(e: &CtEntry, src_is_lo: bool, p: &Parsed) -> bool {
 /// own source address, which no arriving packet carries.)
 #[inline(always)]
 fn towards_backend(e: &CtEntry, key: &CtKey, src_is_lo: bool) -> bool {
-    if e.flags & (CT_F_LB_ALIAS | CT_F_FULL_NAT) != CT_F_LB_ALIAS {
-        return false;
-    }
-    let (addr, port) = if src_is_lo {
-        (&key.addr_lo, key.port_lo)
-    } else {
-        (&key.addr_hi, key.port_hi)
-    };
-    !(port == e.nat.port2 && *addr == e.nat.addr2)
+    e.flags & (CT_F_LB_ALIAS | CT_F_FULL_NAT) == CT_F_LB_ALIAS
+        && src_is_lo != nat_alias_backend_is_lo(key, e)
 }
 
 /// Removes a load-balanced connection's entry and its alias (NAT: client ↔ backend, the

@@ -1838,6 +1838,12 @@ fn lb_sequences() -> Vec<Seq> {
     let one4 = service_toml(&ip4(VIP4), 80, "tcp", &[(ip4(BE4[0]), 8080)], "");
     let tcp_vip = Flow::v4(proto::TCP, A4, 40000, VIP4, 80);
     let be0 = v4(BE4[0]);
+    // The client's flow straight to backend 0 from tcp_vip's port: its alias tuple.
+    let direct_be0 = Flow {
+        server: be0,
+        sport: 8080,
+        ..tcp_vip
+    };
     let udp6_svc = service_toml(&ip6(VIP6), 53, "udp", &[(ip6(BE6), 5353)], "");
     let udp6_vip = Flow::v6(proto::UDP, A6, 33000, VIP6, 53);
     let udp4_svc = service_toml(&ip4(VIP4), 53, "udp", &[(ip4(BE4[1]), 53)], "");
@@ -2112,11 +2118,7 @@ fn lb_sequences() -> Vec<Seq> {
         )
         .via(be0, 8080)
         .lb_tcp_open_and_close()
-        .flow(Flow {
-            server: be0,
-            sport: 8080,
-            ..tcp_vip
-        })
+        .flow(direct_be0)
         .tcp(
             O,
             SYN,
@@ -2140,12 +2142,7 @@ fn lb_sequences() -> Vec<Seq> {
         .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
         .untouched(
             "SYN from the client to the backend on the alias tuple",
-            Flow {
-                server: be0,
-                sport: 8080,
-                ..tcp_vip
-            }
-            .tcp(O, SYN, &[]),
+            direct_be0.tcp(O, SYN, &[]),
             &[LOOKUPS, HITS, ALIAS_CLASH],
         )
         .table_len(2)
@@ -2199,12 +2196,7 @@ fn lb_sequences() -> Vec<Seq> {
         .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
         .untouched(
             "SYN from the client to the backend on the alias tuple",
-            Flow {
-                server: be0,
-                sport: 8080,
-                ..tcp_vip
-            }
-            .tcp(O, SYN, &[]),
+            direct_be0.tcp(O, SYN, &[]),
             &[LOOKUPS, HITS, ALIAS_CLASH],
         )
         .dropped(reason::FW_INVALID_STATE)
@@ -2229,14 +2221,7 @@ fn lb_sequences() -> Vec<Seq> {
             &[LOOKUPS, HITS, REOPENED, NEW],
             &[(NEW_EV, SS)],
         )
-        .also(
-            Flow {
-                server: be0,
-                sport: 8080,
-                ..tcp_vip
-            }
-            .key(),
-        )
+        .also(direct_be0.key())
         .table_len(2),
         // Weighted round robin 1:1:2: the smooth sequence 2, 0, 1, 2 (the run stays on one
         // CPU, whose position for the new service starts at 0).
