@@ -35,36 +35,80 @@ pub const fn finish(sum: u64) -> u16 {
     !fold(sum)
 }
 
+/// Checksum after the covered data changed by `delta` (the sum of the changes' `~m + m'`
+/// terms: [`delta2`], [`delta4`], [`delta16`], added together).
+#[inline(always)]
+pub const fn apply(check: u16, delta: u64) -> u16 {
+    // ~HC + Σ(~m + m')
+    !fold((!check) as u64 + delta)
+}
+
+/// `~m + m'` of one 16-bit word changed from `old` to `new`.
+#[inline(always)]
+pub const fn delta2(old: u16, new: u16) -> u64 {
+    (!old) as u64 + new as u64
+}
+
+/// `~m + m'` of a 32-bit field (two words, e.g. an IPv4 address) changed.
+#[inline(always)]
+pub const fn delta4(old: [u8; 4], new: [u8; 4]) -> u64 {
+    delta2(
+        u16::from_be_bytes([old[0], old[1]]),
+        u16::from_be_bytes([new[0], new[1]]),
+    ) + delta2(
+        u16::from_be_bytes([old[2], old[3]]),
+        u16::from_be_bytes([new[2], new[3]]),
+    )
+}
+
+/// `~m + m'` of a 128-bit field (an IPv6 address) changed.
+#[inline(always)]
+pub fn delta16(old: &[u8; 16], new: &[u8; 16]) -> u64 {
+    let mut sum = 0;
+    let mut i = 0;
+    while i < 16 {
+        sum += delta2(
+            u16::from_be_bytes([old[i], old[i + 1]]),
+            u16::from_be_bytes([new[i], new[i + 1]]),
+        );
+        i += 2;
+    }
+    sum
+}
+
+/// `~m + m'` of 8 bytes changed: `old` and `new` are those bytes as they lie in memory, read
+/// as a native-endian u64 (see [`replace8`]).
+#[inline(always)]
+pub fn delta8(old: u64, new: u64) -> u64 {
+    let (o, n) = (old.to_ne_bytes(), new.to_ne_bytes());
+    let mut sum = 0;
+    let mut i = 0;
+    while i < 8 {
+        sum += delta2(
+            u16::from_be_bytes([o[i], o[i + 1]]),
+            u16::from_be_bytes([n[i], n[i + 1]]),
+        );
+        i += 2;
+    }
+    sum
+}
+
 /// Checksum after one 16-bit word of the covered data changed from `old` to `new`.
 #[inline(always)]
 pub const fn replace2(check: u16, old: u16, new: u16) -> u16 {
-    // ~HC + ~m + m'
-    let sum = (!check) as u64 + (!old) as u64 + new as u64;
-    !fold(sum)
+    apply(check, delta2(old, new))
 }
 
 /// Checksum after a 32-bit field (two words, e.g. an IPv4 address) changed.
 #[inline(always)]
 pub const fn replace4(check: u16, old: [u8; 4], new: [u8; 4]) -> u16 {
-    let sum = (!check) as u64
-        + (!u16::from_be_bytes([old[0], old[1]])) as u64
-        + (!u16::from_be_bytes([old[2], old[3]])) as u64
-        + u16::from_be_bytes([new[0], new[1]]) as u64
-        + u16::from_be_bytes([new[2], new[3]]) as u64;
-    !fold(sum)
+    apply(check, delta4(old, new))
 }
 
 /// Checksum after a 128-bit field (an IPv6 address) changed.
 #[inline(always)]
 pub fn replace16(check: u16, old: &[u8; 16], new: &[u8; 16]) -> u16 {
-    let mut sum = (!check) as u64;
-    let mut i = 0;
-    while i < 16 {
-        sum += (!u16::from_be_bytes([old[i], old[i + 1]])) as u64;
-        sum += u16::from_be_bytes([new[i], new[i + 1]]) as u64;
-        i += 2;
-    }
-    !fold(sum)
+    apply(check, delta16(old, new))
 }
 
 /// Checksum after 8 bytes of the covered data changed: `old` and `new` are those bytes as they
@@ -72,15 +116,7 @@ pub fn replace16(check: u16, old: &[u8; 16], new: &[u8; 16]) -> u16 {
 /// 16-byte array, which the datapath's stack cannot spare).
 #[inline(always)]
 pub fn replace8(check: u16, old: u64, new: u64) -> u16 {
-    let (o, n) = (old.to_ne_bytes(), new.to_ne_bytes());
-    let mut sum = (!check) as u64;
-    let mut i = 0;
-    while i < 8 {
-        sum += (!u16::from_be_bytes([o[i], o[i + 1]])) as u64;
-        sum += u16::from_be_bytes([n[i], n[i + 1]]) as u64;
-        i += 2;
-    }
-    !fold(sum)
+    apply(check, delta8(old, new))
 }
 
 /// UDP over IPv4 may carry no checksum (0): a rewrite keeps it that way. A computed 0 is sent
@@ -170,6 +206,13 @@ mod tests {
             assert!(
                 c == want || (c ^ want) == 0xffff && (c == 0 || want == 0),
                 "round {round}: incremental {c:#06x}, full {want:#06x}"
+            );
+            let delta =
+                delta16(&old16, &a16) + delta4(old4, a4) + delta2(oldp, u16::from_be_bytes(p));
+            assert_eq!(
+                apply(check, delta),
+                c,
+                "round {round}: one summed delta = the replaces"
             );
             let mut with = data.clone();
             with.extend_from_slice(&c.to_be_bytes());

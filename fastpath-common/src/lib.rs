@@ -110,7 +110,13 @@ pub mod program_names {
         "fastpath_xdp_vxlan_decap",
     ];
     /// TC programs the TC ingress one tail-calls (`FP_TC_TAILS`), by index.
-    pub const TC_TAILS: [&str; 2] = ["fastpath_tc_vxlan_encap", "fastpath_tc_vxlan_decap"];
+    pub const TC_TAILS: [&str; 5] = [
+        "fastpath_tc_vxlan_encap",
+        "fastpath_tc_vxlan_decap",
+        "fastpath_tc_lb",
+        "fastpath_tc_icmp_error",
+        "fastpath_tc_icmp6_error",
+    ];
 }
 
 /// `FP_TAILS` indexes of the XDP tail programs that translate ICMP (IPv4) and ICMPv6 errors
@@ -135,6 +141,14 @@ pub const TAIL_VXLAN_DECAP: u32 = 6;
 /// (as `TAIL_VXLAN_ENCAP` and `TAIL_VXLAN_DECAP` at XDP).
 pub const TC_TAIL_VXLAN_ENCAP: u32 = 0;
 pub const TC_TAIL_VXLAN_DECAP: u32 = 1;
+/// `FP_TC_TAILS` index of the TC ingress pipeline with the load-balancing stages, for the
+/// packets of an interface that tracks connections at TC ingress (their stack does not fit
+/// beside the TC ingress program's own).
+pub const TC_TAIL_LB: u32 = 2;
+/// `FP_TC_TAILS` indexes of the TC tail programs that translate ICMP (IPv4) and ICMPv6 errors
+/// of load-balanced connections (as `TAIL_ICMP_ERROR` and `TAIL_ICMP6_ERROR` at XDP).
+pub const TC_TAIL_ICMP_ERROR: u32 = 3;
+pub const TC_TAIL_ICMP6_ERROR: u32 = 4;
 
 /// What the benchmark programs do, shared by the programs and the benchmark that drives them.
 pub mod bench {

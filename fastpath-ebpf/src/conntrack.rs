@@ -133,10 +133,16 @@ type Endpoint<'a> = (&'a [u8; 16], u16);
 /// Tracks `p` if `hook` tracks for interface `ifindex`. At egress only packets this node sent
 /// (`local`) are tracked: forwarded ones were tracked where they came in. Says what to do with
 /// the packet: drop it when the interface's stateful firewall refuses it (never at egress),
-/// translate it when it belongs to a load-balanced connection (XDP only).
+/// translate it when it belongs to a load-balanced connection (where `lb`: the program runs
+/// the load-balancing stages — XDP, and TC ingress's tail program `fastpath_tc_lb`).
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the stage's state, passed down once"
+)]
 #[inline(always)]
 pub fn track(
     hook: Hook,
+    lb: bool,
     ifindex: u32,
     local: bool,
     pkt: &Packet,
@@ -166,7 +172,7 @@ pub fn track(
     // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
     let key = unsafe { &mut *key };
     if kind == Kind::IcmpError {
-        return related(pkt, p, key, firewall, hook == Hook::Xdp);
+        return related(pkt, p, key, firewall, lb);
     }
     // ICMP echo: both sides of the key carry the identifier (parsed into `src_port`).
     let is_tcp_udp = p.l4_proto == IPPROTO_TCP || p.l4_proto == IPPROTO_UDP;
@@ -183,7 +189,7 @@ pub fn track(
     // compares it with CLOCK_MONOTONIC, which it trails by at most one tick.
     // SAFETY: bpf_ktime_get_coarse_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_coarse_ns() };
-    let lb_here = hook == Hook::Xdp && is_tcp_udp;
+    let lb_here = lb && is_tcp_udp;
     let mut hit = FP_CT.get_ptr_mut(&key);
     if lb_here
         && let Some(e) = hit
@@ -265,10 +271,14 @@ pub fn track(
             refused
         }
         None => {
+            // perf: a `match`, not `or_else`: a closure is a function LLVM may leave out of
+            // line (a BPF-to-BPF call, and the caller's registers spilled around it).
             if lb_here
                 && kind == Kind::Starts
-                && let Some(svc) =
-                    lb::service(pkt, p).or_else(|| gateway::snat_service(pkt, p, ifindex))
+                && let Some(svc) = match lb::service(pkt, p) {
+                    Some(svc) => Some(svc),
+                    None => gateway::snat_service(pkt, p, ifindex),
+                }
             {
                 return lb_create(key, src_is_lo, svc, firewall, pkt, p, len, now);
             }
@@ -898,7 +908,7 @@ fn store_v4(dst: &mut [u8; 16], a: [u8; 4]) {
 /// the first 8 bytes of its L4 header: ports, or the echo identifier). A match is RELATED and
 /// leaves the connection as it is, as in Linux.
 #[inline(always)]
-fn related(pkt: &Packet, p: &Parsed, key: &mut CtKey, firewall: bool, xdp: bool) -> Action {
+fn related(pkt: &Packet, p: &Parsed, key: &mut CtKey, firewall: bool, lb: bool) -> Action {
     let found = if inner_key(pkt, p, key) {
         key.normalize();
         let key: &CtKey = key;
@@ -918,7 +928,7 @@ fn related(pkt: &Packet, p: &Parsed, key: &mut CtKey, firewall: bool, xdp: bool)
     // SAFETY: a hash map value pointer stays valid for this program run.
     let e: &'static CtEntry = unsafe { &*e };
     let inner_tcp_udp = key.proto == IPPROTO_TCP || key.proto == IPPROTO_UDP;
-    if xdp && inner_tcp_udp && e.flags & CT_F_LB_ALIAS != 0 {
+    if lb && inner_tcp_udp && e.flags & CT_F_LB_ALIAS != 0 {
         // About a packet a backend was sent (the quote matches the backend-side alias): the
         // client must see it about its own packet to the VIP, from the VIP; with full-NAT
         // also its own address and port, and addressed to it.

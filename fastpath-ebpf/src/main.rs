@@ -32,7 +32,7 @@ use aya_ebpf::{
 };
 use fastpath_common::{
     Hook, Verdict,
-    ct::{IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_F_VXLAN_UNDERLAY},
+    ct::{IFACE_F_CT_TC_INGRESS, IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_F_VXLAN_UNDERLAY},
     reason,
 };
 
@@ -61,7 +61,7 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
     let pkt = xdp_packet(&ctx);
     let len = pkt.len;
     let (mut verdict, mut reason) = match popped.and_then(|()| pipeline::parse(&pkt)) {
-        Ok(p) => pipeline::process(&pkt, p, Hook::Xdp, ifindex, false),
+        Ok(p) => pipeline::process(&pkt, p, Hook::Xdp, true, ifindex, false),
         Err(code) => pipeline::unparsed(code),
     };
     // Rare paths whose stack does not fit beside this program's: their tail programs.
@@ -265,6 +265,26 @@ pub fn fastpath_tc_ingress(ctx: TcContext) -> i32 {
     tc(ctx, Hook::TcIngress)
 }
 
+/// Tail program of `fastpath_tc_ingress` (`FP_TC_TAILS[TC_TAIL_LB]`): the rest of its
+/// pipeline with the load-balancing stages (translation of load-balanced, full-NAT, gateway
+/// and DSR connections, and of ICMP errors about them by the ICMP tail programs), for a
+/// packet it parsed (`FP_PKT_CTX`, this CPU's) on an interface that tracks connections at TC
+/// ingress. A program of its own: these stages' stack does not fit beside the parser's and
+/// the TC prologue's.
+#[classifier]
+#[inline(always)]
+pub fn fastpath_tc_lb(ctx: TcContext) -> i32 {
+    let pkt = tc_packet(&ctx);
+    let len = pkt.len;
+    // SAFETY: the context pointer is the kernel's __sk_buff for the duration of the program.
+    let ifindex = unsafe { (*(ctx.as_ptr() as *const __sk_buff)).ifindex };
+    let (verdict, reason) = match maps::FP_PKT_CTX.get(0) {
+        Some(p) => pipeline::process(&pkt, p, Hook::TcIngress, true, ifindex, false),
+        None => (Verdict::Kernel, fastpath_common::reason::NONE),
+    };
+    tc_finish(&ctx, Hook::TcIngress, ifindex, verdict, reason, len)
+}
+
 #[classifier]
 #[inline(always)]
 pub fn fastpath_tc_egress(ctx: TcContext) -> i32 {
@@ -321,21 +341,57 @@ fn tc(ctx: TcContext, hook: Hook) -> i32 {
             }
         }
     }
-    let (mut verdict, mut reason) = match parsed {
+    let (verdict, reason) = match parsed {
         Ok(p) => {
             // A tag the kernel took out of the frame before TC (one the parser cannot see)
             // counts as one.
             if vlan::out_of_band(&ctx).is_some() {
                 p.vlan_count += 1;
             }
-            pipeline::process(&pkt, p, hook, ifindex, local)
+            // An interface that tracks connections here: the rest of the pipeline is the
+            // tail program with the load-balancing stages.
+            if hook == Hook::TcIngress
+                && maps::FP_IFACE
+                    .get(ifindex)
+                    .is_some_and(|i| i.flags & IFACE_F_CT_TC_INGRESS != 0)
+            {
+                // SAFETY: the tail program takes the same context; it does not return here.
+                unsafe { maps::FP_TC_TAILS.tail_call(&ctx, fastpath_common::TC_TAIL_LB) };
+                // The tail program is missing: tracked here, without load balancing.
+            }
+            pipeline::process(&pkt, p, hook, false, ifindex, local)
         }
         Err(code) => pipeline::unparsed(code),
     };
-    // Routed to a vxlan device, or UDP no stage took arriving where VXLAN may: the VXLAN
-    // tail programs (as at XDP).
+    tc_finish(&ctx, hook, ifindex, verdict, reason, len as usize)
+}
+
+/// The end of the TC pipeline at `hook` for a packet (`len` bytes as the stages saw it) the
+/// stages gave `verdict` and `reason`: a tail program where one takes over, an 802.1Q tag
+/// leaving a port, the count, and the TC action.
+#[inline(always)]
+fn tc_finish(
+    ctx: &TcContext,
+    hook: Hook,
+    ifindex: u32,
+    mut verdict: Verdict,
+    mut reason: u32,
+    len: usize,
+) -> i32 {
+    // An ICMP error to translate; routed to a vxlan device, or UDP no stage took arriving
+    // where VXLAN may: the tail programs (as at XDP).
     if hook == Hook::TcIngress {
-        let tail = if verdict == Verdict::Forward && route::egress_is_vxlan(route::out_ifindex()) {
+        let tail = if reason == fastpath_common::reason::LB_ICMP_ERROR {
+            if pipeline::is_ipv4() {
+                fastpath_common::TC_TAIL_ICMP_ERROR
+            } else {
+                fastpath_common::TC_TAIL_ICMP6_ERROR
+            }
+        } else if reason == fastpath_common::reason::LB_REJECTED {
+            // Not answered at TC (see `reject`): the new connection is dropped.
+            (verdict, reason) = (Verdict::Drop, fastpath_common::reason::LB_NO_BACKEND);
+            NO_TAIL
+        } else if verdict == Verdict::Forward && route::egress_is_vxlan(route::out_ifindex()) {
             // Where the tail program is missing, dropped rather than sent half-done.
             verdict = Verdict::Drop;
             fastpath_common::TC_TAIL_VXLAN_ENCAP
@@ -355,7 +411,7 @@ fn tc(ctx: TcContext, hook: Hook) -> i32 {
         if tail != NO_TAIL {
             route::hand_over(reason);
             // SAFETY: the tail program takes the same context; it does not return here.
-            unsafe { maps::FP_TC_TAILS.tail_call(&ctx, tail) };
+            unsafe { maps::FP_TC_TAILS.tail_call(ctx, tail) };
             // The tail program is missing: the packet goes on as it is.
             reason = fastpath_common::reason::LB_REWRITE_FAILED;
         }
@@ -364,11 +420,11 @@ fn tc(ctx: TcContext, hook: Hook) -> i32 {
     if hook == Hook::TcEgress
         && verdict != Verdict::Drop
         && let Some(vid) = vlan::port(ifindex, vlan::ANY)
-        && !vlan::push_tc(&ctx, vid)
+        && !vlan::push_tc(ctx, vid)
     {
         (verdict, reason) = (Verdict::Drop, fastpath_common::reason::VLAN_FAILED);
     }
-    stats::count(hook, verdict, reason, len as usize);
+    stats::count(hook, verdict, reason, len);
     match verdict {
         Verdict::Drop => TC_ACT_SHOT,
         // TC_ACT_UNSPEC is TCX_NEXT: later TCX programs and tc filters still run, then the
@@ -399,39 +455,65 @@ pub(crate) fn tc_packet(ctx: &TcContext) -> Packet {
 /// rewrite's stack does not fit beside the main program's (nor both families in one).
 #[xdp]
 pub fn fastpath_xdp_icmp_error(ctx: XdpContext) -> u32 {
-    icmp_error_tail(&ctx, true)
+    if icmp_error_tail(&xdp_packet(&ctx), Hook::Xdp, true) {
+        xdp_action::XDP_PASS
+    } else {
+        xdp_action::XDP_DROP
+    }
 }
 
 #[xdp]
 pub fn fastpath_xdp_icmp6_error(ctx: XdpContext) -> u32 {
-    icmp_error_tail(&ctx, false)
+    if icmp_error_tail(&xdp_packet(&ctx), Hook::Xdp, false) {
+        xdp_action::XDP_PASS
+    } else {
+        xdp_action::XDP_DROP
+    }
 }
 
+/// Tail programs of `fastpath_tc_lb` (`FP_TC_TAILS[TC_TAIL_ICMP_ERROR]`,
+/// `[TC_TAIL_ICMP6_ERROR]`): as `fastpath_xdp_icmp_error` and `fastpath_xdp_icmp6_error`.
+#[classifier]
+pub fn fastpath_tc_icmp_error(ctx: TcContext) -> i32 {
+    if icmp_error_tail(&tc_packet(&ctx), Hook::TcIngress, true) {
+        TC_ACT_UNSPEC
+    } else {
+        TC_ACT_SHOT
+    }
+}
+
+#[classifier]
+pub fn fastpath_tc_icmp6_error(ctx: TcContext) -> i32 {
+    if icmp_error_tail(&tc_packet(&ctx), Hook::TcIngress, false) {
+        TC_ACT_UNSPEC
+    } else {
+        TC_ACT_SHOT
+    }
+}
+
+/// Translates the ICMP error and counts it; false: it is to be dropped (counted so).
 #[inline(always)]
-fn icmp_error_tail(ctx: &XdpContext, v4: bool) -> u32 {
-    let pkt = xdp_packet(ctx);
-    let len = pkt.len;
+fn icmp_error_tail(pkt: &Packet, hook: Hook, v4: bool) -> bool {
     let ok = match maps::FP_PKT_CTX.get(0) {
-        Some(p) => nat::icmp_error(&pkt, p, v4),
+        Some(p) => nat::icmp_error(pkt, p, v4),
         None => false,
     };
     if ok {
         stats::count(
-            Hook::Xdp,
+            hook,
             Verdict::Kernel,
             fastpath_common::reason::LB_ICMP_ERROR,
-            len,
+            pkt.len,
         );
-        xdp_action::XDP_PASS
     } else {
         stats::count(
-            Hook::Xdp,
+            hook,
             Verdict::Drop,
             fastpath_common::reason::LB_REWRITE_FAILED,
-            len,
+            pkt.len,
         );
-        xdp_action::XDP_DROP
     }
+    ok
 }
 
 /// Empty XDP program: the floor `cargo xtask bench` measures in the same run. Never attached.

@@ -214,7 +214,7 @@ pub static FP_TAILS: ProgramArray = ProgramArray::with_max_entries(7, 0);
 
 /// TC ingress tail programs (`program_names::TC_TAILS`), as `FP_TAILS`.
 #[map(name = "FP_TC_TAILS")]
-pub static FP_TC_TAILS: ProgramArray = ProgramArray::with_max_entries(2, 0);
+pub static FP_TC_TAILS: ProgramArray = ProgramArray::with_max_entries(5, 0);
 
 /// ifindex → 1 when the interface is a veth or netkit device whose peer lives in another
 /// network namespace (daemon-written from netlink): a packet forwarded there at TC ingress

@@ -10,6 +10,7 @@
 //! verifier: both ends are rewritten by one function with one load of each field; two
 //! rewrites in a row let LLVM share a bounds check between them, which the verifier refuses.
 
+use aya_ebpf::helpers::bpf_l4_csum_replace;
 use fastpath_common::csum;
 
 use crate::{
@@ -18,6 +19,12 @@ use crate::{
     packet::{Packet, be16},
     parse::{FAMILY_IPV4, IPPROTO_TCP, IPPROTO_UDP, Parsed},
 };
+
+/// `bpf_l4_csum_replace` flags (uapi `BPF_F_*`): the change is in the pseudo-header; a UDP
+/// checksum of 0 stays 0 and a computed 0 becomes 0xffff; an IPv6 packet's.
+const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
+const BPF_F_MARK_MANGLED_0: u64 = 1 << 5;
+const BPF_F_IPV6: u64 = 1 << 7;
 
 /// Which end of the packet an address belongs to.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -40,16 +47,20 @@ pub fn dsr_planned() -> bool {
     FP_NAT.get(0).is_some_and(|plan| plan.ends & NAT_DSR != 0)
 }
 
-/// Rewrites the packet as this CPU's `FP_NAT` plan says (see `conntrack::NatPlan`).
+/// Rewrites the packet as this CPU's `FP_NAT` plan says (see `conntrack::NatPlan`). At XDP
+/// (`!tc`) the L4 checksum is written as computed; at TC it is updated by the kernel
+/// (`bpf_l4_csum_replace`), which knows what this program cannot see: a partial checksum
+/// (`CHECKSUM_PARTIAL`, as a local sender or a veth with transmit offloads passes it) holds
+/// the pseudo-header's sum only, so the addresses change it and the ports do not; a complete
+/// one (`CHECKSUM_COMPLETE`, from a NIC) needs the skb's sum of the data kept in step.
 #[inline(always)]
-pub fn rewrite(pkt: &Packet, p: &Parsed) -> bool {
+pub fn rewrite(pkt: &Packet, p: &Parsed, tc: bool) -> bool {
     let Some(plan) = FP_NAT.get_ptr(0) else {
         return false;
     };
     // SAFETY: this CPU's slot of a per-CPU array, written by this program run.
     let plan = unsafe { &*plan };
     let (do_src, do_dst) = (plan.ends & NAT_SRC != 0, plan.ends & NAT_DST != 0);
-    let (src_addr, dst_addr) = (addr_bytes(&plan.src_addr), addr_bytes(&plan.dst_addr));
     let l3 = p.l3_off as usize;
     let l4 = p.l4_off as usize;
     let csum_off = match p.l4_proto {
@@ -62,24 +73,27 @@ pub fn rewrite(pkt: &Packet, p: &Parsed) -> bool {
         return false;
     };
     let old_l4 = be16(old_l4);
-    let mut l4c = old_l4;
+    // The L4 checksum's changes: the ports', and the addresses' (its pseudo-header).
+    let mut port_delta = 0;
+    let mut addr_delta = 0;
     let mut new_ports = ports;
     if do_src {
         let port = plan.src_port;
-        l4c = csum::replace2(l4c, be16([ports[0], ports[1]]), port);
+        port_delta += csum::delta2(be16([ports[0], ports[1]]), port);
         let b = port.to_be_bytes();
         new_ports[0] = b[0];
         new_ports[1] = b[1];
     }
     if do_dst {
         let port = plan.dst_port;
-        l4c = csum::replace2(l4c, be16([ports[2], ports[3]]), port);
+        port_delta += csum::delta2(be16([ports[2], ports[3]]), port);
         let b = port.to_be_bytes();
         new_ports[2] = b[0];
         new_ports[3] = b[1];
     }
     let udp = p.l4_proto == IPPROTO_UDP;
-    if p.family == FAMILY_IPV4 {
+    let v4 = p.family == FAMILY_IPV4;
+    let written = if v4 {
         let (Some(addrs), Some(old_ip)) =
             (pkt.load::<[u8; 8]>(l3 + 12), pkt.load::<[u8; 2]>(l3 + 10))
         else {
@@ -88,57 +102,101 @@ pub fn rewrite(pkt: &Packet, p: &Parsed) -> bool {
         let mut ip = be16(old_ip);
         let mut new_addrs = addrs;
         if do_src {
-            let a = src_addr;
             let (old, new) = (
                 [addrs[0], addrs[1], addrs[2], addrs[3]],
-                [a[0], a[1], a[2], a[3]],
+                v4_addr(&plan.src_addr),
             );
             ip = csum::replace4(ip, old, new);
-            l4c = csum::replace4(l4c, old, new);
+            addr_delta += csum::delta4(old, new);
             new_addrs[..4].copy_from_slice(&new);
         }
         if do_dst {
-            let a = dst_addr;
             let (old, new) = (
                 [addrs[4], addrs[5], addrs[6], addrs[7]],
-                [a[0], a[1], a[2], a[3]],
+                v4_addr(&plan.dst_addr),
             );
             ip = csum::replace4(ip, old, new);
-            l4c = csum::replace4(l4c, old, new);
+            addr_delta += csum::delta4(old, new);
             new_addrs[4..].copy_from_slice(&new);
-        }
-        if udp {
-            l4c = csum::udp_fixup(old_l4, l4c);
         }
         pkt.store(l3 + 12, new_addrs)
             && pkt.store(l3 + 10, ip.to_be_bytes())
             && pkt.store(l4, new_ports)
-            && pkt.store(csum_off, l4c.to_be_bytes())
     } else {
-        // verifier: one load and one store of both addresses (one bounds check each); two
-        // stores let LLVM drop the second check as implied, which the verifier cannot follow.
-        let Some(old) = pkt.load::<[u64; 4]>(l3 + 8) else {
+        // One bounds check for both addresses, then word by word in place: no copies on a
+        // stack this program has no room on.
+        let Some(at) = pkt.words_at::<4>(l3 + 8) else {
             return false;
         };
-        // SAFETY: [u64; 4] and [[u8; 16]; 2] are the same 32 bytes; any bits are valid.
-        let [old_src, old_dst] = unsafe { core::mem::transmute::<[u64; 4], [[u8; 16]; 2]>(old) };
-        let mut new = [old_src, old_dst];
+        // The change of word `i` of the addresses to `new`, made; its checksum delta.
+        let swap = |i: usize, new: u64| {
+            // SAFETY: `i` < 4: within the words `words_at` checked; unaligned access is
+            // allowed (see build.rs).
+            unsafe {
+                let old = core::ptr::read_unaligned(at.add(i));
+                core::ptr::write_unaligned(at.add(i), new);
+                csum::delta8(old, new)
+            }
+        };
         if do_src {
-            l4c = csum::replace16(l4c, &old_src, &src_addr);
-            new[0] = src_addr;
+            let a = words(&plan.src_addr);
+            addr_delta += swap(0, a[0]) + swap(1, a[1]);
         }
         if do_dst {
-            l4c = csum::replace16(l4c, &old_dst, &dst_addr);
-            new[1] = dst_addr;
+            let a = words(&plan.dst_addr);
+            addr_delta += swap(2, a[0]) + swap(3, a[1]);
         }
-        if udp {
-            l4c = csum::udp_fixup(old_l4, l4c);
-        }
-        // SAFETY: as above.
-        let new = unsafe { core::mem::transmute::<[[u8; 16]; 2], [u64; 4]>(new) };
-        pkt.store_words(l3 + 8, new)
-            && pkt.store(l4, new_ports)
-            && pkt.store(csum_off, l4c.to_be_bytes())
+        pkt.store(l4, new_ports)
+    };
+    if !written {
+        return false;
+    }
+    if tc {
+        return l4_checksum_tc(pkt, csum_off, udp, v4, addr_delta, port_delta);
+    }
+    let mut l4c = csum::apply(old_l4, addr_delta + port_delta);
+    if udp {
+        l4c = csum::udp_fixup(old_l4, l4c);
+    }
+    pkt.store(csum_off, l4c.to_be_bytes())
+}
+
+/// Has the kernel update the L4 checksum at `csum_off` of a TC packet for changes of its
+/// pseudo-header (`addr_delta`) and of the covered data (`port_delta`), as `csum::apply`
+/// takes them. UDP without a checksum keeps none; a computed 0 is sent as 0xffff.
+#[inline(always)]
+fn l4_checksum_tc(
+    pkt: &Packet,
+    csum_off: usize,
+    udp: bool,
+    v4: bool,
+    addr_delta: u64,
+    port_delta: u64,
+) -> bool {
+    let zero = if udp { BPF_F_MARK_MANGLED_0 } else { 0 };
+    // An IPv6 address is not under a header checksum: in a complete checksum its change
+    // cancels the L4 checksum's (BPF_F_IPV6 keeps the skb's sum as it is).
+    let family = if v4 { 0 } else { BPF_F_IPV6 };
+    // The kernel adds `to` to the checksum as a 32-bit ones'-complement sum in the packet's
+    // byte order (size 0: `to` is such a difference, `from` must be 0).
+    let as_diff = |delta: u64| u64::from(csum::fold(delta).to_be());
+    // SAFETY: the context is this TC program's skb; the helper checks the offset against it.
+    // It may move packet data: nothing reads the packet through `pkt` after these calls.
+    unsafe {
+        bpf_l4_csum_replace(
+            pkt.ctx.cast(),
+            csum_off as u32,
+            0,
+            as_diff(addr_delta),
+            BPF_F_PSEUDO_HDR | zero | family,
+        ) == 0
+            && bpf_l4_csum_replace(
+                pkt.ctx.cast(),
+                csum_off as u32,
+                0,
+                as_diff(port_delta),
+                zero,
+            ) == 0
     }
 }
 
@@ -366,19 +424,11 @@ fn words(addr: &[u8; 16]) -> [u64; 2] {
     }
 }
 
-/// A copy of 16 address bytes of 8-aligned map memory, as two word loads. perf: a
-/// `[u8; 16]` copy compiles to a memcpy call.
+/// The first 4 bytes (an IPv4 address) of 8-aligned map memory, from one word load: no
+/// 16-byte copy on the stack.
 #[inline(always)]
-fn addr_bytes(addr: &[u8; 16]) -> [u8; 16] {
-    let words = (addr as *const [u8; 16]).cast::<u64>();
-    // SAFETY: `addr` is 16 bytes of 8-aligned map memory (a CtNat, Backend or Service
-    // address).
-    let w = unsafe {
-        [
-            core::ptr::read_volatile(words),
-            core::ptr::read_volatile(words.add(1)),
-        ]
-    };
-    // SAFETY: two u64 are 16 bytes; any bytes are a valid [u8; 16].
-    unsafe { core::mem::transmute::<[u64; 2], [u8; 16]>(w) }
+fn v4_addr(addr: &[u8; 16]) -> [u8; 4] {
+    let [w, _] = words(addr);
+    // The word as it lies in memory: its first 4 bytes are its low half (little-endian BPF).
+    (w as u32).to_le_bytes()
 }

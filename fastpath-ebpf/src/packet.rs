@@ -21,6 +21,21 @@ pub struct Packet {
 }
 
 impl Packet {
+    /// The same skb's bounds read again (TC only): after a helper that may move packet data
+    /// (the verifier then forgets every packet pointer it knew).
+    #[inline(always)]
+    pub fn reread_skb(&self) -> Packet {
+        let skb = self.ctx as *const aya_ebpf::bindings::__sk_buff;
+        // SAFETY: at TC, `ctx` is the kernel's __sk_buff for the duration of the program.
+        let (data, data_end) = unsafe { ((*skb).data, (*skb).data_end) };
+        Packet {
+            data: data as usize,
+            data_end: data_end as usize,
+            len: self.len,
+            ctx: self.ctx,
+        }
+    }
+
     /// A copy of the `T` at `off`, or `None` if it is not inside the readable bytes.
     /// `T` must be a plain byte array type (alignment 1).
     #[inline(always)]
@@ -90,6 +105,19 @@ impl Packet {
             i += 1;
         }
         true
+    }
+
+    /// The address of `N` words at `off`, checked to lie inside the writable bytes, for
+    /// reading and rewriting them one at a time without copies (see `store`).
+    #[inline(always)]
+    pub fn words_at<const N: usize>(&self, off: usize) -> Option<*mut u64> {
+        if off > MAX_HDR_OFF {
+            return None;
+        }
+        if self.data + off + 8 * N > self.data_end {
+            return None;
+        }
+        Some((self.data + off) as *mut u64)
     }
 
     /// Whether `need` bytes at `off` are inside the frame at all (possibly beyond the linear

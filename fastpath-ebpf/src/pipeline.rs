@@ -39,12 +39,20 @@ pub fn parse(pkt: &Packet) -> Result<&'static mut Parsed, u32> {
 }
 
 /// The rest of the pipeline for a parsed packet seen by `hook` on interface `ifindex`
-/// (`local`: sent by this node, seen at egress); returns the verdict and its reason code.
+/// (`local`: sent by this node, seen at egress; `lb`: with the load-balancing stages, see
+/// `conntrack::track`); returns the verdict and its reason code.
 #[inline(always)]
-pub fn process(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32, local: bool) -> (Verdict, u32) {
+pub fn process(
+    pkt: &Packet,
+    p: &Parsed,
+    hook: Hook,
+    lb: bool,
+    ifindex: u32,
+    local: bool,
+) -> (Verdict, u32) {
     // Where packets arrive, the L3 stage routes what the earlier stages let through (at
     // egress the kernel has routed them already). One call site: the stage is inlined once.
-    let (verdict, code) = match conntrack::track(hook, ifindex, local, pkt, p, pkt.len) {
+    let (verdict, code) = match conntrack::track(hook, lb, ifindex, local, pkt, p, pkt.len) {
         Action::Pass => (Verdict::Kernel, reason::NONE),
         Action::Drop(code) => return (Verdict::Drop, code),
         Action::Kernel(code) => return (Verdict::Kernel, code),
@@ -58,11 +66,19 @@ pub fn process(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32, local: bool) 
             };
         }
         Action::Nat(code) => {
-            if !nat::rewrite(pkt, p) {
+            if !nat::rewrite(pkt, p, hook != Hook::Xdp) {
                 return (Verdict::Drop, reason::LB_REWRITE_FAILED);
             }
             (Verdict::Kernel, code)
         }
+    };
+    // At TC the rewrite's checksum helper may have moved the packet's data.
+    let reread;
+    let pkt = if hook == Hook::Xdp {
+        pkt
+    } else {
+        reread = pkt.reread_skb();
+        &reread
     };
     let routed = if hook == Hook::TcEgress {
         Err(reason::NONE)

@@ -10,7 +10,8 @@
 //! Checksums: the client and backends send full checksums and verify what they receive
 //! (`ethtool -K eth0 tx off rx off`), as traffic from a wire does. With offloads on, veth passes
 //! partial checksums that XDP cannot tell apart and the receivers would not verify, which
-//! would hide a wrong checksum.
+//! would hide a wrong checksum. The same traffic balanced at TC ingress runs with partial
+//! checksums on purpose, completed by fp's links and verified by the receivers.
 //!
 //! Root only (never skipped: without root these tests fail). Debian packages: iproute2,
 //! nginx-light, curl, socat, ethtool.
@@ -28,15 +29,17 @@ use std::{
 use fastpath::{
     config::{DEFAULT_CT_CAPACITY, Scheduler, ServiceConfig},
     datapath::{LbWriter, ServicesApplied, apply_services},
+    stats::StatsSnapshot,
     testkit::{
         netns::{
-            Daemon, HttpServer, LbTopology, Spawned, TempDir, parse_services, predicted_backend,
-            prepare_test, test_lb_topology, unique_pin_dir,
+            Daemon, DaemonConfig, HookedInterface, HttpServer, LbTopology, Spawned, TempDir,
+            parse_services, predicted_backend, prepare_test, test_lb_topology, unique_pin_dir,
         },
         traffic::{SlowDownload, tcp_resets},
     },
 };
 use fastpath_common::{
+    Hook, Verdict,
     ct::{CtKey, ct_key, ct_stat, tcp_state},
     map_names,
 };
@@ -80,16 +83,78 @@ fn services() -> String {
 #[test]
 fn curl_through_the_vip_reaches_the_predicted_backends() {
     prepare_test(&["curl", "nginx", "socat", "ethtool"]);
-    let dir = TempDir::new("lb").expect("temp dir");
     let lb = test_lb_topology(BACKENDS);
     checksum_offloads_off(&lb);
-    let servers: Vec<HttpServer> = nginx_backends(&lb, "index.html", |i| format!("backend {i}\n"));
+    let config = lb.fp_config(&unique_pin_dir("lb"));
+    vip_traffic_reaches_the_predicted_backends(&lb, config);
+}
+
+/// As `curl_through_the_vip_reaches_the_predicted_backends`, with fp's links tracking and
+/// balancing at TC ingress (`xdp = "off"`: `fastpath_tc_lb`), and the partial checksums
+/// (`CHECKSUM_PARTIAL`) of senders with transmit offloads on: the client and the backends
+/// send them, fp translates them, and fp's own links (transmit offloads off) complete them
+/// from what the translation left, on the way out of the kernel's forwarding. The
+/// receivers verify every checksum (receive offloads off): a wrong partial sum after the
+/// translation fails the connection.
+#[test]
+fn curl_through_the_vip_balanced_at_tc_ingress_with_partial_checksums() {
+    prepare_test(&["curl", "nginx", "socat", "ethtool"]);
+    let lb = test_lb_topology(BACKENDS);
+    for ns in std::iter::once(lb.client()).chain((0..BACKENDS).map(|i| lb.backend(i))) {
+        ns.run(&[
+            "ethtool",
+            "-K",
+            LbTopology::HOST_IF,
+            "tx",
+            "on",
+            "rx",
+            "off",
+        ])
+        .unwrap_or_else(|e| panic!("ethtool: {e}"));
+    }
+    for iface in lb.fp_interfaces() {
+        lb.fp()
+            .run(&["ethtool", "-K", &iface, "tx", "off"])
+            .unwrap_or_else(|e| panic!("ethtool: {e}"));
+    }
+    let config =
+        lb.fp_interfaces()
+            .iter()
+            .fold(DaemonConfig::new(&unique_pin_dir("lb-tc")), |c, name| {
+                c.hooks(HookedInterface {
+                    name: name.clone(),
+                    xdp: "off",
+                    tc_ingress: true,
+                    tc_egress: true,
+                })
+            });
+    let stats = vip_traffic_reaches_the_predicted_backends(&lb, config);
+    let at_tc = |reason| stats.get(Hook::TcIngress, Verdict::Kernel, reason).packets;
+    let (to, from) = (
+        at_tc(fastpath_common::reason::LB_TO_BACKEND),
+        at_tc(fastpath_common::reason::LB_FROM_BACKEND),
+    );
+    assert!(
+        to >= 36 * 5 && from >= 36 * 4,
+        "translated at TC ingress: to {to}, from {from} packets"
+    );
+}
+
+/// curl through the IPv4 and IPv6 VIPs (each connection on the backend the daemon's Maglev
+/// table predicts) and UDP through socat, with fp's daemon started with `config` (plus the
+/// services); checks the connection table and the service counters. Returns the stats.
+fn vip_traffic_reaches_the_predicted_backends(
+    lb: &LbTopology,
+    config: DaemonConfig,
+) -> StatsSnapshot {
+    let dir = TempDir::new("lb").expect("temp dir");
+    let servers: Vec<HttpServer> = nginx_backends(lb, "index.html", |i| format!("backend {i}\n"));
     let _udp = lb
         .backend(1)
         .spawn(&["socat", "UDP4-LISTEN:9000,fork", "PIPE"])
         .expect("UDP echo server");
     let svcs = services();
-    let config = lb.fp_config(&unique_pin_dir("lb")).services(&svcs);
+    let config = config.services(&svcs);
     let daemon = Daemon::start(bin(), lb.fp(), &config);
     assert!(
         daemon.log().contains("Services applied"),
@@ -249,6 +314,7 @@ fn curl_through_the_vip_reaches_the_predicted_backends() {
         "every curl exchange was translated both ways: to {to}, from {from}"
     );
     drop(servers);
+    stats
 }
 
 /// Client and backends send full checksums and verify what they receive (see the module

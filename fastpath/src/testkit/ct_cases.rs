@@ -833,6 +833,33 @@ impl Seq {
         self
     }
 
+    /// This XDP sequence at TC ingress instead (`fastpath_tc_lb` for an interface that
+    /// tracks there): the same packets, translations, entries, counters and events. Its
+    /// interfaces track at TC ingress where they tracked at XDP.
+    fn at_tc_ingress(mut self) -> Self {
+        let to_tc = |seed: &mut Seed| {
+            for (_, cfg) in &mut seed.ifaces {
+                if cfg.flags & IFACE_F_CT_XDP != 0 {
+                    cfg.flags = cfg.flags & !IFACE_F_CT_XDP | IFACE_F_CT_TC_INGRESS;
+                }
+            }
+        };
+        to_tc(&mut self.seed);
+        if let Some(seed) = &mut self.step_seed {
+            to_tc(seed);
+        }
+        for step in &mut self.steps {
+            assert_eq!(step.hook, Hook::Xdp, "{}: {}", self.name, step.what);
+            step.hook = Hook::TcIngress;
+            if let Some(seed) = &mut step.seed {
+                to_tc(seed);
+            }
+        }
+        // Leaked: sequence names are `&'static str`, and the table is built once per run.
+        self.name = format!("{}_at_tc_ingress", self.name).leak();
+        self
+    }
+
     fn build(self) -> CtSequence {
         CtSequence {
             name: self.name.to_owned(),
@@ -2485,8 +2512,13 @@ fn reject_sequences() -> Vec<Seq> {
     seqs
 }
 
-/// Every conntrack sequence.
+/// Every conntrack sequence; the load-balancing ones also at TC ingress.
 pub fn ct_sequences() -> Vec<CtSequence> {
+    let lb_tc: Vec<Seq> = lb_sequences()
+        .into_iter()
+        .chain(full_nat_sequences())
+        .map(Seq::at_tc_ingress)
+        .collect();
     [
         tcp_sequences(),
         direction_sequences(),
@@ -2498,6 +2530,7 @@ pub fn ct_sequences() -> Vec<CtSequence> {
         reject_sequences(),
         untracked_sequences(),
         hook_sequences(),
+        lb_tc,
     ]
     .into_iter()
     .flatten()
