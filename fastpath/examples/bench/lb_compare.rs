@@ -24,8 +24,8 @@ use anyhow::{Context as _, Result, bail};
 use fastpath::testkit::{
     ha::{self as pair, Node, NodeTls, SyncPair},
     netns::{
-        Daemon, HttpServer, LbTopology, Netns, Spawned, TempDir, find_tools, lb_topology,
-        unique_pin_dir,
+        Daemon, DaemonConfig, HookedInterface, HttpServer, LbTopology, Netns, Spawned, TempDir,
+        find_tools, lb_topology, unique_pin_dir,
     },
 };
 use fastpath_common::reason;
@@ -96,16 +96,20 @@ pub(crate) enum Contender {
     Haproxy,
     /// Fastpath's setup plus `[ha]`, streaming to a peer daemon.
     FastpathHa,
+    /// Fastpath's setup with fp's links tracking and balancing at TC ingress (`xdp = "off"`):
+    /// no XDP program on the veth links, so no copy of the senders' skbs into XDP frames.
+    FastpathTc,
 }
 
 impl Contender {
-    const ALL: [Contender; 6] = [
+    const ALL: [Contender; 7] = [
         Contender::Direct,
         Contender::Fastpath,
         Contender::Iptables,
         Contender::Nftables,
         Contender::Haproxy,
         Contender::FastpathHa,
+        Contender::FastpathTc,
     ];
 
     /// Short name, for JSON and progress.
@@ -117,6 +121,7 @@ impl Contender {
             Contender::Nftables => "nftables",
             Contender::Haproxy => "haproxy",
             Contender::FastpathHa => "fastpath-ha",
+            Contender::FastpathTc => "fastpath-tc",
         }
     }
 
@@ -131,6 +136,7 @@ impl Contender {
             Contender::FastpathHa => {
                 "fastpath + HA sync (the same daemon with `[ha]`, streaming to a peer daemon)"
             }
+            Contender::FastpathTc => "fastpath daemon (TC ingress, NAT mode, Maglev)",
         }
     }
 
@@ -140,6 +146,14 @@ impl Contender {
             Contender::Direct => LbTopology::backend_v4(0),
             _ => VIP,
         }
+    }
+
+    /// Whether the contender is a fastpath daemon.
+    pub(crate) fn is_fastpath(self) -> bool {
+        matches!(
+            self,
+            Contender::Fastpath | Contender::FastpathHa | Contender::FastpathTc
+        )
     }
 
     /// Whether the contender picks a backend per connection (so a new-connection run must
@@ -898,7 +912,7 @@ impl Bench {
         let others = services.saturating_sub(1);
         match c {
             Contender::Direct => Ok(Running::Nothing),
-            Contender::Fastpath | Contender::FastpathHa => {
+            Contender::Fastpath | Contender::FastpathHa | Contender::FastpathTc => {
                 // The others: one backend each, weighted round robin (a one-slot selection
                 // table: 100k Maglev tables of the auto size, 251 slots, would not fit the
                 // datapath's 4 Mi slots).
@@ -923,7 +937,23 @@ impl Bench {
                         );
                     }
                 }
-                let mut config = self.lb.fp_config(&unique_pin_dir("lbcmp")).services(&toml);
+                let pin_dir = unique_pin_dir("lbcmp");
+                let mut config = if c == Contender::FastpathTc {
+                    self.lb.fp_interfaces().iter().fold(
+                        DaemonConfig::new(&pin_dir),
+                        |config, name| {
+                            config.hooks(HookedInterface {
+                                name: name.clone(),
+                                xdp: "off",
+                                tc_ingress: true,
+                                tc_egress: true,
+                            })
+                        },
+                    )
+                } else {
+                    self.lb.fp_config(&pin_dir)
+                }
+                .services(&toml);
                 if self.routes_in_fast_path {
                     for iface in self.lb.fp_interfaces() {
                         config = config.interface_key(&iface, "route = true");
@@ -972,10 +1002,16 @@ impl Bench {
                         daemon.log()
                     );
                 }
-                // The report describes native XDP: `auto` must not have fallen back.
+                // The report describes native XDP (`auto` must not have fallen back), or none.
                 for iface in self.lb.fp_interfaces() {
                     let link = fp.link_show(&iface)?;
-                    if !link.contains("prog/xdp") || link.contains("xdpgeneric") {
+                    if c == Contender::FastpathTc {
+                        if link.contains("prog/xdp") {
+                            bail!(
+                                "fastpath attached XDP on fp's {iface} with xdp = \"off\":\n{link}"
+                            );
+                        }
+                    } else if !link.contains("prog/xdp") || link.contains("xdpgeneric") {
                         bail!(
                             "fastpath did not attach native XDP on fp's {iface}:\n{link}\ndaemon log:\n{}",
                             daemon.log()
@@ -1178,7 +1214,7 @@ impl Bench {
             backend_packets.push(rx_packets(self.lb.backend(i))?);
         }
         let contender = match (c, running) {
-            (Contender::Fastpath | Contender::FastpathHa, Running::Daemon(d, _)) => Some(
+            (c, Running::Daemon(d, _)) if c.is_fastpath() => Some(
                 fastpath::datapath::pinned_stats(d.pin_dir())
                     .context("reading the daemon's counters")?
                     .packets_for_reason(reason::LB_TO_BACKEND),
@@ -1337,7 +1373,7 @@ fn check_run(
         // Keep-alive connections open once per connection; new-connection runs once per request.
         let want = match mode {
             Mode::NewConnection => run.requests,
-            _ if matches!(c, Contender::Fastpath | Contender::FastpathHa) => run.requests,
+            _ if c.is_fastpath() => run.requests,
             _ => 1,
         };
         if seen < want {

@@ -34,12 +34,13 @@ const SERVICES: [usize; 4] = [1, 1_000, 10_000, 100_000];
 /// Measured rounds.
 const ROUNDS: usize = 5;
 /// The contenders, in their first round's order; `Direct` runs at one service only.
-const CONTENDERS: [Contender; 5] = [
+const CONTENDERS: [Contender; 6] = [
     Contender::Direct,
     Contender::Fastpath,
     Contender::Iptables,
     Contender::Nftables,
     Contender::Haproxy,
+    Contender::FastpathTc,
 ];
 
 /// One contender at one service count.
@@ -114,6 +115,17 @@ fn balances_udp(c: Contender) -> bool {
     c != Contender::Haproxy
 }
 
+/// Where `c`'s UDP runs deliver. fastpath at TC ingress hands each translated datagram
+/// straight to the backend's ingress (`bpf_redirect_peer`), past the XDP hook of the
+/// backend's link, where the sinks are: it runs to the stacks only.
+fn sinks(c: Contender) -> &'static [Sink] {
+    if c == Contender::FastpathTc {
+        &[Sink::Stack]
+    } else {
+        &[Sink::Stack, Sink::Xdp]
+    }
+}
+
 pub fn run(bin: &std::path::Path) -> Result<SweepReport> {
     let mut bench = Bench::new(bin)?;
     // fastpath as a load-balancing appliance runs: it routes what it translates at XDP.
@@ -175,7 +187,7 @@ pub fn run(bin: &std::path::Path) -> Result<SweepReport> {
                         &mut cell.wrk,
                         |running| {
                             if balances_udp(c) {
-                                for sink in [Sink::Stack, Sink::Xdp] {
+                                for &sink in sinks(c) {
                                     let _sinks = match sink {
                                         Sink::Xdp => Some(Sinks::attach(&mut xdp_sink, topo)?),
                                         Sink::Stack => None,
@@ -322,12 +334,17 @@ fn udp_run(
             })
             .sum()
     };
+    let hook = if c == Contender::FastpathTc {
+        Hook::TcIngress
+    } else {
+        Hook::Xdp
+    };
     let lb_packets = || -> Result<Option<u64>> {
         Ok(match running {
-            // Translated and routed at XDP.
+            // Translated and routed where fp's links track.
             Running::Daemon(d, _) => Some(
                 d.stats()
-                    .get(Hook::Xdp, Verdict::Forward, reason::LB_TO_BACKEND)
+                    .get(hook, Verdict::Forward, reason::LB_TO_BACKEND)
                     .packets,
             ),
             _ => None,
@@ -351,7 +368,7 @@ fn udp_run(
         let lb = a - b;
         if (lb as f64) < 0.9 * received as f64 {
             bail!(
-                "fastpath translated and forwarded {lb} packets at XDP while the backends received {received} datagrams: the traffic did not take the fast path"
+                "fastpath translated and forwarded {lb} packets at {hook:?} while the backends received {received} datagrams: the traffic did not take the fast path"
             );
         }
     }
@@ -388,7 +405,7 @@ pub fn markdown(r: &SweepReport) -> String {
     let _ = writeln!(md, "## Load balancers over 1 to 100k services\n");
     let _ = writeln!(
         md,
-        "The load-balancer comparison's topology and contenders (client — fp — 3 nginx backends, checksum offloads off; GRO on at the client's, the backends' and fp's client-side link, as veth needs for XDP frames), with fastpath routing what it translates at XDP (`route = true` on fp's links, as an appliance runs it; the comparison above leaves routing to the kernel), and {} services configured on fp: the measured one (the VIP, TCP port 80 and UDP port {UDP_PORT}, over the three backends) and the others, each held the way that contender holds many — fastpath: one service each in its service map (one backend each, weighted round robin: 100k Maglev tables of the default 251 slots would not fit the datapath's 4 Mi slots); iptables: kube-proxy's layout, one rule per service in a services chain walked in order for every new connection, the measured service's rules last; nftables: kube-proxy's nftables layout, one verdict map keyed by address, protocol and port; HAProxy: one listener on every local address and the service picked by destination from an address list (`dst -f`, a tree). {} interleaved rounds (every service count, every contender, the first rotating). New connections/s: wrk, 16 connections, `Connection: close`, {} s after a 1 s warm-up, checked as in the comparison. Small UDP: the in-kernel generator of the routing comparison in the client (XDP live frames, batches of {GEN_BATCH}) sends {UDP_PAYLOAD}-byte datagrams, one flow, to the VIP's UDP port for {} s, twice per run: to the backends' stacks (datagrams/s they received), then to XDP sinks on the backends' links (`bench_xdp_sink` drops the datagrams before any skb exists, as a traffic generator's receiving port takes them; datagrams/s dropped there). The first is what the whole box delivers, the backends' stacks included; the second measures the load balancer's path, as a generator's receiving port would: the generator costs every contender the same, the sinks almost nothing — but not the same. A kernel contender hands the backend's veth an skb, which the sink's XDP program gets only after veth copies it into an XDP buffer (its headroom is under XDP's 256 bytes), while fastpath's redirected frames arrive as XDP frames; between machines a NIC would transmit either without that copy, at a cost of its own. All of it runs on the generator's CPU (the generator sends from the kernel, and every veth hop's NAPI runs where it was scheduled), so a run is bound by one CPU. Loss = taken by fp's client link but not received (HAProxy does not balance UDP). CPU: the whole machine's busy time (both CPUs: client, fp, backends) ÷ connections or datagrams. Setup: from the start of the contender's setup (rules loaded, daemon started with its config) to ready. Plain kernel forwarding to backend 0 (no load balancer) is the baseline. Medians (min–max).\n",
+        "The load-balancer comparison's topology and contenders (client — fp — 3 nginx backends, checksum offloads off; GRO on at the client's, the backends' and fp's client-side link, as veth needs for XDP frames), with fastpath routing what it translates at XDP (`route = true` on fp's links, as an appliance runs it; the comparison above leaves routing to the kernel) — and again, as `fastpath-tc`, balancing and routing at TC ingress (`xdp = \"off\"` on fp's links: no XDP program on the veth links, so no copy of the senders' packets into XDP frames; its translated datagrams go straight into the backend's ingress, `bpf_redirect_peer`, past the XDP sinks, so its UDP runs go to the stacks only) — and {} services configured on fp: the measured one (the VIP, TCP port 80 and UDP port {UDP_PORT}, over the three backends) and the others, each held the way that contender holds many — fastpath: one service each in its service map (one backend each, weighted round robin: 100k Maglev tables of the default 251 slots would not fit the datapath's 4 Mi slots); iptables: kube-proxy's layout, one rule per service in a services chain walked in order for every new connection, the measured service's rules last; nftables: kube-proxy's nftables layout, one verdict map keyed by address, protocol and port; HAProxy: one listener on every local address and the service picked by destination from an address list (`dst -f`, a tree). {} interleaved rounds (every service count, every contender, the first rotating). New connections/s: wrk, 16 connections, `Connection: close`, {} s after a 1 s warm-up, checked as in the comparison. Small UDP: the in-kernel generator of the routing comparison in the client (XDP live frames, batches of {GEN_BATCH}) sends {UDP_PAYLOAD}-byte datagrams, one flow, to the VIP's UDP port for {} s, twice per run: to the backends' stacks (datagrams/s they received), then to XDP sinks on the backends' links (`bench_xdp_sink` drops the datagrams before any skb exists, as a traffic generator's receiving port takes them; datagrams/s dropped there). The first is what the whole box delivers, the backends' stacks included; the second measures the load balancer's path, as a generator's receiving port would: the generator costs every contender the same, the sinks almost nothing — but not the same. A kernel contender hands the backend's veth an skb, which the sink's XDP program gets only after veth copies it into an XDP buffer (its headroom is under XDP's 256 bytes), while fastpath's redirected frames arrive as XDP frames; between machines a NIC would transmit either without that copy, at a cost of its own. All of it runs on the generator's CPU (the generator sends from the kernel, and every veth hop's NAPI runs where it was scheduled), so a run is bound by one CPU. Loss = taken by fp's client link but not received (HAProxy does not balance UDP). CPU: the whole machine's busy time (both CPUs: client, fp, backends) ÷ connections or datagrams. Setup: from the start of the contender's setup (rules loaded, daemon started with its config) to ready. Plain kernel forwarding to backend 0 (no load balancer) is the baseline. Medians (min–max).\n",
         r.services
             .iter()
             .map(|n| n.to_string())
@@ -461,9 +478,20 @@ fn verdicts(r: &SweepReport) -> String {
             met(conn >= 1.5),
             fp.new_conn_per_s.median / ipt.new_conn_per_s.median
         );
+        if let Some(tc) = row(r, "fastpath-tc", n) {
+            let conn = tc.new_conn_per_s.median / ha.new_conn_per_s.median;
+            let _ = writeln!(
+                md,
+                "  - balanced at TC ingress instead (`xdp = \"off\"`): ÷ HAProxy in new connections/s **{conn:.2}×** (target 1.5×: {}); ÷ iptables in new connections/s {:.2}×; ÷ iptables in UDP packets/s to the backends' stacks {:.2}×; ÷ fastpath at XDP in new connections/s {:.2}×.",
+                met(conn >= 1.5),
+                tc.new_conn_per_s.median / ipt.new_conn_per_s.median,
+                ratio(&tc.udp_pps, &ipt.udp_pps),
+                tc.new_conn_per_s.median / fp.new_conn_per_s.median
+            );
+        }
     }
     let (first, last) = (r.services.first(), r.services.last());
-    for c in ["fastpath", "iptables", "nftables", "haproxy"] {
+    for c in ["fastpath", "fastpath-tc", "iptables", "nftables", "haproxy"] {
         let (Some(a), Some(b)) = (
             first.and_then(|&n| row(r, c, n)),
             last.and_then(|&n| row(r, c, n)),
@@ -485,7 +513,7 @@ fn verdicts(r: &SweepReport) -> String {
             "- {c}: {} services ÷ {} service: new connections/s {ratio:.2}×{pps}{}",
             b.services,
             a.services,
-            if c == "fastpath" {
+            if c.starts_with("fastpath") {
                 format!(" (flat within 10%: {})", met((ratio - 1.0).abs() <= 0.10))
             } else {
                 String::new()
@@ -520,7 +548,7 @@ pub fn figures(r: &SweepReport) -> Vec<Figure> {
                         c.key().to_owned()
                     },
                     points,
-                    ours: *c == Contender::Fastpath,
+                    ours: c.is_fastpath(),
                 })
             })
             .collect()
@@ -606,6 +634,19 @@ pub fn where_we_lose(r: &SweepReport) -> String {
         "to XDP sinks",
         "The generator shares the 2 CPUs with fp for every contender.",
     ));
+    if let Some(tc) = row(r, "fastpath-tc", n) {
+        let conn = tc.new_conn_per_s.median / ha.new_conn_per_s.median;
+        if conn < 1.5 {
+            let _ = writeln!(
+                md,
+                "New connections/s at {n} service, balanced at TC ingress: fastpath {:.0}, HAProxy {:.0} — {conn:.2}×, not the 1.5× targeted (CPU per connection: {:.1} µs against {:.1} µs).\n",
+                tc.new_conn_per_s.median,
+                ha.new_conn_per_s.median,
+                tc.cpu_us_per_conn.median,
+                ha.cpu_us_per_conn.median
+            );
+        }
+    }
     let conn = fp.new_conn_per_s.median / ha.new_conn_per_s.median;
     if conn < 1.5 {
         let _ = writeln!(
