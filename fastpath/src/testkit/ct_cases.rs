@@ -2291,8 +2291,17 @@ fn lb_sequences() -> Vec<Seq> {
 /// redirect, unchanged but for the MAC addresses (the backend's, then the egress
 /// interface's); replies pass untouched; no alias entry. A backend without a resolved
 /// neighbour is refused (dropped, counted), its connection's entry kept for the
-/// retransmission.
+/// retransmission. Each at XDP and at TC ingress.
 pub fn dsr_sequences() -> Vec<CtSequence> {
+    dsr_seqs()
+        .into_iter()
+        .chain(dsr_seqs().into_iter().map(Seq::at_tc_ingress))
+        .map(Seq::build)
+        .collect()
+}
+
+/// The DSR sequences (XDP), for [`dsr_sequences`].
+fn dsr_seqs() -> Vec<Seq> {
     let svc = |backend: String, vip: &str| {
         format!(
             "[[service]]\nvip = \"{vip}\"\nport = 80\nmode = \"dsr\"\n[[service.backend]]\naddress = \"{backend}\"\nport = 80\n"
@@ -2356,7 +2365,7 @@ pub fn dsr_sequences() -> Vec<CtSequence> {
     .drop_reason(reason::LB_DSR_NO_NEIGHBOR)
     .table_len(1);
     seqs.push(unresolved);
-    seqs.into_iter().map(Seq::build).collect()
+    seqs
 }
 
 /// The egress interface of the DSR sequences' routes and its MAC address.
