@@ -1771,11 +1771,14 @@ pub fn where_we_lose(r: &CompareReport) -> String {
             }
         }
     }
+    let at_tc = at_tc_ingress(r);
     if lost.is_empty() {
-        return "Load balancers compared: no contender beat fastpath by more than 2% on any measurement in this run.\n\n".into();
+        return format!(
+            "Load balancers compared: no contender beat fastpath by more than 2% on any measurement in this run.{at_tc}\n\n"
+        );
     }
     format!(
-        "Load balancers compared, where another contender's median beat fastpath's (its median ÷ fastpath's): {}. Part of it is the topology: on a veth, a native XDP program gets each packet by turning the sender's skb into an XDP buffer and back — copying it when it is a clone (as every TCP segment is: the sender keeps it for retransmission) or lacks XDP's 256 bytes of headroom — where a NIC runs XDP before any skb exists; and attaching XDP to a veth turns software GSO off on its peer. The daemon also runs its TC ingress and egress programs on every fp interface, and its process took {} of one CPU during the new-connection runs (median; the table's last column) on a machine that has two. The kernel contenders pay none of that here.\n\n",
+        "Load balancers compared, where another contender's median beat fastpath's (its median ÷ fastpath's): {}. Part of it is the topology: on a veth, a native XDP program gets each packet by turning the sender's skb into an XDP buffer and back — copying it when it is a clone (as every TCP segment is: the sender keeps it for retransmission) or lacks XDP's 256 bytes of headroom — where a NIC runs XDP before any skb exists; and attaching XDP to a veth turns software GSO off on its peer. The daemon also runs its TC ingress and egress programs on every fp interface, and its process took {} of one CPU during the new-connection runs (median; the table's last column) on a machine that has two. The kernel contenders pay none of that here.{at_tc}\n\n",
         lost.join("; "),
         r.contenders
             .iter()
@@ -1785,6 +1788,31 @@ pub fn where_we_lose(r: &CompareReport) -> String {
                 || "an unmeasured share".to_string(),
                 |p| format!("{:.0}%", p[0])
             )
+    )
+}
+
+/// The sentence on fastpath balancing at TC ingress (`fastpath-tc`), where it ran: its
+/// medians ÷ iptables' and ÷ fastpath's at XDP.
+fn at_tc_ingress(r: &CompareReport) -> String {
+    let find = |key: &str| r.contenders.iter().find(|c| c.contender == key);
+    let (Some(tc), Some(xdp), Some(ipt)) =
+        (find("fastpath-tc"), find("fastpath"), find("iptables"))
+    else {
+        return String::new();
+    };
+    let ratios = |of: &ContenderRow| {
+        [
+            (&tc.new_connection_rps, &of.new_connection_rps),
+            (&tc.keep_alive_rps, &of.keep_alive_rps),
+            (&tc.throughput_gbit_s, &of.throughput_gbit_s),
+        ]
+        .map(|(a, b)| format!("{:.2}×", a.median / b.median))
+        .join(" / ")
+    };
+    format!(
+        " Balanced at TC ingress instead (`fastpath-tc`: `xdp = \"off\"`, no XDP program on the veth links, so none of the copying), fastpath's medians in new-connection req/s / keep-alive req/s / throughput are {} iptables' and {} its own at XDP.",
+        ratios(ipt),
+        ratios(xdp)
     )
 }
 
