@@ -89,13 +89,9 @@ impl Packet {
     /// of 16 or more bytes compiles to an out-of-line memmove call.
     #[inline(always)]
     pub fn store_words<const N: usize>(&self, off: usize, w: [u64; N]) -> bool {
-        if off > MAX_HDR_OFF {
+        let Some(p) = self.words_at::<N>(off) else {
             return false;
-        }
-        if self.data + off + 8 * N > self.data_end {
-            return false;
-        }
-        let p = (self.data + off) as *mut u64;
+        };
         let mut i = 0;
         while i < N {
             // SAFETY: every 8-byte write lies within [data, data_end), checked just above;

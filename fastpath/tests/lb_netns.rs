@@ -32,8 +32,8 @@ use fastpath::{
     stats::StatsSnapshot,
     testkit::{
         netns::{
-            Daemon, DaemonConfig, HookedInterface, HttpServer, LbTopology, Spawned, TempDir,
-            parse_services, predicted_backend, prepare_test, test_lb_topology, unique_pin_dir,
+            Daemon, DaemonConfig, HttpServer, LbTopology, Spawned, TempDir, parse_services,
+            predicted_backend, prepare_test, test_lb_topology, unique_pin_dir,
         },
         traffic::{SlowDownload, tcp_resets},
     },
@@ -117,17 +117,7 @@ fn curl_through_the_vip_balanced_at_tc_ingress_with_partial_checksums() {
             .run(&["ethtool", "-K", &iface, "tx", "off"])
             .unwrap_or_else(|e| panic!("ethtool: {e}"));
     }
-    let config =
-        lb.fp_interfaces()
-            .iter()
-            .fold(DaemonConfig::new(&unique_pin_dir("lb-tc")), |c, name| {
-                c.hooks(HookedInterface {
-                    name: name.clone(),
-                    xdp: "off",
-                    tc_ingress: true,
-                    tc_egress: true,
-                })
-            });
+    let config = lb.fp_config_tc(&unique_pin_dir("lb-tc"));
     let stats = vip_traffic_reaches_the_predicted_backends(&lb, config);
     let at_tc = |reason| stats.get(Hook::TcIngress, Verdict::Kernel, reason).packets;
     let (to, from) = (

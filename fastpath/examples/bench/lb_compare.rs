@@ -24,8 +24,8 @@ use anyhow::{Context as _, Result, bail};
 use fastpath::testkit::{
     ha::{self as pair, Node, NodeTls, SyncPair},
     netns::{
-        Daemon, DaemonConfig, HookedInterface, HttpServer, LbTopology, Netns, Spawned, TempDir,
-        find_tools, lb_topology, unique_pin_dir,
+        Daemon, HttpServer, LbTopology, Netns, Spawned, TempDir, find_tools, lb_topology,
+        unique_pin_dir,
     },
 };
 use fastpath_common::reason;
@@ -939,17 +939,7 @@ impl Bench {
                 }
                 let pin_dir = unique_pin_dir("lbcmp");
                 let mut config = if c == Contender::FastpathTc {
-                    self.lb.fp_interfaces().iter().fold(
-                        DaemonConfig::new(&pin_dir),
-                        |config, name| {
-                            config.hooks(HookedInterface {
-                                name: name.clone(),
-                                xdp: "off",
-                                tc_ingress: true,
-                                tc_egress: true,
-                            })
-                        },
-                    )
+                    self.lb.fp_config_tc(&pin_dir)
                 } else {
                     self.lb.fp_config(&pin_dir)
                 }

@@ -1151,6 +1151,21 @@ impl LbTopology {
             .iter()
             .fold(DaemonConfig::new(pin_dir), |c, i| c.interface(i))
     }
+
+    /// A daemon config with every fp interface tracking (and balancing) at TC ingress, TC
+    /// egress attached, no XDP (`xdp = "off"`).
+    pub fn fp_config_tc(&self, pin_dir: &Path) -> DaemonConfig {
+        self.fp_interfaces()
+            .iter()
+            .fold(DaemonConfig::new(pin_dir), |c, name| {
+                c.hooks(HookedInterface {
+                    name: name.clone(),
+                    xdp: "off",
+                    tc_ingress: true,
+                    tc_egress: true,
+                })
+            })
+    }
 }
 
 fn v4(x: usize, host: u8) -> Ipv4Addr {
