@@ -2,8 +2,10 @@
 //! alone vs with fastpath's flow cache (a daemon on each node: the first packets towards the
 //! other node take the kernel's overlay path and teach the underlay's TC egress the outer
 //! headers; later packets are encapsulated at the pod link's XDP hook and decapsulated at the
-//! underlay's — or, the third contender, both at TC ingress with XDP off). The topology is `testkit::vxlan_cases::two_node_overlay`: pod a → node a ⇄
-//! node b → pod b. The contenders alternate in interleaved rounds (the first one alternating),
+//! underlay's — or, the third contender, both at TC ingress with XDP off). A fourth, the
+//! ceiling, takes the overlay away: each node's kernel routes the other's pod subnet over the
+//! underlay unencapsulated, the most any overlay bypass could gain here. The topology is
+//! `testkit::vxlan_cases::two_node_overlay`: pod a → node a ⇄ node b → pod b. The contenders alternate in interleaved rounds (the first one alternating),
 //! each round running, per contender, from pod a to pod b:
 //! - TCP request/response rate: wrk, keep-alive, 16 connections, a 64-byte page from nginx;
 //! - TCP throughput: iperf3, one stream;
@@ -74,12 +76,17 @@ enum Contender {
     Fastpath,
     /// The same at TC ingress (XDP off).
     FastpathTc,
+    /// No overlay: each node's kernel routes the other's pod subnet over the underlay,
+    /// unencapsulated (the pods' MTU unchanged). The ceiling of what bypassing the overlay
+    /// can gain on these nodes.
+    NoOverlay,
 }
 
-const CONTENDERS: [Contender; 3] = [
+const CONTENDERS: [Contender; 4] = [
     Contender::Kernel,
     Contender::Fastpath,
     Contender::FastpathTc,
+    Contender::NoOverlay,
 ];
 
 impl Contender {
@@ -88,13 +95,14 @@ impl Contender {
             Contender::Kernel => "kernel vxlan",
             Contender::Fastpath => "kernel vxlan + fastpath flow cache at XDP",
             Contender::FastpathTc => "kernel vxlan + fastpath flow cache at TC ingress",
+            Contender::NoOverlay => "no overlay: the kernel routes pod to pod over the underlay",
         }
     }
 
     /// The hook fastpath encapsulates and decapsulates at.
     fn hook(self) -> Option<Hook> {
         match self {
-            Contender::Kernel => None,
+            Contender::Kernel | Contender::NoOverlay => None,
             Contender::Fastpath => Some(Hook::Xdp),
             Contender::FastpathTc => Some(Hook::TcIngress),
         }
@@ -148,11 +156,11 @@ pub struct OverlayReport {
 pub struct OverlaySetting {
     nodes: Nodes,
     rows: Vec<OverlayRow>,
-    /// Each fastpath contender against the kernel.
+    /// Each other contender against the kernel's overlay.
     vs_kernel: Vec<VsKernel>,
 }
 
-/// One fastpath contender ÷ the kernel.
+/// One contender ÷ the kernel's overlay: a fastpath one, or the no-overlay ceiling.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct VsKernel {
     contender: Contender,
@@ -251,9 +259,10 @@ impl Bed {
     }
 
     /// With Flannel's rules, checks the kernel contender's wrk connections are in both nodes'
-    /// connection tracking tables: the baseline paid for them.
+    /// connection tracking tables (the baseline paid for them), and the ceiling's in neither.
     fn check_tracked(&self, c: Contender, server: &str) -> Result<()> {
-        if self.nodes != Nodes::Flannel || c != Contender::Kernel {
+        let untracked = c == Contender::NoOverlay;
+        if self.nodes != Nodes::Flannel || !(c == Contender::Kernel || untracked) {
             return Ok(());
         }
         for n in &OVERLAY_NODES {
@@ -266,7 +275,14 @@ impl Bed {
                 .filter(|l| l.contains(&format!("dst={server} ")))
                 .count();
             let want: usize = CONNECTIONS.parse().context("wrk's connections")?;
-            if tracked < want {
+            if untracked && tracked > 0 {
+                bail!(
+                    "{}: node {}'s kernel tracked {tracked} connections to {server}:80: the ceiling must not pay for connection tracking:\n{table}",
+                    c.name(),
+                    n.role
+                );
+            }
+            if !untracked && tracked < want {
                 bail!(
                     "{}: node {}'s kernel tracked {tracked} connections to {server}:80 during wrk's {CONNECTIONS}: Flannel's rules are not in effect:\n{table}",
                     c.name(),
@@ -278,6 +294,9 @@ impl Bed {
     }
 
     fn start(&self, c: Contender) -> Result<Option<Daemons>> {
+        if c == Contender::NoOverlay {
+            self.route_pods(false)?;
+        }
         let Some(hook) = c.hook() else {
             return Ok(None);
         };
@@ -295,9 +314,51 @@ impl Bed {
         Ok(Some(Daemons([start(a)?, start(b)?], hook)))
     }
 
-    /// Stops the daemons (they detach) and checks both nodes are back to the kernel alone.
-    fn stop(&self, daemons: Option<Daemons>) -> Result<()> {
+    /// Routes each node's IPv4 route to the other's pod subnet over the overlay (`vxlan0`,
+    /// as [`two_node_overlay`] built it) or, for [`Contender::NoOverlay`], straight over
+    /// the underlay to the other node, the pods' traffic then exempt from connection tracking
+    /// on nodes with Flannel's rules (raw table `NOTRACK`), as the fast path's is.
+    fn route_pods(&self, overlay: bool) -> Result<()> {
+        let [a, b] = &OVERLAY_NODES;
+        for (n, peer) in [(a, b), (b, a)] {
+            if self.nodes == Nodes::Flannel {
+                let op = if overlay { "-D" } else { "-I" };
+                self.ns(n.role)
+                    .run(&[
+                        "iptables",
+                        "-t",
+                        "raw",
+                        op,
+                        "PREROUTING",
+                        "-s",
+                        "10.10.0.0/16",
+                        "-d",
+                        "10.10.0.0/16",
+                        "-j",
+                        "NOTRACK",
+                    ])
+                    .with_context(|| format!("iptables -t raw {op} on {}", n.role))?;
+            }
+            let subnet = format!("10.10.{}.0/24", peer.subnet);
+            let (via, dev) = if overlay {
+                (peer.overlay, "vxlan0")
+            } else {
+                (peer.underlay, "und0")
+            };
+            self.ns(n.role)
+                .run(&["ip", "route", "replace", &subnet, "via", via, "dev", dev])
+                .with_context(|| format!("routing {subnet} on {} via {dev}", n.role))?;
+        }
+        Ok(())
+    }
+
+    /// Stops the daemons (they detach), puts the overlay's routes back, and checks both
+    /// nodes are back to the kernel's overlay alone.
+    fn stop(&self, c: Contender, daemons: Option<Daemons>) -> Result<()> {
         drop(daemons);
+        if c == Contender::NoOverlay {
+            self.route_pods(true)?;
+        }
         for n in &OVERLAY_NODES {
             for dev in ["pod0", "und0"] {
                 let link = self.ns(n.role).link_show(dev)?;
@@ -402,7 +463,7 @@ fn setting(bin: &std::path::Path, nodes: Nodes) -> Result<OverlaySetting> {
     let samples = interleaved(&what, &CONTENDERS, |c| {
         let daemons = bed.start(c)?;
         let s = bed.round(c, daemons.as_ref());
-        bed.stop(daemons)?;
+        bed.stop(c, daemons)?;
         s
     })?;
     let col = |i: usize, f: fn(&Sample) -> f64| -> Vec<f64> { samples[i].iter().map(f).collect() };
@@ -451,7 +512,7 @@ pub fn markdown(r: &OverlayReport) -> String {
     );
     let _ = writeln!(
         md,
-        "Two nodes joined by an underlay veth carry a kernel VXLAN overlay (VNI 42, MTU 1450), a pod namespace behind each (`testkit::vxlan_cases::two_node_overlay`). The fastpath contenders run a daemon on each node: the first packets towards the other node take the kernel's overlay path and teach the underlay's TC egress the outer headers; later ones are encapsulated where the pod link routes and decapsulated on the underlay — at XDP, or at TC ingress with XDP off (there a GRO aggregate of TCP segments is encapsulated once, while arriving aggregates go to the kernel's vxlan device: eBPF on Linux 6.18 cannot clear their tunnel offload state). Every fastpath run must show node a encapsulating and node b decapsulating at least 90% of what pod b received (0.9 packets per request; 90% of iperf3's bytes, node b's share reported rather than required at TC). {} interleaved rounds of {} s runs, the first contender alternating, pod a → pod b: wrk keep-alive, {} connections, a 64-byte page from nginx (requests/s, whole-machine CPU per request); iperf3 TCP, one stream (Gbit/s, whole-machine CPU per KB received). The pods have checksum offloads off; both nodes' `pod0` and `und0` run GRO for every contender. Medians (min–max) over rounds; ratio = fastpath ÷ kernel. ONCache, the design this follows, published +{:.0}% request/response rate and +{:.0}% TCP throughput over a standard VXLAN overlay, on Kubernetes nodes (whose netfilter tracks connections). Everything runs twice: on bare nodes (no netfilter rules: the kernel's overlay at its leanest), then on nodes with Flannel's own rules, as its VXLAN backend installs them (`FLANNEL-FWD` accepting the cluster's traffic in FORWARD, `FLANNEL-POSTRTG` masquerading pods' traffic leaving the cluster; `testkit::vxlan_cases::add_flannel_rules`): each node's kernel then tracks every packet it forwards, sends or receives, while the fast path's packets skip the node's netfilter and the daemons here track nothing either (`conntrack = false`), so part of that setting's gain is connection tracking not done. Those nodes still carry less than a Kubernetes node: no bridge, no kube-proxy chains. There both nodes' connection tracking tables are flushed before every run, and each kernel run must leave its {} wrk connections in both, or the benchmark fails.\n",
+        "Two nodes joined by an underlay veth carry a kernel VXLAN overlay (VNI 42, MTU 1450), a pod namespace behind each (`testkit::vxlan_cases::two_node_overlay`). The fastpath contenders run a daemon on each node: the first packets towards the other node take the kernel's overlay path and teach the underlay's TC egress the outer headers; later ones are encapsulated where the pod link routes and decapsulated on the underlay — at XDP, or at TC ingress with XDP off (there a GRO aggregate of TCP segments is encapsulated once, while arriving aggregates go to the kernel's vxlan device: eBPF on Linux 6.18 cannot clear their tunnel offload state). Every fastpath run must show node a encapsulating and node b decapsulating at least 90% of what pod b received (0.9 packets per request; 90% of iperf3's bytes, node b's share reported rather than required at TC). {} interleaved rounds of {} s runs, the first contender alternating, pod a → pod b: wrk keep-alive, {} connections, a 64-byte page from nginx (requests/s, whole-machine CPU per request); iperf3 TCP, one stream (Gbit/s, whole-machine CPU per KB received). The pods have checksum offloads off; both nodes' `pod0` and `und0` run GRO for every contender. Medians (min–max) over rounds; ratio = fastpath ÷ kernel. The ceiling of what bypassing the overlay can gain is measured in the same rounds: with no overlay at all, each node's kernel routing the other's pod subnet over the underlay unencapsulated (the pods' MTU, and so their segments, unchanged; on Flannel's nodes the pods' traffic `NOTRACK` in the raw table, as the fast path skips connection tracking too); a contender's share of the ceiling's gain is (its ratio − 1) ÷ (the ceiling's − 1). ONCache, the design this follows, published +{:.0}% request/response rate and +{:.0}% TCP throughput over a standard VXLAN overlay, on Kubernetes nodes (whose netfilter tracks connections). Everything runs twice: on bare nodes (no netfilter rules: the kernel's overlay at its leanest), then on nodes with Flannel's own rules, as its VXLAN backend installs them (`FLANNEL-FWD` accepting the cluster's traffic in FORWARD, `FLANNEL-POSTRTG` masquerading pods' traffic leaving the cluster; `testkit::vxlan_cases::add_flannel_rules`): each node's kernel then tracks every packet it forwards, sends or receives, while the fast path's packets skip the node's netfilter and the daemons here track nothing either (`conntrack = false`), so part of that setting's gain is connection tracking not done. Those nodes still carry less than a Kubernetes node: no bridge, no kube-proxy chains. There both nodes' connection tracking tables are flushed before every run, and each kernel run must leave its {} wrk connections in both, or the benchmark fails.\n",
         r.rounds,
         r.seconds_per_run,
         CONNECTIONS,
@@ -491,17 +552,54 @@ fn setting_markdown(md: &mut String, r: &OverlaySetting) {
             "short of ONCache's gain"
         }
     };
-    for v in &r.vs_kernel {
+    let ceiling = r
+        .vs_kernel
+        .iter()
+        .find(|v| v.contender == Contender::NoOverlay);
+    if let Some(c) = ceiling {
         let _ = writeln!(
             md,
-            "\n{} ÷ kernel: requests/s **{:.2}×** (per-round median {:.2}×; ONCache {ONCACHE_RR:.2}×: {}), TCP throughput **{:.2}×** (per-round median {:.2}×; ONCache {ONCACHE_GBIT:.2}×: {}), CPU per request {:.2}×, CPU per byte {:.2}×; node b decapsulated {:.0}% of pod b's iperf3 bytes in the fast path.",
+            "\nThe ceiling — {} — ÷ kernel vxlan: requests/s **{:.2}×** (per-round median {:.2}×), TCP throughput **{:.2}×** (per-round median {:.2}×), CPU per request {:.2}×, CPU per byte {:.2}×. No overlay bypass can gain more here than taking the overlay away altogether{}.",
+            c.contender.name(),
+            c.ratios[0],
+            med(&c.rr_round_ratios),
+            c.ratios[1],
+            med(&c.gbit_round_ratios),
+            c.ratios[2],
+            c.ratios[3],
+            if r.nodes == Nodes::Flannel {
+                " (and, as the fast path does, connection tracking: the ceiling's pod traffic is `NOTRACK` in the raw table, and each of its runs must leave none of its wrk connections tracked)"
+            } else {
+                ""
+            }
+        );
+    }
+    // The share of the ceiling's gain over the kernel's overlay a contender reached, where
+    // both gain and the ceiling more than the 5% rounds differ by.
+    let captured = |got: f64, i: usize| {
+        ceiling
+            .filter(|c| got > 1.0 && c.ratios[i] >= 1.05)
+            .map(|c| {
+                format!(
+                    ", {:.0}% of the ceiling's gain",
+                    100.0 * (got - 1.0) / (c.ratios[i] - 1.0)
+                )
+            })
+            .unwrap_or_default()
+    };
+    for v in r.vs_kernel.iter().filter(|v| v.contender.hook().is_some()) {
+        let _ = writeln!(
+            md,
+            "\n{} ÷ kernel: requests/s **{:.2}×** (per-round median {:.2}×; ONCache {ONCACHE_RR:.2}×: {}{}), TCP throughput **{:.2}×** (per-round median {:.2}×; ONCache {ONCACHE_GBIT:.2}×: {}{}), CPU per request {:.2}×, CPU per byte {:.2}×; node b decapsulated {:.0}% of pod b's iperf3 bytes in the fast path.",
             v.contender.name(),
             v.ratios[0],
             med(&v.rr_round_ratios),
             verdict(v.ratios[0], ONCACHE_RR),
+            captured(v.ratios[0], 0),
             v.ratios[1],
             med(&v.gbit_round_ratios),
             verdict(v.ratios[1], ONCACHE_GBIT),
+            captured(v.ratios[1], 1),
             v.ratios[2],
             v.ratios[3],
             v.decap_share_percent
@@ -527,11 +625,12 @@ pub fn figures(r: &OverlayReport) -> Vec<Figure> {
                         Contender::Kernel => "kernel vxlan",
                         Contender::Fastpath => "fastpath at XDP",
                         Contender::FastpathTc => "fastpath at TC",
+                        Contender::NoOverlay => "no overlay",
                     };
                     Bar::new(
                         format!("{hook}, {nodes}"),
                         (s.median, s.min, s.max),
-                        row.contender != Contender::Kernel,
+                        row.contender.hook().is_some(),
                     )
                 })
             })
