@@ -1771,6 +1771,7 @@ fn markdown(r: &Report) -> String {
     }
     md.push_str(&lb_compare::where_we_lose(&r.lb_compare));
     md.push_str(&lb_sweep::where_we_lose(&r.lb_sweep));
+    md.push_str(&overlay_compare::where_we_lose(&r.overlay_compare));
     if missed.is_empty() {
         let _ = writeln!(
             md,
