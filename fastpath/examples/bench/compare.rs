@@ -102,18 +102,47 @@ pub(crate) struct RunToRun {
     pub(crate) medians_moved: Moves,
     #[serde(default)]
     pub(crate) ratios_moved: Moves,
-    /// Against what the earlier results stated, when they stated it.
+    /// Against what the earlier results stated, when they stated it (same machine only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) against_stated: Option<AgainstStated>,
+    /// Sections measured on another machine than the results they replaced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) other_machine: Option<OtherMachine>,
+    /// The spread the earlier results stated, kept when this comparison measures none of its
+    /// own (no section on the same machine).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) carried: Option<Stated>,
+}
+
+/// Sections whose earlier run was on another machine (CPU model, CPU count or kernel build):
+/// a machine's speed is its own, so their moves are reported but hold nothing.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub(crate) struct OtherMachine {
+    /// The earlier and this run's machine, as the report prints it (the first such section's).
+    pub(crate) earlier: String,
+    pub(crate) this: String,
+    pub(crate) sections: Vec<String>,
+    pub(crate) medians_moved: Moves,
+    pub(crate) ratios_moved: Moves,
 }
 
 impl RunToRun {
-    /// The spread this comparison states for the next run: the 90th percentile of the moves.
+    /// Whether this comparison measured a spread of its own: moves on the same machine.
+    fn measured_spread(&self) -> bool {
+        self.medians_moved.count > 0 && self.ratios_moved.count > 0
+    }
+
+    /// The spread this comparison states for the next run on the same machine: the 90th
+    /// percentile of the moves on the same machine, or else the one the earlier results stated.
     pub(crate) fn stated(&self) -> Option<Stated> {
-        (self.medians_moved.count > 0 && self.ratios_moved.count > 0).then_some(Stated {
-            medians_pct: self.medians_moved.p90,
-            ratios_pct: self.ratios_moved.p90,
-        })
+        if self.measured_spread() {
+            Some(Stated {
+                medians_pct: self.medians_moved.p90,
+                ratios_pct: self.ratios_moved.p90,
+            })
+        } else {
+            self.carried.clone()
+        }
     }
 
     /// The spread results read back from JSON state (their `run_to_run`), if any.
@@ -217,8 +246,10 @@ pub(crate) fn compare(
         earlier: earlier_name.to_owned(),
         ..RunToRun::default()
     };
-    // Each compared median's move in %, ratios apart.
+    // Each compared median's move in %, ratios apart; on the same machine and on another.
     let (mut moved, mut ratios_moved) = (Vec::new(), Vec::new());
+    let (mut elsewhere, mut ratios_elsewhere) = (Vec::new(), Vec::new());
+    let mut other: Option<OtherMachine> = None;
     let mut names: Vec<&str> = Vec::new();
     for (_, section) in KEY_SECTIONS {
         if !names.contains(section) && sections.is_none_or(|s| s.contains(section)) {
@@ -237,16 +268,29 @@ pub(crate) fn compare(
             only_this: n.keys().filter(|k| !o.contains_key(*k)).count(),
             ..SectionRun::default()
         };
+        let same = match (machine_of(earlier, section), machine_of(this, section)) {
+            (Some(was), Some(now)) if was != now => {
+                let o = other.get_or_insert_with(|| OtherMachine {
+                    earlier: was,
+                    this: now,
+                    ..OtherMachine::default()
+                });
+                o.sections.push(section.to_owned());
+                false
+            }
+            _ => true,
+        };
         for (metric, was) in o {
             let Some(now) = n.get(metric) else { continue };
             s.compared += 1;
             s.ratios += usize::from(is_ratio(metric));
             if was.median != 0.0 {
                 let pct = 100.0 * (now.median / was.median - 1.0).abs();
-                if is_ratio(metric) {
-                    ratios_moved.push(pct);
-                } else {
-                    moved.push(pct);
+                match (is_ratio(metric), same) {
+                    (true, true) => ratios_moved.push(pct),
+                    (false, true) => moved.push(pct),
+                    (true, false) => ratios_elsewhere.push(pct),
+                    (false, false) => elsewhere.push(pct),
                 }
             }
             if was.min <= now.median && now.median <= was.max {
@@ -263,7 +307,15 @@ pub(crate) fn compare(
             out.sections.push(s);
         }
     }
-    out.against_stated = stated.map(|stated| {
+    if let Some(mut o) = other {
+        o.medians_moved = Moves::of(elsewhere);
+        o.ratios_moved = Moves::of(ratios_elsewhere);
+        out.other_machine = Some(o);
+    }
+    // A spread stated for the same machine is tested only by numbers from the same machine.
+    let tested = !(moved.is_empty() && ratios_moved.is_empty());
+    out.carried = stated.clone();
+    out.against_stated = stated.filter(|_| tested).map(|stated| {
         let within =
             |moves: &[f64], tolerance: f64| moves.iter().filter(|&&m| m <= tolerance).count();
         AgainstStated {
@@ -277,6 +329,17 @@ pub(crate) fn compare(
     out.medians_moved = Moves::of(moved);
     out.ratios_moved = Moves::of(ratios_moved);
     out
+}
+
+/// The machine a section was measured on, as the report prints it, if recorded.
+fn machine_of(results: &Value, section: &str) -> Option<String> {
+    let m = &results["measured"][section];
+    Some(format!(
+        "{} ({} CPUs), kernel {}",
+        m["cpu"].as_str()?,
+        m["cpus"].as_u64()?,
+        m["kernel"].as_str()?
+    ))
 }
 
 /// "commit, date" a section was measured at, from the results' `measured` map.
@@ -490,15 +553,61 @@ pub(crate) fn markdown(r: &RunToRun) -> String {
         ratios - ratios_outside
     );
     let (m, q) = (&r.medians_moved, &r.ratios_moved);
-    let _ = writeln!(
-        md,
-        "How far they moved, |this ÷ earlier − 1| (where the earlier median is not 0): the {} medians other than ratios by {:.1}% (median), {:.1}% (90th percentile), {:.1}% at most; the {} ratios by {:.1}%, {:.1}%, {:.1}%.\n",
-        m.count, m.p50, m.p90, m.max, q.count, q.p50, q.p90, q.max
-    );
-    if let Some(stated) = r.stated() {
+    if m.count + q.count > 0 {
         let _ = writeln!(
             md,
-            "**Stated spread.** A cell's min–max is the spread within one run, over its rounds; between runs the machine's speed drifts, so a fresh run is held to the run-to-run spread measured here instead: 90% of its medians within ±{:.1}% of this report's, and 90% of its ratios between contenders within ±{:.1}% (the 90th percentiles above).\n",
+            "How far they moved, |this ÷ earlier − 1| (where the earlier median is not 0){}: the {} medians other than ratios by {:.1}% (median), {:.1}% (90th percentile), {:.1}% at most; the {} ratios by {:.1}%, {:.1}%, {:.1}%.\n",
+            if r.other_machine.is_some() {
+                ", in the sections measured on the same machine"
+            } else {
+                ""
+            },
+            m.count,
+            m.p50,
+            m.p90,
+            m.max,
+            q.count,
+            q.p50,
+            q.p90,
+            q.max
+        );
+    }
+    if let Some(o) = &r.other_machine {
+        let (m, q) = (&o.medians_moved, &o.ratios_moved);
+        let _ = writeln!(
+            md,
+            "**Another machine.** {} ran on {} where the results they replaced ran on {}. The machines offered to this project differ in speed (the empty-program floor and every other absolute number with them), so absolute numbers reproduce only on the same machine (CPU model, CPU count and kernel build as recorded) and these are held to no spread. How far they moved, |this ÷ earlier − 1|: the {} medians other than ratios by {:.1}% (median), {:.1}% (90th percentile), {:.1}% at most; the {} ratios between contenders, which the report's claims are made of, by {:.1}%, {:.1}%, {:.1}%.\n",
+            o.sections.join(", "),
+            o.this,
+            o.earlier,
+            m.count,
+            m.p50,
+            m.p90,
+            m.max,
+            q.count,
+            q.p50,
+            q.p90,
+            q.max
+        );
+    }
+    if let Some(stated) = r.stated() {
+        let whence = if r.measured_spread() {
+            "the run-to-run spread measured here instead (the 90th percentiles above)"
+        } else {
+            "the run-to-run spread the results before stated (measured between two runs on one machine), kept because this comparison, on another machine, measures none of its own"
+        };
+        let _ = writeln!(
+            md,
+            "**Stated spread.** A cell's min–max is the spread within one run, over its rounds; between runs the machine's speed drifts, so a fresh run on the same machine is held to {whence}. That is: 90% of its medians within ±{:.1}% of this report's, and 90% of its ratios between contenders within ±{:.1}%.\n",
+            stated.medians_pct, stated.ratios_pct
+        );
+    }
+    if r.against_stated.is_none()
+        && let (Some(_), Some(stated)) = (&r.other_machine, &r.carried)
+    {
+        let _ = writeln!(
+            md,
+            "The spread the earlier results stated (±{:.1}% for medians, ±{:.1}% for ratios) is for a fresh run on their machine; this run, on another, does not test it.\n",
             stated.medians_pct, stated.ratios_pct
         );
     }
@@ -664,6 +773,78 @@ mod tests {
             markdown(&r).contains(
                 "| parse | rows / a / ns | 17.0 (16.0–18.0) | 19.0 (18.0–20.0) | +11.8% |"
             )
+        );
+    }
+
+    #[test]
+    fn another_machine_tests_nothing_and_carries_the_stated_spread() {
+        let run = |cpu: &str, ns: f64, ratio: f64| {
+            json!({
+                "measured": {
+                    "parse": {"cpu": cpu, "cpus": 2, "kernel": "6.18", "commit": "c", "date": "d"},
+                    "route-compare": {"cpu": "same", "cpus": 2, "kernel": "6.18", "commit": "c", "date": "d"},
+                },
+                "rows": [{"case": "a", "median_ns": ns, "min_ns": ns, "max_ns": ns}],
+                "route_compare": {"vs_kernel": [{"contender": "fastpath", "pps_round_ratios": [ratio, ratio, ratio]}]},
+            })
+        };
+        let stated = Stated {
+            medians_pct: 10.0,
+            ratios_pct: 1.0,
+        };
+        // parse on a machine 5x slower, route-compare's ratio on the same machine, 0.5% off.
+        let r = compare(
+            "earlier",
+            &run("fast", 10.0, 1.2),
+            &run("slow", 50.0, 1.206),
+            None,
+            Some(stated.clone()),
+        );
+        let o = r.other_machine.as_ref().unwrap();
+        assert_eq!(o.sections, ["parse"]);
+        assert_eq!(
+            (o.earlier.as_str(), o.this.as_str()),
+            ("fast (2 CPUs), kernel 6.18", "slow (2 CPUs), kernel 6.18")
+        );
+        assert!((o.medians_moved.max - 400.0).abs() < 1e-9);
+        // Only the same machine's ratio is held to the stated spread, and it is within it.
+        let a = r.against_stated.as_ref().unwrap();
+        assert_eq!(
+            (a.medians, a.medians_within, a.ratios, a.ratios_within),
+            (0, 0, 1, 1)
+        );
+        // No median moved on the same machine: no spread of its own, the earlier one kept.
+        assert!(!r.measured_spread());
+        assert_eq!(r.stated().unwrap().medians_pct, 10.0);
+        // Everything on another machine: nothing tested, the earlier spread carried over.
+        let mut slow = run("slow", 50.0, 1.5);
+        slow["measured"]["route-compare"]["cpu"] = json!("slow");
+        let r = compare(
+            "earlier",
+            &run("fast", 10.0, 1.2),
+            &slow,
+            None,
+            Some(stated),
+        );
+        assert!(r.against_stated.is_none());
+        assert_eq!(r.other_machine.as_ref().unwrap().sections.len(), 2);
+        let json = json!({ "run_to_run": serde_json::to_value(&r).unwrap() });
+        assert_eq!(RunToRun::stated_in(&json).unwrap().ratios_pct, 1.0);
+        let text = markdown(&r);
+        assert!(text.contains("**Another machine.** parse, route-compare ran on slow (2 CPUs), kernel 6.18 where the results they replaced ran on fast (2 CPUs), kernel 6.18."), "{text}");
+        assert!(
+            text.contains(
+                "kept because this comparison, on another machine, measures none of its own"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("this run, on another, does not test it"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("How far they moved, |this ÷ earlier − 1| (where"),
+            "{text}"
         );
     }
 }
