@@ -2199,6 +2199,9 @@ fn mega(eps: f64) -> String {
     format!("{:.2} M", eps / 1e6)
 }
 
+/// The commit the running benchmark was built from (see [`machine`]).
+static BUILT_FROM: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
 fn machine() -> Machine {
     let sh = |cmd: &str, args: &[&str]| {
         Command::new(cmd)
@@ -2222,26 +2225,30 @@ fn machine() -> Machine {
         cpus: std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(0),
-        // Uncommitted changes outside docs/ are flagged: the numbers are not HEAD's.
-        commit: {
-            let head = sh("git", &["rev-parse", "--short", "HEAD"]);
-            let changed = sh(
-                "git",
-                &[
-                    "status",
-                    "--porcelain",
-                    "--untracked-files=no",
-                    "--",
-                    ".",
-                    ":!docs",
-                ],
-            );
-            if changed.is_empty() {
-                head
-            } else {
-                format!("{head} + uncommitted changes")
-            }
-        },
+        // The tree as the run started, right after xtask built this binary from it: edits and
+        // commits during a long run are not in what it measures. Uncommitted changes outside
+        // docs/ are flagged: the numbers are not HEAD's.
+        commit: BUILT_FROM
+            .get_or_init(|| {
+                let head = sh("git", &["rev-parse", "--short", "HEAD"]);
+                let changed = sh(
+                    "git",
+                    &[
+                        "status",
+                        "--porcelain",
+                        "--untracked-files=no",
+                        "--",
+                        ".",
+                        ":!docs",
+                    ],
+                );
+                if changed.is_empty() {
+                    head
+                } else {
+                    format!("{head} + uncommitted changes")
+                }
+            })
+            .clone(),
         date: sh("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
     }
 }
