@@ -45,6 +45,10 @@ pub(crate) struct SectionRun {
     pub(crate) only_earlier: usize,
     pub(crate) only_this: usize,
     pub(crate) outside: Vec<Outside>,
+    /// Against the spread the earlier results stated (same machine only): numbers that moved
+    /// (earlier median not 0), and how many of them stayed within it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) within_stated: Option<(usize, usize)>,
 }
 
 /// How far a set of medians moved between two runs: `|this ÷ earlier − 1|`, in %.
@@ -286,6 +290,16 @@ pub(crate) fn compare(
             s.ratios += usize::from(is_ratio(metric));
             if was.median != 0.0 {
                 let pct = 100.0 * (now.median / was.median - 1.0).abs();
+                if let Some(t) = stated.as_ref().filter(|_| same) {
+                    let tolerance = if is_ratio(metric) {
+                        t.ratios_pct
+                    } else {
+                        t.medians_pct
+                    };
+                    let (within, moved) = s.within_stated.get_or_insert((0, 0));
+                    *moved += 1;
+                    *within += usize::from(pct <= tolerance);
+                }
                 match (is_ratio(metric), same) {
                     (true, true) => ratios_moved.push(pct),
                     (false, true) => moved.push(pct),
@@ -643,12 +657,16 @@ pub(crate) fn markdown(r: &RunToRun) -> String {
     }
     let _ = writeln!(
         md,
-        "| section | earlier run | this run | medians compared | inside the earlier spread | only in the earlier run | only in this run |\n|---|---|---|---:|---:|---:|---:|"
+        "| section | earlier run | this run | medians compared | inside the earlier spread | within the stated spread | only in the earlier run | only in this run |\n|---|---|---|---:|---:|---:|---:|---:|"
     );
     for s in &r.sections {
+        let stated = match s.within_stated {
+            Some((within, moved)) => format!("{within} of {moved}"),
+            None => "—".to_owned(),
+        };
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {stated} | {} | {} |",
             s.section, s.earlier, s.this, s.compared, s.inside, s.only_earlier, s.only_this
         );
     }
@@ -736,6 +754,10 @@ mod tests {
         assert_eq!(drift.ratios_moved.count, 2);
         assert!(drift.ratios_moved.p50.abs() < 1e-9);
         assert!((drift.ratios_moved.max - 100.0 * (1.3 / 1.2 - 1.0)).abs() < 1e-9);
+        // Per section: lb-sweep's two cps moved 20% (over 10%), its ratio 0% (within 1%).
+        assert_eq!(sweep_run.within_stated, Some((1, 3)));
+        assert_eq!(drift.sections[1].within_stated, Some((0, 1)));
+        assert!(markdown(&drift).contains("| 3 | 2 | 1 of 3 | 0 | 0 |"));
         let a = drift.against_stated.as_ref().unwrap();
         assert_eq!((a.medians_within, a.medians), (0, 2));
         assert_eq!((a.ratios_within, a.ratios), (1, 2));
@@ -813,6 +835,9 @@ mod tests {
             (a.medians, a.medians_within, a.ratios, a.ratios_within),
             (0, 0, 1, 1)
         );
+        let of = |name: &str| r.sections.iter().find(|s| s.section == name).unwrap();
+        assert_eq!(of("route-compare").within_stated, Some((1, 1)));
+        assert_eq!(of("parse").within_stated, None);
         // No median moved on the same machine: no spread of its own, the earlier one kept.
         assert!(!r.measured_spread());
         assert_eq!(r.stated().unwrap().medians_pct, 10.0);
