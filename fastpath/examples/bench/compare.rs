@@ -567,41 +567,37 @@ pub(crate) fn markdown(r: &RunToRun) -> String {
         ratios - ratios_outside
     );
     let (m, q) = (&r.medians_moved, &r.ratios_moved);
+    // How far two sets of moves went, as one clause; `ratios` names the second set.
+    let moves = |m: &Moves, q: &Moves, ratios: &str| {
+        format!(
+            "the {} medians other than ratios by {:.1}% (median), {:.1}% (90th percentile), {:.1}% at most; the {} {ratios} by {:.1}%, {:.1}%, {:.1}%",
+            m.count, m.p50, m.p90, m.max, q.count, q.p50, q.p90, q.max
+        )
+    };
     if m.count + q.count > 0 {
         let _ = writeln!(
             md,
-            "How far they moved, |this ÷ earlier − 1| (where the earlier median is not 0){}: the {} medians other than ratios by {:.1}% (median), {:.1}% (90th percentile), {:.1}% at most; the {} ratios by {:.1}%, {:.1}%, {:.1}%.\n",
+            "How far they moved, |this ÷ earlier − 1| (where the earlier median is not 0){}: {}.\n",
             if r.other_machine.is_some() {
                 ", in the sections measured on the same machine"
             } else {
                 ""
             },
-            m.count,
-            m.p50,
-            m.p90,
-            m.max,
-            q.count,
-            q.p50,
-            q.p90,
-            q.max
+            moves(m, q, "ratios")
         );
     }
     if let Some(o) = &r.other_machine {
-        let (m, q) = (&o.medians_moved, &o.ratios_moved);
         let _ = writeln!(
             md,
-            "**Another machine.** {} ran on {} where the results they replaced ran on {}. The machines offered to this project differ in speed (the empty-program floor and every other absolute number with them), so absolute numbers reproduce only on the same machine (CPU model, CPU count and kernel build as recorded) and these are held to no spread. How far they moved, |this ÷ earlier − 1|: the {} medians other than ratios by {:.1}% (median), {:.1}% (90th percentile), {:.1}% at most; the {} ratios between contenders, which the report's claims are made of, by {:.1}%, {:.1}%, {:.1}%.\n",
+            "**Another machine.** {} ran on {} where the results they replaced ran on {}. The machines offered to this project differ in speed (the empty-program floor and every other absolute number with them), so absolute numbers reproduce only on the same machine (CPU model, CPU count and kernel build as recorded) and these are held to no spread. How far they moved, |this ÷ earlier − 1|: {}.\n",
             o.sections.join(", "),
             o.this,
             o.earlier,
-            m.count,
-            m.p50,
-            m.p90,
-            m.max,
-            q.count,
-            q.p50,
-            q.p90,
-            q.max
+            moves(
+                &o.medians_moved,
+                &o.ratios_moved,
+                "ratios between contenders, which the report's claims are made of,"
+            )
         );
     }
     if let Some(stated) = r.stated() {
