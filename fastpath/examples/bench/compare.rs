@@ -49,6 +49,12 @@ pub(crate) struct SectionRun {
     /// (earlier median not 0), and how many of them stayed within it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) within_stated: Option<(usize, usize)>,
+    /// How far its medians other than ratios, and its ratios, moved: only when the section was
+    /// measured again on the same machine (count 0 otherwise).
+    #[serde(default)]
+    pub(crate) medians_moved: Moves,
+    #[serde(default)]
+    pub(crate) ratios_moved: Moves,
 }
 
 /// How far a set of medians moved between two runs: `|this ÷ earlier − 1|`, in %.
@@ -75,14 +81,38 @@ impl Moves {
             max: pct.last().copied().unwrap_or(0.0),
         }
     }
+
+    /// The largest move, or `was` when there were none.
+    fn largest_or(&self, was: f64) -> f64 {
+        if self.count > 0 { self.max } else { was }
+    }
+}
+
+/// How far a fresh run's medians may move from the report's, in %: the medians other than
+/// ratios, and the ratios between contenders.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Tolerance {
+    pub(crate) medians_pct: f64,
+    pub(crate) ratios_pct: f64,
 }
 
 /// The report's stated run-to-run spread: 90% of its medians (other than ratios) and 90% of
-/// its ratios reproduce within these, as measured when it replaced the results before it.
+/// its ratios reproduce within it on the same machine. Per section (each section's largest
+/// move between two runs on one machine); `all` for a section it has none for (and the one
+/// figure that results from before per-section spreads state).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub(crate) struct Stated {
-    pub(crate) medians_pct: f64,
-    pub(crate) ratios_pct: f64,
+    #[serde(flatten)]
+    pub(crate) all: Tolerance,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub(crate) sections: BTreeMap<String, Tolerance>,
+}
+
+impl Stated {
+    /// The tolerance a section is held to.
+    pub(crate) fn of(&self, section: &str) -> &Tolerance {
+        self.sections.get(section).unwrap_or(&self.all)
+    }
 }
 
 /// This run's medians against the tolerance the report it replaced stated.
@@ -133,20 +163,32 @@ pub(crate) struct OtherMachine {
 impl RunToRun {
     /// Whether this comparison measured a spread of its own: moves on the same machine.
     fn measured_spread(&self) -> bool {
-        self.medians_moved.count > 0 && self.ratios_moved.count > 0
+        self.medians_moved.count + self.ratios_moved.count > 0
     }
 
-    /// The spread this comparison states for the next run on the same machine: the 90th
-    /// percentile of the moves on the same machine, or else the one the earlier results stated.
+    /// The spread this comparison states for the next run on the same machine: per section
+    /// measured again on the same machine, its largest move (medians and ratios apart); for
+    /// the other sections, what the earlier results stated.
     pub(crate) fn stated(&self) -> Option<Stated> {
-        if self.measured_spread() {
-            Some(Stated {
-                medians_pct: self.medians_moved.p90,
-                ratios_pct: self.ratios_moved.p90,
-            })
-        } else {
-            self.carried.clone()
+        if !self.measured_spread() {
+            return self.carried.clone();
         }
+        let before = self.carried.clone().unwrap_or_default();
+        let largest = |medians: &Moves, ratios: &Moves, was: &Tolerance| Tolerance {
+            medians_pct: medians.largest_or(was.medians_pct),
+            ratios_pct: ratios.largest_or(was.ratios_pct),
+        };
+        let mut out = Stated {
+            all: largest(&self.medians_moved, &self.ratios_moved, &before.all),
+            sections: before.sections.clone(),
+        };
+        for s in &self.sections {
+            if s.medians_moved.count + s.ratios_moved.count > 0 {
+                let t = largest(&s.medians_moved, &s.ratios_moved, before.of(&s.section));
+                out.sections.insert(s.section.clone(), t);
+            }
+        }
+        Some(out)
     }
 
     /// The spread results read back from JSON state (their `run_to_run`), if any.
@@ -254,6 +296,8 @@ pub(crate) fn compare(
     let (mut moved, mut ratios_moved) = (Vec::new(), Vec::new());
     let (mut elsewhere, mut ratios_elsewhere) = (Vec::new(), Vec::new());
     let mut other: Option<OtherMachine> = None;
+    // Against the stated spread: (within, tested) for the medians and for the ratios.
+    let (mut medians_within, mut ratios_within) = ((0, 0), (0, 0));
     let mut names: Vec<&str> = Vec::new();
     for (_, section) in KEY_SECTIONS {
         if !names.contains(section) && sections.is_none_or(|s| s.contains(section)) {
@@ -272,6 +316,11 @@ pub(crate) fn compare(
             only_this: n.keys().filter(|k| !o.contains_key(*k)).count(),
             ..SectionRun::default()
         };
+        // Both runs' results hold the same measurement of the section (a run of some sections
+        // compared with results it kept the others of): its numbers did not move, they were
+        // not measured again, and they test and state no spread.
+        let kept = !earlier["measured"][section].is_null()
+            && earlier["measured"][section] == this["measured"][section];
         let same = match (machine_of(earlier, section), machine_of(this, section)) {
             (Some(was), Some(now)) if was != now => {
                 let o = other.get_or_insert_with(|| OtherMachine {
@@ -284,27 +333,35 @@ pub(crate) fn compare(
             }
             _ => true,
         };
+        // Measured again on the same machine: held to the stated spread, and states the next.
+        let held = same && !kept;
+        let (mut section_moved, mut section_ratios_moved) = (Vec::new(), Vec::new());
         for (metric, was) in o {
             let Some(now) = n.get(metric) else { continue };
             s.compared += 1;
             s.ratios += usize::from(is_ratio(metric));
             if was.median != 0.0 {
                 let pct = 100.0 * (now.median / was.median - 1.0).abs();
-                if let Some(t) = stated.as_ref().filter(|_| same) {
-                    let tolerance = if is_ratio(metric) {
-                        t.ratios_pct
+                if let Some(t) = stated.as_ref().filter(|_| held) {
+                    let t = t.of(section);
+                    let (tolerance, total) = if is_ratio(metric) {
+                        (t.ratios_pct, &mut ratios_within)
                     } else {
-                        t.medians_pct
+                        (t.medians_pct, &mut medians_within)
                     };
-                    let (within, moved) = s.within_stated.get_or_insert((0, 0));
-                    *moved += 1;
-                    *within += usize::from(pct <= tolerance);
+                    let ok = usize::from(pct <= tolerance);
+                    let (within, tested) = s.within_stated.get_or_insert((0, 0));
+                    *tested += 1;
+                    *within += ok;
+                    total.0 += ok;
+                    total.1 += 1;
                 }
-                match (is_ratio(metric), same) {
-                    (true, true) => ratios_moved.push(pct),
-                    (false, true) => moved.push(pct),
-                    (true, false) => ratios_elsewhere.push(pct),
-                    (false, false) => elsewhere.push(pct),
+                match (kept, same, is_ratio(metric)) {
+                    (true, ..) => {}
+                    (false, true, true) => section_ratios_moved.push(pct),
+                    (false, true, false) => section_moved.push(pct),
+                    (false, false, true) => ratios_elsewhere.push(pct),
+                    (false, false, false) => elsewhere.push(pct),
                 }
             }
             if was.min <= now.median && now.median <= was.max {
@@ -317,6 +374,10 @@ pub(crate) fn compare(
                 });
             }
         }
+        moved.extend_from_slice(&section_moved);
+        ratios_moved.extend_from_slice(&section_ratios_moved);
+        s.medians_moved = Moves::of(section_moved);
+        s.ratios_moved = Moves::of(section_ratios_moved);
         if s.compared + s.only_earlier + s.only_this > 0 {
             out.sections.push(s);
         }
@@ -329,16 +390,12 @@ pub(crate) fn compare(
     // A spread stated for the same machine is tested only by numbers from the same machine.
     let tested = !(moved.is_empty() && ratios_moved.is_empty());
     out.carried = stated.clone();
-    out.against_stated = stated.filter(|_| tested).map(|stated| {
-        let within =
-            |moves: &[f64], tolerance: f64| moves.iter().filter(|&&m| m <= tolerance).count();
-        AgainstStated {
-            medians: moved.len(),
-            medians_within: within(&moved, stated.medians_pct),
-            ratios: ratios_moved.len(),
-            ratios_within: within(&ratios_moved, stated.ratios_pct),
-            stated,
-        }
+    out.against_stated = stated.filter(|_| tested).map(|stated| AgainstStated {
+        medians: medians_within.1,
+        medians_within: medians_within.0,
+        ratios: ratios_within.1,
+        ratios_within: ratios_within.0,
+        stated,
     });
     out.medians_moved = Moves::of(moved);
     out.ratios_moved = Moves::of(ratios_moved);
@@ -532,6 +589,34 @@ fn digits(x: f64) -> usize {
     }
 }
 
+/// A stated spread, said in a sentence.
+fn spread_text(stated: &Stated) -> String {
+    if stated.sections.is_empty() {
+        format!(
+            "±{:.1}% for medians, ±{:.1}% for ratios",
+            stated.all.medians_pct, stated.all.ratios_pct
+        )
+    } else {
+        "per section, in the table below".to_owned()
+    }
+}
+
+/// A tolerance as a table cell: medians / ratios, for the kinds of number the section has.
+fn tolerance_cell(t: &Tolerance, (medians, ratios): (bool, bool)) -> String {
+    let pct = |has: bool, p: f64| {
+        if has {
+            format!("±{p:.1}%")
+        } else {
+            "—".to_owned()
+        }
+    };
+    format!(
+        "{} / {}",
+        pct(medians, t.medians_pct),
+        pct(ratios, t.ratios_pct)
+    )
+}
+
 /// The report's "Run to run" section.
 pub(crate) fn markdown(r: &RunToRun) -> String {
     let mut md = String::new();
@@ -600,25 +685,26 @@ pub(crate) fn markdown(r: &RunToRun) -> String {
             )
         );
     }
-    if let Some(stated) = r.stated() {
+    let stated = r.stated();
+    if let Some(stated) = &stated {
         let whence = if r.measured_spread() {
-            "the run-to-run spread measured here instead (the 90th percentiles above)"
+            "a run-to-run spread measured here instead: per section, the largest move of its medians, and of its ratios, between the two runs compared here (a section not measured again keeps the spread stated before)"
         } else {
             "the run-to-run spread the results before stated (measured between two runs on one machine), kept because this comparison, on another machine, measures none of its own"
         };
         let _ = writeln!(
             md,
-            "**Stated spread.** A cell's min–max is the spread within one run, over its rounds; between runs the machine's speed drifts, so a fresh run on the same machine is held to {whence}. That is: 90% of its medians within ±{:.1}% of this report's, and 90% of its ratios between contenders within ±{:.1}%.\n",
-            stated.medians_pct, stated.ratios_pct
+            "**Stated spread.** A cell's min–max is the spread within one run, over its rounds; between runs the machine's speed drifts, so a fresh run on the same machine is held to {whence}. A fresh run on the same machine matches this report when 90% of its medians and 90% of its ratios between contenders are within their section's spread ({}).\n",
+            spread_text(stated)
         );
     }
     if r.against_stated.is_none()
-        && let (Some(_), Some(stated)) = (&r.other_machine, &r.carried)
+        && let (Some(_), Some(carried)) = (&r.other_machine, &r.carried)
     {
         let _ = writeln!(
             md,
-            "The spread the earlier results stated (±{:.1}% for medians, ±{:.1}% for ratios) is for a fresh run on their machine; this run, on another, does not test it.\n",
-            stated.medians_pct, stated.ratios_pct
+            "The spread the earlier results stated ({}) is for a fresh run on their machine; this run, on another, does not test it.\n",
+            spread_text(carried)
         );
     }
     if let Some(a) = &r.against_stated {
@@ -638,9 +724,8 @@ pub(crate) fn markdown(r: &RunToRun) -> String {
         };
         let _ = writeln!(
             md,
-            "Against the spread the earlier results stated (±{:.1}% for medians, ±{:.1}% for ratios): {} of {} medians ({:.1}%: {}) and {} of {} ratios ({:.1}%: {}) are within it; 90% is the bar.\n",
-            a.stated.medians_pct,
-            a.stated.ratios_pct,
+            "Against the spread the earlier results stated ({}): {} of {} medians ({:.1}%: {}) and {} of {} ratios ({:.1}%: {}) are within it; 90% is the bar.\n",
+            spread_text(&a.stated),
             a.medians_within,
             a.medians,
             pct(a.medians_within, a.medians),
@@ -653,18 +738,36 @@ pub(crate) fn markdown(r: &RunToRun) -> String {
     }
     let _ = writeln!(
         md,
-        "| section | earlier run | this run | medians compared | inside the earlier spread | within the stated spread | only in the earlier run | only in this run |\n|---|---|---|---:|---:|---:|---:|---:|"
+        "| section | earlier run | this run | medians compared | inside the earlier spread | only in the earlier run | only in this run |\n|---|---|---|---:|---:|---:|---:|"
     );
     for s in &r.sections {
-        let stated = match s.within_stated {
-            Some((within, moved)) => format!("{within} of {moved}"),
-            None => "—".to_owned(),
-        };
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {stated} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} |",
             s.section, s.earlier, s.this, s.compared, s.inside, s.only_earlier, s.only_this
         );
+    }
+    if let Some(stated) = &stated {
+        let _ = writeln!(
+            md,
+            "\nThe run-to-run spread, per section: the one the earlier results stated, how many of this run's numbers (medians and ratios) stayed within it, and the one stated for a fresh run of this report (medians / ratios between contenders; — where the section has none).\n\n| section | stated before | within it | stated for a fresh run |\n|---|---:|---:|---:|"
+        );
+        for s in &r.sections {
+            let has = (s.compared > s.ratios, s.ratios > 0);
+            let (before, within) = match (&r.against_stated, s.within_stated) {
+                (Some(a), Some((within, tested))) => (
+                    tolerance_cell(a.stated.of(&s.section), has),
+                    format!("{within} of {tested}"),
+                ),
+                _ => ("—".to_owned(), "—".to_owned()),
+            };
+            let _ = writeln!(
+                md,
+                "| {} | {before} | {within} | {} |",
+                s.section,
+                tolerance_cell(stated.of(&s.section), has)
+            );
+        }
     }
     let outside: Vec<(&str, &Outside)> = r
         .sections
@@ -729,8 +832,11 @@ mod tests {
         };
         // Everything 20% faster: the medians leave their spreads, the ratios do not.
         let stated = Stated {
-            medians_pct: 10.0,
-            ratios_pct: 1.0,
+            all: Tolerance {
+                medians_pct: 10.0,
+                ratios_pct: 1.0,
+            },
+            ..Stated::default()
         };
         let drift = compare("slower", &sweep(1.0), &sweep(1.2), None, Some(stated));
         let outside: Vec<&str> = drift
@@ -753,7 +859,6 @@ mod tests {
         // Per section: lb-sweep's two cps moved 20% (over 10%), its ratio 0% (within 1%).
         assert_eq!(sweep_run.within_stated, Some((1, 3)));
         assert_eq!(drift.sections[1].within_stated, Some((0, 1)));
-        assert!(markdown(&drift).contains("| 3 | 2 | 1 of 3 | 0 | 0 |"));
         let a = drift.against_stated.as_ref().unwrap();
         assert_eq!((a.medians_within, a.medians), (0, 2));
         assert_eq!((a.ratios_within, a.ratios), (1, 2));
@@ -764,11 +869,25 @@ mod tests {
             ),
             "{text}"
         );
-        // What this comparison states for the next run, and reading it back from JSON.
+        // What this comparison states for the next run: each section's largest moves (route-
+        // compare has no medians: it keeps the earlier 10%), and reading it back from JSON.
         let next = drift.stated().unwrap();
-        assert!((next.medians_pct - 20.0).abs() < 1e-9);
+        assert!((next.of("lb-sweep").medians_pct - 20.0).abs() < 1e-9);
+        assert!(next.of("lb-sweep").ratios_pct.abs() < 1e-9);
+        let route_ratio = 100.0 * (1.3 / 1.2 - 1.0);
+        assert!((next.of("route-compare").ratios_pct - route_ratio).abs() < 1e-9);
+        assert_eq!(next.of("route-compare").medians_pct, 10.0);
+        assert!((next.all.ratios_pct - route_ratio).abs() < 1e-9);
         let json = json!({ "run_to_run": serde_json::to_value(&drift).unwrap() });
-        assert!((RunToRun::stated_in(&json).unwrap().ratios_pct - next.ratios_pct).abs() < 1e-9);
+        assert_eq!(RunToRun::stated_in(&json).unwrap().sections, next.sections);
+        assert!(
+            text.contains("| lb-sweep | ±10.0% / ±1.0% | 1 of 3 | ±20.0% / ±0.0% |"),
+            "{text}"
+        );
+        assert!(
+            text.contains("| route-compare | — / ±1.0% | 0 of 1 | — / ±8.3% |"),
+            "{text}"
+        );
         assert_eq!(drift.sections[1].section, "route-compare");
         assert_eq!(
             (drift.sections[1].compared, drift.sections[1].inside),
@@ -800,15 +919,18 @@ mod tests {
             json!({
                 "measured": {
                     "parse": {"cpu": cpu, "cpus": 2, "kernel": "6.18", "commit": "c", "date": "d"},
-                    "route-compare": {"cpu": "same", "cpus": 2, "kernel": "6.18", "commit": "c", "date": "d"},
+                    "route-compare": {"cpu": "same", "cpus": 2, "kernel": "6.18", "commit": "c", "date": format!("{ratio}")},
                 },
                 "rows": [{"case": "a", "median_ns": ns, "min_ns": ns, "max_ns": ns}],
                 "route_compare": {"vs_kernel": [{"contender": "fastpath", "pps_round_ratios": [ratio, ratio, ratio]}]},
             })
         };
         let stated = Stated {
-            medians_pct: 10.0,
-            ratios_pct: 1.0,
+            all: Tolerance {
+                medians_pct: 10.0,
+                ratios_pct: 1.0,
+            },
+            ..Stated::default()
         };
         // parse on a machine 5x slower, route-compare's ratio on the same machine, 0.5% off.
         let r = compare(
@@ -834,9 +956,12 @@ mod tests {
         let of = |name: &str| r.sections.iter().find(|s| s.section == name).unwrap();
         assert_eq!(of("route-compare").within_stated, Some((1, 1)));
         assert_eq!(of("parse").within_stated, None);
-        // No median moved on the same machine: no spread of its own, the earlier one kept.
-        assert!(!r.measured_spread());
-        assert_eq!(r.stated().unwrap().medians_pct, 10.0);
+        // No median moved on the same machine: their spread is the earlier one; route-compare's
+        // ratios are held next to how far they moved here.
+        let next = r.stated().unwrap();
+        assert_eq!(next.all.medians_pct, 10.0);
+        assert!((next.of("route-compare").ratios_pct - 0.5).abs() < 1e-9);
+        assert!(!next.sections.contains_key("parse"));
         // Everything on another machine: nothing tested, the earlier spread carried over.
         let mut slow = run("slow", 50.0, 1.5);
         slow["measured"]["route-compare"]["cpu"] = json!("slow");
@@ -850,7 +975,7 @@ mod tests {
         assert!(r.against_stated.is_none());
         assert_eq!(r.other_machine.as_ref().unwrap().sections.len(), 2);
         let json = json!({ "run_to_run": serde_json::to_value(&r).unwrap() });
-        assert_eq!(RunToRun::stated_in(&json).unwrap().ratios_pct, 1.0);
+        assert_eq!(RunToRun::stated_in(&json).unwrap().all.ratios_pct, 1.0);
         let text = markdown(&r);
         assert!(text.contains("**Another machine.** parse, route-compare ran on slow (2 CPUs), kernel 6.18 where the results they replaced ran on fast (2 CPUs), kernel 6.18."), "{text}");
         assert!(
@@ -865,6 +990,56 @@ mod tests {
         );
         assert!(
             !text.contains("How far they moved, |this ÷ earlier − 1| (where"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_section_not_measured_again_keeps_its_stated_spread() {
+        let run = |when: &str, ns: f64, ratio: f64| {
+            json!({
+                "measured": {
+                    "parse": {"cpu": "c", "cpus": 2, "kernel": "k", "commit": "a", "date": "d0"},
+                    "route-compare": {"cpu": "c", "cpus": 2, "kernel": "k", "commit": "a", "date": when},
+                },
+                "rows": [{"case": "a", "median_ns": ns, "min_ns": ns, "max_ns": ns}],
+                "route_compare": {"vs_kernel": [{"contender": "fastpath", "pps_round_ratios": [ratio, ratio, ratio]}]},
+            })
+        };
+        let stated = Stated {
+            all: Tolerance {
+                medians_pct: 10.0,
+                ratios_pct: 1.0,
+            },
+            sections: BTreeMap::from([(
+                "parse".to_owned(),
+                Tolerance {
+                    medians_pct: 3.0,
+                    ratios_pct: 0.0,
+                },
+            )]),
+        };
+        // Only route-compare measured again (its ratio 2% off); parse's results kept as they were.
+        let r = compare(
+            "earlier",
+            &run("d1", 10.0, 1.0),
+            &run("d2", 10.0, 1.02),
+            None,
+            Some(stated),
+        );
+        let of = |name: &str| r.sections.iter().find(|s| s.section == name).unwrap();
+        assert_eq!(of("parse").within_stated, None);
+        assert_eq!(of("parse").medians_moved.count, 0);
+        assert_eq!(of("route-compare").within_stated, Some((0, 1)));
+        let a = r.against_stated.as_ref().unwrap();
+        assert_eq!((a.medians, a.ratios, a.ratios_within), (0, 1, 0));
+        let next = r.stated().unwrap();
+        assert_eq!(next.of("parse").medians_pct, 3.0);
+        assert!((next.of("route-compare").ratios_pct - 2.0).abs() < 1e-9);
+        let text = markdown(&r);
+        assert!(text.contains("| parse | — | — | ±3.0% / — |"), "{text}");
+        assert!(
+            text.contains("| route-compare | — / ±1.0% | 0 of 1 | — / ±2.0% |"),
             "{text}"
         );
     }
