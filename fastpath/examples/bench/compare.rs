@@ -913,17 +913,29 @@ mod tests {
         );
     }
 
+    /// Results of two sections: parse (one row of `ns`) measured on `parse_cpu`, and
+    /// route-compare (per-round ratios of `ratio`) measured on `route_cpu` at `route_date`.
+    fn parse_and_route(
+        parse_cpu: &str,
+        route_cpu: &str,
+        route_date: &str,
+        ns: f64,
+        ratio: f64,
+    ) -> Value {
+        json!({
+            "measured": {
+                "parse": {"cpu": parse_cpu, "cpus": 2, "kernel": "6.18", "commit": "c", "date": "d"},
+                "route-compare": {"cpu": route_cpu, "cpus": 2, "kernel": "6.18", "commit": "c", "date": route_date},
+            },
+            "rows": [{"case": "a", "median_ns": ns, "min_ns": ns, "max_ns": ns}],
+            "route_compare": {"vs_kernel": [{"contender": "fastpath", "pps_round_ratios": [ratio, ratio, ratio]}]},
+        })
+    }
+
     #[test]
     fn another_machine_tests_nothing_and_carries_the_stated_spread() {
         let run = |cpu: &str, ns: f64, ratio: f64| {
-            json!({
-                "measured": {
-                    "parse": {"cpu": cpu, "cpus": 2, "kernel": "6.18", "commit": "c", "date": "d"},
-                    "route-compare": {"cpu": "same", "cpus": 2, "kernel": "6.18", "commit": "c", "date": format!("{ratio}")},
-                },
-                "rows": [{"case": "a", "median_ns": ns, "min_ns": ns, "max_ns": ns}],
-                "route_compare": {"vs_kernel": [{"contender": "fastpath", "pps_round_ratios": [ratio, ratio, ratio]}]},
-            })
+            parse_and_route(cpu, "same", &ratio.to_string(), ns, ratio)
         };
         let stated = Stated {
             all: Tolerance {
@@ -996,16 +1008,7 @@ mod tests {
 
     #[test]
     fn a_section_not_measured_again_keeps_its_stated_spread() {
-        let run = |when: &str, ns: f64, ratio: f64| {
-            json!({
-                "measured": {
-                    "parse": {"cpu": "c", "cpus": 2, "kernel": "k", "commit": "a", "date": "d0"},
-                    "route-compare": {"cpu": "c", "cpus": 2, "kernel": "k", "commit": "a", "date": when},
-                },
-                "rows": [{"case": "a", "median_ns": ns, "min_ns": ns, "max_ns": ns}],
-                "route_compare": {"vs_kernel": [{"contender": "fastpath", "pps_round_ratios": [ratio, ratio, ratio]}]},
-            })
-        };
+        let run = |when: &str, ns: f64, ratio: f64| parse_and_route("c", "c", when, ns, ratio);
         let stated = Stated {
             all: Tolerance {
                 medians_pct: 10.0,
