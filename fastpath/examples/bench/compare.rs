@@ -234,9 +234,15 @@ fn is_ratio(metric: &str) -> bool {
 /// The contender every ratio is taken of.
 const OURS: &str = "fastpath";
 
-/// Numbers no per-round ratio is taken of: losses, 0 or nearly in a clean run, whose ratio
-/// says nothing (0.01% against 0.0003% is not 30 times worse).
+/// Numbers no per-round ratio is taken of, and whose run-to-run move is neither held to nor
+/// states a spread: losses, 0 or nearly in a clean run, whose ratio says nothing (0.01%
+/// against 0.0003% is not 30 times worse; 0.00005% to 0% is not a 100% move).
 const NOT_RATIOED: &[&str] = &["loss_pct"];
+
+/// Whether a label's move between runs is a relative one (not a [`NOT_RATIOED`] number).
+fn moves_relatively(metric: &str) -> bool {
+    !NOT_RATIOED.iter().any(|n| metric.ends_with(n))
+}
 
 /// Integer fields that name a list item, with what they count.
 const NAMING_COUNTS: &[(&str, &str)] = &[("table_entries", "entries"), ("services", "services")];
@@ -340,7 +346,7 @@ pub(crate) fn compare(
             let Some(now) = n.get(metric) else { continue };
             s.compared += 1;
             s.ratios += usize::from(is_ratio(metric));
-            if was.median != 0.0 {
+            if was.median != 0.0 && moves_relatively(metric) {
                 let pct = 100.0 * (now.median / was.median - 1.0).abs();
                 if let Some(t) = stated.as_ref().filter(|_| held) {
                     let t = t.of(section);
@@ -562,7 +568,7 @@ fn round_ratios(rows: &[&Map<String, Value>], label: &str, out: &mut BTreeMap<St
                     .join(", "),
             );
             for (key, x) in *ours {
-                if NOT_RATIOED.iter().any(|n| key.ends_with(n)) {
+                if !moves_relatively(key) {
                     continue;
                 }
                 let samples = |v: Option<&Value>| numbers(v.and_then(|v| v.get("samples")));
@@ -662,7 +668,7 @@ pub(crate) fn markdown(r: &RunToRun) -> String {
     if m.count + q.count > 0 {
         let _ = writeln!(
             md,
-            "How far they moved, |this ÷ earlier − 1| (where the earlier median is not 0){}: {}.\n",
+            "How far they moved, |this ÷ earlier − 1| (where the earlier median is not 0; loss percentages, 0 or nearly in a clean run, are left out: a relative move says nothing of them){}: {}.\n",
             if r.other_machine.is_some() {
                 ", in the sections measured on the same machine"
             } else {
@@ -1004,6 +1010,44 @@ mod tests {
             !text.contains("How far they moved, |this ÷ earlier − 1| (where"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_loss_percentage_neither_moves_relatively_nor_states_a_spread() {
+        let run = |ns: f64, loss: f64| {
+            let mut r = parse_and_route("c", "c", "d", ns, 1.0);
+            // Measured at another time (not kept from the earlier results).
+            r["measured"]["parse"]["date"] = json!(ns.to_string());
+            r["rows"][0]["loss_pct"] = json!({"median": loss, "min": loss, "max": loss});
+            r
+        };
+        let stated = Stated {
+            all: Tolerance {
+                medians_pct: 10.0,
+                ratios_pct: 10.0,
+            },
+            ..Stated::default()
+        };
+        // A loss of 0.00005% gone to 0 (a "100% move") and a time 2% slower.
+        let r = compare(
+            "earlier",
+            &run(10.0, 0.00005),
+            &run(10.2, 0.0),
+            None,
+            Some(stated),
+        );
+        let parse = r.sections.iter().find(|s| s.section == "parse").unwrap();
+        assert_eq!(
+            parse.compared, 2,
+            "the loss is still compared against its range"
+        );
+        assert_eq!(parse.within_stated, Some((1, 1)), "only the time is held");
+        assert!(
+            (parse.medians_moved.max - 2.0).abs() < 1e-9,
+            "{:?}",
+            parse.medians_moved
+        );
+        assert!((r.stated().unwrap().of("parse").medians_pct - 2.0).abs() < 1e-9);
     }
 
     #[test]

@@ -518,10 +518,19 @@ impl Machine {
     }
 
     /// The CPU seconds the machine was busy (not idle) over `wall_s` seconds of this
-    /// interval (one [`Machine::since`]).
-    pub(crate) fn busy_seconds(self, wall_s: f64) -> f64 {
-        let ticks_per_s = 100.0; // USER_HZ
-        (wall_s * self.cpus as f64 - self.idle_ticks as f64 / ticks_per_s).max(0.0)
+    /// interval (one [`Machine::since`]). Fails when the machine was idle for longer than
+    /// `wall_s` allows (beyond a tick per CPU of rounding): the interval is not the
+    /// `wall_s` seconds timed, and its CPU would be misreported (as 0).
+    pub(crate) fn busy_seconds(self, wall_s: f64) -> Result<f64> {
+        let cpu_s = wall_s * self.cpus as f64;
+        let idle_s = ticks_s(self.idle_ticks);
+        if idle_s > cpu_s + ticks_s(self.cpus) {
+            bail!(
+                "the machine was idle {idle_s:.2} CPU-seconds over {wall_s:.2} s on {} CPUs: the CPU reading spans more than the timed interval",
+                self.cpus
+            );
+        }
+        Ok((cpu_s - idle_s).max(0.0))
     }
 }
 
@@ -793,31 +802,33 @@ impl Bench {
         for &mode in modes {
             let m = mode as usize;
             let ha_before = running.pair().map(ha_counts).transpose()?;
+            let before = self.counters(c, running)?;
+            // CPU is read right around wrk: reading the counters (iptables-save of 100k
+            // services takes seconds) is neither the contender's work nor idle time of the run.
             let peer_pid = running.pair().and_then(|(_, b)| b.pid());
             let peer_cpu_before = peer_pid.map(process_cpu_s).transpose()?;
             let cpu_before = running.pid().map(process_cpu_s).transpose()?;
-            let before = self.counters(c, running)?;
             let machine_before = Machine::read()?;
+            let started = std::time::Instant::now();
             let run = match mode {
                 Mode::NewConnection => self.wrk(&url(PAGE), CONNECTIONS, DURATION_S, true)?,
                 Mode::KeepAlive => self.wrk(&url(PAGE), CONNECTIONS, DURATION_S, false)?,
                 Mode::Throughput => self.wrk(&url(BULK), BULK_CONNECTIONS, DURATION_S, false)?,
             };
-            let after = self.counters(c, running)?;
+            let wall_s = started.elapsed().as_secs_f64();
             let machine = Machine::read()?.since(machine_before);
-            let share = |ticks| ticks_s(ticks) / (run.duration_s * machine.cpus as f64) * 100.0;
-            s.backlog_drops += machine.backlog_drops;
-            s.steal.push(share(machine.steal_ticks));
             let cpu = |before: Option<f64>, pid: Option<u32>| -> Result<Option<f64>> {
                 Ok(match (before, pid) {
-                    (Some(b), Some(pid)) => {
-                        Some((process_cpu_s(pid)? - b) / run.duration_s * 100.0)
-                    }
+                    (Some(b), Some(pid)) => Some((process_cpu_s(pid)? - b) / wall_s * 100.0),
                     _ => None,
                 })
             };
             let own = cpu(cpu_before, running.pid())?;
             let peer = cpu(peer_cpu_before, peer_pid)?;
+            let after = self.counters(c, running)?;
+            let share = |ticks| ticks_s(ticks) / (wall_s * machine.cpus as f64) * 100.0;
+            s.backlog_drops += machine.backlog_drops;
+            s.steal.push(share(machine.steal_ticks));
             eprintln!(
                 "{}, {}: {:.0} req/s; retransmits: client {}, backends {}; machine idle {:.1}%, steal {:.1}%, backlog drops {}; process CPU {:.0}%, peer {:.0}%",
                 c.key(),
@@ -833,7 +844,7 @@ impl Bench {
             );
             s.process_cpu[m].extend(own);
             s.cpu_us_per_request[m]
-                .push(machine.busy_seconds(run.duration_s) * 1e6 / run.requests.max(1) as f64);
+                .push(machine.busy_seconds(wall_s)? * 1e6 / run.requests.max(1) as f64);
             s.latency_us[m].push([run.p50_us as f64, run.p99_us as f64]);
             s.peer_cpu[m].extend(peer);
             check_run(c, mode, &run, &before, &after)
@@ -1842,6 +1853,35 @@ mod tests {
         assert_eq!(iptables_dnat_packets(save), 7);
         let nft = "table ip fpbench {\n\tchain prerouting {\n\t\tip daddr 10.200.0.100 tcp dport 80 counter packets 42 bytes 2520 dnat to numgen random mod 3 map { 0 : 10.200.10.2 }\n\t}\n}\n";
         assert_eq!(nft_counter_packets(nft), Some(42));
+    }
+
+    #[test]
+    fn busy_time_is_the_timed_interval_less_idle_and_refuses_a_wider_reading() {
+        let hz = ticks_s(1).recip();
+        let over = |idle_s: f64| Machine {
+            backlog_drops: 0,
+            steal_ticks: 0,
+            idle_ticks: (idle_s * hz).round() as u64,
+            cpus: 2,
+        };
+        // 5 s on 2 CPUs, 3 CPU-seconds idle: 7 busy.
+        let busy = over(3.0)
+            .busy_seconds(5.0)
+            .expect("idle within the interval");
+        assert!((busy - 7.0).abs() < 1e-6, "busy {busy}");
+        // Idle for 12 CPU-seconds: the reading covered more than the 5 s timed (as when the
+        // counters were read inside it); it was reported as 0 busy before.
+        let err = over(12.0)
+            .busy_seconds(5.0)
+            .expect_err("a reading wider than 5 s");
+        assert!(err.to_string().contains("spans more than"), "{err}");
+        // A tick per CPU of rounding is not an error.
+        let idle = over(10.0);
+        let rounded = Machine {
+            idle_ticks: idle.idle_ticks + 1,
+            ..idle
+        };
+        assert_eq!(rounded.busy_seconds(5.0).expect("rounding"), 0.0);
     }
 }
 

@@ -375,7 +375,7 @@ fn udp_run(
     let received = received as f64;
     let loss = 100.0 * (taken as f64 - received).max(0.0) / (taken as f64).max(1.0);
     let pps = received / secs;
-    let cpu_ns = m.busy_seconds(secs) * 1e9 / received;
+    let cpu_ns = m.busy_seconds(secs)? * 1e9 / received;
     eprintln!(
         "  {}: {pps:.0} datagrams/s at the backends' {} ({loss:.1}% of what fp took lost, {cpu_ns:.0} ns CPU each)",
         c.key(),

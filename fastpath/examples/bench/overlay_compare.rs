@@ -394,7 +394,7 @@ impl Bed {
             wrk_rate(client, &self.dir.join("report.lua"), &url).with_context(|| c.name())?;
         let busy = Machine::read()?
             .since(before)
-            .busy_seconds(started.elapsed().as_secs_f64());
+            .busy_seconds(started.elapsed().as_secs_f64())?;
         s.rr = rr;
         s.rr_cpu_us = busy * 1e6 / requests.max(1) as f64;
         self.check_tracked(c, &server_addr)?;
@@ -415,7 +415,7 @@ impl Bed {
         let (gbit, bytes) = iperf3_tcp(client, server, &server_addr)?;
         let busy = Machine::read()?
             .since(before)
-            .busy_seconds(started.elapsed().as_secs_f64());
+            .busy_seconds(started.elapsed().as_secs_f64())?;
         s.gbit = gbit;
         s.cpu_ns_per_kb = busy * 1e9 / (bytes / 1000.0).max(1.0);
         if let (Some(d), Some(b0)) = (daemons, &stats_before) {

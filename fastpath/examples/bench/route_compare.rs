@@ -340,7 +340,7 @@ impl Bed {
         let sent = sent as f64;
         s.pps = received / secs;
         s.loss_pct = 100.0 * lost / sent;
-        s.cpu_ns = m.busy_seconds(secs) * 1e9 / received;
+        s.cpu_ns = m.busy_seconds(secs)? * 1e9 / received;
         if let Some(d) = daemon {
             let got = routed(d) - routed_before;
             if (got as f64) < 0.9 * received {
