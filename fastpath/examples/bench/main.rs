@@ -376,8 +376,23 @@ fn main() -> Result<()> {
             let mut report = Report::load(&root).context(
                 "`bench SECTION` replaces one section of the results in docs/bench/; run `cargo xtask bench` once to measure them all",
             )?;
+            // As a full run does after each section: compared with the results it replaced,
+            // held to the spread they state, and stating the next (the sections kept keep
+            // theirs), so the report never loses its stated spread.
+            let earlier = report.results()?;
+            let stated = report
+                .run_to_run
+                .as_ref()
+                .and_then(compare::RunToRun::stated);
             let started = machine();
             report.set(&section, started, measure(&section)?);
+            report.run_to_run = Some(compare::compare(
+                "the results it replaced in docs/bench/",
+                &earlier,
+                &report.results()?,
+                Some(&[section.as_str()]),
+                stated,
+            ));
             report
         }
     };
