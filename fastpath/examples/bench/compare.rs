@@ -837,13 +837,7 @@ mod tests {
             ]}, "route_compare": {"vs_kernel": [{"contender": "fastpath", "pps_round_ratios": [1.2 * scale, 1.3, 1.1]}]}})
         };
         // Everything 20% faster: the medians leave their spreads, the ratios do not.
-        let stated = Stated {
-            all: Tolerance {
-                medians_pct: 10.0,
-                ratios_pct: 1.0,
-            },
-            ..Stated::default()
-        };
+        let stated = stated_all(10.0, 1.0);
         let drift = compare("slower", &sweep(1.0), &sweep(1.2), None, Some(stated));
         let outside: Vec<&str> = drift
             .sections
@@ -919,6 +913,17 @@ mod tests {
         );
     }
 
+    /// One spread stated for every section: medians and ratios, in %.
+    fn stated_all(medians_pct: f64, ratios_pct: f64) -> Stated {
+        Stated {
+            all: Tolerance {
+                medians_pct,
+                ratios_pct,
+            },
+            ..Stated::default()
+        }
+    }
+
     /// Results of two sections: parse (one row of `ns`) measured on `parse_cpu`, and
     /// route-compare (per-round ratios of `ratio`) measured on `route_cpu` at `route_date`.
     fn parse_and_route(
@@ -943,13 +948,7 @@ mod tests {
         let run = |cpu: &str, ns: f64, ratio: f64| {
             parse_and_route(cpu, "same", &ratio.to_string(), ns, ratio)
         };
-        let stated = Stated {
-            all: Tolerance {
-                medians_pct: 10.0,
-                ratios_pct: 1.0,
-            },
-            ..Stated::default()
-        };
+        let stated = stated_all(10.0, 1.0);
         // parse on a machine 5x slower, route-compare's ratio on the same machine, 0.5% off.
         let r = compare(
             "earlier",
@@ -1021,13 +1020,7 @@ mod tests {
             r["rows"][0]["loss_pct"] = json!({"median": loss, "min": loss, "max": loss});
             r
         };
-        let stated = Stated {
-            all: Tolerance {
-                medians_pct: 10.0,
-                ratios_pct: 10.0,
-            },
-            ..Stated::default()
-        };
+        let stated = stated_all(10.0, 10.0);
         // A loss of 0.00005% gone to 0 (a "100% move") and a time 2% slower.
         let r = compare(
             "earlier",
