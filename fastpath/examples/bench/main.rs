@@ -331,28 +331,17 @@ fn main() -> Result<()> {
                 Report::default()
             };
             // What this run replaces, to compare with section by section.
-            let earlier = (!report.measured.is_empty())
-                .then(|| report.results())
+            let replaced = (!report.measured.is_empty())
+                .then(|| report.replaced())
                 .transpose()?;
-            // The run-to-run spread the replaced results state, to hold this run to.
-            let stated = report
-                .run_to_run
-                .as_ref()
-                .and_then(compare::RunToRun::stated);
             let mut done = Vec::new();
             // `lb` is part of `conntrack`.
             for (name, _) in SECTIONS.iter().filter(|(name, _)| *name != "lb") {
                 let started = machine();
                 report.set(name, started, measure(name)?);
                 done.push(*name);
-                if let Some(earlier) = &earlier {
-                    report.run_to_run = Some(compare::compare(
-                        "the results it replaced in docs/bench/",
-                        earlier,
-                        &report.results()?,
-                        Some(done.as_slice()),
-                        stated.clone(),
-                    ));
+                if let Some(replaced) = &replaced {
+                    report.compare_with(replaced, &done)?;
                 }
                 write_docs(&root, &report)?;
             }
@@ -376,23 +365,12 @@ fn main() -> Result<()> {
             let mut report = Report::load(&root).context(
                 "`bench SECTION` replaces one section of the results in docs/bench/; run `cargo xtask bench` once to measure them all",
             )?;
-            // As a full run does after each section: compared with the results it replaced,
-            // held to the spread they state, and stating the next (the sections kept keep
-            // theirs), so the report never loses its stated spread.
-            let earlier = report.results()?;
-            let stated = report
-                .run_to_run
-                .as_ref()
-                .and_then(compare::RunToRun::stated);
+            // As a full run does after each section (the sections kept keep their stated
+            // spread), so the report never loses its stated spread.
+            let replaced = report.replaced()?;
             let started = machine();
             report.set(&section, started, measure(&section)?);
-            report.run_to_run = Some(compare::compare(
-                "the results it replaced in docs/bench/",
-                &earlier,
-                &report.results()?,
-                Some(&[section.as_str()]),
-                stated,
-            ));
+            report.compare_with(&replaced, &[section.as_str()])?;
             report
         }
     };
@@ -436,6 +414,12 @@ fn measure(section: &str) -> Result<Part> {
     })
 }
 
+/// What a run replaces: the results it compares with, and the spread they state.
+struct Replaced {
+    results: serde_json::Value,
+    stated: Option<compare::Stated>,
+}
+
 impl Report {
     /// The committed results: docs/bench/datapath.json and docs/bench/ha.json.
     fn load(root: &Path) -> Result<Report> {
@@ -467,6 +451,27 @@ impl Report {
             m.remove("run_to_run");
         }
         Ok(v)
+    }
+
+    /// The results a run is about to replace, and the run-to-run spread they state.
+    fn replaced(&self) -> Result<Replaced> {
+        Ok(Replaced {
+            results: self.results()?,
+            stated: self.run_to_run.as_ref().and_then(compare::RunToRun::stated),
+        })
+    }
+
+    /// Compares the sections measured so far with the results they replaced, held to the
+    /// spread those stated; the comparison states the next spread.
+    fn compare_with(&mut self, replaced: &Replaced, measured: &[&str]) -> Result<()> {
+        self.run_to_run = Some(compare::compare(
+            "the results it replaced in docs/bench/",
+            &replaced.results,
+            &self.results()?,
+            Some(measured),
+            replaced.stated.clone(),
+        ));
+        Ok(())
     }
 
     /// Puts a section's results in, with `machine` as read when its measurement started (the
