@@ -1825,15 +1825,20 @@ fn contenders_beat_us(r: &CompareReport, lost: &[String], at_tc: &str) -> String
     format!(
         "Load balancers compared, where another contender's median beat fastpath's (its median ÷ fastpath's): {}. Part of it is the topology: on a veth, a native XDP program gets each packet by turning the sender's skb into an XDP buffer and back — copying it when it is a clone (as every TCP segment is: the sender keeps it for retransmission) or lacks XDP's 256 bytes of headroom — where a NIC runs XDP before any skb exists; and attaching XDP to a veth turns software GSO off on its peer. The daemon also runs its TC ingress and egress programs on every fp interface, and its process took {} of one CPU during the new-connection runs (median; the table's last column) on a machine that has two. The kernel contenders pay none of that here.{at_tc}\n\n",
         lost.join("; "),
-        r.contenders
-            .iter()
-            .find(|c| c.contender == "fastpath")
-            .and_then(|c| c.process_cpu_percent)
-            .map_or_else(
-                || "an unmeasured share".to_string(),
-                |p| format!("{:.0}%", p[0])
-            )
+        new_conn_cpu(
+            r.contenders
+                .iter()
+                .find(|c| c.contender == "fastpath")
+                .and_then(|c| c.process_cpu_percent),
+            "an unmeasured share"
+        )
     )
+}
+
+/// A process's CPU in the new-connection runs (the first of `process_cpu_percent`'s three),
+/// "N%" of one CPU, or `unmeasured` where none was read.
+fn new_conn_cpu(percent: Option<[f64; 3]>, unmeasured: &str) -> String {
+    percent.map_or_else(|| unmeasured.to_string(), |p| format!("{:.0}%", p[0]))
 }
 
 /// The HA sync penalty, where it missed its target: how far, and what replication cost the
@@ -1843,15 +1848,13 @@ fn ha_penalty_missed(r: &CompareReport) -> String {
         return String::new();
     };
     let (ratio, (per_round, min, max)) = pair.ratios();
-    let new_conn_cpu =
-        |p: Option<[f64; 3]>| p.map_or_else(|| "—".to_string(), |p| format!("{:.0}%", p[0]));
     format!(
         "HA sync's cost in new connections/s: sync on ÷ off {ratio:.3} (ratio of medians), per round {per_round:.3} ({min:.3}–{max:.3}) — a {:.1}% penalty against the ≤ {:.0}% target: missed in this run. Replication is work on the 2 CPUs that already bound the rate (wrk, three nginx and the kernel's packet processing leave them little idle time): in the new-connection runs node A's daemon took {} of one CPU with sync on against {} with it off, node B's daemon — a second machine's work in production, here under SCHED_IDLE on the same CPUs — took {}, and both nodes' kernels carry the gRPC stream over TLS; the whole machine's CPU per request went from {:.1} µs to {:.1} µs. The pair's per-round ratios span {:.0} percentage points in this run, against a {:.0}-point target: one run's penalty is not precise to the point.\n\n",
         (1.0 - ratio) * 100.0,
         HA_MAX_PENALTY * 100.0,
-        new_conn_cpu(pair.sync.process_cpu_percent),
-        new_conn_cpu(pair.plain.process_cpu_percent),
-        new_conn_cpu(pair.sync.peer_process_cpu_percent),
+        new_conn_cpu(pair.sync.process_cpu_percent, "—"),
+        new_conn_cpu(pair.plain.process_cpu_percent, "—"),
+        new_conn_cpu(pair.sync.peer_process_cpu_percent, "—"),
         pair.plain.cpu_us_per_request[0],
         pair.sync.cpu_us_per_request[0],
         (max - min) * 100.0,
