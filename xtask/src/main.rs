@@ -60,7 +60,8 @@ commands:
               docs/bench/*.svg and docs/BENCHMARKS.md. `bench SECTION` re-measures one section
               and rewrites them with the other sections' committed results; `bench --render`
               rewrites the report and plots from the committed JSON; `bench --compare REV`
-              compares the results with those committed at REV (medians against spreads);
+              compares the results with those committed at REV (medians against spreads;
+              `--compare REV1 … REV` goes along several revisions, carrying the spread);
               `bench --help` lists the sections
   build       bootstrap and build the release binary target/release/fastpath
   bootstrap   only install toolchains, bpf-linker and Debian packages (idempotent)

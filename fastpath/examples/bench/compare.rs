@@ -55,6 +55,9 @@ pub(crate) struct SectionRun {
     pub(crate) medians_moved: Moves,
     #[serde(default)]
     pub(crate) ratios_moved: Moves,
+    /// The machine this run of the section was measured on, as the report prints it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) machine: Option<String>,
 }
 
 /// How far a set of medians moved between two runs: `|this ÷ earlier − 1|`, in %.
@@ -84,8 +87,30 @@ impl Moves {
 
     /// The largest move, or `was` when there were none.
     fn largest_or(&self, was: f64) -> f64 {
-        if self.count > 0 { self.max } else { was }
+        self.largest().unwrap_or(was)
     }
+
+    /// The largest move, if any.
+    fn largest(&self) -> Option<f64> {
+        (self.count > 0).then_some(self.max)
+    }
+}
+
+/// How many recorded run pairs of a section on one machine its stated spread is the largest
+/// move of: one calm pair does not shrink it, one wild pair does not widen it for good.
+const PAIRS_STATED: usize = 5;
+
+/// Two runs of a section on one machine: the largest move of its medians other than ratios,
+/// and of its ratios (`None` where the section has no such number).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Pair {
+    /// "commit, date" of the earlier run → of the later one.
+    pub(crate) runs: String,
+    pub(crate) machine: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) medians_pct: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) ratios_pct: Option<f64>,
 }
 
 /// How far a fresh run's medians may move from the report's, in %: the medians other than
@@ -94,12 +119,40 @@ impl Moves {
 pub(crate) struct Tolerance {
     pub(crate) medians_pct: f64,
     pub(crate) ratios_pct: f64,
+    /// The run pairs it is the largest move of, oldest first: the last [`PAIRS_STATED`] on
+    /// one machine (empty in results from before pairs were recorded).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) pairs: Vec<Pair>,
+}
+
+impl Tolerance {
+    /// The tolerance after one more pair: the largest move over the last [`PAIRS_STATED`]
+    /// pairs on the pair's machine (pairs from another machine are dropped: its speed and its
+    /// noise are its own); a kind of number no kept pair has keeps what was stated.
+    fn after(&self, pair: Pair) -> Tolerance {
+        let mut pairs: Vec<Pair> = self
+            .pairs
+            .iter()
+            .filter(|p| p.machine == pair.machine)
+            .cloned()
+            .collect();
+        pairs.push(pair);
+        pairs.drain(..pairs.len().saturating_sub(PAIRS_STATED));
+        let largest = |pct: fn(&Pair) -> Option<f64>, was: f64| {
+            pairs.iter().filter_map(pct).reduce(f64::max).unwrap_or(was)
+        };
+        Tolerance {
+            medians_pct: largest(|p| p.medians_pct, self.medians_pct),
+            ratios_pct: largest(|p| p.ratios_pct, self.ratios_pct),
+            pairs,
+        }
+    }
 }
 
 /// The report's stated run-to-run spread: 90% of its medians (other than ratios) and 90% of
 /// its ratios reproduce within it on the same machine. Per section (each section's largest
-/// move between two runs on one machine); `all` for a section it has none for (and the one
-/// figure that results from before per-section spreads state).
+/// move over its last recorded run pairs on one machine); `all` for a section it has none for
+/// (and the one figure that results from before per-section spreads state).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub(crate) struct Stated {
     #[serde(flatten)]
@@ -167,24 +220,30 @@ impl RunToRun {
     }
 
     /// The spread this comparison states for the next run on the same machine: per section
-    /// measured again on the same machine, its largest move (medians and ratios apart); for
+    /// measured again on the same machine, the largest move (medians and ratios apart) over
+    /// this pair of runs and the pairs before it on that machine ([`Tolerance::after`]); for
     /// the other sections, what the earlier results stated.
     pub(crate) fn stated(&self) -> Option<Stated> {
         if !self.measured_spread() {
             return self.carried.clone();
         }
         let before = self.carried.clone().unwrap_or_default();
-        let largest = |medians: &Moves, ratios: &Moves, was: &Tolerance| Tolerance {
-            medians_pct: medians.largest_or(was.medians_pct),
-            ratios_pct: ratios.largest_or(was.ratios_pct),
-        };
         let mut out = Stated {
-            all: largest(&self.medians_moved, &self.ratios_moved, &before.all),
+            all: Tolerance {
+                medians_pct: self.medians_moved.largest_or(before.all.medians_pct),
+                ratios_pct: self.ratios_moved.largest_or(before.all.ratios_pct),
+                pairs: Vec::new(),
+            },
             sections: before.sections.clone(),
         };
         for s in &self.sections {
             if s.medians_moved.count + s.ratios_moved.count > 0 {
-                let t = largest(&s.medians_moved, &s.ratios_moved, before.of(&s.section));
+                let t = before.of(&s.section).after(Pair {
+                    runs: format!("{} → {}", s.earlier, s.this),
+                    machine: s.machine.clone().unwrap_or_default(),
+                    medians_pct: s.medians_moved.largest(),
+                    ratios_pct: s.ratios_moved.largest(),
+                });
                 out.sections.insert(s.section.clone(), t);
             }
         }
@@ -318,6 +377,7 @@ pub(crate) fn compare(
             section: section.to_owned(),
             earlier: measured(earlier, section),
             this: measured(this, section),
+            machine: machine_of(this, section),
             only_earlier: o.keys().filter(|k| !n.contains_key(*k)).count(),
             only_this: n.keys().filter(|k| !o.contains_key(*k)).count(),
             ..SectionRun::default()
@@ -623,6 +683,56 @@ fn tolerance_cell(t: &Tolerance, (medians, ratios): (bool, bool)) -> String {
     )
 }
 
+/// The pairs of runs a tolerance is stated over, as a table cell: their commits.
+fn pairs_cell(pairs: &[Pair]) -> String {
+    if pairs.is_empty() {
+        return "—".to_owned();
+    }
+    // "commit, date → commit, date": the commits.
+    let commits = |runs: &str| {
+        runs.split(" → ")
+            .map(|run| run.split(',').next().unwrap_or(run))
+            .collect::<Vec<_>>()
+            .join(" → ")
+    };
+    pairs
+        .iter()
+        .map(|p| commits(&p.runs))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// One comparison in a line: the sections measured again on the same machine, how far their
+/// medians / ratios moved at most, and how many stayed within the spread stated before.
+pub(crate) fn summary(r: &RunToRun, this: &str) -> String {
+    let moved: Vec<String> = r
+        .sections
+        .iter()
+        .filter(|s| s.medians_moved.count + s.ratios_moved.count > 0)
+        .map(|s| {
+            let pct = |m: &Moves| m.largest().map_or("—".to_owned(), |p| format!("{p:.1}%"));
+            let within = s.within_stated.map_or(String::new(), |(k, n)| {
+                format!(", {k} of {n} within the stated")
+            });
+            format!(
+                "{} moved {} / {}{within}",
+                s.section,
+                pct(&s.medians_moved),
+                pct(&s.ratios_moved)
+            )
+        })
+        .collect();
+    format!(
+        "{this} against {}: {}",
+        r.earlier,
+        if moved.is_empty() {
+            "no section measured again on the same machine".to_owned()
+        } else {
+            moved.join("; ")
+        }
+    )
+}
+
 /// The report's "Run to run" section.
 pub(crate) fn markdown(r: &RunToRun) -> String {
     let mut md = String::new();
@@ -694,7 +804,7 @@ pub(crate) fn markdown(r: &RunToRun) -> String {
     let stated = r.stated();
     if let Some(stated) = &stated {
         let whence = if r.measured_spread() {
-            "a run-to-run spread measured here instead: per section, the largest move of its medians, and of its ratios, between the two runs compared here (a section not measured again keeps the spread stated before)"
+            "a run-to-run spread measured instead: per section, the largest move of its medians, and of its ratios, over the last pairs of runs recorded on this machine (up to 5: the pair compared here and those before it, named in the table below; one calm pair does not narrow it, and a section not measured again keeps the spread stated before)"
         } else {
             "the run-to-run spread the results before stated (measured between two runs on one machine), kept because this comparison, on another machine, measures none of its own"
         };
@@ -756,7 +866,7 @@ pub(crate) fn markdown(r: &RunToRun) -> String {
     if let Some(stated) = &stated {
         let _ = writeln!(
             md,
-            "\nThe run-to-run spread, per section: the one the earlier results stated, how many of this run's numbers (medians and ratios) stayed within it, and the one stated for a fresh run of this report (medians / ratios between contenders; — where the section has none).\n\n| section | stated before | within it | stated for a fresh run |\n|---|---:|---:|---:|"
+            "\nThe run-to-run spread, per section: the one the earlier results stated, how many of this run's numbers (medians and ratios) stayed within it, and the one stated for a fresh run of this report (medians / ratios between contenders; — where the section has none), with the pairs of runs (earlier → later commit) it is the largest move over.\n\n| section | stated before | within it | stated for a fresh run | over the pairs |\n|---|---:|---:|---:|---|"
         );
         for s in &r.sections {
             let has = (s.compared > s.ratios, s.ratios > 0);
@@ -767,11 +877,13 @@ pub(crate) fn markdown(r: &RunToRun) -> String {
                 ),
                 _ => ("—".to_owned(), "—".to_owned()),
             };
+            let t = stated.of(&s.section);
             let _ = writeln!(
                 md,
-                "| {} | {before} | {within} | {} |",
+                "| {} | {before} | {within} | {} | {} |",
                 s.section,
-                tolerance_cell(stated.of(&s.section), has)
+                tolerance_cell(t, has),
+                pairs_cell(&t.pairs)
             );
         }
     }
@@ -881,11 +993,13 @@ mod tests {
         let json = json!({ "run_to_run": serde_json::to_value(&drift).unwrap() });
         assert_eq!(RunToRun::stated_in(&json).unwrap().sections, next.sections);
         assert!(
-            text.contains("| lb-sweep | ±10.0% / ±1.0% | 1 of 3 | ±20.0% / ±0.0% |"),
+            text.contains("| lb-sweep | ±10.0% / ±1.0% | 1 of 3 | ±20.0% / ±0.0% | not recorded → not recorded |"),
             "{text}"
         );
         assert!(
-            text.contains("| route-compare | — / ±1.0% | 0 of 1 | — / ±8.3% |"),
+            text.contains(
+                "| route-compare | — / ±1.0% | 0 of 1 | — / ±8.3% | not recorded → not recorded |"
+            ),
             "{text}"
         );
         assert_eq!(drift.sections[1].section, "route-compare");
@@ -919,6 +1033,7 @@ mod tests {
             all: Tolerance {
                 medians_pct,
                 ratios_pct,
+                pairs: Vec::new(),
             },
             ..Stated::default()
         }
@@ -1050,12 +1165,14 @@ mod tests {
             all: Tolerance {
                 medians_pct: 10.0,
                 ratios_pct: 1.0,
+                pairs: Vec::new(),
             },
             sections: BTreeMap::from([(
                 "parse".to_owned(),
                 Tolerance {
                     medians_pct: 3.0,
                     ratios_pct: 0.0,
+                    pairs: Vec::new(),
                 },
             )]),
         };
@@ -1077,10 +1194,56 @@ mod tests {
         assert_eq!(next.of("parse").medians_pct, 3.0);
         assert!((next.of("route-compare").ratios_pct - 2.0).abs() < 1e-9);
         let text = markdown(&r);
-        assert!(text.contains("| parse | — | — | ±3.0% / — |"), "{text}");
+        assert!(text.contains("| parse | — | — | ±3.0% / — | — |"), "{text}");
         assert!(
-            text.contains("| route-compare | — / ±1.0% | 0 of 1 | — / ±2.0% |"),
+            text.contains("| route-compare | — / ±1.0% | 0 of 1 | — / ±2.0% | c → c |"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn the_stated_spread_is_the_largest_move_over_the_last_pairs_on_one_machine() {
+        // Results of route-compare measured at `commit` on `cpu`: one per-round ratio.
+        let run = |cpu: &str, commit: &str, ratio: f64| {
+            let mut r = parse_and_route(cpu, cpu, commit, 10.0, ratio);
+            r["measured"]["route-compare"]["commit"] = json!(commit);
+            r
+        };
+        // Compares each run with the one before, each held to what the one before stated.
+        let chain = |runs: &[(&str, &str, f64)], mut stated: Option<Stated>| {
+            for w in runs.windows(2) {
+                let [(c0, a, r0), (c1, b, r1)] = [w[0], w[1]];
+                stated =
+                    compare("earlier", &run(c0, a, r0), &run(c1, b, r1), None, stated).stated();
+            }
+            stated.unwrap()
+        };
+        let ratios = |s: &Stated| s.of("route-compare").ratios_pct;
+        // Moves of 10%, then 1%: the calm pair does not narrow the spread.
+        let s = chain(&[("m", "a", 1.0), ("m", "b", 1.1), ("m", "c", 1.111)], None);
+        assert!((ratios(&s) - 10.0).abs() < 1e-6, "{s:?}");
+        let pairs = &s.of("route-compare").pairs;
+        assert_eq!(
+            pairs.iter().map(|p| p.runs.as_str()).collect::<Vec<_>>(),
+            ["a, a → b, b", "b, b → c, c"]
+        );
+        assert_eq!(pairs[0].machine, "m (2 CPUs), kernel 6.18");
+        assert_eq!(pairs[0].medians_pct, None, "route-compare has no medians");
+        // Five calm pairs later the wild one is no longer among the last five.
+        let mut runs = vec![("m", "c", 1.111)];
+        for (i, commit) in ["d", "e", "f", "g", "h"].into_iter().enumerate() {
+            runs.push(("m", commit, 1.111 * (1.0 + 0.01 * (i % 2) as f64)));
+        }
+        let s = chain(&runs, Some(s));
+        assert_eq!(s.of("route-compare").pairs.len(), PAIRS_STATED);
+        assert_eq!(s.of("route-compare").pairs[0].runs, "c, c → d, d");
+        assert!((ratios(&s) - 1.0).abs() < 1e-6, "{s:?}");
+        // On another machine nothing is measured; back on one, the earlier machine's pairs go.
+        let s = chain(
+            &[("m", "h", 1.0), ("n", "i", 2.0), ("n", "j", 2.04)],
+            Some(s),
+        );
+        assert_eq!(s.of("route-compare").pairs.len(), 1);
+        assert!((ratios(&s) - 2.0).abs() < 1e-6, "{s:?}");
     }
 }

@@ -27,7 +27,8 @@
 //! [`SECTIONS`]) and regenerates the report with the other sections' committed results, each
 //! section's commit and date recorded; `bench --render` regenerates it from the JSON alone.
 //! A full run compares itself with the results it replaces, and `bench --compare REV` compares
-//! the results with those committed at a revision (see `compare`).
+//! the results with those committed at a revision (see `compare`); `bench --compare REV1 …
+//! REV` goes along several, each against the one before, carrying the stated spread.
 
 use std::{
     collections::BTreeMap,
@@ -286,7 +287,7 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--").collect();
     let usage = || {
         format!(
-            "`bench` measures every section and rewrites docs/bench/*.json, docs/bench/*.svg and docs/BENCHMARKS.md; `bench SECTION` (or `--only SECTION`) re-measures one section and rewrites them with the other sections' committed results; `bench --render` rewrites docs/BENCHMARKS.md and the plots from the committed JSON alone; `bench --compare REV` compares the results in docs/bench/ with those committed at REV (which medians left the earlier run's min–max spread) and adds that to docs/BENCHMARKS.md. Sections: {}",
+            "`bench` measures every section and rewrites docs/bench/*.json, docs/bench/*.svg and docs/BENCHMARKS.md; `bench SECTION` (or `--only SECTION`) re-measures one section and rewrites them with the other sections' committed results; `bench --render` rewrites docs/BENCHMARKS.md and the plots from the committed JSON alone; `bench --compare REV` compares the results in docs/bench/ with those committed at REV (which medians left the earlier run's min–max spread) and adds that to docs/BENCHMARKS.md; `bench --compare REV1 REV2 … REV` compares each revision's results with the one's before first, so that the spread stated is the largest move over those pairs of runs too. Sections: {}",
             section_names()
         )
     };
@@ -303,10 +304,19 @@ fn main() -> Result<()> {
             print!("{}", markdown(&report));
             return Ok(());
         }
-        ["--compare", rev] => {
+        ["--compare", ref revs @ ..] if !revs.is_empty() => {
             let mut report = Report::load(&root)?;
-            let (name, earlier) = compare::at_revision(&root, rev)?;
-            let stated = compare::RunToRun::stated_in(&earlier);
+            // Along the revisions: each one's results against the one's before, held to and
+            // carrying the spread stated along (each pair of runs on one machine adds to it).
+            let (mut name, mut earlier) = compare::at_revision(&root, revs[0])?;
+            let mut stated = compare::RunToRun::stated_in(&earlier);
+            for rev in &revs[1..] {
+                let (later_name, later) = compare::at_revision(&root, rev)?;
+                let step = compare::compare(&name, &earlier, &later, None, stated);
+                println!("{}", compare::summary(&step, rev));
+                stated = step.stated();
+                (name, earlier) = (later_name, later);
+            }
             let run = compare::compare(&name, &earlier, &report.results()?, None, stated);
             print!("{}", compare::markdown(&run));
             report.run_to_run = Some(run);
