@@ -208,7 +208,8 @@ pub static FP_SNAT_DST: PerCpuArray<Backend> = PerCpuArray::with_max_entries(1, 
 pub static FP_FIB: PerCpuArray<FibParams> = PerCpuArray::with_max_entries(1, 0);
 
 /// XDP tail programs (`program_names::XDP_TAILS`), filled by the loader before the main
-/// program is attached. Not pinned: each load brings its own programs.
+/// program is attached. Not pinned by name: each load brings its own programs, and the
+/// daemon pins each load's arrays apart (`tails/<prog id>/`), so they outlive it.
 #[map(name = "FP_TAILS")]
 pub static FP_TAILS: ProgramArray = ProgramArray::with_max_entries(7, 0);
 

@@ -3,9 +3,18 @@
 //! Layout under the pin directory (on a bpffs):
 //!   maps/FP_STATS, maps/FP_CONFIG   — reused on restart, so counters and state survive;
 //!   links/<iface>@<hook>             — bpf_links; while pinned, the program stays attached
-//!                                      with or without a daemon (restart, crash, upgrade).
+//!                                      with or without a daemon (restart, crash, upgrade);
+//!   tails/<prog id>/FP_TAILS, …      — the program arrays one load's main programs tail-call
+//!                                      (named by that load's XDP program id).
 //! On restart a pinned link is kept and its program swapped atomically (bpf_link_update):
 //! traffic never sees a moment without a program.
+//!
+//! Invariant: everything an attached program needs is held by a pin, not by this process. A
+//! program holds its maps, but the kernel empties a program array once no process or pin
+//! holds it (`map_release_uref`): an unpinned tail array would lose its programs the moment
+//! the daemon exits, and with them every path that tail-calls (at TC ingress, all load
+//! balancing). Each load pins its own arrays, so the programs still attached from an earlier
+//! load keep theirs until the links are swapped; then the older arrays are unpinned.
 
 use std::os::fd::FromRawFd as _;
 use std::{
@@ -179,6 +188,8 @@ pub struct Datapath {
     pub attachments: Vec<Attachment>,
     /// The LB arrays, mapped on first use (see [`LbWriter`]).
     lb_writer: Option<LbWriter>,
+    /// Where this load's tail-call arrays are pinned (`tails/<prog id>`).
+    tails_dir: PathBuf,
 }
 
 impl Datapath {
@@ -234,12 +245,14 @@ impl Datapath {
         }
         // Before anything is attached: the main program tail-calls these.
         install_tails(&mut ebpf)?;
+        let tails_dir = pin_tails(&ebpf, pin_dir)?;
         Ok(Datapath {
             ebpf,
             pin_dir: pin_dir.to_owned(),
             maps_reused,
             attachments: Vec::new(),
             lb_writer: None,
+            tails_dir,
         })
     }
 
@@ -735,7 +748,8 @@ impl Datapath {
     }
 
     /// Detaches pinned links that the current configuration no longer names (left by an
-    /// earlier run with another config). Returns their pin paths.
+    /// earlier run with another config), then unpins the tail arrays of earlier loads: every
+    /// link runs this load's programs now. Returns the detached links' pin paths.
     pub fn remove_stale_links(&mut self) -> Result<Vec<PathBuf>, DatapathError> {
         let wanted: BTreeSet<&Path> = self.attachments.iter().map(|a| a.pin.as_path()).collect();
         let mut removed = Vec::new();
@@ -749,6 +763,11 @@ impl Datapath {
             if !wanted.contains(path.as_path()) {
                 remove_pin(&path)?;
                 removed.push(path);
+            }
+        }
+        for old in subdirs(&self.pin_dir.join(TAILS_DIR)) {
+            if old != self.tails_dir {
+                remove_pin_tree(&old)?;
             }
         }
         Ok(removed)
@@ -812,8 +831,11 @@ pub fn lock_pin_dir(pin_dir: &Path) -> Result<PinDirLock, DatapathError> {
     Ok(PinDirLock { _dir: dir })
 }
 
-/// Whether `pin_dir` holds nothing but what a fastpath daemon pins (`maps/`, `links/`), so
-/// `fastpath detach` never removes anybody else's pins.
+/// The pin directory's subdirectory of tail-call arrays, one directory per load.
+const TAILS_DIR: &str = "tails";
+
+/// Whether `pin_dir` holds nothing but what a fastpath daemon pins (`maps/`, `links/`,
+/// `tails/`), so `fastpath detach` never removes anybody else's pins.
 pub fn looks_like_pin_dir(pin_dir: &Path) -> bool {
     let Ok(entries) = fs::read_dir(pin_dir) else {
         return false;
@@ -822,23 +844,48 @@ pub fn looks_like_pin_dir(pin_dir: &Path) -> bool {
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
-    !names.is_empty() && names.iter().all(|n| n == "maps" || n == "links")
+    !names.is_empty()
+        && names
+            .iter()
+            .all(|n| n == "maps" || n == "links" || n == TAILS_DIR)
 }
 
-/// Removes every link and map pin under `pin_dir` (links first, so programs detach before
-/// their maps go), then the directories. Works without a loaded object: `fastpath detach`.
+/// Removes every link, tail array and map pin under `pin_dir` (links first, so programs
+/// detach before their maps go), then the directories. Works without a loaded object:
+/// `fastpath detach`.
 pub fn remove_pins(pin_dir: &Path) -> Result<(), DatapathError> {
-    for sub in ["links", "maps"] {
-        let dir = pin_dir.join(sub);
-        if let Ok(entries) = fs::read_dir(&dir) {
-            for entry in entries.flatten() {
-                remove_pin(&entry.path())?;
-            }
-        }
-        let _ = fs::remove_dir(&dir);
+    remove_pin_tree(&pin_dir.join("links"))?;
+    for tails in subdirs(&pin_dir.join(TAILS_DIR)) {
+        remove_pin_tree(&tails)?;
     }
+    let _ = fs::remove_dir(pin_dir.join(TAILS_DIR));
+    remove_pin_tree(&pin_dir.join("maps"))?;
     let _ = fs::remove_dir(pin_dir);
     Ok(())
+}
+
+/// Removes the pins in `dir`, then `dir` (gone already: nothing to do).
+fn remove_pin_tree(dir: &Path) -> Result<(), DatapathError> {
+    if let Ok(entries) = fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            remove_pin(&entry.path())?;
+        }
+    }
+    let _ = fs::remove_dir(dir);
+    Ok(())
+}
+
+/// The directories in `dir` (none if it does not exist).
+fn subdirs(dir: &Path) -> Vec<PathBuf> {
+    fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// The conntrack event ring (`FP_CT_EVENTS`), opened for draining.
@@ -2239,6 +2286,34 @@ pub fn install_tails(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
         }
     }
     Ok(())
+}
+
+/// Pins this load's tail-call arrays under `tails/<id of its XDP program>` (see the module's
+/// invariant); returns that directory.
+fn pin_tails(ebpf: &Ebpf, pin_dir: &Path) -> Result<PathBuf, DatapathError> {
+    let id = ebpf
+        .program(program_names::XDP)
+        .ok_or(DatapathError::MissingProgram {
+            name: program_names::XDP,
+        })?
+        .info()
+        .map_err(|source| DatapathError::Program {
+            what: format!("reading the id of {}", program_names::XDP),
+            source,
+        })?
+        .id();
+    let dir = pin_dir.join(TAILS_DIR).join(id.to_string());
+    fs::create_dir_all(&dir).map_err(|source| DatapathError::PinDir {
+        path: dir.clone(),
+        source,
+    })?;
+    for name in [map_names::TAILS, map_names::TC_TAILS] {
+        let map = ebpf.map(name).ok_or(DatapathError::MissingMap { name })?;
+        let path = dir.join(name);
+        map.pin(&path)
+            .map_err(|source| DatapathError::Pin { path, source })?;
+    }
+    Ok(dir)
 }
 
 /// `map[index] = ` the loaded program `name` (its `fd`).

@@ -386,7 +386,7 @@ fn main() -> ExitCode {
         Command::Detach { pin_dir } => {
             if !datapath::looks_like_pin_dir(&pin_dir) {
                 eprintln!(
-                    "error: {} does not look like a fastpath pin directory (expected only maps/ and links/): nothing removed",
+                    "error: {} does not look like a fastpath pin directory (expected only maps/, links/ and tails/): nothing removed",
                     pin_dir.display()
                 );
                 return ExitCode::from(EXIT_FAILURE);

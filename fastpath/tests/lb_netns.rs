@@ -20,7 +20,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
     io::Read as _,
-    net::IpAddr,
+    net::{IpAddr, SocketAddr},
     path::Path,
     thread,
     time::{Duration, Instant},
@@ -35,7 +35,7 @@ use fastpath::{
             Daemon, DaemonConfig, HttpServer, LbTopology, Spawned, TempDir, parse_services,
             predicted_backend, prepare_test, test_lb_topology, unique_pin_dir,
         },
-        traffic::{SlowDownload, tcp_resets},
+        traffic::{ConnPool, EchoServers, PoolOptions, SlowDownload, tcp_resets},
     },
 };
 use fastpath_common::{
@@ -1308,74 +1308,197 @@ const UPDATE_SPAN: Duration = Duration::from_secs(5);
 /// ([`fastpath::testkit::traffic::SLOW_READ`] per 10 ms, 1.6 MB/s) is far from its end when the updates are over.
 const LONG_BYTES: usize = 32 << 20;
 
-/// The daemon restarts under a live NAT'ed TCP stream, the way a service manager does it
-/// (config/fastpath.service: SIGTERM with --leave-attached, then start) and after kill -9:
-/// the stream keeps flowing while no daemon runs and across both restarts, finishes with
-/// every byte, and neither end's stack sees a single reset. (Without --leave-attached the
-/// stop detaches the datapath and this test fails: the stream stalls.)
+/// The restart/crash matrix at XDP: see [`daemon_exits_leave_forwarding_as_it_was`].
 #[test]
-fn a_tcp_stream_flows_across_daemon_stop_start_and_kill9() {
-    prepare_test(&["curl", "nginx"]);
-    let dir = TempDir::new("lb-restart").expect("temp dir");
-    let lb = test_lb_topology(1);
-    lb.checksum_offloads_off().unwrap_or_else(|e| panic!("{e}"));
-    let servers = nginx_backends(&lb, "index.html", |i| format!("backend {i}"));
-    let mut big = Vec::with_capacity(LONG_BYTES);
-    fs::File::open("/dev/urandom")
-        .and_then(|f| f.take(LONG_BYTES as u64).read_to_end(&mut big))
-        .expect("random bytes for the big file");
-    fs::write(servers[0].root().join("big.bin"), &big).expect("writing the big file");
-    let config = lb
-        .fp_config(&unique_pin_dir("lb-restart"))
-        .services(&service_v4("", [(0, 1)]));
+fn every_daemon_exit_leaves_nat_and_full_nat_streams_flowing_at_xdp() {
+    daemon_exits_leave_forwarding_as_it_was(false);
+}
+
+/// The restart/crash matrix at TC ingress (`xdp = "off"`: balancing in the TC tail program,
+/// `fastpath_tc_lb`, reached through the pinned `FP_TC_TAILS`).
+#[test]
+fn every_daemon_exit_leaves_nat_and_full_nat_streams_flowing_at_tc_ingress() {
+    daemon_exits_leave_forwarding_as_it_was(true);
+}
+
+/// Echo port of the matrix's NAT services; full-NAT ones listen on the next port.
+const MATRIX_PORT: u16 = 7000;
+/// Connections per service (4 services: NAT and full-NAT, IPv4 and IPv6) opened at each step.
+const MATRIX_CONNS: usize = 8;
+
+/// Every way the daemon exits — `kill -9`, SIGTERM with `--leave-attached` (what
+/// config/fastpath.service does), and a restart (stop, then start at once: the new daemon
+/// takes the pinned links over in place) — under established load-balanced NAT and full-NAT
+/// streams over IPv4 and IPv6: each stream's bytes are checked end to end (every echoed byte
+/// compared) while no daemon runs and after each start; connections opened while no daemon
+/// runs work and go on through the later steps; at the end no connection failed and neither
+/// the client's nor a backend's stack sent or saw a reset.
+fn daemon_exits_leave_forwarding_as_it_was(at_tc: bool) {
+    prepare_test(&["ethtool"]);
+    let lb = test_lb_topology(2);
+    checksum_offloads_off(&lb);
+    let echo = EchoServers::start(
+        &[
+            (0, MATRIX_PORT),
+            (1, MATRIX_PORT),
+            (0, MATRIX_PORT + 1),
+            (1, MATRIX_PORT + 1),
+        ]
+        .into_iter()
+        .flat_map(|(i, port)| {
+            [
+                (
+                    lb.backend(i),
+                    SocketAddr::new(LbTopology::backend_v4(i).into(), port),
+                ),
+                (
+                    lb.backend(i),
+                    SocketAddr::new(LbTopology::backend_v6(i).into(), port),
+                ),
+            ]
+        })
+        .collect::<Vec<_>>(),
+    )
+    .unwrap_or_else(|e| panic!("echo servers: {e}"));
+    let mut services = String::new();
+    for (vip, snat, v6) in [(VIP4, "10.200.0.1", false), (VIP6, "fd00:200::1", true)] {
+        for (port, full_nat) in [
+            (MATRIX_PORT, ""),
+            (MATRIX_PORT + 1, "mode = \"full_nat\"\n"),
+        ] {
+            services += &format!("[[service]]\nvip = \"{vip}\"\nport = {port}\n{full_nat}");
+            if !full_nat.is_empty() {
+                services += &format!("snat_address = \"{snat}\"\nsnat_ports = \"20000-29999\"\n");
+            }
+            for i in 0..2 {
+                let b: IpAddr = if v6 {
+                    LbTopology::backend_v6(i).into()
+                } else {
+                    LbTopology::backend_v4(i).into()
+                };
+                services += &format!("[[service.backend]]\naddress = \"{b}\"\nport = {port}\n");
+            }
+        }
+    }
+    let pin_dir = unique_pin_dir("lb-exits");
+    let config = if at_tc {
+        lb.fp_config_tc(&pin_dir)
+    } else {
+        lb.fp_config(&pin_dir)
+    }
+    .services(&services);
     // The unit's ExecStart flag: a stop leaves the datapath forwarding.
     let mut daemon = Daemon::start_with_args(bin(), lb.fp(), &config, &["--leave-attached"]);
-    let (client0, backend0) = (tcp_resets(lb.client()), tcp_resets(lb.backend(0)));
+    let resets = || {
+        let mut r = vec![tcp_resets(lb.client())];
+        r.extend((0..2).map(|i| tcp_resets(lb.backend(i))));
+        r
+    };
+    let before = resets();
+    let open = |when: &str| open_matrix_pools(&lb, &pin_dir, when);
+    let flowing = |pools: &[ConnPool], when: &str| {
+        let marks: Vec<_> = pools.iter().map(ConnPool::mark).collect();
+        for (pool, mark) in pools.iter().zip(&marks) {
+            pool.check_progress(mark, Duration::from_secs(10), when);
+        }
+    };
+    let mut pools = open("before any exit");
+    flowing(&pools, "before any exit");
 
-    let long = SlowDownload::start(
-        lb.client(),
-        dir.path(),
-        &format!("http://{VIP4}/big.bin"),
-        Some(20_500),
-    );
-    let mut at = long.progressed(0, 1 << 20, "before the stop");
+    // kill -9: nothing of the process is left; the datapath goes on alone.
+    daemon.kill9();
+    thread::sleep(Duration::from_millis(500));
+    flowing(&pools, "after kill -9, no daemon");
+    pools.extend(open("after kill -9, no daemon"));
+    flowing(&pools, "after kill -9, no daemon, new connections too");
+    daemon.restart();
+    flowing(&pools, "after the start that followed kill -9");
 
+    // SIGTERM with --leave-attached: the service manager's stop.
     let status = daemon.stop();
     assert!(status.success(), "daemon stop: {status}\n{}", daemon.log());
-    at = long.progressed(at, 1 << 20, "with the daemon stopped");
+    thread::sleep(Duration::from_millis(500));
+    flowing(&pools, "after a stop with --leave-attached, no daemon");
+    pools.extend(open("after a stop with --leave-attached, no daemon"));
+    flowing(
+        &pools,
+        "after a stop with --leave-attached, new connections too",
+    );
     daemon.restart();
-    at = long.progressed(at, 1 << 20, "after the start");
+    flowing(&pools, "after the start that followed the stop");
 
-    daemon.kill9();
-    at = long.progressed(at, 1 << 20, "after kill -9, no daemon");
+    // A restart: stop and start back to back, the new programs swapped into the links.
+    let status = daemon.stop();
+    assert!(status.success(), "daemon stop: {status}\n{}", daemon.log());
     daemon.restart();
-    long.progressed(at, 1 << 20, "after the restart");
+    flowing(&pools, "after a restart");
+    pools.extend(open("after a restart"));
+    flowing(&pools, "after a restart, new connections too");
     let log = daemon.log();
     assert!(
-        log.contains("Reusing pinned maps"),
-        "the restart must reuse the pinned maps; log:\n{log}"
+        log.contains("Reusing pinned maps") && log.contains("program replaced in place"),
+        "the restart must reuse the pinned maps and links; log:\n{log}"
+    );
+    let tails = fs::read_dir(pin_dir.join("tails"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    assert_eq!(
+        tails, 1,
+        "after three starts, only the running load's tail arrays stay pinned"
     );
 
-    let (status, body) = long.finish();
+    let (mut conns, mut bytes) = (0, 0);
+    for pool in pools {
+        let totals = pool.finish();
+        assert!(
+            totals.failed.is_empty(),
+            "{} of {} connections failed ({})",
+            totals.failed.len(),
+            totals.connections,
+            totals.failure_kinds()
+        );
+        assert_eq!(
+            totals.bytes_verified, totals.bytes_sent,
+            "echoed bytes verified"
+        );
+        conns += totals.connections;
+        bytes += totals.bytes_verified;
+    }
+    let after = resets();
+    let moved: Vec<(u64, u64)> = before
+        .iter()
+        .zip(&after)
+        .map(|(b, a)| (a.0 - b.0, a.1 - b.1))
+        .collect();
     assert!(
-        status.is_some_and(|s| s.success()),
-        "the download through the VIP failed across the restarts: {status:?}"
-    );
-    assert_eq!(body.len(), big.len(), "bytes received");
-    assert!(body == big, "the body differs from the file");
-    let (client1, backend1) = (tcp_resets(lb.client()), tcp_resets(lb.backend(0)));
-    assert_eq!(
-        (client1.0 - client0.0, client1.1 - client0.1),
-        (0, 0),
-        "client resets (sent, established reset) across the restarts"
-    );
-    assert_eq!(
-        (backend1.0 - backend0.0, backend1.1 - backend0.1),
-        (0, 0),
-        "backend resets (sent, established reset) across the restarts"
+        moved.iter().all(|&m| m == (0, 0)),
+        "TCP resets (sent, established reset) on the client, backend 0, backend 1: {moved:?}"
     );
     eprintln!(
-        "restart test: {} bytes through stop/start and kill -9 + start, 0 resets",
-        body.len()
+        "{}: {conns} connections (NAT and full-NAT, IPv4 and IPv6) through kill -9, stop and restart, {bytes} bytes echoed and verified, 0 resets, {} accepted by the backends",
+        if at_tc { "TC ingress" } else { "XDP" },
+        echo.accepted()
     );
+}
+
+/// [`MATRIX_CONNS`] connections to each of the matrix's services (NAT and full-NAT, IPv4
+/// and IPv6); panics with the datapath's counters (pinned under `pin_dir`) if one fails.
+fn open_matrix_pools(lb: &LbTopology, pin_dir: &Path, when: &str) -> Vec<ConnPool> {
+    [VIP4, VIP6]
+        .into_iter()
+        .flat_map(|vip| [(vip, MATRIX_PORT), (vip, MATRIX_PORT + 1)])
+        .map(|(vip, port)| {
+            let target = SocketAddr::new(vip.parse().expect("a VIP"), port);
+            ConnPool::open(lb.client(), target, MATRIX_CONNS, PoolOptions::default())
+                .unwrap_or_else(|e| {
+                    let stats = std::process::Command::new(bin())
+                        .args(["stats", "--pin-dir"])
+                        .arg(pin_dir)
+                        .output()
+                        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                        .unwrap_or_default();
+                    panic!("{when}: {e}\ncounters:\n{stats}")
+                })
+        })
+        .collect()
 }
