@@ -213,7 +213,7 @@ async fn connect(target: &Target) -> Result<Client, Failure> {
 fn print_json(v: &impl serde::Serialize) -> Outcome {
     let text = serde_json::to_string_pretty(v)
         .map_err(|e| Failure(EXIT_FAILURE, format!("encoding JSON: {e}")))?;
-    println!("{text}");
+    outln!("{text}");
     Ok(())
 }
 
@@ -309,21 +309,24 @@ fn print_change(r: &pb::ChangeResponse, out: Output, notes: &[String]) -> Outcom
         ("deleted", &r.deleted),
     ] {
         for s in list {
-            println!("{s}: {verb}{what}");
+            outln!("{s}: {verb}{what}");
         }
     }
     for n in notes {
-        println!("note: {n}");
+        outln!("note: {n}");
     }
     if r.dry_run {
-        println!(
+        outln!(
             "dry run: nothing changed ({} unchanged; generation {})",
-            r.unchanged, r.generation
+            r.unchanged,
+            r.generation
         );
     } else {
-        println!(
+        outln!(
             "generation {} ({} unchanged, applied in {} µs)",
-            r.generation, r.unchanged, r.took_us
+            r.generation,
+            r.unchanged,
+            r.took_us
         );
     }
     Ok(())
@@ -347,16 +350,16 @@ pub async fn info(target: &Target, out: OutputArg) -> ExitCode {
                     "listeners": i.listeners,
                 }));
             }
-            println!("version       {} ({})", i.version, i.api_version);
-            println!("pid           {}", i.pid);
-            println!("uptime        {} s", i.uptime_s);
-            println!("config        {}", i.config_path);
-            println!("pin_dir       {}", i.pin_dir);
-            println!("generation    {}", i.generation);
-            println!("services      {}", i.services);
-            println!("interfaces    {}", i.interfaces);
-            println!("ct capacity   {}", i.conntrack_capacity);
-            println!("listeners     {}", i.listeners.join(" "));
+            outln!("version       {} ({})", i.version, i.api_version);
+            outln!("pid           {}", i.pid);
+            outln!("uptime        {} s", i.uptime_s);
+            outln!("config        {}", i.config_path);
+            outln!("pin_dir       {}", i.pin_dir);
+            outln!("generation    {}", i.generation);
+            outln!("services      {}", i.services);
+            outln!("interfaces    {}", i.interfaces);
+            outln!("ct capacity   {}", i.conntrack_capacity);
+            outln!("listeners     {}", i.listeners.join(" "));
             Ok(())
         }
         .await,
@@ -368,13 +371,13 @@ fn print_stats(s: &pb::Stats, out: Output) -> Outcome {
     if out == Output::Json {
         print_json(&rows)
     } else {
-        print!("{}", fastpath::stats::render_rows(&rows));
+        out!("{}", fastpath::stats::render_rows(&rows));
         let vxlan: Vec<String> = s
             .vxlan
             .iter()
             .map(|c| format!("{} {}", c.name, c.value))
             .collect();
-        println!(
+        outln!(
             "vxlan flow cache: {}; generation {}",
             vxlan.join(", "),
             s.vxlan_generation
@@ -384,7 +387,7 @@ fn print_stats(s: &pb::Stats, out: Output) -> Outcome {
             .iter()
             .map(|c| format!("{} {}", c.name, c.value))
             .collect();
-        println!("route cache: {}", routes.join(", "));
+        outln!("route cache: {}", routes.join(", "));
         Ok(())
     }
 }
@@ -419,7 +422,7 @@ pub async fn stats(
                     .into_inner();
                 while let Some(s) = stream.next().await {
                     print_stats(&s.map_err(from_status)?, out.output)?;
-                    println!();
+                    outln!();
                 }
                 return Ok(());
             }
@@ -442,7 +445,7 @@ fn print_connections(conns: &[pb::Connection], out: Output) -> Outcome {
         return print_json(&rows);
     }
     for r in &rows {
-        println!("{}", conntrack::render(r));
+        outln!("{}", conntrack::render(r));
     }
     eprintln!(
         "fastpath conntrack: {} flow entries have been shown.",
@@ -517,7 +520,7 @@ pub async fn ct(target: &Target, command: CtCommand) -> ExitCode {
                     if out.output == Output::Json {
                         print_json(&row)
                     } else {
-                        println!("{}", conntrack::render(&row));
+                        outln!("{}", conntrack::render(&row));
                         Ok(())
                     }
                 }
@@ -536,7 +539,7 @@ pub async fn ct(target: &Target, command: CtCommand) -> ExitCode {
                                 .deleted
                         }
                     };
-                    println!("fastpath conntrack: {n} flow entries have been deleted.");
+                    outln!("fastpath conntrack: {n} flow entries have been deleted.");
                     Ok(())
                 }
                 CtCommand::Stats { pin_dir } => {
@@ -553,7 +556,7 @@ pub async fn ct(target: &Target, command: CtCommand) -> ExitCode {
                             .into_inner(),
                     };
                     let sums: Vec<u64> = s.conntrack.iter().map(|c| c.value).collect();
-                    print!(
+                    out!(
                         "{}",
                         conntrack::render_stats(s.conntrack_entries, s.conntrack_capacity, &sums)
                     );
@@ -569,14 +572,14 @@ pub async fn ct(target: &Target, command: CtCommand) -> ExitCode {
                     while let Some(ev) = stream.next().await {
                         let ev = ev.map_err(from_status)?;
                         if out.output == Output::Json {
-                            println!(
+                            outln!(
                                 "{}",
                                 json!({"kind": ev.kind, "timestamp_ns": ev.timestamp_ns,
                                        "protocol": ev.protocol, "src": ev.src, "dst": ev.dst,
                                        "sport": ev.sport, "dport": ev.dport, "state": ev.state})
                             );
                         } else {
-                            println!("{}", ev.line);
+                            outln!("{}", ev.line);
                         }
                     }
                     Ok(())
@@ -676,7 +679,7 @@ pub async fn service(target: &Target, command: ServiceCommand) -> ExitCode {
                     if out.output == Output::Json {
                         print_json(&rows)
                     } else {
-                        print!("{}", render_services(&rows));
+                        out!("{}", render_services(&rows));
                         Ok(())
                     }
                 }
@@ -692,20 +695,28 @@ pub async fn service(target: &Target, command: ServiceCommand) -> ExitCode {
                     if out.output == Output::Json {
                         return print_json(&j);
                     }
-                    println!("service      {}", j["service"].as_str().unwrap_or(""));
+                    outln!("service      {}", j["service"].as_str().unwrap_or(""));
                     for k in ["scheduler", "mode", "no_backend"] {
-                        println!("{k:<12} {}", j[k].as_str().unwrap_or(""));
+                        outln!("{k:<12} {}", j[k].as_str().unwrap_or(""));
                     }
                     if s.port_forward {
-                        println!("(a port forward)");
+                        outln!("(a port forward)");
                     }
-                    println!(
+                    outln!(
                         "traffic      {} packets, {} bytes, {} connections, {} without backend",
-                        s.packets, s.bytes, s.connections, s.no_backend
+                        s.packets,
+                        s.bytes,
+                        s.connections,
+                        s.no_backend
                     );
-                    println!(
+                    outln!(
                         "{:<32} {:>6} {:>5} {:>9} {:>10} {:>8}",
-                        "BACKEND", "WEIGHT", "SHARE", "HEALTH", "CONNS", "ACTIVE"
+                        "BACKEND",
+                        "WEIGHT",
+                        "SHARE",
+                        "HEALTH",
+                        "CONNS",
+                        "ACTIVE"
                     );
                     for b in &s.backends {
                         let addr = match b.address.parse::<IpAddr>() {
@@ -715,9 +726,13 @@ pub async fn service(target: &Target, command: ServiceCommand) -> ExitCode {
                             }
                             Err(_) => b.address.clone(),
                         };
-                        println!(
+                        outln!(
                             "{addr:<32} {:>6} {:>4.0}% {:>9} {:>10} {:>8}",
-                            b.weight, b.share_pct, b.health, b.connections, b.active
+                            b.weight,
+                            b.share_pct,
+                            b.health,
+                            b.connections,
+                            b.active
                         );
                     }
                     Ok(())
@@ -899,18 +914,18 @@ pub async fn nat(target: &Target, command: NatCommand) -> ExitCode {
                             "snat": r.snat.iter().map(|s| json!({"interface": s.interface, "addresses": s.addresses, "ports": s.ports})).collect::<Vec<_>>(),
                         }));
                     }
-                    println!("{:<32} TO", "PORT FORWARD");
+                    outln!("{:<32} TO", "PORT FORWARD");
                     for (f, t) in &forwards {
-                        println!("{f:<32} {t}");
+                        outln!("{f:<32} {t}");
                     }
-                    println!("{:<16} {:<40} PORTS", "SNAT INTERFACE", "ADDRESSES");
+                    outln!("{:<16} {:<40} PORTS", "SNAT INTERFACE", "ADDRESSES");
                     for s in &r.snat {
                         let addrs = if s.addresses.is_empty() {
                             "(its own)".to_string()
                         } else {
                             s.addresses.join(",")
                         };
-                        println!("{:<16} {addrs:<40} {}", s.interface, s.ports);
+                        outln!("{:<16} {addrs:<40} {}", s.interface, s.ports);
                     }
                     Ok(())
                 }
@@ -968,9 +983,15 @@ pub async fn interfaces(target: &Target, out: OutputArg) -> ExitCode {
                         .collect::<Vec<_>>(),
                 );
             }
-            println!(
+            outln!(
                 "{:<16} {:>7} {:<8} {:<5} {:<5} {:<5} {:<4} HOOKS",
-                "INTERFACE", "IFINDEX", "XDP", "CT", "SNAT", "ROUTE", "VLAN"
+                "INTERFACE",
+                "IFINDEX",
+                "XDP",
+                "CT",
+                "SNAT",
+                "ROUTE",
+                "VLAN"
             );
             for i in &r.interfaces {
                 let vlan = if i.vlan == 0 {
@@ -978,7 +999,7 @@ pub async fn interfaces(target: &Target, out: OutputArg) -> ExitCode {
                 } else {
                     i.vlan.to_string()
                 };
-                println!(
+                outln!(
                     "{:<16} {:>7} {:<8} {:<5} {:<5} {:<5} {:<4} {}",
                     i.name,
                     i.ifindex,
@@ -1030,9 +1051,9 @@ pub async fn health(target: &Target, watch: bool, out: OutputArg) -> ExitCode {
                     let ev = ev.map_err(from_status)?;
                     if let Some(b) = &ev.backend {
                         if out.output == Output::Json {
-                            println!("{}", health_json(b));
+                            outln!("{}", health_json(b));
                         } else {
-                            println!("{}", health_line(b));
+                            outln!("{}", health_line(b));
                         }
                     }
                 }
@@ -1046,12 +1067,12 @@ pub async fn health(target: &Target, watch: bool, out: OutputArg) -> ExitCode {
             if out.output == Output::Json {
                 return print_json(&r.backends.iter().map(health_json).collect::<Vec<_>>());
             }
-            println!("{:<28} {:<28} {:<5} DETAIL", "SERVICE", "BACKEND", "STATE");
+            outln!("{:<28} {:<28} {:<5} DETAIL", "SERVICE", "BACKEND", "STATE");
             for b in &r.backends {
-                println!("{}", health_line(b));
+                outln!("{}", health_line(b));
             }
             if r.backends.is_empty() {
-                println!("(no service has a health check)");
+                outln!("(no service has a health check)");
             }
             Ok(())
         }
@@ -1142,7 +1163,7 @@ pub async fn ha_status(target: &Target, check: bool, out: OutputArg) -> ExitCode
             if check {
                 let synced = s.peers_in.iter().filter(|p| p.synced).count();
                 if s.in_sync {
-                    println!(
+                    outln!(
                         "in sync: node {} holds the state of {synced} peer(s)",
                         s.node_id
                     );
@@ -1198,7 +1219,7 @@ pub async fn ha_status(target: &Target, check: bool, out: OutputArg) -> ExitCode
                     "peers_out": outs, "peers_in": ins,
                 }));
             }
-            println!(
+            outln!(
                 "node {}  epoch {}  {}  events lost {}  messages refused {}",
                 s.node_id,
                 s.epoch,
@@ -1206,8 +1227,8 @@ pub async fn ha_status(target: &Target, check: bool, out: OutputArg) -> ExitCode
                 s.events_lost,
                 s.rejected_messages
             );
-            println!("to peers:");
-            println!(
+            outln!("to peers:");
+            outln!(
                 "  {:<22} {:<5} {:>8} {:>10} {:>10} {:>8} {:>9} {:>9} {:>6} {:>7} {:>8}",
                 "PEER",
                 "UP",
@@ -1222,7 +1243,7 @@ pub async fn ha_status(target: &Target, check: bool, out: OutputArg) -> ExitCode
                 "REFUSED"
             );
             for p in &s.peers_out {
-                println!(
+                outln!(
                     "  {:<22} {:<5} {:>8} {:>10} {:>10} {:>8} {:>9} {:>9} {:>6} {:>7} {:>8}{}",
                     p.address,
                     if p.connected { "yes" } else { "no" },
@@ -1242,8 +1263,8 @@ pub async fn ha_status(target: &Target, check: bool, out: OutputArg) -> ExitCode
                     }
                 );
             }
-            println!("from peers:");
-            println!(
+            outln!("from peers:");
+            outln!(
                 "  {:<8} {:<5} {:<7} {:>10} {:>10} {:>10} {:>6} {:>8} {:>10} {:>9}",
                 "NODE",
                 "UP",
@@ -1257,7 +1278,7 @@ pub async fn ha_status(target: &Target, check: bool, out: OutputArg) -> ExitCode
                 "LAST_MS"
             );
             for p in &s.peers_in {
-                println!(
+                outln!(
                     "  {:<8} {:<5} {:<7} {:>10} {:>10} {:>10} {:>6} {:>8} {:>10} {:>9}",
                     p.node_id,
                     if p.connected { "yes" } else { "no" },

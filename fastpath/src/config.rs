@@ -708,6 +708,23 @@ impl fmt::Display for ConfigError {
 }
 
 impl Config {
+    /// Whether the datapath translates packets that the kernel then forwards — any service,
+    /// port forward or gateway SNAT — and if so, whether IPv6 ones too (see
+    /// `datapath::prepare_forwarding`).
+    pub fn translates(&self) -> Option<bool> {
+        let snat = self.interfaces.iter().filter(|i| i.snat);
+        if self.services.is_empty() && snat.clone().next().is_none() {
+            return None;
+        }
+        let v6_service = self.services.iter().any(|s| s.vip.get_ref().is_ipv6());
+        let v6_snat = snat.clone().any(|i| {
+            i.snat_addresses
+                .as_ref()
+                .is_some_and(|a| a.get_ref().iter().any(|a| a.is_ipv6()))
+        });
+        Some(v6_service || v6_snat)
+    }
+
     /// The API's Unix socket.
     pub fn api_socket(&self) -> PathBuf {
         self.api.socket.as_ref().map_or_else(

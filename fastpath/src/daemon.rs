@@ -114,8 +114,10 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
     if let Err(e) = attached {
         return Err(fail(dp, e.into()));
     }
-    if config.interfaces.iter().any(|i| i.snat) || config.services.iter().any(|s| s.port_forward) {
-        datapath::allow_local_sources(&config.interfaces);
+    if let Some(ipv6) = config.translates()
+        && let Err(e) = datapath::prepare_forwarding(&config.interfaces, ipv6)
+    {
+        return Err(fail(dp, e.into()));
     }
     // Services: the config file's, or the API's changes on top of this very file.
     let (health_tx, mut health_rx) = tokio::sync::mpsc::channel(256);

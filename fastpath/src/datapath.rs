@@ -123,6 +123,8 @@ pub enum DatapathError {
         #[source]
         source: aya::programs::links::LinkError,
     },
+    #[error("{sysctl} must be 1: {why}")]
+    Sysctl { sysctl: String, why: String },
     #[error("pinning {path}: {source}")]
     Pin {
         path: PathBuf,
@@ -1867,26 +1869,76 @@ fn snat_rule(iface: &InterfaceConfig) -> Result<SnatRule, DatapathError> {
     Ok(rule)
 }
 
-/// Translated packets can carry a source address of this node when the kernel forwards them
-/// (a gateway SNAT address; a port forward's address on replies); Linux drops such packets as
-/// martians unless `accept_local` is set on the interface they arrive on. Sets it on every
-/// attached interface (logged); a strict `rp_filter` would still drop them: warned about.
-pub fn allow_local_sources(ifaces: &[InterfaceConfig]) {
+/// What the kernel needs to forward the packets the datapath translates and hands to it
+/// (services, port forwards, gateway SNAT: the stages rewrite, the kernel routes), set on
+/// every attached interface, each change logged:
+/// - `net.ipv4.conf.<iface>.forwarding = 1`: the kernel routes only what arrives on an
+///   interface with forwarding on (per interface, so other interfaces keep host behaviour);
+/// - `net.ipv4.conf.<iface>.accept_local = 1`: a translated reply leaves with the VIP or an
+///   SNAT address as its source, which on a node holding that address (a VRRP master) the
+///   kernel otherwise drops as a martian;
+/// - IPv6 (when `ipv6`): `net.ipv6.conf.<iface>.force_forwarding = 1` (Linux ≥ 6.17), unless
+///   `net.ipv6.conf.all.forwarding` is on already. Older kernels forward IPv6 only with the
+///   global switch, which also changes how every interface treats router advertisements:
+///   that one is the operator's to set, and its absence is an error naming it.
+///
+/// A strict `rp_filter` would still drop such packets: warned about. Errors name the sysctl
+/// that could not be set; the caller refuses to go on.
+pub fn prepare_forwarding(ifaces: &[InterfaceConfig], ipv6: bool) -> Result<(), DatapathError> {
+    let v6_global = Path::new("/proc/sys/net/ipv6/conf/all/forwarding");
+    let v6_on = !ipv6 || fs::read_to_string(v6_global).is_ok_and(|v| v.trim() != "0");
     for iface in ifaces {
         let name = iface.name.get_ref();
-        let dir = std::path::Path::new("/proc/sys/net/ipv4/conf").join(name);
-        match std::fs::write(dir.join("accept_local"), "1") {
-            Ok(()) => {
-                info!(iface = %name, "Set accept_local = 1 (translated packets may come from this node's addresses)")
+        let v4 = Path::new("/proc/sys/net/ipv4/conf").join(name);
+        ensure_sysctl(
+            &v4.join("forwarding"),
+            "the kernel forwards what the datapath translated",
+        )?;
+        ensure_sysctl(
+            &v4.join("accept_local"),
+            "translated replies come from this node's addresses",
+        )?;
+        if !v6_on {
+            let force = Path::new("/proc/sys/net/ipv6/conf")
+                .join(name)
+                .join("force_forwarding");
+            if !force.exists() {
+                return Err(DatapathError::Sysctl {
+                    sysctl: "net.ipv6.conf.all.forwarding".into(),
+                    why: "IPv6 services and NAT need IPv6 forwarding, which this kernel (before 6.17) turns on only for all interfaces at once: set it yourself (`sysctl -w net.ipv6.conf.all.forwarding=1`; with it, interfaces that take router advertisements need accept_ra = 2)".into(),
+                });
             }
-            Err(e) => {
-                warn!(iface = %name, error = %e, "Could not set accept_local; translated IPv4 packets arriving here may be dropped as martians")
-            }
+            ensure_sysctl(
+                &force,
+                "the kernel forwards the IPv6 the datapath translated",
+            )?;
         }
-        if std::fs::read_to_string(dir.join("rp_filter")).is_ok_and(|v| v.trim() == "1") {
-            warn!(iface = %name, "rp_filter is strict (1) here; set it to 2 (loose) or 0, or gateway SNAT traffic arriving here is dropped");
+        if fs::read_to_string(v4.join("rp_filter")).is_ok_and(|v| v.trim() == "1") {
+            warn!(iface = %name, "rp_filter is strict (1) here; set it to 2 (loose) or 0, or translated traffic arriving here may be dropped");
         }
     }
+    Ok(())
+}
+
+/// Sets the boolean sysctl at `path` (under /proc/sys) to 1 unless it is already.
+fn ensure_sysctl(path: &Path, why: &str) -> Result<(), DatapathError> {
+    let sysctl = path
+        .strip_prefix("/proc/sys")
+        .unwrap_or(path)
+        .display()
+        .to_string()
+        .replace('/', ".");
+    if fs::read_to_string(path).is_ok_and(|v| v.trim() == "1") {
+        return Ok(());
+    }
+    fs::write(path, "1").map_err(|e| DatapathError::Sysctl {
+        sysctl: sysctl.clone(),
+        why: format!(
+            "{why}, but it could not be set ({e}): set it yourself (`sysctl -w {sysctl}=1`)"
+        ),
+    })?;
+    info!(sysctl = %sysctl, why, "Set a sysctl to 1");
+    Ok(())
 }
 
 fn ip_of(family: u8, a: &[u8; 16]) -> std::net::IpAddr {

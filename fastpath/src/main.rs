@@ -10,6 +10,19 @@ use fastpath::{
 };
 use tracing_subscriber::EnvFilter;
 
+/// `print!` for the CLI's output: a reader that went away (`fastpath ct list | head`) ends the
+/// process as it ends every Unix tool, by SIGPIPE, quietly (Rust ignores SIGPIPE, so a plain
+/// `print!` would panic with a backtrace instead).
+macro_rules! out {
+    ($($arg:tt)*) => { $crate::write_stdout(format_args!($($arg)*)) };
+}
+
+/// `println!` for the CLI's output, as [`out!`].
+macro_rules! outln {
+    () => { $crate::write_stdout(format_args!("\n")) };
+    ($($arg:tt)*) => { $crate::write_stdout(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
 mod cli;
 
 /// Exit code for runtime failures (kernel refused, I/O, an unexpected server error).
@@ -368,7 +381,7 @@ fn main() -> ExitCode {
             },
         ) {
             Ok(c) => {
-                println!(
+                outln!(
                     "{}: ok ({} interface(s), {} service(s), pin_dir {}, API socket {})",
                     file.display(),
                     c.interfaces.len(),
@@ -395,7 +408,7 @@ fn main() -> ExitCode {
                 datapath::lock_pin_dir(&pin_dir).and_then(|_lock| datapath::remove_pins(&pin_dir));
             match removed {
                 Ok(()) => {
-                    println!("detached and removed {}", pin_dir.display());
+                    outln!("detached and removed {}", pin_dir.display());
                     ExitCode::SUCCESS
                 }
                 Err(e) => {
@@ -493,6 +506,28 @@ fn enter_netns(name: &str) -> std::io::Result<()> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// Writes to standard output; on a closed pipe, dies of SIGPIPE as a Unix tool does.
+pub fn write_stdout(args: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_fmt(args).and_then(|()| stdout.flush()) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+            // SAFETY: restoring the default action of a signal and raising it; the default
+            // action of SIGPIPE ends the process.
+            unsafe {
+                libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+                libc::raise(libc::SIGPIPE);
+            }
+            std::process::exit(EXIT_FAILURE.into());
+        }
+        Err(e) => {
+            eprintln!("error: writing to standard output: {e}");
+            std::process::exit(EXIT_FAILURE.into());
+        }
+    }
 }
 
 pub fn error_chain(e: &dyn std::error::Error) -> String {

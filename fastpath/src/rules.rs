@@ -419,6 +419,12 @@ impl Rules {
                 ),
             )
         };
+        // The kernel's part first: a change it cannot carry is refused before anything moves.
+        if let Some(ipv6) = candidate.translates() {
+            crate::datapath::prepare_forwarding(&candidate.interfaces, ipv6).map_err(|e| {
+                Rejected::new(RejectKind::Internal, format!("{e}; nothing was changed"))
+            })?;
+        }
         let changed = !(summary.created.is_empty()
             && summary.updated.is_empty()
             && summary.deleted.is_empty());
@@ -459,9 +465,6 @@ impl Rules {
                             .collect::<Vec<_>>()
                             .join(", ")
                     ));
-                    if candidate.interfaces.iter().any(|i| i.snat) {
-                        crate::datapath::allow_local_sources(&candidate.interfaces);
-                    }
                 }
                 Err(e) => {
                     undo_services(&mut self.dp);
@@ -482,9 +485,6 @@ impl Rules {
         if changed {
             self.publish_lb_index();
             crate::lb::resolve_dsr_backends(&candidate.services);
-            if candidate.services.iter().any(|s| s.port_forward) {
-                crate::datapath::allow_local_sources(&candidate.interfaces);
-            }
         }
         self.config = candidate;
         self.base = base;

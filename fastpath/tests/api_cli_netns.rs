@@ -957,3 +957,34 @@ fn every_cli_command_changes_real_traffic() {
     eprintln!("generation now {g}; test took {:?}", started.elapsed());
     drop(servers);
 }
+
+/// A reader that goes away (`fastpath ct list | head`) ends the CLI as it ends any Unix tool:
+/// killed by SIGPIPE, nothing on standard error — not a panic with a backtrace. The pipe's
+/// reading end is closed before the command writes, so its first write meets EPIPE (every
+/// command prints through the same writer).
+#[test]
+fn a_closed_pipe_ends_the_cli_quietly() {
+    use std::os::{fd::FromRawFd as _, unix::process::ExitStatusExt as _};
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/appliance.toml");
+    let mut fds = [0; 2];
+    // SAFETY: pipe(2) fills the two descriptors, owned from here by the Files below.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0, "pipe(2)");
+    // SAFETY: fresh descriptors from pipe(2), each owned once.
+    let (read, write) = unsafe { (fs::File::from_raw_fd(fds[0]), fs::File::from_raw_fd(fds[1])) };
+    drop(read);
+    let out = Command::new(bin())
+        .arg("config")
+        .arg("check")
+        .arg("--skip-interfaces")
+        .arg(&config)
+        .env("RUST_BACKTRACE", "1")
+        .stdout(write)
+        .output()
+        .expect("running fastpath");
+    assert_eq!(
+        (out.status.signal(), text(&out.stderr).as_str()),
+        (Some(libc::SIGPIPE), ""),
+        "`fastpath config check` writing into a closed pipe: {}",
+        out.status
+    );
+}
