@@ -14,8 +14,8 @@ use serde_json::json;
 use tokio_stream::StreamExt as _;
 
 use crate::{
-    ChangeArgs, CtCommand, EXIT_CONNECT, EXIT_FAILURE, EXIT_NOT_IN_SYNC, EXIT_REJECTED, EXIT_USAGE,
-    Output, OutputArg, error_chain,
+    ChangeArgs, CtCommand, EXIT_CONNECT, EXIT_FAILURE, EXIT_NOT_FORWARDING, EXIT_NOT_IN_SYNC,
+    EXIT_REJECTED, EXIT_USAGE, Output, OutputArg, error_chain,
 };
 
 #[derive(Subcommand)]
@@ -1133,6 +1133,70 @@ pub enum HaCommand {
         #[command(flatten)]
         out: OutputArg,
     },
+}
+
+/// `fastpath datapath [--check]`: the pinned datapath as the kernel runs it (no daemon).
+pub fn datapath(pin_dir: &std::path::Path, check: bool, out: OutputArg) -> ExitCode {
+    let (links, tails) = fastpath::datapath::pinned_datapath(pin_dir);
+    let mut problems: Vec<String> = links
+        .iter()
+        .filter_map(|l| l.problem.as_ref().map(|p| format!("{}: {p}", l.pin)))
+        .collect();
+    if links.is_empty() {
+        problems.push(format!(
+            "no links are pinned under {} (detached, or never attached; start the daemon)",
+            pin_dir.display()
+        ));
+    }
+    if tails == 0 {
+        problems.push(format!(
+            "no tail-call arrays are pinned under {}/tails (a datapath from an older fastpath: restart the daemon)",
+            pin_dir.display()
+        ));
+    }
+    match out.output {
+        Output::Json => {
+            if let Err(f) = print_json(&json!({
+                "pin_dir": pin_dir,
+                "forwarding": problems.is_empty(),
+                "links": links,
+                "tail_arrays": tails,
+                "problems": problems,
+            })) {
+                return finish(Err(f));
+            }
+        }
+        Output::Table => {
+            outln!(
+                "{:<24} {:<16} {:>7} {:<4}",
+                "LINK",
+                "INTERFACE",
+                "IFINDEX",
+                "UP"
+            );
+            for l in &links {
+                outln!(
+                    "{:<24} {:<16} {:>7} {:<4}",
+                    l.pin,
+                    l.iface.as_deref().unwrap_or("-"),
+                    l.ifindex,
+                    if l.up { "yes" } else { "no" }
+                );
+            }
+            outln!("tail-call arrays pinned: {tails}");
+        }
+    }
+    if problems.is_empty() {
+        return ExitCode::SUCCESS;
+    }
+    for p in &problems {
+        eprintln!("not forwarding: {p}");
+    }
+    if check {
+        ExitCode::from(EXIT_NOT_FORWARDING)
+    } else {
+        ExitCode::SUCCESS
+    }
 }
 
 pub async fn ha_status(target: &Target, check: bool, out: OutputArg) -> ExitCode {

@@ -57,6 +57,10 @@ pub struct DaemonOptions {
 }
 
 /// Runs until SIGINT/SIGTERM; SIGHUP reloads the config file.
+/// How long a stopping HA node that detaches waits for its VIPs to move (see
+/// `Datapath::detach_all`).
+const HANDOVER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError> {
     // Handlers first: a SIGINT/SIGTERM that arrives while attaching is held until the loop
     // below and then detaches cleanly, instead of killing the process half-attached.
@@ -245,6 +249,7 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         _ => None,
     };
     let detach_on_exit = rules.config().datapath.detach_on_exit;
+    let is_ha = ha.is_some();
     let attachments = rules.datapath().attachments.len();
 
     let shared = Arc::new(Shared {
@@ -334,7 +339,8 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
     let dp = rules.into_datapath();
     if detach_on_exit && !opts.leave_attached {
         let n = dp.attachments.len();
-        dp.detach_all()?;
+        // An HA node hands its VIPs to the standby before it stops forwarding.
+        dp.detach_all(is_ha.then_some(HANDOVER_TIMEOUT))?;
         info!(detached = n, "Detached programs and removed pins");
     } else {
         info!(pin_dir = %pin_dir.display(), "Leaving the datapath attached; `fastpath detach` removes it");

@@ -17,6 +17,7 @@
 //! load keep theirs until the links are swapped; then the older arrays are unpinned.
 
 use std::os::fd::FromRawFd as _;
+use std::time::Duration;
 use std::{
     collections::BTreeSet,
     ffi::CString,
@@ -791,11 +792,16 @@ impl Datapath {
         Ok(StatsSnapshot::read(&array)?)
     }
 
-    /// Detaches everything and removes every pin: the datapath is gone.
-    pub fn detach_all(self) -> Result<(), DatapathError> {
+    /// Detaches everything and removes every pin: the datapath is gone. With `handover`, the
+    /// VIPs move first (see [`remove_pins_after_handover`]): the links are unpinned, then
+    /// held while a VIP is still an address of this node, at most that long.
+    pub fn detach_all(self, handover: Option<Duration>) -> Result<(), DatapathError> {
         let pin_dir = self.pin_dir.clone();
         for a in &self.attachments {
             remove_pin(&a.pin)?;
+        }
+        if let Some(timeout) = handover {
+            wait_for_handover(&pinned_vips(&pin_dir).unwrap_or_default(), timeout);
         }
         drop(self); // closes the link fds: with their pins gone, the programs detach
         remove_pins(&pin_dir)
@@ -864,6 +870,225 @@ pub fn remove_pins(pin_dir: &Path) -> Result<(), DatapathError> {
     remove_pin_tree(&pin_dir.join("maps"))?;
     let _ = fs::remove_dir(pin_dir);
     Ok(())
+}
+
+/// [`remove_pins`], handing the VIPs over first: while one of the pinned services' VIPs is an
+/// address of this node (a VRRP master's), the links are unpinned but held open, so the
+/// datapath goes on forwarding while `fastpath datapath --check` (keepalived's FAULT script)
+/// fails and the standby takes the VIPs — up to `timeout`. Then the links go with the rest.
+pub fn remove_pins_after_handover(pin_dir: &Path, timeout: Duration) -> Result<(), DatapathError> {
+    let vips = pinned_vips(pin_dir).unwrap_or_default();
+    if local_vips(&vips).is_empty() {
+        return remove_pins(pin_dir);
+    }
+    let links: Vec<(PathBuf, std::os::fd::OwnedFd)> = fs::read_dir(pin_dir.join("links"))
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter_map(|e| open_pinned_fd(&e.path()).ok().map(|fd| (e.path(), fd)))
+                .collect()
+        })
+        .unwrap_or_default();
+    for (pin, _) in &links {
+        remove_pin(pin)?;
+    }
+    wait_for_handover(&vips, timeout);
+    drop(links);
+    remove_pins(pin_dir)
+}
+
+/// How long a node goes on forwarding once its VIPs have left it (see [`wait_for_handover`]).
+const HANDOVER_GRACE: Duration = Duration::from_secs(1);
+
+/// Waits until none of `vips` is an address of this node, at most `timeout`, then
+/// [`HANDOVER_GRACE`]; logs how it went.
+fn wait_for_handover(vips: &[std::net::IpAddr], timeout: Duration) {
+    let started = std::time::Instant::now();
+    let mut local = local_vips(vips);
+    if local.is_empty() {
+        return;
+    }
+    info!(vips = ?local, timeout_s = timeout.as_secs_f64(), "Links unpinned; forwarding until the VIPs move to the standby");
+    while !local.is_empty() && started.elapsed() < timeout {
+        std::thread::sleep(Duration::from_millis(20));
+        local = local_vips(vips);
+    }
+    if local.is_empty() {
+        // Packets already on their way here, and neighbours that have not yet taken the new
+        // master's gratuitous ARP, still arrive for a moment: they are translated as before
+        // instead of meeting a kernel that no longer knows their connections.
+        std::thread::sleep(HANDOVER_GRACE);
+        info!(
+            took_ms = started.elapsed().as_millis() as u64,
+            "The VIPs left this node; detaching"
+        );
+    } else {
+        warn!(vips = ?local, "The VIPs are still on this node; detaching anyway (is keepalived running `fastpath datapath --check`?)");
+    }
+}
+
+/// The VIPs of the services pinned under `pin_dir`.
+pub fn pinned_vips(pin_dir: &Path) -> Result<Vec<std::net::IpAddr>, DatapathError> {
+    use std::os::fd::AsFd as _;
+    let svc_map = pinned_map(pin_dir, map_names::SVC)?;
+    let mut vips = BTreeSet::new();
+    walk_batches(
+        svc_map.fd().as_fd().as_raw_fd(),
+        |k: &[SvcKey], _: &[Service]| {
+            vips.extend(k.iter().map(|k| ip_of(k.family, &k.vip)));
+        },
+    )
+    .map_err(|source| DatapathError::Io {
+        what: "reading FP_SVC".into(),
+        source,
+    })?;
+    Ok(vips.into_iter().collect())
+}
+
+/// Those of `vips` that are addresses of an interface of this network namespace.
+fn local_vips(vips: &[std::net::IpAddr]) -> Vec<std::net::IpAddr> {
+    let local = local_addresses();
+    vips.iter().copied().filter(|v| local.contains(v)).collect()
+}
+
+/// Every address of this network namespace's interfaces (getifaddrs).
+fn local_addresses() -> BTreeSet<std::net::IpAddr> {
+    let mut out = BTreeSet::new();
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list freed below with freeifaddrs.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return out;
+    }
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of the list getifaddrs returned, alive until freeifaddrs;
+        // a sockaddr's family tells which struct it is.
+        unsafe {
+            let addr = (*cur).ifa_addr;
+            if !addr.is_null() {
+                match i32::from((*addr).sa_family) {
+                    libc::AF_INET => {
+                        let a = &*(addr as *const libc::sockaddr_in);
+                        out.insert(
+                            std::net::Ipv4Addr::from(a.sin_addr.s_addr.to_ne_bytes()).into(),
+                        );
+                    }
+                    libc::AF_INET6 => {
+                        let a = &*(addr as *const libc::sockaddr_in6);
+                        out.insert(std::net::Ipv6Addr::from(a.sin6_addr.s6_addr).into());
+                    }
+                    _ => {}
+                }
+            }
+            cur = (*cur).ifa_next;
+        }
+    }
+    // SAFETY: the list getifaddrs allocated, freed once.
+    unsafe { libc::freeifaddrs(head) };
+    out
+}
+
+/// One pinned link of a datapath as the kernel has it now (`fastpath datapath`).
+#[derive(Debug, serde::Serialize)]
+pub struct LinkState {
+    /// The pin's name: `<iface>@<hook>`.
+    pub pin: String,
+    /// The interface it is attached to (by its index now), if it still exists.
+    pub iface: Option<String>,
+    pub ifindex: u32,
+    /// The interface is up and has carrier.
+    pub up: bool,
+    /// Why the link cannot forward, if it cannot.
+    pub problem: Option<String>,
+}
+
+/// The datapath pinned under `pin_dir` as the kernel runs it: its links, and the number of
+/// loads whose tail-call arrays are pinned. Reads pins only (no daemon needed).
+pub fn pinned_datapath(pin_dir: &Path) -> (Vec<LinkState>, usize) {
+    let mut links = Vec::new();
+    if let Ok(entries) = fs::read_dir(pin_dir.join("links")) {
+        for e in entries.flatten() {
+            let pin = e.file_name().to_string_lossy().into_owned();
+            let state = match pinned_link_info(&e.path()) {
+                Err(err) => LinkState {
+                    pin,
+                    iface: None,
+                    ifindex: 0,
+                    up: false,
+                    problem: Some(format!("the pinned link cannot be read: {err}")),
+                },
+                Ok(info) if info.ifindex == 0 => LinkState {
+                    pin,
+                    iface: None,
+                    ifindex: 0,
+                    up: false,
+                    problem: Some("its interface is gone".into()),
+                },
+                Ok(info) => {
+                    let (iface, up) = interface_up(info.ifindex);
+                    let problem = match (&iface, up) {
+                        (None, _) => Some(format!(
+                            "interface {} is not in this network namespace (use --netns)",
+                            info.ifindex
+                        )),
+                        (Some(name), false) => {
+                            Some(format!("interface {name} is down or has no carrier"))
+                        }
+                        (Some(_), true) => None,
+                    };
+                    LinkState {
+                        pin,
+                        iface,
+                        ifindex: info.ifindex,
+                        up,
+                        problem,
+                    }
+                }
+            };
+            links.push(state);
+        }
+    }
+    links.sort_by(|a, b| a.pin.cmp(&b.pin));
+    let tails = subdirs(&pin_dir.join(TAILS_DIR))
+        .iter()
+        .filter(|d| {
+            [map_names::TAILS, map_names::TC_TAILS]
+                .iter()
+                .all(|m| d.join(m).exists())
+        })
+        .count();
+    (links, tails)
+}
+
+/// The name of interface `ifindex` in this network namespace, and whether it is up with
+/// carrier (IFF_UP and IFF_RUNNING).
+fn interface_up(ifindex: u32) -> (Option<String>, bool) {
+    let mut name = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: if_indextoname writes at most IF_NAMESIZE bytes, NUL-terminated, into `name`.
+    if unsafe { libc::if_indextoname(ifindex, name.as_mut_ptr()) }.is_null() {
+        return (None, false);
+    }
+    // SAFETY: NUL-terminated by if_indextoname.
+    let cname = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) };
+    let iface = cname.to_string_lossy().into_owned();
+    // SAFETY: a plain datagram socket for the ioctl, closed by OwnedFd.
+    let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if sock < 0 {
+        return (Some(iface), false);
+    }
+    // SAFETY: a new fd nothing else owns.
+    let sock = unsafe { std::os::fd::OwnedFd::from_raw_fd(sock) };
+    // SAFETY: ifreq is plain data; zeroed is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in req.ifr_name.iter_mut().zip(name.iter()) {
+        *d = *s;
+    }
+    // SAFETY: SIOCGIFFLAGS reads ifr_name and writes ifr_flags of `req`.
+    let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) };
+    // SAFETY: ifr_flags is the union member SIOCGIFFLAGS wrote.
+    let flags = i32::from(unsafe { req.ifr_ifru.ifru_flags });
+    let up = rc == 0 && flags & libc::IFF_UP != 0 && flags & libc::IFF_RUNNING != 0;
+    (Some(iface), up)
 }
 
 /// Removes the pins in `dir`, then `dir` (gone already: nothing to do).
@@ -2438,7 +2663,9 @@ struct PinnedLinkInfo {
     ifindex: u32,
 }
 
-fn pinned_link_info(pin: &Path) -> io::Result<PinnedLinkInfo> {
+/// A new fd of the object pinned at `pin` (BPF_OBJ_GET): while open, it keeps the object
+/// alive even once unpinned.
+fn open_pinned_fd(pin: &Path) -> io::Result<std::os::fd::OwnedFd> {
     use std::os::{fd::FromRawFd as _, unix::ffi::OsStrExt as _};
     let path = CString::new(pin.as_os_str().as_bytes())?;
     // union bpf_attr for BPF_OBJ_GET: pathname (u64), bpf_fd, file_flags, path_fd.
@@ -2457,7 +2684,11 @@ fn pinned_link_info(pin: &Path) -> io::Result<PinnedLinkInfo> {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: the syscall returned a new fd that nothing else owns.
-    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
+}
+
+fn pinned_link_info(pin: &Path) -> io::Result<PinnedLinkInfo> {
+    let fd = open_pinned_fd(pin)?;
     // struct bpf_link_info: type, id, prog_id, pad, then the per-type union; for XDP and TCX
     // links its first field is the ifindex (offset 16).
     let mut info = [0u64; 32];

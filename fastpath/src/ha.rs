@@ -463,16 +463,17 @@ impl Ha {
             self.rejected_messages.fetch_add(1, Ordering::Relaxed);
             return Err(format!("node id changed mid-stream to {id}"));
         }
-        if node.is_none() {
-            *node = Some(id);
-            if let Ok(mut inbound) = self.inbound.lock() {
-                inbound.entry(id).or_insert_with(PeerIn::new).streams += 1;
-            }
-        }
+        let first = node.is_none();
+        *node = Some(id);
         let now = conntrack::monotonic_ns();
         let ix = self.lb.borrow().clone();
         let mut inbound = self.inbound.lock().map_err(|_| "poisoned")?;
         let peer = inbound.entry(id).or_insert_with(PeerIn::new);
+        // Counted under the same lock as the batch is applied: `in_sync` never sees the new
+        // stream with the previous epoch's completed snapshot.
+        if first {
+            peer.streams += 1;
+        }
         let mut table = self.table.lock().map_err(|_| "poisoned")?;
         peer.last_message = Some(Instant::now());
         peer.epoch = peer.epoch.max(b.epoch);
@@ -547,13 +548,20 @@ impl Ha {
         }
     }
 
-    /// Whether this node holds every configured peer's state: as many peers completed a
-    /// snapshot of their current epoch (and applied their stream since) as are configured.
+    /// Whether this node holds every configured peer's state: as many peers stream to it now,
+    /// having completed a snapshot of their current epoch (and applied their stream since), as
+    /// are configured. A peer whose stream is down is not in sync: its changes since then are
+    /// unknown here, and when it restarts, its connections opened meanwhile arrive only with
+    /// its next snapshot.
     pub fn in_sync(&self) -> bool {
         let synced = self
             .inbound
             .lock()
-            .map(|m| m.values().filter(|p| p.rx.synced()).count())
+            .map(|m| {
+                m.values()
+                    .filter(|p| p.streams > 0 && p.rx.synced())
+                    .count()
+            })
             .unwrap_or(0);
         synced >= self.peers.len()
     }

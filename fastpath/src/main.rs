@@ -35,6 +35,8 @@ const EXIT_CONNECT: u8 = 3;
 const EXIT_REJECTED: u8 = 4;
 /// Exit code of `ha status --check` when this node does not hold its peers' state.
 const EXIT_NOT_IN_SYNC: u8 = 5;
+/// Exit code of `datapath --check` when the pinned datapath cannot forward.
+const EXIT_NOT_FORWARDING: u8 = 6;
 
 /// fastpath — an eBPF fast path for Linux: XDP/TC programs run a forwarding pipeline (conntrack,
 /// load balancing, NAT) and hand whatever they do not handle to the kernel (the slow path).
@@ -48,7 +50,8 @@ const EXIT_NOT_IN_SYNC: u8 = 5;
 /// EXIT STATUS: 0 success; 1 runtime failure (kernel refused, I/O, server error); 2 usage or
 /// configuration error (nothing was changed); 3 the daemon cannot be reached; 4 the daemon
 /// refused the request (invalid, conflicting, not found: nothing was changed); 5 `ha status
-/// --check`: this node is not in sync with its HA peers.
+/// --check`: this node is not in sync with its HA peers; 6 `datapath --check`: the datapath
+/// cannot forward.
 #[derive(Parser)]
 #[command(
     name = "fastpath",
@@ -68,6 +71,19 @@ struct Cli {
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
 
+    /// The daemon's TOML config file. `daemon` runs with it; every other command finds the
+    /// daemon through it: its API socket (`[api] socket`, else the default that follows
+    /// `datapath.pin_dir`) and its pin directory — so scripts (a keepalived track script)
+    /// need only the file the daemon uses.
+    #[arg(
+        long,
+        short = 'c',
+        global = true,
+        value_name = "FILE",
+        env = "FASTPATH_CONFIG"
+    )]
+    config: Option<PathBuf>,
+
     #[command(flatten)]
     conn: Connection,
 
@@ -78,15 +94,10 @@ struct Cli {
 /// How client commands reach the daemon.
 #[derive(Args, Clone)]
 struct Connection {
-    /// The daemon's API socket ([api] socket in its config).
-    #[arg(
-        long,
-        global = true,
-        value_name = "PATH",
-        env = "FASTPATH_SOCKET",
-        default_value = "/run/fastpath/fastpath.sock"
-    )]
-    socket: PathBuf,
+    /// The daemon's API socket ([api] socket in its config) [default: the one --config
+    /// names, else /run/fastpath/fastpath.sock].
+    #[arg(long, global = true, value_name = "PATH", env = "FASTPATH_SOCKET")]
+    socket: Option<PathBuf>,
     /// Reach the daemon over TCP instead: https://HOST:PORT (with --ca, --cert, --key).
     #[arg(long, global = true, value_name = "URL", env = "FASTPATH_SERVER")]
     server: Option<String>,
@@ -148,10 +159,9 @@ enum Command {
     /// `datapath.detach_on_exit = false` or --leave-attached (what a service manager should
     /// use, so that a stop/start keeps traffic flowing). SIGHUP reloads the config file and
     /// applies only the difference. Log verbosity: RUST_LOG (default `info`).
+    ///
+    /// Example: `fastpath daemon --config /etc/fastpath/fastpath.toml --leave-attached`.
     Daemon {
-        /// TOML config file (see config/README.md).
-        #[arg(long, short = 'c', value_name = "FILE")]
-        config: PathBuf,
         /// Keep programs attached and pins in place on exit.
         #[arg(long)]
         leave_attached: bool,
@@ -232,10 +242,41 @@ enum Command {
         command: ConfigCommand,
     },
     /// Detach a datapath left running (after `kill -9`, or --leave-attached) and remove its pins.
+    ///
+    /// While one of its services' VIPs is an address of this node (a VRRP master's), the
+    /// links are unpinned first and held up to --handover-timeout seconds until the VIP has
+    /// moved: keepalived's `fastpath datapath --check` script fails at once, the standby takes
+    /// the VIP, and only then does this node stop forwarding — no connection meets a node
+    /// that holds the VIP but no longer translates.
     Detach {
-        /// Pin directory of the datapath to remove.
-        #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_DIR)]
-        pin_dir: PathBuf,
+        /// Pin directory of the datapath to remove [default: --config's datapath.pin_dir, else
+        /// /sys/fs/bpf/fastpath].
+        #[arg(long, value_name = "DIR")]
+        pin_dir: Option<PathBuf>,
+        /// Seconds to wait for the VIPs to leave this node before detaching anyway.
+        #[arg(long, value_name = "SECONDS", default_value_t = 5.0)]
+        handover_timeout: f64,
+    },
+    /// The datapath as the kernel runs it, with or without a daemon: each pinned link (its
+    /// interface, hook and whether the interface is up) and the tail-call arrays. Reads the
+    /// pins only.
+    ///
+    /// `--check` exits 0 when the datapath forwards — links pinned, each attached to an
+    /// interface that exists and is up (with carrier), the tail-call arrays pinned — and 6
+    /// when it cannot, saying why on standard error. A daemon that is down or restarting does
+    /// not count: the datapath forwards without it. This is keepalived's FAULT script (see
+    /// config/keepalived/).
+    ///
+    /// Example: `fastpath -c /etc/fastpath/fastpath.toml datapath --check`.
+    Datapath {
+        /// Pin directory [default: --config's datapath.pin_dir, else /sys/fs/bpf/fastpath].
+        #[arg(long, value_name = "DIR")]
+        pin_dir: Option<PathBuf>,
+        /// Exit 0 if the datapath can forward, 6 if not.
+        #[arg(long)]
+        check: bool,
+        #[command(flatten)]
+        out: OutputArg,
     },
 }
 
@@ -338,13 +379,37 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_FAILURE);
         }
     };
-    let target = cli.conn.target();
+    // A client finds the daemon through its config file, when given one.
+    let client_config = match (&cli.command, &cli.config) {
+        (Command::Daemon { .. }, _) | (_, None) => None,
+        (_, Some(path)) => match Config::load_with(path, InterfaceCheck::Skip) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!("error: invalid config: {e}");
+                return ExitCode::from(EXIT_USAGE);
+            }
+        },
+    };
+    let target = cli.conn.target(client_config.as_ref());
+    let pin_dir_or_default = |dir: Option<PathBuf>| {
+        dir.or_else(|| {
+            client_config
+                .as_ref()
+                .map(|c| c.datapath.pin_dir.get_ref().clone())
+        })
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_PIN_DIR))
+    };
     match cli.command {
         Command::Daemon {
-            config,
             leave_attached,
             ct_events_log,
         } => {
+            let Some(config) = cli.config else {
+                eprintln!(
+                    "error: `fastpath daemon` needs its config file: --config FILE (see config/README.md)"
+                );
+                return ExitCode::from(EXIT_USAGE);
+            };
             let loaded = match Config::load(&config) {
                 Ok(c) => c,
                 Err(e) => {
@@ -396,7 +461,16 @@ fn main() -> ExitCode {
                 ExitCode::from(EXIT_USAGE)
             }
         },
-        Command::Detach { pin_dir } => {
+        Command::Datapath {
+            pin_dir,
+            check,
+            out,
+        } => cli::datapath(&pin_dir_or_default(pin_dir), check, out),
+        Command::Detach {
+            pin_dir,
+            handover_timeout,
+        } => {
+            let pin_dir = pin_dir_or_default(pin_dir);
             if !datapath::looks_like_pin_dir(&pin_dir) {
                 eprintln!(
                     "error: {} does not look like a fastpath pin directory (expected only maps/, links/ and tails/): nothing removed",
@@ -404,8 +478,12 @@ fn main() -> ExitCode {
                 );
                 return ExitCode::from(EXIT_FAILURE);
             }
-            let removed =
-                datapath::lock_pin_dir(&pin_dir).and_then(|_lock| datapath::remove_pins(&pin_dir));
+            let removed = datapath::lock_pin_dir(&pin_dir).and_then(|_lock| {
+                datapath::remove_pins_after_handover(
+                    &pin_dir,
+                    std::time::Duration::from_secs_f64(handover_timeout.max(0.0)),
+                )
+            });
             match removed {
                 Ok(()) => {
                     outln!("detached and removed {}", pin_dir.display());
@@ -437,7 +515,9 @@ fn main() -> ExitCode {
 }
 
 impl Connection {
-    fn target(&self) -> fastpath::api::client::Target {
+    /// Where the daemon is: --server, else --socket, else the socket of `config` (the file
+    /// --config names), else the default socket.
+    fn target(&self, config: Option<&Config>) -> fastpath::api::client::Target {
         use fastpath::api::client::{Target, TlsFiles};
         match &self.server {
             Some(url) => Target::Tcp {
@@ -452,7 +532,12 @@ impl Connection {
                     _ => None,
                 },
             },
-            None => Target::Unix(self.socket.clone()),
+            None => Target::Unix(self.socket.clone().unwrap_or_else(|| {
+                config.map_or_else(
+                    || PathBuf::from("/run/fastpath/fastpath.sock"),
+                    Config::api_socket,
+                )
+            })),
         }
     }
 }

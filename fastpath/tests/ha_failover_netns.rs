@@ -135,11 +135,23 @@ struct Outcome {
     bulk_read_at_crash: usize,
 }
 
+/// One run's testbed: the pair with its servers and daemons, keepalived on both (A master).
+struct Bed {
+    dir: TempDir,
+    ha: HaTopology,
+    nginx: Vec<HttpServer>,
+    echo: EchoServers,
+    /// A's, then B's.
+    daemons: Vec<Daemon>,
+    bulk: Vec<u8>,
+}
+
 /// Builds the testbed in `mode` (the stateful firewall on both nodes' interfaces when
-/// `firewall`), with `[ha]` sync between A and B when `sync`, runs the
-/// traffic, crashes A and measures what B made of it. Checks only what must hold either way
-/// (the testbed works before the crash, B takes the VIP); the callers judge the outcome.
-fn failover(mode: LbMode, sync: bool, firewall: bool) -> Outcome {
+/// `firewall`), with `[ha]` sync between A and B when `sync`: the daemons with the nodes'
+/// configs, keepalived with the shipped example's scripts (finding the daemon and its pins
+/// through its config file), A master, B in sync when `sync`. Nothing else is set by hand:
+/// the nodes start with the kernel's default sysctls.
+fn bed(mode: LbMode, sync: bool, firewall: bool) -> Bed {
     prepare_test(&["curl", "nginx", "ethtool", "keepalived"]);
     let dir = TempDir::new("ha").expect("temp dir");
     let mut ha = test_ha_topology(BACKENDS);
@@ -170,7 +182,7 @@ fn failover(mode: LbMode, sync: bool, firewall: bool) -> Outcome {
     .unwrap_or_else(|e| panic!("echo servers: {e}"));
 
     let pki = sync.then(|| sync_pki(&dir));
-    let mut daemons: Vec<Daemon> = Node::BOTH
+    let daemons: Vec<Daemon> = Node::BOTH
         .into_iter()
         .map(|n| {
             let mut config = ha.lb_config(
@@ -193,19 +205,52 @@ fn failover(mode: LbMode, sync: bool, firewall: bool) -> Outcome {
     let track = |d: &Daemon| {
         sync.then(|| {
             format!(
-                "{} --socket {} ha status --check",
+                "{} --config {} ha status --check",
                 bin().display(),
-                d.socket().display()
+                d.config_path().display()
             )
         })
     };
+    // keepalived runs under `ip netns exec`, whose private /sys hides the host's bpffs: the
+    // script reads the pins from this process's mount namespace (a deployment's keepalived
+    // runs in the host's).
+    let forwarding = |d: &Daemon| {
+        Some(format!(
+            "/usr/bin/nsenter --mount=/proc/{}/ns/mnt -- {} --config {} datapath --check",
+            std::process::id(),
+            bin().display(),
+            d.config_path().display()
+        ))
+    };
     // A first: it wins the first election whatever B's timing.
-    ha.start_keepalived(Node::A, track(&daemons[0]));
+    ha.start_keepalived(Node::A, track(&daemons[0]), forwarding(&daemons[0]));
     ha.wait_master(Node::A, Duration::from_secs(10));
-    ha.start_keepalived(Node::B, track(&daemons[1]));
+    ha.start_keepalived(Node::B, track(&daemons[1]), forwarding(&daemons[1]));
     if sync {
         wait_in_sync(&daemons[1], "B before the traffic", Duration::from_secs(30));
     }
+    Bed {
+        dir,
+        ha,
+        nginx,
+        echo,
+        daemons,
+        bulk,
+    }
+}
+
+/// Builds the testbed (see [`bed`]), runs the traffic, crashes A and measures what B made of
+/// it. Checks only what must hold either way (the testbed works before the crash, B takes the
+/// VIP); the callers judge the outcome.
+fn failover(mode: LbMode, sync: bool, firewall: bool) -> Outcome {
+    let Bed {
+        dir,
+        mut ha,
+        nginx,
+        echo,
+        mut daemons,
+        bulk,
+    } = bed(mode, sync, firewall);
 
     let vip = SocketAddr::from((HaTopology::VIP, ECHO_PORT));
     let pool = ConnPool::open(ha.client(), vip, CONNECTIONS, PoolOptions::default())
@@ -402,5 +447,177 @@ fn assert_kept(out: &Outcome) {
         out.resets,
         (0, 0),
         "TCP resets (sent, established reset) in the client and backends during the failover"
+    );
+}
+
+/// Connections per pool in the partial-failure tests.
+const POOL: usize = 200;
+
+/// `POOL` echo connections from the client to the VIP; panics with A's log if one fails.
+fn open_pool(bed: &Bed, when: &str) -> ConnPool {
+    let vip = SocketAddr::from((HaTopology::VIP, ECHO_PORT));
+    let pool = ConnPool::open(bed.ha.client(), vip, POOL, PoolOptions::default())
+        .unwrap_or_else(|e| panic!("{when}: {e}\nA's log:\n{}", bed.daemons[0].log()));
+    pool.check_progress(&pool.mark(), Duration::from_secs(30), when);
+    pool
+}
+
+/// Panics unless every connection of `pools` progressed since `marks` within [`RECOVERY`],
+/// then ends them and panics unless none failed. Returns (connections, bytes verified).
+fn all_carried_on(
+    pools: Vec<ConnPool>,
+    marks: &[fastpath::testkit::traffic::Mark],
+    when: &str,
+) -> (usize, u64) {
+    let (mut conns, mut bytes) = (0, 0);
+    for (pool, mark) in pools.into_iter().zip(marks) {
+        let p = pool.wait_progress(mark, RECOVERY);
+        assert!(
+            p.failed.is_empty() && p.waiting.is_empty(),
+            "{when}: {} progressed, {} failed ({}), {} made no progress within {RECOVERY:?}",
+            p.progressed,
+            p.failed.len(),
+            p.failure_kinds(),
+            p.waiting.len()
+        );
+        let totals = pool.finish();
+        assert!(
+            totals.failed.is_empty(),
+            "{when}: connections failed on close: {} ({})",
+            totals.failed.len(),
+            totals.failure_kinds()
+        );
+        conns += totals.connections;
+        bytes += totals.bytes_verified;
+    }
+    (conns, bytes)
+}
+
+/// Only the master's daemon dies (SIGKILL; its links and keepalived stay up). Its datapath
+/// forwards alone, so nothing may move: A keeps the VIP (its in-sync script fails, 150 →
+/// 90, but B has `nopreempt` and A's forwarding script passes), the connections go on, new
+/// ones open through A. When A's daemon is back, its snapshot brings B the connections opened
+/// meanwhile; then A dies hard and B carries every connection — those opened while A's
+/// daemon was dead included. Full-NAT: a connection B did not receive would be reset.
+#[test]
+fn a_dead_daemon_on_the_master_moves_nothing_and_a_later_crash_keeps_every_connection() {
+    let mut bed = bed(LbMode::FullNat, true, false);
+    let early = open_pool(&bed, "before A's daemon dies");
+    wait_in_sync(
+        &bed.daemons[1],
+        "B with the first connections",
+        Duration::from_secs(30),
+    );
+    let resets_before = resets(&bed.ha);
+
+    bed.daemons[0].kill9();
+    // Several rounds of both track scripts (1 s apart).
+    thread::sleep(Duration::from_secs(4));
+    assert_eq!(
+        bed.ha.master(),
+        Some(Node::A),
+        "A's datapath forwards without its daemon: A keeps the VIP; {}",
+        bed.ha.transitions()
+    );
+    early.check_progress(
+        &early.mark(),
+        Duration::from_secs(10),
+        "with A's daemon dead",
+    );
+    let late = open_pool(&bed, "opened while A's daemon is dead");
+
+    bed.daemons[0].restart();
+    wait_in_sync(
+        &bed.daemons[1],
+        "B after A's daemon came back",
+        Duration::from_secs(30),
+    );
+    let on_b = fastpath::testkit::ha::lb_entries(bed.daemons[1].pin_dir(), Node::A.node_id())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .connections;
+    assert!(
+        on_b >= 2 * POOL,
+        "B holds {on_b} of A's connections, not the {} opened before and while A's daemon was dead",
+        2 * POOL
+    );
+
+    bed.daemons[0].kill9();
+    let down = bed.ha.crash(Node::A);
+    bed.ha.wait_master(Node::B, Duration::from_secs(10));
+    let takeover = down.elapsed();
+    let marks = [early.mark(), late.mark()];
+    let (conns, bytes) = all_carried_on(vec![early, late], &marks, "after A's crash");
+    let after = resets(&bed.ha);
+    assert_eq!(
+        (after.0 - resets_before.0, after.1 - resets_before.1),
+        (0, 0),
+        "TCP resets (sent, established reset) in the client and backends"
+    );
+    eprintln!(
+        "daemon-only death on the master: A kept the VIP; {conns} connections ({POOL} opened while A's daemon was dead), B held {on_b} of A's after its restart, took over {} ms after A's links went down; {bytes} bytes verified, 0 resets",
+        takeover.as_millis()
+    );
+}
+
+/// The master's datapath is detached (its daemon killed, then `fastpath detach`, as an
+/// operator removes a datapath left running): A can no longer forward, so it must not keep
+/// the VIP. `fastpath detach` unpins the links but holds them while the VIP is A's; A's
+/// forwarding script fails, keepalived puts A in FAULT, B takes the VIP, and only then does
+/// A stop forwarding. NAT with the stateful firewall: B carries the connections only with
+/// the replicated entries.
+#[test]
+fn a_detached_datapath_on_the_master_hands_the_vip_to_the_standby() {
+    let mut bed = bed(LbMode::Nat, true, true);
+    let pool = open_pool(&bed, "before the detach");
+    wait_in_sync(
+        &bed.daemons[1],
+        "B with the connections",
+        Duration::from_secs(30),
+    );
+    let resets_before = resets(&bed.ha);
+
+    let each_before: Vec<_> = bed.ha.endpoints().into_iter().map(tcp_resets).collect();
+    bed.daemons[0].kill9();
+    let mark = pool.mark();
+    let started = Instant::now();
+    let out = std::process::Command::new(bin())
+        .args([
+            "--netns",
+            bed.ha.node(Node::A).name(),
+            "detach",
+            "--pin-dir",
+        ])
+        .arg(bed.daemons[0].pin_dir())
+        .output()
+        .expect("running fastpath detach");
+    let detach_took = started.elapsed();
+    assert!(
+        out.status.success(),
+        "fastpath detach: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !bed.daemons[0].pin_dir().exists(),
+        "fastpath detach removes the pins"
+    );
+    bed.ha.wait_master(Node::B, Duration::from_secs(5));
+    let transitions = bed.ha.transitions();
+    assert!(
+        transitions.contains("FAULT"),
+        "A must go to FAULT (its forwarding script failed): {transitions}"
+    );
+    let (conns, bytes) = all_carried_on(vec![pool], &[mark], "after A's datapath was detached");
+    let after = resets(&bed.ha);
+    let each_after: Vec<_> = bed.ha.endpoints().into_iter().map(tcp_resets).collect();
+    assert_eq!(
+        (after.0 - resets_before.0, after.1 - resets_before.1),
+        (0, 0),
+        "TCP resets (sent, established reset) in the client and backends (each, before and after: {each_before:?} {each_after:?}); A's detach said:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!(
+        "detached datapath on the master: `fastpath detach` handed the VIP over in {} ms; B master, {conns} connections carried on, {bytes} bytes verified, 0 resets",
+        detach_took.as_millis()
     );
 }

@@ -264,14 +264,23 @@ impl HaTopology {
     }
 
     /// Starts keepalived on `node` (see [`KeepalivedConfig::for_node`]); `track` is the
-    /// readiness command of its `track_script` (`fastpath --socket S ha status --check`), or
+    /// readiness command of its weighted script (`fastpath --socket S ha status --check`),
+    /// `forwarding` the command of its FAULT script (`fastpath datapath --check`), each or
     /// none. Waits until it runs its VRRP child.
-    pub fn start_keepalived(&mut self, node: Node, track: Option<String>) {
+    pub fn start_keepalived(
+        &mut self,
+        node: Node,
+        track: Option<String>,
+        forwarding: Option<String>,
+    ) {
         assert!(
             self.keepalived[node.index()].is_none(),
             "keepalived already runs on {node:?}"
         );
-        let config = KeepalivedConfig::for_node(node, track);
+        let config = KeepalivedConfig {
+            forwarding,
+            ..KeepalivedConfig::for_node(node, track)
+        };
         let k = Keepalived::start(self.node(node), config)
             .unwrap_or_else(|e| panic!("starting keepalived on {node:?}: {e}"));
         self.keepalived[node.index()] = Some(k);
@@ -377,10 +386,9 @@ impl HaTopology {
 }
 
 /// Builds the failover testbed (see the module docs) with `backends` backends (at most 200).
-/// Each LB node forwards (`ip_forward`), may bind the VIP it does not hold yet
-/// (`ip_nonlocal_bind`) and accepts packets from its own addresses (`accept_local`: the
-/// full-NAT source is the node's gateway address); the switches are plain bridges (no STP,
-/// so ports forward at once).
+/// Each LB node may bind the VIP it does not hold yet (`ip_nonlocal_bind`); forwarding and
+/// `accept_local` are left to the daemon. The switches are plain bridges (no STP, so ports
+/// forward at once).
 pub fn ha_topology(backends: usize) -> Result<HaTopology, NetnsError> {
     assert!(backends <= 200, "ha_topology supports up to 200 backends");
     let mut topo = Topology::new();
@@ -450,13 +458,10 @@ pub fn ha_topology(backends: usize) -> Result<HaTopology, NetnsError> {
         VethEnd::new(Node::B.role(), HaTopology::SYNC_IF)
             .addr(&format!("{}/24", HaTopology::sync_addr(Node::B))),
     )?;
+    // Forwarding and accept_local are the daemon's to set (as on an operator's node): the
+    // nodes start with the kernel's defaults.
     for n in Node::BOTH {
-        let ns = topo.ns(n.role());
-        ns.sysctl("net.ipv4.ip_forward", "1")?;
-        ns.sysctl("net.ipv4.ip_nonlocal_bind", "1")?;
-        for dev in ["all", "default", HaTopology::FRONT_IF, HaTopology::BACK_IF] {
-            ns.sysctl(&format!("net.ipv4.conf.{dev}.accept_local"), "1")?;
-        }
+        topo.ns(n.role()).sysctl("net.ipv4.ip_nonlocal_bind", "1")?;
     }
     for i in 0..backends {
         topo.ns(&HaTopology::backend_role(i))
@@ -511,6 +516,8 @@ pub struct KeepalivedConfig {
     /// `advert_int`, seconds (fractions need VRRP v3).
     pub advert_int: &'static str,
     pub track: Option<TrackScript>,
+    /// The FAULT script's command: fails while this node's datapath cannot forward.
+    pub forwarding: Option<String>,
     /// The notify command (keepalived appends: type, instance, state, priority).
     pub notify: Option<String>,
 }
@@ -531,15 +538,20 @@ impl KeepalivedConfig {
                 command,
                 weight: TRACK_WEIGHT,
             }),
+            forwarding: None,
             notify: None,
         }
     }
 
     /// The shipped example for `node` (`config/keepalived/keepalived-{a,b}.conf`):
     /// documentation addresses, eth0 in front, eth1 behind, fastpath installed as the unit
-    /// file installs it.
+    /// file installs it, both scripts finding the daemon and its pins through its config.
     pub fn example(node: Node) -> KeepalivedConfig {
         KeepalivedConfig {
+            forwarding: Some(
+                "/usr/local/bin/fastpath --config /etc/fastpath/fastpath.toml datapath --check"
+                    .into(),
+            ),
             front_if: "eth0".into(),
             vip: "192.0.2.100/24".into(),
             back_if: "eth1".into(),
@@ -550,7 +562,7 @@ impl KeepalivedConfig {
             ..KeepalivedConfig::for_node(
                 node,
                 Some(
-                    "/usr/local/bin/fastpath --socket /run/fastpath/fastpath.sock ha status --check"
+                    "/usr/local/bin/fastpath --config /etc/fastpath/fastpath.toml ha status --check"
                         .into(),
                 ),
             )
@@ -574,13 +586,32 @@ impl KeepalivedConfig {
              }}\n",
             router_id = self.router_id
         );
+        if let Some(command) = &self.forwarding {
+            s += &format!(
+                "\n\
+                 # Forwarding: exit 0 while this node's datapath can forward (links pinned,\n\
+                 # attached to interfaces that are up; it reads the pins, so a daemon that is\n\
+                 # down or restarting does not count: the datapath forwards without it).\n\
+                 # No weight: failing is a FAULT — the master gives the VIP up at once and the\n\
+                 # standby takes over, nopreempt or not.\n\
+                 vrrp_script fastpath_forwarding {{\n\
+                 \x20   script \"{command}\"\n\
+                 \x20   interval 1\n\
+                 \x20   timeout 2\n\
+                 \x20   rise 2\n\
+                 \x20   fall 1\n\
+                 }}\n"
+            );
+        }
         if let Some(t) = &self.track {
             s += &format!(
                 "\n\
                  # Readiness: exit 0 while this node holds its peer's connections (in sync).\n\
                  # A weight, not a fault: a standby out of sync must not take the VIP from a\n\
                  # healthy master (it drops below it), but must still take over when the\n\
-                 # master is dead (no adverts: it becomes master whatever its priority).\n\
+                 # master is dead (no adverts: it becomes master whatever its priority). A\n\
+                 # master whose daemon died fails it too (150 - 60 = 90) but keeps the VIP:\n\
+                 # its datapath still forwards, and the standby has nopreempt.\n\
                  vrrp_script fastpath_in_sync {{\n\
                  \x20   script \"{}\"\n\
                  \x20   interval 1\n\
@@ -621,8 +652,27 @@ impl KeepalivedConfig {
             gw = self.back_gateway,
             back_if = self.back_if,
         );
-        if self.track.is_some() {
-            s += "    track_script {\n        fastpath_in_sync\n    }\n";
+        s += &format!(
+            "    # The back interface down: the backends are out of reach, FAULT (the front\n\
+             \x20   # one, `interface`, is tracked anyway).\n\
+             \x20   track_interface {{\n\
+             \x20       {}\n\
+             \x20   }}\n",
+            self.back_if
+        );
+        let scripts: Vec<&str> = [
+            self.forwarding.as_ref().map(|_| "fastpath_forwarding"),
+            self.track.as_ref().map(|_| "fastpath_in_sync"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if !scripts.is_empty() {
+            s += "    track_script {\n";
+            for name in scripts {
+                s += &format!("        {name}\n");
+            }
+            s += "    }\n";
         }
         if let Some(n) = &self.notify {
             s += &format!("    notify \"{n}\"\n");
