@@ -77,6 +77,56 @@ pub const fn tcp_classify(flags: u8) -> usize {
     }
 }
 
+/// TCP flags Linux's conntrack ignores when it judges a combination: ECE, CWR, PSH.
+const TCP_FLAGS_IGNORED: u8 = 0x40 | 0x80 | 0x08;
+/// The combinations of FIN, SYN, RST, ACK and URG (0x01, 0x02, 0x04, 0x10, 0x20) that Linux's
+/// `tcp_valid_flags` accepts, one bit per value: SYN, SYN|URG, SYN|ACK, RST, RST|ACK, FIN|ACK,
+/// FIN|ACK|URG, ACK, ACK|URG.
+const TCP_VALID_FLAGS: u64 = (1 << 0x02)
+    | (1 << 0x22)
+    | (1 << 0x12)
+    | (1 << 0x04)
+    | (1 << 0x14)
+    | (1 << 0x11)
+    | (1 << 0x31)
+    | (1 << 0x10)
+    | (1 << 0x30);
+
+/// Whether a TCP segment's flags byte is a combination Linux's conntrack accepts (`tcp_error`:
+/// SYN+FIN, SYN+RST, FIN without ACK, no flags, all flags, ... are INVALID there). A mask
+/// test, no table: the flags left after masking are below 64.
+#[inline(always)]
+pub const fn tcp_flags_valid(flags: u8) -> bool {
+    (TCP_VALID_FLAGS >> (flags & !TCP_FLAGS_IGNORED)) & 1 != 0
+}
+
+/// Whether `src` cannot be the source of a connection arriving from a network: loopback
+/// (127/8, ::1), unspecified (0/8, ::), the limited broadcast, multicast (224/4, ff00::/8), or
+/// `dst` itself (a LAND frame). Linux's input route drops such packets as martians
+/// (`ip_route_input_slow`, `fib_validate_source`; `ip6_rcv_core`). Packets to a broadcast or
+/// multicast destination are not judged: Linux takes some from the unspecified source (a DHCP
+/// discover is 0.0.0.0 → 255.255.255.255, IGMP and MLD reports), and no service has such an
+/// address. Addresses as in a [`CtKey`] (IPv4 in the first 4 bytes, the rest zero).
+#[inline(always)]
+pub fn martian_source(family: u8, src: &[u8; 16], dst: &[u8; 16]) -> bool {
+    // perf/verifier: whole-address integers (two 64-bit words each), no byte loops or memcmp.
+    let (s, d) = (u128::from_be_bytes(*src), u128::from_be_bytes(*dst));
+    if family == 4 {
+        let (a, b) = ((s >> 96) as u32, (d >> 96) as u32);
+        if b == u32::MAX || b >> 28 == 0xe {
+            return false;
+        }
+        let first = a >> 24;
+        a == b || first == 127 || first == 0 || a >> 28 == 0xe || a == u32::MAX
+    } else {
+        if d >> 120 == 0xff {
+            return false;
+        }
+        // Multicast, `::` or `::1`, or the destination.
+        s == d || s >> 120 == 0xff || s <= 1
+    }
+}
+
 /// What a TCP packet does to its connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TcpStep {
@@ -569,6 +619,10 @@ pub const IFACE_F_VXLAN: u32 = 1 << 9;
 /// A VXLAN underlay: UDP arriving at XDP goes to the decapsulation tail program, packets
 /// leaving (TC egress) teach the cache.
 pub const IFACE_F_VXLAN_UNDERLAY: u32 = 1 << 10;
+/// A loopback device: the node's own traffic arrives here with loopback sources or with its
+/// source equal to its destination (a local client of a local address), so sources are not
+/// judged martian (see `martian_source`).
+pub const IFACE_F_LOOPBACK: u32 = 1 << 11;
 
 /// One write of the installer program (`program_names::CT_INSTALL`), which reads a batch of
 /// them back to back: create the entry `key` → `entry` ([`CT_RECORD_CREATE`]), or remove the
@@ -765,6 +819,107 @@ mod tests {
         assert_eq!(tcp_step(TIME_WAIT, R, FIN), TcpStep::To(TIME_WAIT));
         assert_eq!(tcp_step(CLOSE, O, ACK), TcpStep::To(CLOSE));
         assert_eq!(tcp_step(LAST_ACK, R, FIN), TcpStep::To(LAST_ACK));
+    }
+
+    /// `tcp_flags_valid` against Linux's `tcp_valid_flags` table, written out as there, for
+    /// every flags byte.
+    #[test]
+    fn valid_flags_are_linuxs() {
+        const URG: u8 = 0x20;
+        let linux = [
+            TCP_SYN,
+            TCP_SYN | URG,
+            TCP_SYN | TCP_ACK,
+            TCP_RST,
+            TCP_RST | TCP_ACK,
+            TCP_FIN | TCP_ACK,
+            TCP_FIN | TCP_ACK | URG,
+            TCP_ACK,
+            TCP_ACK | URG,
+        ];
+        for flags in 0..=u8::MAX {
+            let want = linux.contains(&(flags & !(0x40 | 0x80 | 0x08)));
+            assert_eq!(
+                tcp_flags_valid(flags),
+                want,
+                "flags {flags:#04x}: expected valid = {want} as in Linux's tcp_valid_flags"
+            );
+        }
+        for invalid in [
+            TCP_SYN | TCP_FIN,
+            0,
+            0xff,
+            TCP_FIN,
+            TCP_SYN | TCP_RST,
+            TCP_FIN | TCP_RST,
+        ] {
+            assert!(!tcp_flags_valid(invalid), "{invalid:#04x} must be invalid");
+        }
+    }
+
+    #[test]
+    fn martian_sources() {
+        let v4 = |a: [u8; 4]| {
+            let mut x = [0u8; 16];
+            x[..4].copy_from_slice(&a);
+            x
+        };
+        let vip = v4([10, 0, 0, 100]);
+        for (src, want) in [
+            ([127, 0, 0, 1], true),
+            ([127, 9, 9, 9], true),
+            ([0, 0, 0, 0], true),
+            ([0, 1, 2, 3], true),
+            ([255, 255, 255, 255], true),
+            ([224, 0, 0, 1], true),
+            ([239, 255, 255, 250], true),
+            ([10, 0, 0, 100], true), // the destination itself
+            ([10, 0, 0, 1], false),
+            ([192, 168, 1, 1], false),
+            ([240, 0, 0, 1], false), // class E: Linux takes it
+            ([255, 255, 255, 254], false),
+        ] {
+            assert_eq!(
+                martian_source(4, &v4(src), &vip),
+                want,
+                "IPv4 source {src:?} to {vip:?}: expected martian = {want}"
+            );
+        }
+        // Broadcast and multicast destinations are not judged (DHCP discover, IGMP).
+        for dst in [[255, 255, 255, 255], [224, 0, 0, 22]] {
+            assert!(
+                !martian_source(4, &v4([0, 0, 0, 0]), &v4(dst)),
+                "0.0.0.0 to {dst:?}: expected not martian (Linux takes it)"
+            );
+        }
+        let vip6 = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0];
+        let mut lo6 = [0u8; 16];
+        lo6[15] = 1;
+        let mut two6 = [0u8; 16];
+        two6[15] = 2;
+        let mut mc6 = [0u8; 16];
+        mc6[0] = 0xff;
+        mc6[1] = 0x02;
+        let mut client6 = vip6;
+        client6[15] = 9;
+        for (src, want) in [
+            (lo6, true),
+            ([0; 16], true),
+            (mc6, true),
+            (vip6, true),
+            (client6, false),
+            (two6, false), // ::2 is not loopback
+        ] {
+            assert_eq!(
+                martian_source(6, &src, &vip6),
+                want,
+                "IPv6 source {src:x?}: expected martian = {want}"
+            );
+        }
+        assert!(
+            !martian_source(6, &[0; 16], &mc6),
+            ":: to ff02::/16: expected not martian (MLD reports)"
+        );
     }
 
     #[test]

@@ -16,8 +16,11 @@ pub use stats::{Counter, DatapathConfig, Hook, Verdict};
 
 /// Names of the pinned maps, as declared in the eBPF object and pinned under `<pin_dir>/maps/`.
 pub mod map_names {
-    /// Per-CPU packet/byte counters indexed by [`crate::stats::stats_index`].
+    /// Per-CPU packet/byte counters indexed by [`crate::stats::stats_index`]: reason codes
+    /// below 64.
     pub const STATS: &str = "FP_STATS";
+    /// The same for reason codes 64 to 127 (see [`crate::stats::stats_map`]).
+    pub const STATS_EXT: &str = "FP_STATS_EXT";
     /// One [`crate::DatapathConfig`] at index 0.
     pub const CONFIG: &str = "FP_CONFIG";
     /// Conntrack table: [`crate::ct::CtKey`] → [`crate::ct::CtEntry`].

@@ -1,8 +1,9 @@
 //! Stable reason codes: why the datapath gave a packet the verdict it did.
 //!
 //! Every packet is counted exactly once, under (hook, verdict, reason). Codes are an ABI: they
-//! index a pinned per-CPU array, so a code is never renumbered or reused; new ones are appended
-//! below `COUNT`.
+//! index pinned per-CPU arrays (`FP_STATS` for codes below 64, `FP_STATS_EXT` above, see
+//! `stats::stats_map`), so a code is never renumbered or reused; new ones are appended below
+//! `COUNT`.
 
 /// Never counted; index 0 is reserved so an uninitialised code shows up as a bug.
 pub const NONE: u32 = 0;
@@ -177,10 +178,27 @@ pub const VXLAN_STALE: u32 = 62;
 /// tracking sees the connection end.
 pub const VXLAN_TCP_CLOSE: u32 = 63;
 
+// --- Hostile frames (codes from 64 on are counted in `FP_STATS_EXT`). ---
+/// A TCP segment whose flags Linux's conntrack calls invalid (`tcp_error`'s
+/// `tcp_valid_flags`: SYN with FIN or RST, FIN without ACK, no flags, ...; see
+/// `ct::tcp_flags_valid`): never translated, tracked or forwarded by the fast path. Dropped
+/// when its tuple is a load-balanced, full-NAT, masqueraded or DSR connection's (the kernel,
+/// given it untranslated, would answer with a RST that kills the connection, or forward it
+/// untranslated), on an interface with the stateful firewall, or with `drop_malformed`;
+/// otherwise the kernel's.
+pub const TCP_INVALID_FLAGS: u32 = 64;
+/// A packet that would start a connection from a martian source — loopback (127/8, ::1),
+/// unspecified (0/8, ::), limited broadcast, multicast, or the destination's own address
+/// (a LAND frame) — arriving on an interface that is not a loopback device: dropped with no
+/// conntrack entry, NAT binding or conntrack counter (Linux never confirms such
+/// connections: its input route refuses martian sources).
+pub const MARTIAN_SOURCE: u32 = 65;
+
 /// One past the highest code in use. Append new codes above this line and bump it.
-pub const COUNT: u32 = 64;
-/// Slots reserved per (hook, verdict) in the stats map; codes must stay below this.
-pub const SLOTS: u32 = 64;
+pub const COUNT: u32 = 66;
+/// Codes the stats maps have room for (64 per map: see `stats::REASONS_PER_MAP`); codes
+/// must stay below this.
+pub const SLOTS: u32 = 128;
 
 const _: () = assert!(COUNT <= SLOTS);
 
@@ -250,6 +268,8 @@ pub const NAMES: [&str; COUNT as usize] = [
     "vxlan_miss",
     "vxlan_stale",
     "vxlan_tcp_close",
+    "tcp_invalid_flags",
+    "martian_source",
 ];
 
 /// Name of a code, or `"unknown"` for a code this build does not know (a newer datapath).

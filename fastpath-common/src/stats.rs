@@ -53,29 +53,50 @@ impl Verdict {
     }
 }
 
-/// Entries in the stats map: one slot per (hook, verdict, reason), with reserved room so that
-/// a new hook, verdict or reason never changes the pinned map's size or moves a slot.
-pub const STATS_ENTRIES: u32 = Hook::SLOTS * Verdict::SLOTS * reason::SLOTS;
+/// Reason codes per stats map. `FP_STATS` counts codes `0..64` and `FP_STATS_EXT` codes
+/// `64..128`, each laid out alike: `FP_STATS` keeps exactly the size and slots it had when it
+/// was the only map, so a datapath upgraded over its pinned maps keeps its counters (the kernel
+/// cannot grow a pinned map, and aya refuses one of another size).
+pub const REASONS_PER_MAP: u32 = 64;
+/// Stats maps: `FP_STATS` (0) and `FP_STATS_EXT` (1).
+pub const STATS_MAPS: u32 = reason::SLOTS / REASONS_PER_MAP;
+const _: () = assert!(STATS_MAPS * REASONS_PER_MAP == reason::SLOTS);
 
-/// Index of (hook, verdict, reason) in the stats map. One lookup per packet. A reason code
-/// out of range is counted under `reason::NONE`, never merged into another code.
+/// Entries in each stats map: one slot per (hook, verdict, reason), with reserved room so that
+/// a new hook, verdict or reason never changes a pinned map's size or moves a slot.
+pub const STATS_ENTRIES: u32 = Hook::SLOTS * Verdict::SLOTS * REASONS_PER_MAP;
+
+/// Which stats map counts `reason` (see [`REASONS_PER_MAP`]); a code out of range is counted
+/// under `reason::NONE`, in map 0.
+#[inline(always)]
+pub const fn stats_map(reason: u32) -> u32 {
+    if reason < reason::SLOTS {
+        reason / REASONS_PER_MAP
+    } else {
+        0
+    }
+}
+
+/// Index of (hook, verdict, reason) in its stats map ([`stats_map`]). One lookup per packet.
+/// A reason code out of range is counted under `reason::NONE`, never merged into another code.
 #[inline(always)]
 pub const fn stats_index(hook: Hook, verdict: Verdict, reason: u32) -> u32 {
     let reason = if reason < reason::SLOTS {
-        reason
+        reason % REASONS_PER_MAP
     } else {
         reason::NONE
     };
-    ((hook as u32) * Verdict::SLOTS + (verdict as u32)) * reason::SLOTS + reason
+    ((hook as u32) * Verdict::SLOTS + (verdict as u32)) * REASONS_PER_MAP + reason
 }
 
-/// Inverse of [`stats_index`]: (hook, verdict, reason) of an index, if in range.
-pub const fn stats_slot(index: u32) -> Option<(Hook, Verdict, u32)> {
-    if index >= STATS_ENTRIES {
+/// Inverse of [`stats_map`] and [`stats_index`]: (hook, verdict, reason) of an index in stats
+/// map `map`, if in range.
+pub const fn stats_slot(map: u32, index: u32) -> Option<(Hook, Verdict, u32)> {
+    if map >= STATS_MAPS || index >= STATS_ENTRIES {
         return None;
     }
-    let reason = index % reason::SLOTS;
-    let hv = index / reason::SLOTS;
+    let reason = map * REASONS_PER_MAP + index % REASONS_PER_MAP;
+    let hv = index / REASONS_PER_MAP;
     let (h, v) = (hv / Verdict::SLOTS, hv % Verdict::SLOTS);
     if h >= Hook::COUNT || v >= Verdict::COUNT {
         return None; // reserved slot
@@ -135,17 +156,46 @@ mod tests {
         for hook in Hook::ALL {
             for verdict in Verdict::ALL {
                 for r in 0..reason::COUNT {
-                    let i = stats_index(hook, verdict, r);
-                    assert!(i < STATS_ENTRIES);
-                    assert_eq!(stats_slot(i), Some((hook, verdict, r)));
+                    let (m, i) = (stats_map(r), stats_index(hook, verdict, r));
+                    assert!(
+                        m < STATS_MAPS && i < STATS_ENTRIES,
+                        "reason {r}: expected a slot in range, got map {m} index {i}"
+                    );
+                    assert_eq!(stats_slot(m, i), Some((hook, verdict, r)));
                 }
             }
         }
-        assert_eq!(stats_slot(STATS_ENTRIES), None);
+        assert_eq!(stats_slot(0, STATS_ENTRIES), None);
+        assert_eq!(stats_slot(STATS_MAPS, 0), None);
         // Out-of-range codes land in the NONE slot, not in another code's.
+        let beyond = reason::SLOTS + 1;
         assert_eq!(
-            stats_index(Hook::Xdp, Verdict::Kernel, reason::SLOTS + 1),
-            stats_index(Hook::Xdp, Verdict::Kernel, reason::NONE)
+            (
+                stats_map(beyond),
+                stats_index(Hook::Xdp, Verdict::Kernel, beyond)
+            ),
+            (0, stats_index(Hook::Xdp, Verdict::Kernel, reason::NONE))
         );
+    }
+
+    /// FP_STATS is pinned: the codes below 64 keep the size and slots of the layout from
+    /// before the second map (one map of 64 reasons per (hook, verdict)).
+    #[test]
+    fn first_map_keeps_the_one_map_layout() {
+        assert_eq!(STATS_ENTRIES, 1024, "FP_STATS must keep its pinned size");
+        for hook in Hook::ALL {
+            for verdict in Verdict::ALL {
+                for r in 0..REASONS_PER_MAP {
+                    let old = ((hook as u32) * 4 + verdict as u32) * 64 + r;
+                    assert_eq!(
+                        (stats_map(r), stats_index(hook, verdict, r)),
+                        (0, old),
+                        "reason {r} on {}/{} moved",
+                        hook.name(),
+                        verdict.name()
+                    );
+                }
+            }
+        }
     }
 }

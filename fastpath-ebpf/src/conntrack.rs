@@ -23,8 +23,8 @@ use fastpath_common::{
         CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CT_F_SNAT, CT_INSTALL_MAX,
         CT_RECORD_CREATE, CT_RECORD_REMOVE, CtEntry, CtEvent, CtKey, CtRecord, DIR_ORIGINAL,
         DIR_REPLY, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL,
-        TcpStep, UDP_STREAM_AFTER_NS, ct_event, ct_stat, tcp_class, tcp_classify, tcp_state,
-        tcp_step,
+        IFACE_F_LOOPBACK, TcpStep, UDP_STREAM_AFTER_NS, ct_event, ct_stat, martian_source,
+        tcp_class, tcp_classify, tcp_flags_valid, tcp_state, tcp_step,
     },
     lb::{
         CtNat, SNAT_TRIES, SVC_F_DSR, SVC_F_FULL_NAT, SVC_F_GATEWAY, SVC_F_NO_BACKEND_DROP,
@@ -182,15 +182,30 @@ pub fn track(
         return Action::Pass;
     }
     let src_is_lo = key.normalize();
-    count(ct_stat::LOOKUPS);
     let key: &CtKey = key;
+    let mut hit = FP_CT.get_ptr_mut(&key);
+    // Hostile frames touch no entry and no conntrack counter: counted under their reason
+    // only. A byte test on every TCP packet; the martian test only where an entry would be
+    // created (arriving packets; a loopback device carries the node's own traffic).
+    if p.l4_proto == IPPROTO_TCP && !tcp_flags_valid(p.tcp_flags) {
+        return invalid_flags(hit, firewall);
+    }
+    if hit.is_none()
+        && hook != Hook::TcEgress
+        && flags & IFACE_F_LOOPBACK == 0
+        && martian(key, src_is_lo)
+    {
+        // Dropped rather than handed on: Linux drops martian sources too, and a LAND frame
+        // to a VIP that is no local address would be routed on by the kernel.
+        return Action::Drop(reason::MARTIAN_SOURCE);
+    }
+    count(ct_stat::LOOKUPS);
     // The coarse monotonic clock: the last tick's time (jiffies' resolution, as Linux's own
     // conntrack keeps time), a read instead of a clock-source read per packet; userspace
     // compares it with CLOCK_MONOTONIC, which it trails by at most one tick.
     // SAFETY: bpf_ktime_get_coarse_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_coarse_ns() };
     let lb_here = lb && is_tcp_udp;
-    let mut hit = FP_CT.get_ptr_mut(&key);
     if lb_here
         && let Some(e) = hit
         // SAFETY: as below.
@@ -291,6 +306,39 @@ pub fn track(
             Action::Drop(code)
         }
         _ => Action::Pass,
+    }
+}
+
+/// A TCP segment with a flag combination Linux's conntrack calls invalid
+/// (`ct::tcp_flags_valid`), on the tuple of entry `hit` if any: never translated, tracked or
+/// stepped. Dropped where its tuple is a load-balanced connection's (either entry: NAT,
+/// full-NAT, gateway SNAT, DSR): the kernel, given it untranslated, would answer it with a
+/// RST from this node (killing the client's or the backend's connection) or forward it
+/// untranslated. Elsewhere as a malformed packet: the kernel's unless `drop_malformed`, or
+/// the interface's stateful firewall, says drop.
+#[inline(always)]
+fn invalid_flags(hit: Option<*mut CtEntry>, firewall: bool) -> Action {
+    let entry_flags = match hit {
+        // SAFETY: a valid map value pointer for this run; only its flags are read.
+        Some(e) => unsafe { (*e).flags },
+        None => 0,
+    };
+    if entry_flags & (CT_F_LB | CT_F_LB_ALIAS) != 0 || firewall || crate::pipeline::drop_malformed()
+    {
+        Action::Drop(reason::TCP_INVALID_FLAGS)
+    } else {
+        Action::Kernel(reason::TCP_INVALID_FLAGS)
+    }
+}
+
+/// Whether the packet of `key` (its source on the `lo` side if `src_is_lo`) has a martian
+/// source (`ct::martian_source`).
+#[inline(always)]
+fn martian(key: &CtKey, src_is_lo: bool) -> bool {
+    if src_is_lo {
+        martian_source(key.family, &key.addr_lo, &key.addr_hi)
+    } else {
+        martian_source(key.family, &key.addr_hi, &key.addr_lo)
     }
 }
 

@@ -24,11 +24,18 @@ use fastpath_common::{
     vxlan::{VXLAN_NETS, VXLAN_PEERS, VxlanKey, VxlanNet, VxlanPeer, vxlan_stat},
 };
 
-/// Packet/byte counters, one slot per (hook, verdict, reason): see `stats_index`.
-/// Written by every entry point exactly once per packet; read by the daemon and CLI.
-/// Per-CPU so the hot path never contends; 3 hooks × 3 verdicts × 64 reason slots.
+/// Packet/byte counters, one slot per (hook, verdict, reason) for reason codes below 64: see
+/// `stats_index`. Written by every entry point exactly once per packet; read by the daemon
+/// and CLI. Per-CPU so the hot path never contends; 3 hooks × 3 verdicts × 64 reason slots
+/// (4 × 4 × 64 with the reserved ones: its pinned size, never changed).
 #[map(name = "FP_STATS")]
 pub static FP_STATS: PerCpuArray<Counter> = PerCpuArray::pinned(STATS_ENTRIES, 0);
+
+/// The same for reason codes 64 to 127 (`stats_map` 1), laid out as `FP_STATS`: a second map
+/// rather than a larger first one, which a datapath upgraded over its pinned maps could not
+/// reuse.
+#[map(name = "FP_STATS_EXT")]
+pub static FP_STATS_EXT: PerCpuArray<Counter> = PerCpuArray::pinned(STATS_ENTRIES, 0);
 
 /// Runtime knobs (`DatapathConfig` at index 0), written by the daemon from its config file.
 /// Read only on rare paths (malformed packets), never on the per-packet fast path.

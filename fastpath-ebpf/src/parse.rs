@@ -74,6 +74,15 @@ const _: () = assert!(core::mem::size_of::<Parsed>() % 8 == 0);
 const _: () = assert!(core::mem::align_of::<Parsed>() <= 8);
 
 impl Parsed {
+    /// Whether this is a TCP segment (not a fragment: those carry no parsed flags) whose flag
+    /// combination Linux's conntrack calls invalid (`ct::tcp_flags_valid`).
+    #[inline(always)]
+    pub fn tcp_flags_invalid(&self) -> bool {
+        self.l4_proto == IPPROTO_TCP
+            && self.fragment == 0
+            && !fastpath_common::ct::tcp_flags_valid(self.tcp_flags)
+    }
+
     /// Zeroes every field in place with word stores. verifier/perf: a struct assignment
     /// becomes an out-of-line BPF `memset` call, and a BPF-to-BPF call is costly where `ret`
     /// is mitigated (AMD SRSO "Safe RET": tens of ns per packet).

@@ -53,6 +53,18 @@ pub fn process(
     // Where packets arrive, the L3 stage routes what the earlier stages let through (at
     // egress the kernel has routed them already). One call site: the stage is inlined once.
     let (verdict, code) = match conntrack::track(hook, lb, ifindex, local, pkt, p, pkt.len) {
+        // Not tracked here (the tracking hook judged it where there is one): a TCP flag
+        // combination Linux's conntrack calls invalid is not routed either (see
+        // `reason::TCP_INVALID_FLAGS`); as a malformed packet, the kernel's unless
+        // `drop_malformed`.
+        Action::Pass if p.tcp_flags_invalid() => {
+            let verdict = if drop_malformed() {
+                Verdict::Drop
+            } else {
+                Verdict::Kernel
+            };
+            return (verdict, reason::TCP_INVALID_FLAGS);
+        }
         Action::Pass => (Verdict::Kernel, reason::NONE),
         Action::Drop(code) => return (Verdict::Drop, code),
         Action::Kernel(code) => return (Verdict::Kernel, code),
@@ -129,7 +141,7 @@ pub fn vxlan_configured() -> bool {
 }
 
 #[inline(always)]
-fn drop_malformed() -> bool {
+pub fn drop_malformed() -> bool {
     match FP_CONFIG.get(0) {
         Some(DatapathConfig { flags, .. }) => flags & CONFIG_F_DROP_MALFORMED != 0,
         None => false,

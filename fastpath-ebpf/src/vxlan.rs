@@ -387,6 +387,9 @@ fn arriving(pkt: &Packet, ifindex: u32, why: u32) -> Result<(u32, u32, [u64; 9])
 #[inline(always)]
 fn route_inner(inner: &Packet, hook: Hook, net: u32) -> Result<(), u32> {
     match pipeline::parse(inner) {
+        // Not routed (see `reason::TCP_INVALID_FLAGS`): the kernel decapsulates it and the
+        // device's own hooks judge it.
+        Ok(p) if p.tcp_flags_invalid() => Err(reason::TCP_INVALID_FLAGS),
         Ok(p) if p.l4_proto == IPPROTO_TCP && p.tcp_flags & (TCP_FIN | TCP_RST) != 0 => {
             Err(reason::VXLAN_TCP_CLOSE)
         }

@@ -1671,6 +1671,11 @@ pub fn interface_addresses(name: &str) -> std::io::Result<Vec<std::net::IpAddr>>
 const ARPHRD_ETHER: u16 = 1;
 const ARPHRD_LOOPBACK: u16 = 772;
 
+/// Whether interface `name` is a loopback device (its sources are never judged martian).
+pub fn is_loopback(name: &str) -> bool {
+    link_type(name) == Some(ARPHRD_LOOPBACK)
+}
+
 /// ARPHRD link type of interface `name` in the current network namespace (SIOCGIFHWADDR, so
 /// it works after setns, unlike /sys/class/net which shows the mounting namespace).
 fn link_type(name: &str) -> Option<u16> {

@@ -42,9 +42,9 @@ use fastpath_common::{
     Counter, DatapathConfig,
     ct::{
         CT_INSTALL_MAX, CT_RECORD_CREATE, CtEntry, CtKey, CtRecord, IFACE_F_CT_TC_EGRESS,
-        IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL, IFACE_F_ROUTE, IFACE_F_ROUTE_TC,
-        IFACE_F_SNAT, IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_F_VXLAN, IFACE_F_VXLAN_UNDERLAY,
-        IFACE_SLOTS, IfaceConfig, ct_stat,
+        IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL, IFACE_F_LOOPBACK, IFACE_F_ROUTE,
+        IFACE_F_ROUTE_TC, IFACE_F_SNAT, IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_F_VXLAN,
+        IFACE_F_VXLAN_UNDERLAY, IFACE_SLOTS, IfaceConfig, ct_stat,
     },
     lb::{Backend, MAX_SNAT_RULES, Service, SnatRule, SvcKey},
     map_names, program_names,
@@ -333,6 +333,9 @@ impl Datapath {
                 continue;
             }
             let mut cfg = IfaceConfig::default();
+            if crate::config::is_loopback(name) {
+                cfg.flags |= IFACE_F_LOOPBACK;
+            }
             if iface.conntrack {
                 if iface.xdp != XdpMode::Off {
                     cfg.flags |= IFACE_F_CT_XDP;
@@ -789,7 +792,18 @@ impl Datapath {
                 what: "opening FP_STATS".into(),
                 source,
             })?;
-        Ok(StatsSnapshot::read(&array)?)
+        let map = self
+            .ebpf
+            .map(map_names::STATS_EXT)
+            .ok_or(DatapathError::MissingMap {
+                name: map_names::STATS_EXT,
+            })?;
+        let ext: PerCpuArray<&MapData, Counter> =
+            PerCpuArray::try_from(map).map_err(|source| DatapathError::Map {
+                what: "opening FP_STATS_EXT".into(),
+                source,
+            })?;
+        Ok(StatsSnapshot::read(&array, Some(&ext))?)
     }
 
     /// Detaches everything and removes every pin: the datapath is gone. With `handover`, the
@@ -2379,7 +2393,26 @@ pub fn pinned_stats(pin_dir: &Path) -> Result<StatsSnapshot, DatapathError> {
                 source,
             }
         })?;
-    Ok(StatsSnapshot::read(&array)?)
+    // Missing where a datapath from before reason code 64 runs: it counts none of those.
+    let ext_path = pin_dir.join("maps").join(map_names::STATS_EXT);
+    let ext = match MapData::from_pin(&ext_path) {
+        Ok(data) => Some(
+            PerCpuArray::<MapData, Counter>::try_from(aya::maps::Map::PerCpuArray(data)).map_err(
+                |source| DatapathError::Map {
+                    what: "opening FP_STATS_EXT".into(),
+                    source,
+                },
+            )?,
+        ),
+        Err(_) if !ext_path.exists() => None,
+        Err(source) => {
+            return Err(DatapathError::Map {
+                what: format!("opening {}", ext_path.display()),
+                source,
+            });
+        }
+    };
+    Ok(StatsSnapshot::read(&array, ext.as_ref())?)
 }
 
 /// The program kinds attached through bpf_links (XDP, TCX), seen alike for pinning.

@@ -36,25 +36,17 @@ pub struct StatsRow {
 }
 
 impl StatsSnapshot {
-    /// Reads every slot of the per-CPU stats map and sums the CPUs.
-    pub fn read<T: std::borrow::Borrow<MapData>>(
+    /// Reads every slot of the per-CPU stats maps and sums the CPUs: `map` (`FP_STATS`, codes
+    /// below 64) and `ext` (`FP_STATS_EXT`, the codes above; `None` where an older datapath
+    /// without it runs).
+    pub fn read<T: std::borrow::Borrow<MapData>, U: std::borrow::Borrow<MapData>>(
         map: &PerCpuArray<T, Counter>,
+        ext: Option<&PerCpuArray<U, Counter>>,
     ) -> Result<Self, StatsError> {
         let mut slots = BTreeMap::new();
-        for index in 0..STATS_ENTRIES {
-            let per_cpu = map
-                .get(&index, 0)
-                .map_err(|source| StatsError::Read { index, source })?;
-            let mut sum = Counter::default();
-            for c in per_cpu.iter() {
-                sum.packets += c.packets;
-                sum.bytes += c.bytes;
-            }
-            if (sum.packets != 0 || sum.bytes != 0)
-                && let Some((h, v, r)) = stats_slot(index)
-            {
-                slots.insert((h as u32, v as u32, r), sum);
-            }
+        read_map(map, 0, &mut slots)?;
+        if let Some(ext) = ext {
+            read_map(ext, 1, &mut slots)?;
         }
         Ok(StatsSnapshot { slots })
     }
@@ -124,6 +116,31 @@ impl StatsSnapshot {
     pub fn render_table(&self) -> String {
         render_rows(&self.rows())
     }
+}
+
+/// Sums the CPUs of every slot of stats map number `which` (`stats::stats_map`) into `slots`,
+/// leaving out the zero ones.
+fn read_map<T: std::borrow::Borrow<MapData>>(
+    map: &PerCpuArray<T, Counter>,
+    which: u32,
+    slots: &mut BTreeMap<(u32, u32, u32), Counter>,
+) -> Result<(), StatsError> {
+    for index in 0..STATS_ENTRIES {
+        let per_cpu = map
+            .get(&index, 0)
+            .map_err(|source| StatsError::Read { index, source })?;
+        let mut sum = Counter::default();
+        for c in per_cpu.iter() {
+            sum.packets += c.packets;
+            sum.bytes += c.bytes;
+        }
+        if (sum.packets != 0 || sum.bytes != 0)
+            && let Some((h, v, r)) = stats_slot(which, index)
+        {
+            slots.insert((h as u32, v as u32, r), sum);
+        }
+    }
+    Ok(())
 }
 
 /// The `fastpath stats` table of `rows`.

@@ -7,7 +7,7 @@ use fastpath::{
     ct_gc::{self, GcStats},
     datapath::CtTable,
     testkit::{
-        ct_cases::{PRESSURE_CAPACITY, ct_sequences, pressure_sequences},
+        ct_cases::{PRESSURE_CAPACITY, ct_sequences, hostile_sequences, pressure_sequences},
         fixture::{Case, CtSequence, Fixture, Seed},
         packet::Pkt,
         require_root,
@@ -29,6 +29,24 @@ fn conntrack_sequences_through_bpf_prog_test_run() {
     assert!(
         sequences.len() >= 30,
         "the conntrack table shrank to {} sequences; expected at least 30",
+        sequences.len()
+    );
+    let fixture = Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));
+    run_all(fixture, &sequences);
+}
+
+/// Hostile frames (issue 38, item 5): invalid TCP flag combinations against established
+/// NAT / full-NAT / plain connections and new tuples, and martian-source SYNs to a VIP, at
+/// XDP and at the TC ingress load-balancing tail. Each step checks the verdict, the frame
+/// (untranslated), the whole table (unchanged), the `ct_stat` counters (unchanged) and the
+/// reason counted; valid packets of the same flows around them are the positive control.
+#[test]
+fn hostile_frames_through_bpf_prog_test_run() {
+    require_root("conntrack_fixtures");
+    let sequences = hostile_sequences();
+    assert!(
+        sequences.len() >= 20,
+        "the hostile-frame table shrank to {} sequences; expected at least 20",
         sequences.len()
     );
     let fixture = Fixture::new().unwrap_or_else(|e| panic!("loading the datapath fixture: {e}"));

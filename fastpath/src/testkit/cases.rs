@@ -781,6 +781,62 @@ fn malformed() -> Vec<Case> {
     ]
 }
 
+/// TCP flag combinations Linux's conntrack calls invalid, on an interface that tracks and
+/// routes nothing: the kernel's, counted `tcp_invalid_flags` (dropped with `drop_malformed`);
+/// a fragment (no flags parsed) is still a fragment, and valid combinations keep their reason.
+fn tcp_invalid_flags() -> Vec<Case> {
+    use Hook::{TcEgress, TcIngress, Xdp};
+    let v4 = |flags: u8| Pkt::eth().ipv4(A4, B4).tcp(40000, 80, flags);
+    let v6 = |flags: u8| Pkt::eth().ipv6(A6, B6).tcp(40000, 443, flags);
+    let invalid = reason::TCP_INVALID_FLAGS;
+    vec![
+        kernel(
+            Xdp,
+            "tcp_invalid_flags_syn_fin_v4",
+            v4(tcp_flags::SYN | tcp_flags::FIN),
+            invalid,
+        ),
+        kernel(Xdp, "tcp_invalid_flags_none_v6", v6(0), invalid),
+        kernel(
+            TcIngress,
+            "tcp_invalid_flags_every_flag_v4",
+            v4(0xff),
+            invalid,
+        ),
+        kernel(
+            TcEgress,
+            "tcp_invalid_flags_fin_alone_v6",
+            v6(tcp_flags::FIN),
+            invalid,
+        ),
+        dropped(
+            Xdp,
+            "drop_tcp_invalid_flags_syn_rst_v4",
+            v4(tcp_flags::SYN | tcp_flags::RST),
+            invalid,
+        ),
+        dropped(
+            TcIngress,
+            "drop_tcp_invalid_flags_fin_rst_v6",
+            v6(tcp_flags::FIN | tcp_flags::RST),
+            invalid,
+        ),
+        // Positive controls: ECE|CWR|PSH do not matter; SYN|URG is valid.
+        kernel(
+            Xdp,
+            "tcp_valid_flags_ecn_syn_v4",
+            v4(tcp_flags::SYN | 0x40 | 0x80),
+            reason::NO_STAGE_IPV4_TCP,
+        ),
+        kernel_despite_drop_malformed(
+            Xdp,
+            "drop_malformed_keeps_syn_urg_v6",
+            v6(tcp_flags::SYN | tcp_flags::URG),
+            reason::NO_STAGE_IPV6_TCP,
+        ),
+    ]
+}
+
 /// `drop_malformed` on: malformed frames are dropped with the same reason, everything else
 /// still goes to the kernel.
 fn drop_malformed() -> Vec<Case> {
@@ -881,6 +937,7 @@ pub fn parser_cases() -> Vec<Case> {
     cases.extend(well_formed());
     cases.extend(malformed());
     cases.extend(drop_malformed());
+    cases.extend(tcp_invalid_flags());
     cases
 }
 

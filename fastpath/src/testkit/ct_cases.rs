@@ -13,8 +13,8 @@ use fastpath_common::{
     Hook,
     ct::{
         CT_F_ASSURED, CT_F_SEEN_REPLY, CtKey, DIR_ORIGINAL, DIR_REPLY, IFACE_F_CT_TC_EGRESS,
-        IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL, TcpStep, ct_event, ct_key,
-        ct_stat, tcp_class, tcp_classify, tcp_state, tcp_step,
+        IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL, IFACE_F_LOOPBACK, TcpStep,
+        ct_event, ct_key, ct_stat, tcp_class, tcp_classify, tcp_state, tcp_step,
     },
     reason,
 };
@@ -1000,17 +1000,39 @@ fn tcp_sequences() -> Vec<Seq> {
         .tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
         .tcp(O, FIN, SS, NOFLAGS, HIT_INVALID, &[])
         .tcp(O, SYNACK, SS, NOFLAGS, HIT_INVALID, &[]),
+        // Invalid flag combinations (Linux's tcp_valid_flags) never reach the state machine:
+        // the kernel's, the entry and the counters untouched (see the hostile sequences).
         Seq::xdp("tcp_flagless_packets_in_established_are_invalid", tcp4())
             .handshake()
-            .tcp(O, 0, ES, SEEN_ASSURED, HIT_INVALID, &[])
-            .tcp(R, tcp_flags::PSH, ES, SEEN_ASSURED, HIT_INVALID, &[]),
+            .hostile(
+                "orig no flags".into(),
+                tcp4().tcp(O, 0, &[]),
+                reason::TCP_INVALID_FLAGS,
+                false,
+            )
+            .hostile(
+                "reply PSH alone".into(),
+                tcp4().tcp(R, tcp_flags::PSH, &[]),
+                reason::TCP_INVALID_FLAGS,
+                false,
+            ),
         Seq::xdp("tcp_synack_without_connection", tcp4()).tcp_refused(O, SYNACK),
         Seq::xdp("tcp_fin_without_connection", tcp4())
             .tcp_refused(O, FIN)
-            .tcp_refused(O, tcp_flags::FIN),
+            .hostile(
+                "orig FIN alone without a connection".into(),
+                tcp4().tcp(O, tcp_flags::FIN, &[]),
+                reason::TCP_INVALID_FLAGS,
+                false,
+            ),
         Seq::xdp("tcp_rst_and_flagless_without_connection", tcp4())
             .tcp_refused(O, RST)
-            .tcp_refused(O, 0)
+            .hostile(
+                "orig no flags without a connection".into(),
+                tcp4().tcp(O, 0, &[]),
+                reason::TCP_INVALID_FLAGS,
+                false,
+            )
             .table_len(0),
         // Picked up mid-stream (Linux's nf_conntrack_tcp_loose): ESTABLISHED at once, but
         // assured only by a packet after the reply was seen — as in Linux.
@@ -1155,12 +1177,18 @@ fn udp_icmp_sequences() -> Vec<Seq> {
             .wait(3)
             .udp(R, b"later", SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, 0)])
             .table_len(1),
-        // Same address on both sides (loopback traffic): the ports order the key.
-        Seq::xdp("udp_same_address_both_sides", lo)
-            .udp(O, b"query", NOFLAGS, CREATED, &[(NEW_EV, 0)])
-            .udp(R, b"answer", SEEN, HIT, &[(REPLIED_EV, 0)])
-            .counts([1, 1], [udp_len(&lo, 5), udp_len(&lo, 6)])
-            .table_len(1),
+        // Same address on both sides (loopback traffic): the ports order the key. On a
+        // loopback device, where such traffic runs (elsewhere its source is martian).
+        Seq::new(
+            "udp_same_address_both_sides",
+            Seed::iface(TEST_RUN_IFINDEX, IFACE_F_CT_XDP | IFACE_F_LOOPBACK),
+            Hook::Xdp,
+            lo,
+        )
+        .udp(O, b"query", NOFLAGS, CREATED, &[(NEW_EV, 0)])
+        .udp(R, b"answer", SEEN, HIT, &[(REPLIED_EV, 0)])
+        .counts([1, 1], [udp_len(&lo, 5), udp_len(&lo, 6)])
+        .table_len(1),
         Seq::xdp("icmp_echo_request_and_reply", Flow::icmp4(A4, B4, 0x4242))
             .echo(O, 1, NOFLAGS, CREATED, &[(NEW_EV, 0)])
             .echo(R, 1, SEEN, HIT, &[(REPLIED_EV, 0)])
@@ -1352,8 +1380,13 @@ fn firewall_sequences() -> Vec<Seq> {
             .dropped(reason::FW_INVALID_STATE)
             .tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
             .tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
-            .tcp(O, 0, ES, SEEN_ASSURED, HIT_INVALID, &[])
-            .dropped(reason::FW_INVALID_STATE)
+            // An invalid flag combination: dropped before the state machine sees it.
+            .hostile(
+                "orig no flags".into(),
+                tcp4().tcp(O, 0, &[]),
+                reason::TCP_INVALID_FLAGS,
+                true,
+            )
             // Retransmissions are accepted (ignored by the state machine), not dropped.
             .tcp(O, SYN, ES, SEEN_ASSURED, HIT_IGNORED, &[]),
         Seq::firewall(
@@ -2354,6 +2387,15 @@ fn dsr_seqs() -> Vec<Seq> {
                 step.expect_reason = Some(reason::LB_DSR);
             }
         }
+        // Hostile frames on the established DSR connection: never sent to the backend.
+        for (flags, fname) in INVALID_FLAGS {
+            s = s.hostile(
+                format!("dsr orig {fname}"),
+                flow.tcp(O, flags, &[]),
+                reason::TCP_INVALID_FLAGS,
+                true,
+            );
+        }
         seqs.push(s.table_len(1));
     }
     let unresolved = Seq::lb(
@@ -2522,6 +2564,267 @@ fn reject_sequences() -> Vec<Seq> {
 }
 
 /// Every conntrack sequence; the load-balancing ones also at TC ingress.
+/// TCP flag combinations Linux's conntrack calls invalid (`tcp_valid_flags`), each with its
+/// name: the fast path must never translate, track or forward them.
+const INVALID_FLAGS: [(u8, &str); 7] = [
+    (tcp_flags::SYN | tcp_flags::FIN, "SYN|FIN"),
+    (0, "no flags"),
+    (0xff, "every flag"),
+    (tcp_flags::FIN, "FIN alone"),
+    (tcp_flags::SYN | tcp_flags::RST, "SYN|RST"),
+    (tcp_flags::FIN | tcp_flags::RST, "FIN|RST"),
+    (
+        tcp_flags::FIN | tcp_flags::PSH | tcp_flags::URG,
+        "FIN|PSH|URG (xmas)",
+    ),
+];
+
+impl Seq {
+    /// A hostile frame: changes no entry (the whole table stays byte for byte as it was, its
+    /// connection's entry included), moves no `ct_stat` counter, leaves the frame untranslated,
+    /// and is counted once under `code` — dropped if `drop`, else the kernel's.
+    fn hostile(self, what: String, input: Vec<u8>, code: u32, drop: bool) -> Self {
+        let mut s = self.push(what, input, CtExpect::Untouched, &[], &[]);
+        let step = s.last_step("hostile");
+        if drop {
+            step.expect_drop = Some(code);
+        } else {
+            step.expect_reason = Some(code);
+        }
+        s
+    }
+
+    /// Every invalid flag combination from both ends of the current flow's connection: from
+    /// the client (to the VIP) and, load-balanced, from the backend (to the client, or to the
+    /// full-NAT source), as they arrive. `drop`: dropped, else the kernel's.
+    fn invalid_flags_both_ways(mut self, drop: bool) -> Self {
+        for (flags, name) in INVALID_FLAGS {
+            let from_client = self.flow.tcp(O, flags, &[]);
+            let from_server = match self.backend {
+                Some(_) => self.backend_flow().tcp(R, flags, &[]),
+                None => self.flow.tcp(R, flags, &[]),
+            };
+            self = self
+                .hostile(
+                    format!("orig {name}"),
+                    from_client,
+                    reason::TCP_INVALID_FLAGS,
+                    drop,
+                )
+                .hostile(
+                    format!("reply {name}"),
+                    from_server,
+                    reason::TCP_INVALID_FLAGS,
+                    drop,
+                );
+        }
+        self
+    }
+}
+
+/// Hostile frames (issue 38, item 5), through the real entry points (XDP, and the TC ingress
+/// load-balancing tail for each): TCP segments with flag combinations Linux's conntrack calls
+/// invalid, against established NAT and full-NAT connections (dropped: the kernel would RST
+/// the live connection), a plain tracked connection and a new tuple (the kernel's; dropped
+/// with `drop_malformed` or the stateful firewall); and SYNs from martian sources to a VIP
+/// (dropped, no entry, no NAT binding, no `ct_stat` counter). Each sequence carries its
+/// positive control: valid packets of the same flow before and after are translated and
+/// tracked as ever.
+pub fn hostile_sequences() -> Vec<CtSequence> {
+    let xdp = hostile_seqs();
+    let tc: Vec<Seq> = hostile_seqs().into_iter().map(Seq::at_tc_ingress).collect();
+    xdp.into_iter().chain(tc).map(Seq::build).collect()
+}
+
+fn hostile_seqs() -> Vec<Seq> {
+    const SNAT4: [u8; 4] = [10, 0, 2, 1];
+    let nat4 = service_toml(&ip4(VIP4), 80, "tcp", &[(ip4(BE4[0]), 8080)], "");
+    let nat6 = service_toml(&ip6(VIP6), 443, "tcp", &[(ip6(BE6), 8443)], "");
+    let full4 = service_toml(
+        &ip4(VIP4),
+        80,
+        "tcp",
+        &[(ip4(BE4[0]), 8080)],
+        &format!(
+            "mode = \"full_nat\"\nsnat_address = \"{}\"\nsnat_ports = \"20000-29999\"",
+            ip4(SNAT4)
+        ),
+    );
+    let tcp_vip = Flow::v4(proto::TCP, A4, 40000, VIP4, 80);
+    let tcp6_vip = Flow::v6(proto::TCP, A6, 40001, VIP6, 443);
+    let sp = snat_first_port(&tcp_vip, 20000, 29999);
+    // A new client port to the VIP: no entry, and none made.
+    let fresh = Flow::v4(proto::TCP, A4, 40100, VIP4, 80);
+    let established = |s: Seq| {
+        s.lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+            .lb_tcp(R, SYNACK, SR, SEEN, HIT, &[(REPLIED_EV, SR)])
+            .lb_tcp(O, ACK, ES, SEEN_ASSURED, HIT_ASSURED, &[(EST_EV, ES)])
+    };
+    let still_translated = |s: Seq| {
+        s.lb_tcp(O, DATA, ES, SEEN_ASSURED, HIT, &[])
+            .lb_tcp(R, DATA, ES, SEEN_ASSURED, HIT, &[])
+            .counts([3, 2], [3 * 54, 2 * 54])
+            .table_len(2)
+    };
+    let mut seqs = vec![
+        still_translated(
+            established(
+                Seq::lb("hostile_invalid_tcp_flags_lb_nat_v4", tcp_vip, &nat4)
+                    .via(v4(BE4[0]), 8080),
+            )
+            .invalid_flags_both_ways(true),
+        ),
+        established(Seq::lb("hostile_invalid_tcp_flags_lb_nat_v6", tcp6_vip, &nat6).via(BE6, 8443))
+            .invalid_flags_both_ways(true)
+            .lb_tcp(O, DATA, ES, SEEN_ASSURED, HIT, &[])
+            .table_len(2),
+        still_translated(
+            established(
+                Seq::lb("hostile_invalid_tcp_flags_lb_full_nat_v4", tcp_vip, &full4)
+                    .via(v4(BE4[0]), 8080)
+                    .snat(v4(SNAT4), sp),
+            )
+            .invalid_flags_both_ways(true),
+        ),
+    ];
+    // A new tuple to the VIP: no connection to protect, so the kernel's (as a malformed
+    // packet); dropped with drop_malformed. No entry either way; a valid SYN then opens one.
+    let mut new_tuple = Seq::lb("hostile_invalid_tcp_flags_new_tuple_to_vip", fresh, &nat4);
+    let mut dropping = Seed::iface(TEST_RUN_IFINDEX, IFACE_F_CT_XDP).with_services(&nat4);
+    dropping.config.flags |= fastpath_common::stats::CONFIG_F_DROP_MALFORMED;
+    let mut new_tuple_dropped = Seq::new(
+        "hostile_invalid_tcp_flags_new_tuple_drop_malformed",
+        dropping,
+        Hook::Xdp,
+        fresh,
+    );
+    for (flags, name) in INVALID_FLAGS {
+        new_tuple = new_tuple.hostile(
+            format!("orig {name} on a new tuple"),
+            fresh.tcp(O, flags, &[]),
+            reason::TCP_INVALID_FLAGS,
+            false,
+        );
+        new_tuple_dropped = new_tuple_dropped.hostile(
+            format!("orig {name} on a new tuple"),
+            fresh.tcp(O, flags, &[]),
+            reason::TCP_INVALID_FLAGS,
+            true,
+        );
+    }
+    for s in [new_tuple, new_tuple_dropped] {
+        seqs.push(
+            s.table_len(0)
+                .via(v4(BE4[0]), 8080)
+                .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+                .table_len(2),
+        );
+    }
+    // A plain tracked connection (no service): the kernel's, its entry untouched; the
+    // stateful firewall drops them.
+    seqs.push(
+        Seq::xdp("hostile_invalid_tcp_flags_tracked_connection", tcp4())
+            .handshake()
+            .invalid_flags_both_ways(false)
+            .tcp_data(O, b"after", ES, SEEN_ASSURED, HIT)
+            .table_len(1),
+    );
+    seqs.push(
+        Seq::firewall("hostile_invalid_tcp_flags_firewall", tcp4())
+            .handshake()
+            .invalid_flags_both_ways(true)
+            .tcp_data(O, b"after", ES, SEEN_ASSURED, HIT)
+            .table_len(1),
+    );
+    seqs.extend(martian_seqs(&nat4, &nat6));
+    seqs
+}
+
+/// SYNs from martian sources to a VIP: dropped, no entry, no NAT binding, no `ct_stat`
+/// counter; a valid client's SYN after them still opens its balanced connection. On a
+/// loopback device (the node's own traffic) such sources are not martian.
+fn martian_seqs(nat4: &str, nat6: &str) -> Vec<Seq> {
+    let mut lo6 = [0u8; 16];
+    lo6[15] = 1;
+    let mut mc6 = [0u8; 16];
+    mc6[0] = 0xff;
+    mc6[1] = 0x02;
+    mc6[15] = 1;
+    let v4_sources: [([u8; 4], &str); 6] = [
+        ([127, 0, 0, 1], "loopback 127.0.0.1"),
+        ([127, 1, 2, 3], "loopback 127.1.2.3"),
+        ([255, 255, 255, 255], "limited broadcast"),
+        ([0, 0, 0, 0], "0.0.0.0"),
+        ([224, 0, 0, 1], "multicast 224.0.0.1"),
+        (VIP4, "the VIP itself (LAND)"),
+    ];
+    let v6_sources: [([u8; 16], &str); 4] = [
+        (lo6, "::1"),
+        ([0; 16], "::"),
+        (mc6, "multicast ff02::1"),
+        (VIP6, "the VIP itself (LAND)"),
+    ];
+    let mut seq4 = Seq::lb(
+        "hostile_martian_source_syn_v4",
+        Flow::v4(proto::TCP, A4, 40000, VIP4, 80),
+        nat4,
+    );
+    for (src, name) in v4_sources {
+        let f = Flow::v4(proto::TCP, src, 40000, VIP4, 80);
+        seq4 = seq4.hostile(
+            format!("SYN from {name}"),
+            f.tcp(O, SYN, &[]),
+            reason::MARTIAN_SOURCE,
+            true,
+        );
+        let f = Flow::v4(proto::UDP, src, 40000, VIP4, 80);
+        seq4 = seq4.hostile(
+            format!("UDP from {name}"),
+            f.udp(O, b"x"),
+            reason::MARTIAN_SOURCE,
+            true,
+        );
+    }
+    let seq4 = seq4
+        .table_len(0)
+        .via(v4(BE4[0]), 8080)
+        .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+        .table_len(2);
+    let mut seq6 = Seq::lb(
+        "hostile_martian_source_syn_v6",
+        Flow::v6(proto::TCP, A6, 40001, VIP6, 443),
+        nat6,
+    );
+    for (src, name) in v6_sources {
+        let f = Flow::v6(proto::TCP, src, 40001, VIP6, 443);
+        seq6 = seq6.hostile(
+            format!("SYN from {name}"),
+            f.tcp(O, SYN, &[]),
+            reason::MARTIAN_SOURCE,
+            true,
+        );
+    }
+    let seq6 = seq6
+        .table_len(0)
+        .via(BE6, 8443)
+        .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+        .table_len(2);
+    // The node's own traffic on a loopback device: a local client of a VIP on this node
+    // has the VIP as its source too.
+    let on_lo = Seq::new(
+        "hostile_martian_source_not_judged_on_loopback",
+        Seed::iface(TEST_RUN_IFINDEX, IFACE_F_CT_XDP | IFACE_F_LOOPBACK).with_services(nat4),
+        Hook::Xdp,
+        Flow::v4(proto::TCP, [127, 0, 0, 1], 40000, VIP4, 80),
+    )
+    .via(v4(BE4[0]), 8080)
+    .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+    .flow(Flow::v4(proto::TCP, VIP4, 40001, VIP4, 80))
+    .lb_tcp(O, SYN, SS, NOFLAGS, CREATED, &[(NEW_EV, SS)])
+    .table_len(4);
+    vec![seq4, seq6, on_lo]
+}
+
 pub fn ct_sequences() -> Vec<CtSequence> {
     let lb_tc: Vec<Seq> = lb_sequences()
         .into_iter()
@@ -2556,7 +2859,8 @@ mod tests {
 
     #[test]
     fn names_are_unique_and_steps_runnable() {
-        let seqs = ct_sequences();
+        let mut seqs = ct_sequences();
+        seqs.extend(hostile_sequences());
         assert!(seqs.len() >= 30, "only {} sequences", seqs.len());
         let mut names = BTreeSet::new();
         for s in &seqs {

@@ -732,7 +732,18 @@ impl Fixture {
                 name: map_names::STATS,
                 source,
             })?;
-        StatsSnapshot::read(&stats).map_err(|source| FixtureError::Stats { source })
+        let map = self
+            .ebpf
+            .map(map_names::STATS_EXT)
+            .ok_or(FixtureError::MissingMap {
+                name: map_names::STATS_EXT,
+            })?;
+        let ext: PerCpuArray<_, Counter> =
+            PerCpuArray::try_from(map).map_err(|source| FixtureError::Map {
+                name: map_names::STATS_EXT,
+                source,
+            })?;
+        StatsSnapshot::read(&stats, Some(&ext)).map_err(|source| FixtureError::Stats { source })
     }
 
     /// Runs the case's input through its hook's entry point `repeat` times, arriving where

@@ -441,6 +441,36 @@ pub fn route_cases(ifx: RouteIfaces) -> Vec<Case> {
     ] {
         cases.push(to_kernel(&format!("route_{what}"), &seed, pkt.build(), why));
     }
+    // TCP flag combinations Linux's conntrack calls invalid are not routed, though their
+    // destination is (route_v4_to_a_neighbour, the same packet with ACK, is): the kernel's.
+    let invalid = |flags: u8| {
+        Pkt::eth()
+            .macs(R0_MAC, CLIENT_MAC)
+            .ipv4(CLIENT4, [10, 2, 0, 1])
+            .tcp(40000, 80, flags)
+            .payload(b"not routed by the fast path")
+    };
+    for (what, flags) in [
+        ("syn_fin", tcp::SYN | tcp::FIN),
+        ("no_flags", 0),
+        ("fin_alone", tcp::FIN),
+        ("every_flag", 0xff),
+    ] {
+        cases.push(to_kernel(
+            &format!("route_tcp_invalid_flags_{what}_v4"),
+            &seed,
+            invalid(flags).build(),
+            reason::TCP_INVALID_FLAGS,
+        ));
+    }
+    cases.push(arriving(case(
+        Hook::TcIngress,
+        "route_tcp_invalid_flags_syn_rst_v4_at_tc",
+        tc_seed.clone(),
+        invalid(tcp::SYN | tcp::RST).build(),
+        Verdict::Kernel,
+        reason::TCP_INVALID_FLAGS,
+    )));
     // One hook routes: XDP where attached, TC ingress where not; the other passes.
     cases.push(arriving(case(
         Hook::TcIngress,
