@@ -571,9 +571,8 @@ impl KeepalivedConfig {
 
     pub fn render(&self) -> String {
         let mut s = format!(
-            "# fastpath HA pair: node {router_id}. Rendered by\n\
-             # fastpath::testkit::ha::KeepalivedConfig (the failover tests run the same text);\n\
-             # see README.md beside this file.\n\
+            "# fastpath HA pair: node {router_id}. See README.md beside this file: install,\n\
+             # and which failure leads where.\n\
              global_defs {{\n\
              \x20   router_id {router_id}\n\
              \x20   vrrp_version 3\n\
