@@ -781,28 +781,17 @@ impl Datapath {
 
     /// Sums the per-CPU counters.
     pub fn stats(&self) -> Result<StatsSnapshot, DatapathError> {
-        let map = self
-            .ebpf
-            .map(map_names::STATS)
-            .ok_or(DatapathError::MissingMap {
-                name: map_names::STATS,
-            })?;
-        let array: PerCpuArray<&MapData, Counter> =
-            PerCpuArray::try_from(map).map_err(|source| DatapathError::Map {
-                what: "opening FP_STATS".into(),
+        let open = |name: &'static str| {
+            let map = self
+                .ebpf
+                .map(name)
+                .ok_or(DatapathError::MissingMap { name })?;
+            PerCpuArray::<&MapData, Counter>::try_from(map).map_err(|source| DatapathError::Map {
+                what: format!("opening {name}"),
                 source,
-            })?;
-        let map = self
-            .ebpf
-            .map(map_names::STATS_EXT)
-            .ok_or(DatapathError::MissingMap {
-                name: map_names::STATS_EXT,
-            })?;
-        let ext: PerCpuArray<&MapData, Counter> =
-            PerCpuArray::try_from(map).map_err(|source| DatapathError::Map {
-                what: "opening FP_STATS_EXT".into(),
-                source,
-            })?;
+            })
+        };
+        let (array, ext) = (open(map_names::STATS)?, open(map_names::STATS_EXT)?);
         Ok(StatsSnapshot::read(&array, Some(&ext))?)
     }
 
