@@ -386,9 +386,8 @@ impl HaTopology {
 }
 
 /// Builds the failover testbed (see the module docs) with `backends` backends (at most 200).
-/// Each LB node may bind the VIP it does not hold yet (`ip_nonlocal_bind`); forwarding and
-/// `accept_local` are left to the daemon. The switches are plain bridges (no STP, so ports
-/// forward at once).
+/// The LB nodes keep the kernel's default sysctls (the daemon sets what it needs). The
+/// switches are plain bridges (no STP, so ports forward at once).
 pub fn ha_topology(backends: usize) -> Result<HaTopology, NetnsError> {
     assert!(backends <= 200, "ha_topology supports up to 200 backends");
     let mut topo = Topology::new();
@@ -458,11 +457,8 @@ pub fn ha_topology(backends: usize) -> Result<HaTopology, NetnsError> {
         VethEnd::new(Node::B.role(), HaTopology::SYNC_IF)
             .addr(&format!("{}/24", HaTopology::sync_addr(Node::B))),
     )?;
-    // Forwarding and accept_local are the daemon's to set (as on an operator's node): the
-    // nodes start with the kernel's defaults.
-    for n in Node::BOTH {
-        topo.ns(n.role()).sysctl("net.ipv4.ip_nonlocal_bind", "1")?;
-    }
+    // No sysctl is set by hand: forwarding and accept_local are the daemon's to set (as on an
+    // operator's node), and nothing on the nodes binds the VIP.
     for i in 0..backends {
         topo.ns(&HaTopology::backend_role(i))
             .add_route("default", &HaTopology::BACK_GATEWAY.to_string())?;
