@@ -1,4 +1,5 @@
-//! fastpath userspace: daemon, CLI and test support.
+//! fastpath userspace: the daemon and the CLI's library; with the `testkit` feature (tests,
+//! the demo and the bench turn it on), their test support too.
 
 pub mod api;
 pub mod config;
@@ -16,6 +17,9 @@ pub mod netwatch;
 pub mod rules;
 pub mod stats;
 pub mod sync;
+/// Test support (packet builder, fixtures, namespace topologies): never in the product
+/// binary (`cargo xtask build`).
+#[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
 
 /// The compiled datapath object, built by build.rs from fastpath-ebpf.
