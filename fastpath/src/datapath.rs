@@ -1,11 +1,11 @@
 //! The only module that loads, attaches and pins the datapath.
 //!
 //! Layout under the pin directory (on a bpffs):
-//!   maps/FP_STATS, maps/FP_CONFIG   — reused on restart, so counters and state survive;
-//!   links/<iface>@<hook>             — bpf_links; while pinned, the program stays attached
-//!                                      with or without a daemon (restart, crash, upgrade);
-//!   tails/<prog id>/FP_TAILS, …      — the program arrays one load's main programs tail-call
-//!                                      (named by that load's XDP program id).
+//! - `maps/FP_STATS`, `maps/FP_CONFIG`, …: reused on restart, so counters and state survive;
+//! - `links/<iface>@<hook>`: bpf_links; while pinned, the program stays attached with or
+//!   without a daemon (restart, crash, upgrade);
+//! - `tails/<prog id>/FP_TAILS`, …: the program arrays one load's main programs tail-call
+//!   (named by that load's XDP program id).
 //! On restart a pinned link is kept and its program swapped atomically (bpf_link_update):
 //! traffic never sees a moment without a program.
 //!
@@ -1745,7 +1745,7 @@ fn pinned_map(pin_dir: &Path, name: &str) -> Result<MapData, DatapathError> {
     })
 }
 
-/// The runtime knobs of a pinned datapath (FP_CONFIG[0]).
+/// The runtime knobs of a pinned datapath (`FP_CONFIG[0]`).
 pub fn pinned_config(pin_dir: &Path) -> Result<DatapathConfig, DatapathError> {
     let data = pinned_map(pin_dir, map_names::CONFIG)?;
     let array: Array<MapData, DatapathConfig> = Array::try_from(aya::maps::Map::Array(data))

@@ -22,7 +22,7 @@ use fastpath_common::{
 };
 
 /// The wire format between peers (`fastpath/proto/fastpath/sync/v1/sync.proto`).
-#[allow(clippy::all, clippy::pedantic, missing_docs)]
+#[allow(clippy::all, clippy::pedantic, missing_docs, rustdoc::all)]
 pub mod pb {
     tonic::include_proto!("fastpath.sync.v1");
 }

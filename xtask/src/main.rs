@@ -53,7 +53,8 @@ cargo xtask <command>
 commands:
   demo        bootstrap, build, and run the namespace demo (client, fast-path node, 3 backends;
               then a two-node VXLAN overlay)
-  test        bootstrap, check formatting, run every test (unit, datapath fixtures, namespaces)
+  test        bootstrap, check formatting, clippy and the docs (warnings denied), run every
+              test (unit, datapath fixtures, namespaces)
   bench       bootstrap, build, run every benchmark section (BPF_PROG_TEST_RUN ns/packet,
               conntrack, updates, API, the comparisons with the kernel, iptables, nftables,
               HAProxy in namespaces, HA replication); writes docs/bench/*.json, the plots
@@ -355,6 +356,8 @@ fn test(extra: &[String]) -> Result<()> {
     require_root("test")?;
     run(&mut cargo(&["fmt", "--all", "--check"]))
         .context("code is not formatted: run `cargo +1.99.1 fmt --all`")?;
+    clippy().context("clippy found something: run `cargo xtask lint` and fix what it says")?;
+    docs().context("the docs do not build without warnings: run `RUSTDOCFLAGS=\"-D warnings\" cargo +1.99.1 doc --no-deps`")?;
     // One thread: the datapath and namespace tests share kernel state (bpffs, interfaces).
     run(cargo(&["test", "--release", "--no-fail-fast"])
         .arg("--")
@@ -392,6 +395,11 @@ fn run_example(name: &str, build_args: &[&str], extra: &[String]) -> Result<()> 
 
 fn lint() -> Result<()> {
     run(&mut cargo(&["fmt", "--all", "--check"]))?;
+    clippy()
+}
+
+/// clippy on the userspace crates, every target, warnings denied.
+fn clippy() -> Result<()> {
     // The workspace's default members: the eBPF crate builds only for bpfel (through
     // fastpath/build.rs); `--workspace` would build it for the host and fail.
     run(&mut cargo(&[
@@ -402,4 +410,18 @@ fn lint() -> Result<()> {
         "-D",
         "warnings",
     ]))
+}
+
+/// The API docs of the userspace crates, rustdoc warnings denied (broken links, bad HTML).
+fn docs() -> Result<()> {
+    run(cargo(&[
+        "doc",
+        "--release",
+        "--no-deps",
+        "-p",
+        "fastpath",
+        "-p",
+        "fastpath-common",
+    ])
+    .env("RUSTDOCFLAGS", "-D warnings"))
 }

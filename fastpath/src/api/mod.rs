@@ -11,7 +11,7 @@ pub mod read;
 pub mod server;
 
 /// The generated messages and services.
-#[allow(clippy::all, clippy::pedantic, missing_docs)]
+#[allow(clippy::all, clippy::pedantic, missing_docs, rustdoc::all)]
 pub mod pb {
     tonic::include_proto!("fastpath.v1");
 }
