@@ -6,6 +6,7 @@
 //!   without a daemon (restart, crash, upgrade);
 //! - `tails/<prog id>/FP_TAILS`, …: the program arrays one load's main programs tail-call
 //!   (named by that load's XDP program id).
+//!
 //! On restart a pinned link is kept and its program swapped atomically (bpf_link_update):
 //! traffic never sees a moment without a program.
 //!
