@@ -1,4 +1,4 @@
-//! HA replication in the daemon (issue 6): this node's conntrack changes streamed to every
+//! HA replication in the daemon: this node's conntrack changes streamed to every
 //! peer, and every peer's stream installed into this node's datapath, over the `Sync` gRPC
 //! service with mutual TLS. The protocol's rules (numbering, acknowledgements, resend or
 //! resync, snapshots) are `crate::sync`'s; this module is its I/O.

@@ -1,8 +1,8 @@
-//! HA replication, the protocol's pure core (issue 6, first slice): how a node numbers the
+//! HA replication, the protocol's pure core: how a node numbers the
 //! changes it sends, what a peer's cumulative acknowledgement releases, when a peer that fell
 //! behind gets a resend from the bounded queue and when it needs a resync instead, how a
 //! receiver tells the next change from a duplicate, a gap or a restarted sender, and which of
-//! two versions of one connection wins. No I/O and no clock: the sync service (to come) drives
+//! two versions of one connection wins. No I/O and no clock: the sync service (`crate::ha`) drives
 //! it, and every rule here is unit-tested.
 //!
 //! Numbering: a node's changes carry (epoch, seq). The epoch is chosen at the daemon's start

@@ -35,7 +35,7 @@ fn conntrack_sequences_through_bpf_prog_test_run() {
     run_all(fixture, &sequences);
 }
 
-/// Hostile frames (issue 38, item 5): invalid TCP flag combinations against established
+/// Hostile frames: invalid TCP flag combinations against established
 /// NAT / full-NAT / plain connections and new tuples, and martian-source SYNs to a VIP, at
 /// XDP and at the TC ingress load-balancing tail. Each step checks the verdict, the frame
 /// (untranslated), the whole table (unchanged), the `ct_stat` counters (unchanged) and the

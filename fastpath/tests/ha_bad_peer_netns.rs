@@ -1,4 +1,4 @@
-//! HA replication refuses what it must (issue 6): a real daemon (node B) serves the sync
+//! HA replication refuses what it must: a real daemon (node B) serves the sync
 //! service in a namespace; a hand-made peer in another namespace connects to it with the
 //! wrong certificates, or with the right ones and malformed messages. A peer whose
 //! certificate another CA signed, or that has none, is refused at the handshake; a message

@@ -1,4 +1,4 @@
-//! HA replication between two real daemons in network namespaces (issue 6): node A (the `fp`
+//! HA replication between two real daemons in network namespaces: node A (the `fp`
 //! namespace of the LB topology) balances a client's connections; node B (namespace `peer`,
 //! joined to A by its own sync link) receives A's stream. Traffic is real: hping3 SYNs from
 //! random sources (each a load-balanced connection: an entry and its alias) and curl

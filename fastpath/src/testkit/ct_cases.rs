@@ -2622,7 +2622,7 @@ impl Seq {
     }
 }
 
-/// Hostile frames (issue 38, item 5), through the real entry points (XDP, and the TC ingress
+/// Hostile frames, through the real entry points (XDP, and the TC ingress
 /// load-balancing tail for each): TCP segments with flag combinations Linux's conntrack calls
 /// invalid, against established NAT and full-NAT connections (dropped: the kernel would RST
 /// the live connection), a plain tracked connection and a new tuple (the kernel's; dropped
