@@ -60,7 +60,7 @@ const ICMP_HDR_LEN: usize = 8;
 
 /// What the pipeline does with a tracked packet.
 pub enum Action {
-    /// Nothing beyond tracking: the packet goes on (to the kernel, for now).
+    /// Nothing beyond tracking: the later stages (routing) or the kernel take the packet.
     Pass,
     /// Drop it, counted under this reason (stateful firewall; a service without backends
     /// that drops; a load-balanced connection the full table cannot take).
@@ -323,7 +323,7 @@ fn invalid_flags(hit: Option<*mut CtEntry>, firewall: bool) -> Action {
         Some(e) => unsafe { (*e).flags },
         None => 0,
     };
-    if entry_flags & (CT_F_LB | CT_F_LB_ALIAS) != 0 || firewall || crate::pipeline::drop_malformed()
+    if entry_flags & (CT_F_LB | CT_F_LB_ALIAS) != 0 || firewall || crate::settings::drop_malformed()
     {
         Action::Drop(reason::TCP_INVALID_FLAGS)
     } else {

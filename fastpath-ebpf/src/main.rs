@@ -19,6 +19,7 @@ mod pipeline;
 mod ratelimit;
 mod reject;
 mod route;
+mod settings;
 mod stats;
 mod vlan;
 mod vxlan;
@@ -80,7 +81,7 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
         fastpath_common::reason::NO_STAGE_IPV4_UDP
         | fastpath_common::reason::NO_STAGE_IPV6_UDP
         | fastpath_common::reason::ROUTE_NOT_FORWARDED
-            if verdict == Verdict::Kernel && pipeline::vxlan_configured() =>
+            if verdict == Verdict::Kernel && settings::vxlan_configured() =>
         {
             route::hand_over(reason);
             fastpath_common::TAIL_VXLAN_DECAP
@@ -402,7 +403,7 @@ fn tc_finish(
                     | fastpath_common::reason::NO_STAGE_IPV6_UDP
                     | fastpath_common::reason::ROUTE_NOT_FORWARDED
             )
-            && pipeline::vxlan_configured()
+            && settings::vxlan_configured()
         {
             fastpath_common::TC_TAIL_VXLAN_DECAP
         } else {

@@ -1,20 +1,18 @@
-//! The pipeline every entry point runs: parse, then (as they land) firewall, conntrack, lb,
-//! nat, l3/l2, vxlan. Each stage either claims the packet (forward/drop) or lets it continue;
-//! whatever no stage claims goes to the kernel, the slow path, with a reason.
+//! The pipeline every entry point runs: parse, then conntrack (with the stateful firewall),
+//! lb, nat, the L3 stage (VXLAN and VLAN egress are tail programs, see main.rs). Each stage
+//! either claims the packet (forward/drop) or lets it continue; whatever no stage claims goes
+//! to the kernel, the slow path, with a reason.
 
-use fastpath_common::{
-    DatapathConfig, Hook, Verdict, reason,
-    stats::{CONFIG_F_DROP_MALFORMED, CONFIG_F_VXLAN},
-};
+use fastpath_common::{Hook, Verdict, reason};
 
 use crate::{
     conntrack::{self, Action},
     dsr,
-    maps::{FP_CONFIG, FP_PKT_CTX},
+    maps::FP_PKT_CTX,
     nat,
     packet::Packet,
     parse::{self, FAMILY_IPV4, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, Parsed},
-    route,
+    route, settings,
 };
 
 /// ICMPv6 router solicitation .. redirect (133..=137): neighbour discovery.
@@ -58,7 +56,7 @@ pub fn process(
         // `reason::TCP_INVALID_FLAGS`); as a malformed packet, the kernel's unless
         // `drop_malformed`.
         Action::Pass if p.tcp_flags_invalid() => {
-            let verdict = if drop_malformed() {
+            let verdict = if settings::drop_malformed() {
                 Verdict::Drop
             } else {
                 Verdict::Kernel
@@ -125,26 +123,10 @@ pub fn unparsed(code: u32) -> (Verdict, u32) {
 fn unparsed_verdict(code: u32) -> Verdict {
     if code == reason::VLAN_NOT_MEMBER || code == reason::VLAN_FAILED {
         Verdict::Drop
-    } else if reason::is_malformed(code) && drop_malformed() {
+    } else if reason::is_malformed(code) && settings::drop_malformed() {
         Verdict::Drop
     } else {
         Verdict::Kernel
-    }
-}
-
-/// Whether some interface is a VXLAN device (`CONFIG_F_VXLAN`).
-#[inline(always)]
-pub fn vxlan_configured() -> bool {
-    FP_CONFIG
-        .get(0)
-        .is_some_and(|c| c.flags & CONFIG_F_VXLAN != 0)
-}
-
-#[inline(always)]
-pub fn drop_malformed() -> bool {
-    match FP_CONFIG.get(0) {
-        Some(DatapathConfig { flags, .. }) => flags & CONFIG_F_DROP_MALFORMED != 0,
-        None => false,
     }
 }
 
