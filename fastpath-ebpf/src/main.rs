@@ -5,6 +5,11 @@
 // `core::intrinsics::atomic_xadd`: the BPF target has no `fetch_add` in `core::sync::atomic`.
 #![allow(internal_features)]
 #![feature(core_intrinsics)]
+#![allow(
+    clippy::not_unsafe_ptr_arg_deref,
+    reason = "aya's program macros expand each entry point into a pub extern fn over the \
+              kernel's context pointer, which the kernel guarantees valid"
+)]
 
 mod bench;
 mod conntrack;
