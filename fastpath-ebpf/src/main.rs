@@ -2,8 +2,11 @@
 //! pipeline, count the outcome once, and translate the verdict for their hook.
 #![no_std]
 #![no_main]
-// `core::intrinsics::atomic_xadd`: the BPF target has no `fetch_add` in `core::sync::atomic`.
-#![allow(internal_features)]
+#![allow(
+    internal_features,
+    reason = "`core::intrinsics::atomic_xadd`: the BPF target has no `fetch_add` in \
+              `core::sync::atomic`"
+)]
 #![feature(core_intrinsics)]
 #![allow(
     clippy::not_unsafe_ptr_arg_deref,

@@ -24,6 +24,12 @@
 //! the size before sending.
 //!
 //! Root only (never skipped). Debian packages: iproute2, curl, nginx-light, ethtool.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use std::{
     collections::BTreeSet,

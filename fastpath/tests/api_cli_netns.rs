@@ -11,6 +11,12 @@
 //!
 //! Root only (never skipped: without root it fails). Debian packages: iproute2, nginx-light,
 //! curl, ethtool.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use std::{
     ffi::OsString,

@@ -3,6 +3,12 @@
 //! inside that namespace (`--netns`). Certificates are made per run (rcgen): a CA, a server
 //! certificate for `fastpath.test`, a client certificate it signed, and a client certificate
 //! of another CA.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use std::{
     path::{Path, PathBuf},

@@ -1,5 +1,11 @@
 //! Runs the conntrack sequences through the real entry points with BPF_PROG_TEST_RUN and
 //! reports every failing sequence at once. Needs root; without it the test fails (never skips).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use fastpath::{
     conntrack::monotonic_ns,

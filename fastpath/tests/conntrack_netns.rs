@@ -9,6 +9,12 @@
 //! socat, iputils-ping, ethtool.
 //! Run with `--test-threads=1`: the tests share the kernel (bpffs); each still has its own
 //! namespaces and pin directory.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use std::{
     collections::BTreeMap,

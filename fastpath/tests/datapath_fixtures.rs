@@ -1,5 +1,11 @@
 //! Runs the parser fixture table through the real entry points with BPF_PROG_TEST_RUN and
 //! reports every failing case at once. Needs root; without it the test fails (never skips).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use fastpath::testkit::{cases::parser_cases, fixture::Fixture, require_root};
 

@@ -2,6 +2,12 @@
 //! datapath asks the kernel's FIB for the backend's route and MAC address, so the test runs in
 //! a network namespace of its own with the routes and neighbours the sequences expect
 //! (`DSR_NETNS_SETUP`). Needs root; without it the test fails (never skips).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use fastpath::testkit::{
     ct_cases::{DSR_NETNS_SETUP, dsr_sequences},

@@ -6,6 +6,12 @@
 //! kernel routing in this topology, untranslated).
 //!
 //! Root only (never skipped). Debian packages: iproute2, nginx-light, curl, ethtool.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use std::{net::IpAddr, path::Path, time::Duration};
 

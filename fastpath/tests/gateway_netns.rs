@@ -15,6 +15,12 @@
 //! Checksums: offloads off on the clients and the server, as in lb_netns (XDP sees full
 //! checksums, as from a wire). Root only (never skipped). Debian packages: iproute2, python3,
 //! ethtool.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use std::{collections::BTreeSet, path::Path, time::Duration};
 

@@ -5,6 +5,12 @@
 //! without a valid node id closes the stream and is counted; malformed or out-of-range
 //! connections are refused, counted, acknowledged as refused and never installed, while the
 //! valid one in the same batch is; a gap in the tail is answered with a resend request.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use std::{path::Path, time::Duration};
 

@@ -15,6 +15,12 @@
 //!
 //! Root only (never skipped). Debian packages: iproute2, keepalived, nginx-light, curl,
 //! ethtool.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use std::{
     net::SocketAddr,

@@ -7,6 +7,12 @@
 //! making connections), a flush on A — the test waits for B to catch up and compares the two
 //! tables entry for entry: every load-balanced entry A's datapath made is in B's table marked
 //! as A's, with the same key, TCP state, flags and NAT binding, and B holds nothing else of A's.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use std::time::Duration;
 

@@ -15,6 +15,12 @@
 //!
 //! Root only (never skipped: without root these tests fail). Debian packages: iproute2,
 //! nginx-light, curl, socat, ethtool.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use std::{
     collections::{BTreeMap, BTreeSet},

@@ -7,6 +7,12 @@
 //! bpftool.
 //! Run with `--test-threads=1`: the tests share the kernel (bpffs, /run/fastpath); each still
 //! has its own namespaces and pin directory.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use std::{
     collections::BTreeMap,

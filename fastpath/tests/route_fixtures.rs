@@ -2,6 +2,12 @@
 //! BPF_PROG_TEST_RUN: the datapath asks the kernel's FIB for routes and next hops, so each
 //! test runs in a network namespace of its own prepared by `ROUTE_NETNS_SETUP`, the frames
 //! arriving on its `r0`. Needs root; without it the tests fail (never skip).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use fastpath::testkit::{
     enter_fresh_netns,

@@ -19,6 +19,12 @@
 //! wire) and GRO on: a veth takes XDP redirects only when its peer runs NAPI (an XDP program
 //! or GRO there). Root only (never skipped). Debian packages: iproute2, ethtool, nginx, curl,
 //! iputils-ping.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use std::path::Path;
 

@@ -5,6 +5,12 @@
 //! (timestamps and counters are the receiver's own), and on a peer whose service ids and
 //! backend indexes differ the entries get the peer's numbers. Malformed records are refused.
 //! Needs root; without it the test fails (never skips).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use fastpath::{
     sync::{LbIndex, WireError, from_wire, pb, to_wire},

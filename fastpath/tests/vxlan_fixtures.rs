@@ -13,6 +13,12 @@
 //! at TC its IPv4-in-IPv6 decapsulation is the kernel's). Invalidation and TCP FIN/RST, which
 //! do not depend on the underlay's IP version, are checked over IPv4 only.
 //! Needs root; without it the test fails (never skips).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use fastpath::testkit::{
     fixture::{Case, CounterDelta, Fixture, Seed, raw_verdict},

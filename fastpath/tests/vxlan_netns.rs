@@ -20,6 +20,12 @@
 //!
 //! The topology is `testkit::vxlan_cases::two_node_overlay`. Root only (never skipped).
 //! Debian packages: iproute2, ethtool, nginx, curl, iputils-ping.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use std::path::Path;
 
