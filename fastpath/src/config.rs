@@ -160,8 +160,8 @@ pub struct ServiceConfig {
     #[serde(default)]
     pub mode: ForwardMode,
     /// Full-NAT: the source address backends see. The backends must route it to this node;
-    /// it need not be assigned to an interface (if it is, set `accept_local` on the
-    /// interfaces clients come in on, or the kernel drops the translated packets as martians).
+    /// it need not be assigned to an interface (if it is, the daemon sets `accept_local` on
+    /// the attached interfaces, or the kernel would drop the translated packets as martians).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub snat_address: Option<Spanned<std::net::IpAddr>>,
     /// Full-NAT: the source ports connections get, `"FIRST-LAST"`. Default `"1024-32767"`,
@@ -580,8 +580,9 @@ pub const DEFAULT_CT_CAPACITY: u32 = 1 << 20;
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ConntrackSection {
-    /// Maximum tracked connections. Default 1048576. The table is preallocated (about 200
-    /// bytes per entry); changing it on a running datapath needs `fastpath detach` first.
+    /// Maximum tracked connections. Default 1048576. Entries are allocated as connections
+    /// appear (about 200 bytes each); changing it on a running datapath needs
+    /// `fastpath detach` first.
     #[serde(default = "default_ct_capacity")]
     pub capacity: Spanned<u32>,
     /// How often the daemon expires idle connections, in milliseconds. Default 1000: an idle
