@@ -84,8 +84,6 @@ mod ha;
 mod lb_compare;
 mod lb_sweep;
 mod overlay_compare;
-#[path = "../../tests/support/pki.rs"]
-mod pki;
 mod plot;
 mod route_compare;
 

@@ -15,6 +15,7 @@ pub mod fixture;
 pub mod ha;
 pub mod netns;
 pub mod packet;
+pub mod pki;
 pub mod route_cases;
 pub mod traffic;
 pub mod vlan_cases;

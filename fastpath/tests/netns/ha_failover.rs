@@ -15,16 +15,10 @@
 //!
 //! Root only (never skipped). Debian packages: iproute2, keepalived, nginx-light, curl,
 //! ethtool.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "test code: a panic, with its message, is how a test fails"
-)]
 
 use std::{
     net::SocketAddr,
-    path::{Path, PathBuf},
+    path::PathBuf,
     thread,
     time::{Duration, Instant},
 };
@@ -38,13 +32,9 @@ use fastpath::testkit::{
 };
 use rcgen::ExtendedKeyUsagePurpose;
 
-#[path = "support/pki.rs"]
-mod pki;
-use pki::{CertFiles, TestCa};
+use fastpath::testkit::pki::{CertFiles, TestCa};
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 const BACKENDS: usize = 3;
 const CONNECTIONS: usize = 1000;

@@ -15,12 +15,6 @@
 //!
 //! Root only (never skipped: without root these tests fail). Debian packages: iproute2,
 //! nginx-light, curl, socat, ethtool.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "test code: a panic, with its message, is how a test fails"
-)]
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -50,9 +44,7 @@ use fastpath_common::{
     map_names,
 };
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 const BACKENDS: usize = 3;
 const VIP4: &str = "10.200.0.100";

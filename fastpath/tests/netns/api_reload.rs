@@ -1,22 +1,14 @@
 //! Changing a running daemon's interfaces and services by `fastpath apply` and by SIGHUP:
 //! hooks are attached and detached live, only the difference is applied, the API's changes
 //! survive a reload of an unchanged file and a restart, and a file that changed wins.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "test code: a panic, with its message, is how a test fails"
-)]
 
-use std::{path::Path, time::Duration};
+use std::time::Duration;
 
 use fastpath::testkit::netns::{
     Daemon, DaemonConfig, LbTopology, TempDir, prepare_test, test_lb_topology, unique_pin_dir,
 };
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 /// `interface -o json`: interface name → its hooks.
 fn hooks(daemon: &Daemon) -> Vec<(String, Vec<String>)> {

@@ -15,23 +15,13 @@
 //! ```
 //!
 //! Root only (never skipped). Debian packages: iproute2, nginx, curl, iputils-ping.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "test code: a panic, with its message, is how a test fails"
-)]
-
-use std::path::Path;
 
 use fastpath::testkit::netns::{
     Daemon, DaemonConfig, HookedInterface, Topology, VethEnd, prepare_test, unique_pin_dir,
 };
 use fastpath_common::{Hook, Verdict, reason};
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 const A4: &str = "10.212.0.1";
 const B4: &str = "10.212.0.2";

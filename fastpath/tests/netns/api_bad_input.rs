@@ -24,12 +24,6 @@
 //! the size before sending.
 //!
 //! Root only (never skipped). Debian packages: iproute2, curl, nginx-light, ethtool.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "test code: a panic, with its message, is how a test fails"
-)]
 
 use std::{
     collections::BTreeSet,
@@ -59,9 +53,7 @@ use tonic::{
     transport::{Channel, Endpoint},
 };
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 const BACKENDS: usize = 2;
 const VIP4: &str = "10.200.0.100";

@@ -9,12 +9,6 @@
 //! socat, iputils-ping, ethtool.
 //! Run with `--test-threads=1`: the tests share the kernel (bpffs); each still has its own
 //! namespaces and pin directory.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "test code: a panic, with its message, is how a test fails"
-)]
 
 use std::{
     collections::BTreeMap,
@@ -30,9 +24,7 @@ use fastpath::testkit::netns::{
 };
 use serde::Deserialize;
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 /// Our counters count the frame as the hook sees it (Ethernet header included); the kernel's
 /// conntrack accounting counts the IP packet. Per packet the two differ by exactly this.

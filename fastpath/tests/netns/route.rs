@@ -19,14 +19,6 @@
 //! wire) and GRO on: a veth takes XDP redirects only when its peer runs NAPI (an XDP program
 //! or GRO there). Root only (never skipped). Debian packages: iproute2, ethtool, nginx, curl,
 //! iputils-ping.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "test code: a panic, with its message, is how a test fails"
-)]
-
-use std::path::Path;
 
 use fastpath::{
     datapath,
@@ -38,9 +30,7 @@ use fastpath::{
 };
 use fastpath_common::{Hook, Verdict, reason};
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 const SERVER4: &str = "10.211.0.2";
 const SERVER6: &str = "fd00:211::2";

@@ -11,12 +11,6 @@
 //!
 //! Root only (never skipped: without root it fails). Debian packages: iproute2, nginx-light,
 //! curl, ethtool.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "test code: a panic, with its message, is how a test fails"
-)]
 
 use std::{
     ffi::OsString,
@@ -33,9 +27,7 @@ use fastpath::testkit::netns::{
 };
 use serde_json::Value;
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 const BACKENDS: usize = 3;
 /// Added through `service add` (not in the config file).

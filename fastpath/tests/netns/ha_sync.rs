@@ -7,12 +7,6 @@
 //! making connections), a flush on A — the test waits for B to catch up and compares the two
 //! tables entry for entry: every load-balanced entry A's datapath made is in B's table marked
 //! as A's, with the same key, TCP state, flags and NAT binding, and B holds nothing else of A's.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "test code: a panic, with its message, is how a test fails"
-)]
 
 use std::time::Duration;
 
@@ -22,15 +16,11 @@ use fastpath::testkit::{
 };
 use rcgen::ExtendedKeyUsagePurpose;
 
-#[path = "support/pki.rs"]
-mod pki;
-use pki::TestCa;
+use fastpath::testkit::pki::TestCa;
 
 const VIP: &str = "10.200.250.1";
 
-fn bin() -> &'static std::path::Path {
-    std::path::Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 struct Pair {
     lb: LbTopology,

@@ -7,12 +7,6 @@
 //! bpftool.
 //! Run with `--test-threads=1`: the tests share the kernel (bpffs, /run/fastpath); each still
 //! has its own namespaces and pin directory.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "test code: a panic, with its message, is how a test fails"
-)]
 
 use std::{
     collections::BTreeMap,
@@ -38,9 +32,7 @@ use fastpath_common::{
     Counter, DatapathConfig, Hook, Verdict, map_names, reason, stats::CONFIG_F_DROP_MALFORMED,
 };
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 /// Frame sizes as the hooks count them (Ethernet header included, no FCS).
 const ETH: u64 = 14;

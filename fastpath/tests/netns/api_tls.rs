@@ -3,12 +3,6 @@
 //! inside that namespace (`--netns`). Certificates are made per run (rcgen): a CA, a server
 //! certificate for `fastpath.test`, a client certificate it signed, and a client certificate
 //! of another CA.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "test code: a panic, with its message, is how a test fails"
-)]
 
 use std::{
     path::{Path, PathBuf},
@@ -20,13 +14,9 @@ use fastpath::testkit::netns::{
 };
 use rcgen::ExtendedKeyUsagePurpose;
 
-#[path = "support/pki.rs"]
-mod pki;
-use pki::{CertFiles, TestCa};
+use fastpath::testkit::pki::{CertFiles, TestCa};
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 struct Pki {
     ca: PathBuf,

@@ -12,15 +12,9 @@
 //!   default via fp                                                      no route to clients
 //! ```
 //!
-//! Checksums: offloads off on the clients and the server, as in lb_netns (XDP sees full
+//! Checksums: offloads off on the clients and the server, as in `lb` (XDP sees full
 //! checksums, as from a wire). Root only (never skipped). Debian packages: iproute2, python3,
 //! ethtool.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "test code: a panic, with its message, is how a test fails"
-)]
 
 use std::{collections::BTreeSet, path::Path, time::Duration};
 
@@ -28,9 +22,7 @@ use fastpath::testkit::netns::{
     Daemon, DaemonConfig, Spawned, TempDir, Topology, VethEnd, prepare_test, unique_pin_dir,
 };
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 const CLIENTS: usize = 10;
 const ECHO_PORT: u16 = 7000;
