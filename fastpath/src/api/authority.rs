@@ -218,7 +218,11 @@ impl RequestFilter {
     }
 
     /// A complete HEADERS or CONTINUATION payload in `pending`.
-    fn block_frame(&mut self, head: FrameHead, out: &mut BytesMut) -> Result<(), AuthorityFixError> {
+    fn block_frame(
+        &mut self,
+        head: FrameHead,
+        out: &mut BytesMut,
+    ) -> Result<(), AuthorityFixError> {
         let payload = std::mem::take(&mut self.pending);
         self.state = State::FrameHeader;
         let open = match self.open.take() {
@@ -288,17 +292,17 @@ fn headers_frame(head: FrameHead, payload: &[u8]) -> Result<OpenBlock, Authority
     let mut p = payload;
     let mut pad = 0;
     if head.flags & FLAG_PADDED != 0 {
-        let (&n, rest) = p
-            .split_first()
-            .ok_or(AuthorityFixError::Frame("padded HEADERS without a pad length"))?;
+        let (&n, rest) = p.split_first().ok_or(AuthorityFixError::Frame(
+            "padded HEADERS without a pad length",
+        ))?;
         pad = usize::from(n);
         p = rest;
     }
     let mut priority = None;
     if head.flags & FLAG_PRIORITY != 0 {
-        let (fields, rest) = p
-            .split_first_chunk::<5>()
-            .ok_or(AuthorityFixError::Frame("HEADERS too short for its priority fields"))?;
+        let (fields, rest) = p.split_first_chunk::<5>().ok_or(AuthorityFixError::Frame(
+            "HEADERS too short for its priority fields",
+        ))?;
         priority = Some(*fields);
         p = rest;
     }
@@ -306,7 +310,9 @@ fn headers_frame(head: FrameHead, payload: &[u8]) -> Result<OpenBlock, Authority
         .len()
         .checked_sub(pad)
         .map(|n| &p[..n])
-        .ok_or(AuthorityFixError::Frame("HEADERS padding longer than the frame"))?;
+        .ok_or(AuthorityFixError::Frame(
+            "HEADERS padding longer than the frame",
+        ))?;
     Ok(OpenBlock {
         stream: head.stream,
         end_stream: head.flags & FLAG_END_STREAM != 0,

@@ -970,12 +970,14 @@ pub async fn serve(
     // Unix socket clients' `:authority` is normalized (see `authority`); TCP's is not.
     let unix_incoming = tokio_stream::wrappers::UnixListenerStream::new(unix)
         .map(|conn| conn.map(super::authority::AuthorityFix::new));
-    let unix_task = tokio::spawn(router(tonic::transport::Server::builder()).serve_with_incoming_shutdown(
-        unix_incoming,
-        async move {
-            let _ = stop_unix.wait_for(|s| *s).await;
-        },
-    ));
+    let unix_task = tokio::spawn(
+        router(tonic::transport::Server::builder()).serve_with_incoming_shutdown(
+            unix_incoming,
+            async move {
+                let _ = stop_unix.wait_for(|s| *s).await;
+            },
+        ),
+    );
     let tcp_task = tcp.and_then(|(listener, tls)| {
         let mut builder = tonic::transport::Server::builder();
         if let Some(tls) = tls {
@@ -997,7 +999,9 @@ pub async fn serve(
         )))
     });
     let _ = shutdown.wait_for(|s| *s).await;
-    health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+    health
+        .set_service_status("", tonic_health::ServingStatus::NotServing)
+        .await;
     health
         .set_not_serving::<pb::fastpath_server::FastpathServer<Api>>()
         .await;
@@ -1023,7 +1027,7 @@ pub async fn serve(
 }
 
 /// The reflection services, v1 and v1alpha (grpcurl before 1.9 and other older clients ask
-/// v1alpha only), answering from `fastpath.v1`'s descriptor set.
+/// v1alpha only), describing `fastpath.v1`, `grpc.health.v1` and themselves.
 fn reflection_services() -> Result<
     (
         tonic_reflection::server::v1::ServerReflectionServer<
@@ -1038,6 +1042,7 @@ fn reflection_services() -> Result<
     let builder = || {
         tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
     };
     Ok((builder().build_v1()?, builder().build_v1alpha()?))
 }
