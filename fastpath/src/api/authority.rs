@@ -427,3 +427,265 @@ impl tonic::transport::server::Connected for AuthorityFix<tokio::net::UnixStream
         self.inner.connect_info()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FRAME_DATA: u8 = 0x0;
+    const FRAME_SETTINGS: u8 = 0x4;
+
+    type Fields = Vec<(Vec<u8>, Vec<u8>)>;
+
+    fn request(authority: &str, path: &str) -> Fields {
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", path),
+            (":authority", authority),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ]
+        .iter()
+        .map(|(n, v)| (n.as_bytes().to_vec(), v.as_bytes().to_vec()))
+        .collect()
+    }
+
+    fn raw_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let mut out = BytesMut::new();
+        out.put_uint(payload.len() as u64, 3);
+        out.put_u8(kind);
+        out.put_u8(flags);
+        out.put_u32(stream);
+        out.put_slice(payload);
+        out.to_vec()
+    }
+
+    /// Splits what the filter gave the server into the preface and frames.
+    fn frames(mut b: &[u8]) -> Vec<(u8, u8, u32, Vec<u8>)> {
+        assert!(
+            b.starts_with(PREFACE),
+            "output must start with the preface: {b:?}"
+        );
+        b = &b[PREFACE.len()..];
+        let mut v = Vec::new();
+        while !b.is_empty() {
+            assert!(b.len() >= 9, "truncated frame header: {b:?}");
+            let len = usize::from(b[0]) << 16 | usize::from(b[1]) << 8 | usize::from(b[2]);
+            let stream = u32::from_be_bytes([b[5], b[6], b[7], b[8]]);
+            assert!(b.len() >= 9 + len, "truncated frame payload");
+            v.push((b[3], b[4], stream, b[9..9 + len].to_vec()));
+            b = &b[9 + len..];
+        }
+        v
+    }
+
+    /// Feeds `input` in pieces of `step` bytes.
+    fn filter(input: &[u8], step: usize) -> Result<Vec<u8>, AuthorityFixError> {
+        let mut f = RequestFilter::default();
+        let mut out = BytesMut::new();
+        for chunk in input.chunks(step) {
+            f.feed(chunk, &mut out)?;
+        }
+        Ok(out.to_vec())
+    }
+
+    /// A client connection: preface, SETTINGS, two requests whose header blocks use the
+    /// dynamic table (the second refers to entries the first added), DATA after each.
+    fn client_bytes(authority: &str) -> Vec<u8> {
+        let mut enc = loona_hpack::Encoder::new();
+        let mut input = PREFACE.to_vec();
+        input.extend(raw_frame(FRAME_SETTINGS, 0, 0, &[0, 4, 0, 0, 0xff, 0xff]));
+        for (stream, path) in [
+            (1, "/fastpath.v1.Fastpath/GetInfo"),
+            (3, "/fastpath.v1.Fastpath/ListServices"),
+        ] {
+            let fields = request(authority, path);
+            let block = enc.encode(fields.iter().map(|(n, v)| (&n[..], &v[..])));
+            input.extend(raw_frame(FRAME_HEADERS, FLAG_END_HEADERS, stream, &block));
+            input.extend(raw_frame(
+                FRAME_DATA,
+                FLAG_END_STREAM,
+                stream,
+                &[0, 0, 0, 0, 0],
+            ));
+        }
+        input
+    }
+
+    /// The header lists the server decodes from `out`, with a decoder of its own (as h2 has).
+    fn server_decodes(out: &[u8]) -> Vec<Fields> {
+        let mut dec = loona_hpack::Decoder::new();
+        frames(out)
+            .into_iter()
+            .filter(|f| f.0 == FRAME_HEADERS)
+            .map(|(_, flags, _, block)| {
+                assert!(flags & FLAG_END_HEADERS != 0, "one frame per block here");
+                dec.decode(&block)
+                    .expect("the server decodes what the filter wrote")
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_authority_that_does_not_parse_becomes_localhost_in_every_request() {
+        let input = client_bytes("run%2Ffastpath%2Ffastpath.sock");
+        for step in [1, 7, input.len()] {
+            let out = filter(&input, step).expect("a well-formed connection");
+            let lists = server_decodes(&out);
+            assert_eq!(lists.len(), 2, "two requests");
+            for (list, path) in lists.iter().zip(["GetInfo", "ListServices"]) {
+                let want = request("localhost", &format!("/fastpath.v1.Fastpath/{path}"));
+                assert_eq!(
+                    list, &want,
+                    "request to {path}, input fed {step} bytes at a time"
+                );
+            }
+            // SETTINGS and DATA pass byte for byte.
+            let passed: Vec<_> = frames(&out)
+                .into_iter()
+                .filter(|f| f.0 != FRAME_HEADERS)
+                .collect();
+            assert_eq!(
+                passed,
+                vec![
+                    (FRAME_SETTINGS, 0, 0, vec![0, 4, 0, 0, 0xff, 0xff]),
+                    (FRAME_DATA, FLAG_END_STREAM, 1, vec![0; 5]),
+                    (FRAME_DATA, FLAG_END_STREAM, 3, vec![0; 5]),
+                ]
+            );
+        }
+    }
+
+    #[test]
+    fn a_valid_authority_passes_unchanged() {
+        for authority in [
+            "localhost",
+            "fastpath.example:50051",
+            "[fd00::1]:443",
+            "10.0.0.1",
+        ] {
+            let out = filter(&client_bytes(authority), 5).expect("a well-formed connection");
+            let lists = server_decodes(&out);
+            assert!(
+                lists
+                    .iter()
+                    .all(|l| l[3] == (b":authority".to_vec(), authority.as_bytes().to_vec())),
+                "{authority}: {lists:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn padding_priority_and_continuation_are_folded_into_one_block() {
+        let block = loona_hpack::Encoder::new().encode(
+            request("/tmp/raw path.sock", "/p")
+                .iter()
+                .map(|(n, v)| (&n[..], &v[..])),
+        );
+        let (a, b) = block.split_at(block.len() / 2);
+        let mut headers = vec![3u8]; // pad length
+        headers.extend([0x80, 0, 0, 1, 16]); // exclusive dependency on stream 1, weight 16
+        headers.extend(a);
+        headers.extend([0, 0, 0]);
+        let mut input = PREFACE.to_vec();
+        input.extend(raw_frame(
+            FRAME_HEADERS,
+            FLAG_PADDED | FLAG_PRIORITY | FLAG_END_STREAM,
+            5,
+            &headers,
+        ));
+        input.extend(raw_frame(FRAME_CONTINUATION, FLAG_END_HEADERS, 5, b));
+        let out = filter(&input, 3).expect("a well-formed connection");
+        let f = frames(&out);
+        assert_eq!(f.len(), 1, "one HEADERS frame: {f:?}");
+        let (kind, flags, stream, payload) = &f[0];
+        assert_eq!(
+            (*kind, *flags, *stream),
+            (
+                FRAME_HEADERS,
+                FLAG_END_STREAM | FLAG_PRIORITY | FLAG_END_HEADERS,
+                5
+            )
+        );
+        assert_eq!(payload[..5], [0x80, 0, 0, 1, 16], "priority fields kept");
+        let list = loona_hpack::Decoder::new()
+            .decode(&payload[5..])
+            .expect("decodes");
+        assert_eq!(list, request("localhost", "/p"));
+    }
+
+    #[test]
+    fn a_block_larger_than_a_frame_is_cut_into_continuations() {
+        let mut fields = request("a%2Fb", "/p");
+        fields.push((b"x-big".to_vec(), vec![b'v'; 40_000]));
+        let block =
+            loona_hpack::Encoder::new().encode(fields.iter().map(|(n, v)| (&n[..], &v[..])));
+        let mut input = PREFACE.to_vec();
+        let (a, b) = block.split_at(MAX_FRAME);
+        input.extend(raw_frame(FRAME_HEADERS, 0, 1, a));
+        input.extend(raw_frame(FRAME_CONTINUATION, FLAG_END_HEADERS, 1, b));
+        let out = filter(&input, 4096).expect("a well-formed connection");
+        let f = frames(&out);
+        let kinds: Vec<_> = f
+            .iter()
+            .map(|(k, fl, s, p)| (*k, *fl, *s, p.len() <= MAX_FRAME))
+            .collect();
+        assert_eq!(
+            kinds,
+            vec![
+                (FRAME_HEADERS, 0, 1, true),
+                (FRAME_CONTINUATION, 0, 1, true),
+                (FRAME_CONTINUATION, FLAG_END_HEADERS, 1, true),
+            ]
+        );
+        let block: Vec<u8> = f.iter().flat_map(|x| x.3.clone()).collect();
+        fields[3].1 = b"localhost".to_vec();
+        assert_eq!(
+            loona_hpack::Decoder::new().decode(&block).expect("decodes"),
+            fields
+        );
+    }
+
+    #[test]
+    fn bytes_that_are_not_http2_pass_untouched() {
+        let input = b"GET / HTTP/1.1\r\nHost: /tmp/x.sock\r\n\r\n";
+        let mut out = BytesMut::new();
+        RequestFilter::default()
+            .feed(input, &mut out)
+            .expect("passed");
+        assert_eq!(&out[..], input);
+    }
+
+    #[test]
+    fn malformed_or_oversized_blocks_close_the_connection() {
+        let block = loona_hpack::Encoder::new()
+            .encode(request("x", "/p").iter().map(|(n, v)| (&n[..], &v[..])));
+        let mut interrupted = PREFACE.to_vec();
+        interrupted.extend(raw_frame(FRAME_HEADERS, 0, 1, &block));
+        interrupted.extend(raw_frame(FRAME_DATA, 0, 1, b"x"));
+        assert!(matches!(
+            filter(&interrupted, 9),
+            Err(AuthorityFixError::Frame(_))
+        ));
+
+        let mut garbage = PREFACE.to_vec();
+        // An indexed field past the end of both tables.
+        garbage.extend(raw_frame(FRAME_HEADERS, FLAG_END_HEADERS, 1, &[0xff, 0x7f]));
+        assert!(matches!(
+            filter(&garbage, 9),
+            Err(AuthorityFixError::Hpack(_))
+        ));
+
+        let mut huge = PREFACE.to_vec();
+        let chunk = vec![0u8; MAX_FRAME];
+        huge.extend(raw_frame(FRAME_HEADERS, 0, 1, &chunk));
+        for _ in 0..MAX_HEADER_LIST / MAX_FRAME {
+            huge.extend(raw_frame(FRAME_CONTINUATION, 0, 1, &chunk));
+        }
+        assert!(matches!(
+            filter(&huge, 65_536),
+            Err(AuthorityFixError::TooLarge)
+        ));
+    }
+}
