@@ -1026,8 +1026,8 @@ pub async fn serve(
     }
 }
 
-/// The reflection services, v1 and v1alpha (grpcurl before 1.9 and other older clients ask
-/// v1alpha only), describing `fastpath.v1`, `grpc.health.v1` and themselves.
+/// The reflection services, v1 and v1alpha (which clients such as Python's grpcio-reflection
+/// and older grpcurl ask only), describing `fastpath.v1`, `grpc.health.v1` and themselves.
 fn reflection_services() -> Result<
     (
         tonic_reflection::server::v1::ServerReflectionServer<
@@ -1049,3 +1049,35 @@ fn reflection_services() -> Result<
 
 /// How long a stopping daemon waits for API clients to finish their requests.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The descriptor set build.rs embeds loads: reflection is served, and it knows the API.
+    #[test]
+    fn reflection_loads_the_embedded_descriptor_sets() {
+        if let Err(e) = reflection_services() {
+            panic!(
+                "expected the reflection services to build from the embedded descriptor sets, got: {e}"
+            );
+        }
+        use prost::Message as _;
+        let set = prost_types::FileDescriptorSet::decode(pb::FILE_DESCRIPTOR_SET)
+            .unwrap_or_else(|e| panic!("the embedded descriptor set does not decode: {e}"));
+        let services: Vec<String> = set
+            .file
+            .iter()
+            .flat_map(|f| {
+                f.service
+                    .iter()
+                    .map(|s| format!("{}.{}", f.package(), s.name()))
+            })
+            .collect();
+        assert_eq!(
+            services,
+            ["fastpath.v1.Fastpath"],
+            "services in the reflected set"
+        );
+    }
+}
