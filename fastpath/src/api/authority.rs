@@ -6,17 +6,18 @@
 //! value with `http::uri::Authority`, which refuses `%` and `/` in a host, and resets the stream
 //! (PROTOCOL_ERROR) before hyper, tonic or any tower layer sees a request. h2 has no option to
 //! relax this, so the Unix listener normalizes the bytes before h2 reads them: [`AuthorityFix`]
-//! wraps each accepted connection and rewrites the header blocks the client sends, giving an
-//! `:authority` that does not parse the conventional `localhost` (what grpc-go, grpcurl and the
-//! CLI send over a Unix socket). The TCP listener does not use it: there the authority is a
-//! host name, and TLS checks stay exactly as h2 makes them.
+//! wraps each accepted connection and rewrites the header blocks the client sends, replacing
+//! an `:authority` that does not parse with the conventional `localhost` (what grpc-go, grpcurl
+//! and the CLI send over a Unix socket; nothing in the daemon reads the authority). The TCP
+//! listener does not use it: there the authority is a host name, checked exactly as h2 does.
 //!
 //! Contract: the bytes the server writes pass untouched; of the client's bytes, every frame but
 //! HEADERS and CONTINUATION passes untouched; each header block is decoded (HPACK, with the
 //! client's dynamic table) and encoded again as literals that never enter the server's dynamic
 //! table, so both tables stay consistent whatever the client indexes. A header block that does
-//! not decode, or decodes to more than [`MAX_HEADER_LIST`], closes the connection: h2 would end
-//! it for the former too (COMPRESSION_ERROR).
+//! not decode, is interrupted by another frame, or is larger than [`MAX_HEADER_LIST`] closes
+//! the connection (a read error): h2 would end it for the first two too (COMPRESSION_ERROR,
+//! PROTOCOL_ERROR).
 
 use std::{
     io,
