@@ -26,6 +26,19 @@ fn main() -> anyhow::Result<()> {
     tonic_prost_build::configure()
         .compile_fds(fds)
         .context("generating the gRPC code for fastpath.v1 and fastpath.sync.v1")?;
+    // What server reflection serves on the API's listeners: fastpath.v1 with its imports
+    // (fastpath.sync.v1 is served to HA peers only).
+    let reflected = protox::Compiler::new(["proto"])
+        .and_then(|mut c| {
+            c.include_imports(true)
+                .open_files(["fastpath/v1/fastpath.proto"])?;
+            Ok(c.encode_file_descriptor_set())
+        })
+        .map_err(|e| anyhow!("compiling fastpath/v1/fastpath.proto for reflection: {e}"))?;
+    let out_dir = std::env::var_os("OUT_DIR").context("cargo sets OUT_DIR for build scripts")?;
+    let descriptor = std::path::Path::new(&out_dir).join("fastpath_v1.bin");
+    std::fs::write(&descriptor, reflected)
+        .with_context(|| format!("writing {}", descriptor.display()))?;
     // The example configs' names, for the unit test that parses each (embedded) example.
     println!("cargo::rerun-if-changed=../config");
     let mut examples: Vec<String> = std::fs::read_dir("../config")

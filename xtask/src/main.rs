@@ -22,6 +22,15 @@ const USER_TOOLCHAIN_FILE: &str = include_str!("../../rust-toolchain.toml");
 /// The eBPF toolchain's pin, the one source (fastpath/build.rs reads it too).
 const EBPF_TOOLCHAIN_FILE: &str = include_str!("../../fastpath-ebpf/rust-toolchain.toml");
 const BPF_LINKER_VERSION: &str = "0.13.0";
+/// PyPI packages of `.tools/py`, the venv whose stock gRPC clients (grpcio with reflection
+/// and health checking, grpcio-tools to compile the protos) drive the API in the tests.
+const PYTHON_PACKAGES: &[&str] = &[
+    "grpcio==1.85.1",
+    "grpcio-tools==1.85.1",
+    "grpcio-reflection==1.85.1",
+    "grpcio-health-checking==1.85.1",
+    "protobuf==7.36.2",
+];
 /// Debian packages used by the tests, the demo and the benchmarks.
 const DEBIAN_PACKAGES: &[&str] = &[
     "iproute2",
@@ -37,8 +46,9 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "conntrack",
     "nftables",
     "hping3",
-    // The gateway test's echo server and clients.
+    // The gateway test's echo server and clients; the venv of `python_tools`.
     "python3",
+    "python3-venv",
     // The load-balancer comparison of `bench`: its load generator and competitors.
     "wrk",
     "haproxy",
@@ -197,6 +207,7 @@ fn bootstrap(packages: Packages) -> Result<()> {
     let t = Instant::now();
     if packages == Packages::Install {
         debian_packages()?;
+        python_tools()?;
     }
     toolchains()?;
     bpf_linker()?;
@@ -238,6 +249,38 @@ fn debian_packages() -> Result<()> {
         .args(lock_wait)
         .args(["install", "-y", "-qq", "--no-install-recommends"])
         .args(&missing))
+}
+
+/// The venv `.tools/py` with [`PYTHON_PACKAGES`]; its stamp lists what was installed, so a
+/// second run with the same pins does nothing and changed pins reinstall.
+fn python_tools() -> Result<()> {
+    let venv = tools_dir().join("py");
+    let stamp = venv.join("fastpath-packages.txt");
+    let want = PYTHON_PACKAGES.join("\n") + "\n";
+    let python = venv.join("bin").join("python");
+    if python.exists() && fs::read_to_string(&stamp).ok().as_deref() == Some(want.as_str()) {
+        return Ok(());
+    }
+    eprintln!(
+        "xtask: creating the venv {} with {}",
+        venv.display(),
+        PYTHON_PACKAGES.join(" ")
+    );
+    run(cmd("python3").args(["-m", "venv", "--clear"]).arg(&venv)).context(
+        "creating the Python venv for the gRPC tool tests; install python3 with its venv module (`apt-get install python3-venv`)",
+    )?;
+    run(Command::new(&python)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+        ])
+        .args(PYTHON_PACKAGES))
+    .context("installing the gRPC tools from PyPI into .tools/py")?;
+    fs::write(&stamp, want).context("writing the Python tools stamp")?;
+    Ok(())
 }
 
 fn installed_toolchains() -> Result<String> {

@@ -5,6 +5,7 @@
 //! desired state (`rules`) before anything changes; mutations are serialized through one lock
 //! on the rules. Reads come straight from the pinned maps and never wait for a mutation.
 
+pub mod authority;
 pub mod client;
 pub mod convert;
 pub mod read;
@@ -21,6 +22,10 @@ pub mod server;
 )]
 pub mod pb {
     tonic::include_proto!("fastpath.v1");
+
+    /// `fastpath.v1` and what it imports, encoded (`FileDescriptorSet`): what server
+    /// reflection answers with.
+    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("fastpath_v1");
 }
 
 /// The API version this build speaks.

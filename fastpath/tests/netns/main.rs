@@ -18,6 +18,7 @@ mod api_tls;
 mod conntrack;
 mod dsr;
 mod gateway;
+mod grpc_tools;
 mod ha_bad_peer;
 mod ha_failover;
 mod ha_sync;
