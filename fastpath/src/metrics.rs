@@ -23,7 +23,9 @@ use hyper::{
 use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::{
     collector::Collector,
-    encoding::{DescriptorEncoder, EncodeGaugeValue, EncodeLabelSet, EncodeMetric, prometheus_text},
+    encoding::{
+        DescriptorEncoder, EncodeGaugeValue, EncodeLabelSet, EncodeMetric, prometheus_text,
+    },
     metrics::{
         MetricType, TypedMetric,
         counter::{ConstCounter, Counter},
@@ -215,7 +217,9 @@ impl Families<'_> {
         help: &str,
         samples: impl IntoIterator<Item = (L, M)>,
     ) -> fmt::Result {
-        let mut family = self.0.encode_descriptor(base_name(name, M::TYPE), help, None, M::TYPE)?;
+        let mut family = self
+            .0
+            .encode_descriptor(base_name(name, M::TYPE), help, None, M::TYPE)?;
         for (labels, metric) in samples {
             metric.encode(family.encode_family(&labels)?)?;
         }
@@ -233,7 +237,10 @@ impl Families<'_> {
     /// A family of live metrics (a `prometheus-client` metric or family).
     fn live(&mut self, name: &str, help: &str, metric: &impl EncodeMetric) -> fmt::Result {
         let kind = metric.metric_type();
-        metric.encode(self.0.encode_descriptor(base_name(name, kind), help, None, kind)?)
+        metric.encode(
+            self.0
+                .encode_descriptor(base_name(name, kind), help, None, kind)?,
+        )
     }
 }
 
@@ -244,6 +251,9 @@ fn base_name(name: &str, kind: MetricType) -> &str {
         _ => name,
     }
 }
+
+/// One family of a table of families over the same rows: name, help, and a row's value.
+type Column<T, V> = (&'static str, &'static str, fn(&T) -> V);
 
 fn service_name(r: &ServiceRow) -> String {
     format!(
@@ -290,7 +300,9 @@ fn by_reason(r: &pb::ReasonCounter) -> [(&'static str, &str); 3] {
     ]
 }
 
-fn named(c: &[pb::NamedCounter]) -> impl Iterator<Item = ([(&'static str, &str); 1], ConstCounter)> {
+fn named(
+    c: &[pb::NamedCounter],
+) -> impl Iterator<Item = ([(&'static str, &str); 1], ConstCounter)> {
     c.iter()
         .map(|c| ([("counter", c.name.as_str())], ConstCounter::new(c.value)))
 }
@@ -390,8 +402,7 @@ fn daemon_families(f: &mut Families<'_>, d: &DaemonState) -> fmt::Result {
         d.services,
     )?;
 
-    type Get<T> = fn(&T) -> u64;
-    let services: [(&str, &str, Get<ServiceRow>); 4] = [
+    let services: [Column<ServiceRow, u64>; 4] = [
         (
             "fastpath_service_packets_total",
             "Packets of a service's connections, both directions.",
@@ -423,7 +434,7 @@ fn daemon_families(f: &mut Families<'_>, d: &DaemonState) -> fmt::Result {
         )?;
     }
     type B = crate::datapath::BackendRow;
-    let backend_counters: [(&str, &str, Get<B>); 3] = [
+    let backend_counters: [Column<B, u64>; 3] = [
         (
             "fastpath_backend_packets_total",
             "Packets of a backend's connections, both directions.",
@@ -450,7 +461,7 @@ fn daemon_families(f: &mut Families<'_>, d: &DaemonState) -> fmt::Result {
                 .map(|(labels, b)| (labels, ConstCounter::new(get(b)))),
         )?;
     }
-    let backend_gauges: [(&str, &str, fn(&B) -> f64); 2] = [
+    let backend_gauges: [Column<B, f64>; 2] = [
         (
             "fastpath_backend_active_connections",
             "Connections of this backend tracked now and not closed.",
@@ -520,7 +531,7 @@ fn ha_families(f: &mut Families<'_>, s: &pb::HaStatus) -> fmt::Result {
         s.rejected_messages,
     )?;
     let peer = |p: &pb::HaPeerOut| [("peer", p.address.clone())];
-    let out_gauges: [(&str, &str, fn(&pb::HaPeerOut) -> f64); 5] = [
+    let out_gauges: [Column<pb::HaPeerOut, f64>; 5] = [
         (
             "fastpath_ha_peer_connected",
             "1 while this node's stream to the peer is up.",
@@ -556,7 +567,7 @@ fn ha_families(f: &mut Families<'_>, s: &pb::HaStatus) -> fmt::Result {
                 .map(|p| (peer(p), ConstGauge::new(get(p)))),
         )?;
     }
-    let out_counters: [(&str, &str, fn(&pb::HaPeerOut) -> u64); 5] = [
+    let out_counters: [Column<pb::HaPeerOut, u64>; 5] = [
         (
             "fastpath_ha_sent_changes_total",
             "Changes sent to the peer (resends included, snapshots not).",
@@ -593,7 +604,7 @@ fn ha_families(f: &mut Families<'_>, s: &pb::HaStatus) -> fmt::Result {
         )?;
     }
     let node = |p: &pb::HaPeerIn| [("node", p.node_id.to_string())];
-    let in_gauges: [(&str, &str, fn(&pb::HaPeerIn) -> u64); 3] = [
+    let in_gauges: [Column<pb::HaPeerIn, u64>; 3] = [
         (
             "fastpath_ha_node_synced",
             "1 when this node received the node's snapshot and applied its stream since.",
@@ -619,7 +630,7 @@ fn ha_families(f: &mut Families<'_>, s: &pb::HaStatus) -> fmt::Result {
                 .map(|p| (node(p), ConstGauge::new(get(p)))),
         )?;
     }
-    let in_counters: [(&str, &str, fn(&pb::HaPeerIn) -> u64); 2] = [
+    let in_counters: [Column<pb::HaPeerIn, u64>; 2] = [
         (
             "fastpath_ha_node_received_changes_total",
             "Changes received from the node (snapshot entries included).",
@@ -1079,10 +1090,7 @@ fastpath_ha_node_refused_total{node="2"} 8
             Some(prometheus_parse::Value::Counter(10.0))
         );
         assert_eq!(
-            counter(
-                "fastpath_backend_share_ratio",
-                ("backend", "10.0.1.2:8080")
-            ),
+            counter("fastpath_backend_share_ratio", ("backend", "10.0.1.2:8080")),
             Some(prometheus_parse::Value::Gauge(0.5))
         );
     }
