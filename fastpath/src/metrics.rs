@@ -43,6 +43,7 @@ use crate::{
     rules::BackendHealth,
 };
 
+/// What can go wrong answering a scrape.
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
     #[error(
