@@ -8,17 +8,14 @@
 use std::{
     io::Read as _,
     net::TcpStream,
-    path::Path,
     time::{Duration, Instant},
 };
 
 use fastpath::testkit::netns::{Daemon, prepare_test, test_lb_topology, unique_pin_dir};
 
-const PORT: u16 = 9465;
+use crate::bin;
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+const PORT: u16 = 9465;
 
 #[test]
 fn metrics_endpoint_speaks_http() {
