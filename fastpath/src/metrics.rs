@@ -1097,7 +1097,7 @@ fastpath_ha_node_refused_total{node="2"} 8
     }
 
     #[test]
-    fn a_stopping_daemon_shows_only_the_datapath() {
+    fn unreadable_maps_and_a_stopping_daemon_leave_build_info_and_up_0() {
         let mut s = known_snapshot();
         s.datapath = None;
         s.daemon = None;
