@@ -2,11 +2,10 @@
 //! TCP with TLS and client certificates when configured.
 
 use std::{
-    collections::HashMap,
     net::SocketAddr,
     path::{Path, PathBuf},
     pin::Pin,
-    sync::{Arc, Mutex},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -19,56 +18,12 @@ use crate::{
     config::{Config, InterfaceCheck, ServiceConfig, ServiceId},
     ct_events::{self, EventHub},
     ct_gc::GcStats,
+    metrics::ApiLatency,
     rules::{ChangeSummary, RejectKind, Rejected, Rules},
 };
 
-/// Upper bounds (seconds) of the API latency histogram buckets.
-pub const LATENCY_BUCKETS_S: [f64; 12] = [
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.5,
-];
-
-/// Latency of one API method: a cumulative histogram, and calls by status code.
-#[derive(Clone, Debug, Default)]
-pub struct MethodLatency {
-    pub buckets: [u64; LATENCY_BUCKETS_S.len()],
-    pub count: u64,
-    pub sum_s: f64,
-    pub codes: HashMap<&'static str, u64>,
-}
-
-/// Per-method latencies of the API, for `/metrics`.
-#[derive(Debug, Default)]
-pub struct ApiLatency(Mutex<HashMap<&'static str, MethodLatency>>);
-
-impl ApiLatency {
-    pub fn record(&self, method: &'static str, took: Duration, code: tonic::Code) {
-        let Ok(mut map) = self.0.lock() else {
-            return;
-        };
-        let m = map.entry(method).or_default();
-        let s = took.as_secs_f64();
-        for (i, le) in LATENCY_BUCKETS_S.iter().enumerate() {
-            if s <= *le {
-                m.buckets[i] += 1;
-            }
-        }
-        m.count += 1;
-        m.sum_s += s;
-        *m.codes.entry(code_name(code)).or_default() += 1;
-    }
-
-    pub fn snapshot(&self) -> Vec<(&'static str, MethodLatency)> {
-        let mut v: Vec<_> = self
-            .0
-            .lock()
-            .map(|m| m.iter().map(|(k, v)| (*k, v.clone())).collect())
-            .unwrap_or_default();
-        v.sort_by_key(|(k, _)| *k);
-        v
-    }
-}
-
-fn code_name(code: tonic::Code) -> &'static str {
+/// The name of a gRPC status code, as logs and metrics show it.
+pub(crate) fn code_name(code: tonic::Code) -> &'static str {
     use tonic::Code as C;
     match code {
         C::Ok => "OK",

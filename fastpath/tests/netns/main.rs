@@ -23,6 +23,7 @@ mod ha_bad_peer;
 mod ha_failover;
 mod ha_sync;
 mod lb;
+mod metrics_http;
 mod route;
 mod traffic;
 mod vlan;
