@@ -907,9 +907,13 @@ pub async fn serve(
             None
         }
     };
-    let router = |mut builder: tonic::transport::Server| {
+    let router = |builder: tonic::transport::Server, listener: &'static str| {
         let (v1, v1alpha) = reflection.clone().unzip();
+        // One span per request: what a log line of its handling belongs to.
         builder
+            .trace_fn(
+                move |req| tracing::info_span!("api_request", listener, method = %req.uri().path()),
+            )
             .add_service(
                 pb::fastpath_server::FastpathServer::new(api.clone())
                     .max_decoding_message_size(MAX_MESSAGE_BYTES)
@@ -926,7 +930,7 @@ pub async fn serve(
     let unix_incoming = tokio_stream::wrappers::UnixListenerStream::new(unix)
         .map(|conn| conn.map(super::authority::AuthorityFix::new));
     let unix_task = tokio::spawn(
-        router(tonic::transport::Server::builder()).serve_with_incoming_shutdown(
+        router(tonic::transport::Server::builder(), "unix").serve_with_incoming_shutdown(
             unix_incoming,
             async move {
                 let _ = stop_unix.wait_for(|s| *s).await;
@@ -946,7 +950,7 @@ pub async fn serve(
             }
         }
         let mut stop = stop_rx.clone();
-        Some(tokio::spawn(router(builder).serve_with_incoming_shutdown(
+        Some(tokio::spawn(router(builder, "tcp").serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             async move {
                 let _ = stop.wait_for(|s| *s).await;
