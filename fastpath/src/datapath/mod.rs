@@ -17,14 +17,13 @@
 //! balancing). Each load pins its own arrays, so the programs still attached from an earlier
 //! load keep theirs until the links are swapped; then the older arrays are unpinned.
 
-use std::os::fd::FromRawFd as _;
 use std::time::Duration;
 use std::{
     collections::BTreeSet,
     ffi::CString,
     fs::{self, File},
     io,
-    os::fd::AsRawFd as _,
+    os::fd::{AsFd as _, BorrowedFd},
     path::{Path, PathBuf},
 };
 
@@ -54,14 +53,15 @@ use fastpath_common::{
 };
 use tracing::{info, warn};
 
+mod sys;
+
+pub use sys::{is_bpffs, mount_bpffs};
+
 use crate::{
     config::{InterfaceConfig, PortRange, XdpMode},
     ct_events::RecordSource,
     stats::{StatsError, StatsSnapshot},
 };
-
-/// bpffs superblock magic (statfs f_type).
-const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
@@ -290,7 +290,7 @@ impl Datapath {
     }
 
     /// The conntrack installer program (see [`CtTable::with_installer`]).
-    pub fn ct_installer(&self) -> Result<aya::programs::ProgramFd, DatapathError> {
+    pub fn ct_installer(&self) -> Result<CtInstaller, DatapathError> {
         ct_installer(&self.ebpf)
     }
 
@@ -834,8 +834,7 @@ pub fn lock_pin_dir(pin_dir: &Path) -> Result<PinDirLock, DatapathError> {
         path: pin_dir.to_owned(),
         source,
     })?;
-    // SAFETY: flock on a valid open fd.
-    if unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+    if !sys::flock_exclusive(dir.as_fd()) {
         return Err(DatapathError::Locked {
             pin_dir: pin_dir.to_owned(),
         });
@@ -889,7 +888,7 @@ pub fn remove_pins_after_handover(pin_dir: &Path, timeout: Duration) -> Result<(
         .map(|entries| {
             entries
                 .flatten()
-                .filter_map(|e| open_pinned_fd(&e.path()).ok().map(|fd| (e.path(), fd)))
+                .filter_map(|e| sys::obj_get(&e.path()).ok().map(|fd| (e.path(), fd)))
                 .collect()
         })
         .unwrap_or_default();
@@ -933,15 +932,11 @@ fn wait_for_handover(vips: &[std::net::IpAddr], timeout: Duration) {
 
 /// The VIPs of the services pinned under `pin_dir`.
 pub fn pinned_vips(pin_dir: &Path) -> Result<Vec<std::net::IpAddr>, DatapathError> {
-    use std::os::fd::AsFd as _;
     let svc_map = pinned_map(pin_dir, map_names::SVC)?;
     let mut vips = BTreeSet::new();
-    walk_batches(
-        svc_map.fd().as_fd().as_raw_fd(),
-        |k: &[SvcKey], _: &[Service]| {
-            vips.extend(k.iter().map(|k| ip_of(k.family, &k.vip)));
-        },
-    )
+    sys::map_walk_batches(svc_map.fd().as_fd(), |k: &[SvcKey], _: &[Service]| {
+        vips.extend(k.iter().map(|k| ip_of(k.family, &k.vip)));
+    })
     .map_err(|source| DatapathError::Io {
         what: "reading FP_SVC".into(),
         source,
@@ -951,45 +946,8 @@ pub fn pinned_vips(pin_dir: &Path) -> Result<Vec<std::net::IpAddr>, DatapathErro
 
 /// Those of `vips` that are addresses of an interface of this network namespace.
 fn local_vips(vips: &[std::net::IpAddr]) -> Vec<std::net::IpAddr> {
-    let local = local_addresses();
+    let local = sys::local_addresses();
     vips.iter().copied().filter(|v| local.contains(v)).collect()
-}
-
-/// Every address of this network namespace's interfaces (getifaddrs).
-fn local_addresses() -> BTreeSet<std::net::IpAddr> {
-    let mut out = BTreeSet::new();
-    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `head` with a list freed below with freeifaddrs.
-    if unsafe { libc::getifaddrs(&mut head) } != 0 {
-        return out;
-    }
-    let mut cur = head;
-    while !cur.is_null() {
-        // SAFETY: `cur` is a node of the list getifaddrs returned, alive until freeifaddrs;
-        // a sockaddr's family tells which struct it is.
-        unsafe {
-            let addr = (*cur).ifa_addr;
-            if !addr.is_null() {
-                match i32::from((*addr).sa_family) {
-                    libc::AF_INET => {
-                        let a = &*(addr as *const libc::sockaddr_in);
-                        out.insert(
-                            std::net::Ipv4Addr::from(a.sin_addr.s_addr.to_ne_bytes()).into(),
-                        );
-                    }
-                    libc::AF_INET6 => {
-                        let a = &*(addr as *const libc::sockaddr_in6);
-                        out.insert(std::net::Ipv6Addr::from(a.sin6_addr.s6_addr).into());
-                    }
-                    _ => {}
-                }
-            }
-            cur = (*cur).ifa_next;
-        }
-    }
-    // SAFETY: the list getifaddrs allocated, freed once.
-    unsafe { libc::freeifaddrs(head) };
-    out
 }
 
 /// One pinned link of a datapath as the kernel has it now (`fastpath datapath`).
@@ -1067,32 +1025,13 @@ pub fn pinned_datapath(pin_dir: &Path) -> (Vec<LinkState>, usize) {
 /// The name of interface `ifindex` in this network namespace, and whether it is up with
 /// carrier (IFF_UP and IFF_RUNNING).
 fn interface_up(ifindex: u32) -> (Option<String>, bool) {
-    let mut name = [0 as libc::c_char; libc::IF_NAMESIZE];
-    // SAFETY: if_indextoname writes at most IF_NAMESIZE bytes, NUL-terminated, into `name`.
-    if unsafe { libc::if_indextoname(ifindex, name.as_mut_ptr()) }.is_null() {
-        return (None, false);
+    match sys::interface_name(ifindex) {
+        Some(name) => {
+            let up = sys::interface_up(&name);
+            (Some(name), up)
+        }
+        None => (None, false),
     }
-    // SAFETY: NUL-terminated by if_indextoname.
-    let cname = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) };
-    let iface = cname.to_string_lossy().into_owned();
-    // SAFETY: a plain datagram socket for the ioctl, closed by OwnedFd.
-    let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if sock < 0 {
-        return (Some(iface), false);
-    }
-    // SAFETY: a new fd nothing else owns.
-    let sock = unsafe { std::os::fd::OwnedFd::from_raw_fd(sock) };
-    // SAFETY: ifreq is plain data; zeroed is a valid value.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (d, s) in req.ifr_name.iter_mut().zip(name.iter()) {
-        *d = *s;
-    }
-    // SAFETY: SIOCGIFFLAGS reads ifr_name and writes ifr_flags of `req`.
-    let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) };
-    // SAFETY: ifr_flags is the union member SIOCGIFFLAGS wrote.
-    let flags = i32::from(unsafe { req.ifr_ifru.ifru_flags });
-    let up = rc == 0 && flags & libc::IFF_UP != 0 && flags & libc::IFF_RUNNING != 0;
-    (Some(iface), up)
 }
 
 /// Removes the pins in `dir`, then `dir` (gone already: nothing to do).
@@ -1257,23 +1196,12 @@ pub struct LbWriter {
     state: crate::lb::LbState,
 }
 
-// SAFETY: the mappings are plain shared memory owned by this value; moving the owner to
-// another thread is fine (it is used from one thread at a time, through `&mut`).
-unsafe impl Send for LbWriter {}
-
-/// A BPF array created with BPF_F_MMAPABLE, mapped into this process: element `i` of `T`
-/// at byte `i × size_of::<T>()` (`T` a multiple of 8 bytes; or u32 for an array of `[u32; 2]`
-/// pairs, whose halves are consecutive u32s).
-struct Mapped<T> {
-    ptr: *mut T,
-    /// Elements of `T` in the mapping.
-    len: usize,
-    bytes: usize,
-}
+/// A BPF array created with BPF_F_MMAPABLE, mapped into this process (see
+/// [`sys::SharedArray`]).
+struct Mapped<T>(sys::SharedArray<T>);
 
 impl<T: Copy> Mapped<T> {
     fn array(ebpf: &mut Ebpf, name: &'static str) -> Result<Mapped<T>, DatapathError> {
-        use std::os::fd::AsFd as _;
         let data = match map_data(ebpf, name)? {
             aya::maps::Map::Array(d) => d,
             _ => return Err(DatapathError::MissingMap { name }),
@@ -1283,58 +1211,29 @@ impl<T: Copy> Mapped<T> {
             source,
         })?;
         let bytes = info.max_entries() as usize * (info.value_size() as usize).next_multiple_of(8);
-        let fd = data.fd().as_fd().as_raw_fd();
-        // SAFETY: a fresh shared mapping of the map's memory; the kernel checks the size and
-        // that the map is mmapable.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(DatapathError::Io {
+        sys::SharedArray::map(data.fd().as_fd(), bytes)
+            .map(Mapped)
+            .map_err(|source| DatapathError::Io {
                 what: format!(
                     "mapping {name} into memory (a datapath pinned by an older fastpath? `fastpath detach`, then start again)"
                 ),
-                source: io::Error::last_os_error(),
-            });
-        }
-        Ok(Mapped {
-            ptr: ptr.cast(),
-            len: bytes / size_of::<T>(),
-            bytes,
-        })
+                source,
+            })
     }
 
     /// Copies `values` to elements `off..off + values.len()`.
     fn write(&mut self, off: u32, values: &[T]) -> Result<(), DatapathError> {
-        let off = off as usize;
-        if off + values.len() > self.len {
-            return Err(DatapathError::Io {
-                what: format!(
-                    "writing {} elements at {off} of a {}-element array",
-                    values.len(),
-                    self.len
-                ),
-                source: io::Error::from(io::ErrorKind::InvalidInput),
-            });
+        if self.0.write(off as usize, values) {
+            return Ok(());
         }
-        // SAFETY: the range was checked against the mapping; `T` is plain data; the datapath
-        // reads these elements only after the service that names them is switched.
-        unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), self.ptr.add(off), values.len()) };
-        Ok(())
-    }
-}
-
-impl<T> Drop for Mapped<T> {
-    fn drop(&mut self) {
-        // SAFETY: unmaps exactly what `array` mapped.
-        unsafe { libc::munmap(self.ptr.cast(), self.bytes) };
+        Err(DatapathError::Io {
+            what: format!(
+                "writing {} elements at {off} of a {}-element array",
+                values.len(),
+                self.0.len()
+            ),
+            source: io::Error::from(io::ErrorKind::InvalidInput),
+        })
     }
 }
 
@@ -1380,7 +1279,7 @@ pub fn lb_index(ebpf: &mut Ebpf) -> Result<crate::sync::LbIndex, DatapathError> 
 /// What `FP_SVC` holds now (read in batches).
 pub fn current_services(ebpf: &mut Ebpf) -> Result<Vec<(SvcKey, Service)>, DatapathError> {
     let mut out = Vec::new();
-    walk_batches(
+    sys::map_walk_batches(
         map_fd(ebpf, map_names::SVC)?,
         |k: &[SvcKey], v: &[Service]| {
             out.extend(k.iter().copied().zip(v.iter().copied()));
@@ -1401,15 +1300,13 @@ fn map_data<'a>(
 }
 
 /// The fd of a loaded map, for batched syscalls aya does not offer.
-fn map_fd(ebpf: &mut Ebpf, name: &'static str) -> Result<i32, DatapathError> {
-    use std::os::fd::AsFd as _;
-
+fn map_fd<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<BorrowedFd<'a>, DatapathError> {
     use aya::maps::Map;
     let data = match map_data(ebpf, name)? {
         Map::Array(d) | Map::HashMap(d) | Map::PerCpuArray(d) => d,
         _ => return Err(DatapathError::MissingMap { name }),
     };
-    Ok(data.fd().as_fd().as_raw_fd())
+    Ok(data.fd().as_fd())
 }
 
 /// What [`Datapath::set_services`] wrote.
@@ -1425,101 +1322,18 @@ pub struct ServicesApplied {
     pub took: std::time::Duration,
 }
 
-const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
-
-/// Writes `keys[i] → values[i]` with BPF_MAP_UPDATE_BATCH: thousands of elements per syscall
-/// instead of one each.
+/// Writes `keys[i] → values[i]` into the map `fd` with one batched update per 64k elements
+/// (see [`sys::map_update_batch`]).
 fn update_batch<K: Copy, V: Copy>(
-    fd: i32,
+    fd: BorrowedFd<'_>,
     keys: &[K],
     values: &[V],
     what: &str,
 ) -> Result<(), DatapathError> {
-    let mut done = 0usize;
-    while done < keys.len() {
-        let chunk = (keys.len() - done).min(1 << 16);
-        // union bpf_attr, batch: in_batch, out_batch, keys, values, count|map_fd, elem_flags,
-        // flags.
-        let mut attr = [0u64; 7];
-        attr[2] = keys[done..].as_ptr() as u64;
-        attr[3] = values[done..].as_ptr() as u64;
-        attr[4] = (chunk as u64) | ((fd as u32 as u64) << 32);
-        // SAFETY: the kernel reads at most `count` keys and values from the slices, which hold
-        // at least `chunk` elements past `done`.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_MAP_UPDATE_BATCH,
-                attr.as_mut_ptr(),
-                size_of_val(&attr),
-            )
-        };
-        let written = (attr[4] & 0xffff_ffff) as usize;
-        if rc < 0 {
-            return Err(DatapathError::Io {
-                what: format!(
-                    "writing {what} ({} of {} written)",
-                    done + written,
-                    keys.len()
-                ),
-                source: io::Error::last_os_error(),
-            });
-        }
-        done += chunk;
-    }
-    Ok(())
-}
-
-/// Every entry of the hash map `fd` (keys `K`, values `V`), read with BPF_MAP_LOOKUP_BATCH
-/// (`CT_BATCH` entries per syscall), handed to `visit` chunk by chunk.
-fn walk_batches<K: Copy + Default, V: Copy + Default>(
-    fd: i32,
-    mut visit: impl FnMut(&[K], &[V]),
-) -> io::Result<()> {
-    let mut keys = vec![K::default(); CT_BATCH];
-    let mut values = vec![V::default(); CT_BATCH];
-    // Opaque resume tokens (a bucket index for hash maps).
-    let mut in_batch = [0u64; 8];
-    let mut out_batch = [0u64; 8];
-    let mut first = true;
-    loop {
-        // union bpf_attr, batch: in_batch, out_batch, keys, values, count|map_fd, elem_flags,
-        // flags.
-        let mut attr = [0u64; 7];
-        attr[0] = if first {
-            0
-        } else {
-            in_batch.as_mut_ptr() as u64
-        };
-        attr[1] = out_batch.as_mut_ptr() as u64;
-        attr[2] = keys.as_mut_ptr() as u64;
-        attr[3] = values.as_mut_ptr() as u64;
-        attr[4] = (CT_BATCH as u64) | ((fd as u32 as u64) << 32);
-        // SAFETY: the kernel writes at most `count` keys and values into the buffers, which
-        // hold CT_BATCH of each, and a resume token into `out_batch`.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_MAP_LOOKUP_BATCH,
-                attr.as_mut_ptr(),
-                size_of_val(&attr),
-            )
-        };
-        let err = (rc < 0).then(io::Error::last_os_error);
-        let count = ((attr[4] & 0xffff_ffff) as usize).min(CT_BATCH);
-        match err {
-            None => {}
-            // End of the table: the last chunk (possibly empty) is in the buffers.
-            Some(e) if e.raw_os_error() == Some(libc::ENOENT) => {
-                visit(&keys[..count], &values[..count]);
-                return Ok(());
-            }
-            Some(e) => return Err(e),
-        }
-        visit(&keys[..count], &values[..count]);
-        in_batch = out_batch;
-        first = false;
-    }
+    sys::map_update_batch(fd, keys, values).map_err(|e| DatapathError::Io {
+        what: format!("writing {what} ({} of {} written)", e.written, keys.len()),
+        source: e.source,
+    })
 }
 
 /// The conntrack table as the daemon's expiry sees it: walked in batches, deleted by key.
@@ -1529,58 +1343,53 @@ pub struct CtTable {
     /// closing, for least-connections (the datapath counts the ones that closed).
     gone: Option<Array<MapData, u64>>,
     /// The loaded `fastpath_ct_install` program, for [`CtTable::write_run`].
-    installer: Option<aya::programs::ProgramFd>,
+    installer: Option<CtInstaller>,
     /// Runs of it so far.
     installer_runs: u64,
 }
 
+/// The loaded `fastpath_ct_install` program, run with BPF_PROG_TEST_RUN on batches of
+/// conntrack records (see [`CtTable::write_run`]). A handle of its own (another fd of the
+/// program), so the table can outlive the object it came from.
+pub struct CtInstaller(Xdp);
+
+impl CtInstaller {
+    /// One run on `records`: how many of them the program carried out.
+    fn run(&self, records: &[CtRecord]) -> Result<u32, ProgramError> {
+        use aya::programs::{TestRun as _, TestRunOptions};
+        let opts = TestRunOptions {
+            data_in: Some(sys::ct_records_bytes(records)),
+            ..TestRunOptions::default()
+        };
+        Ok(self.0.test_run(opts)?.return_value)
+    }
+}
+
 /// The loaded `fastpath_ct_install` program of `ebpf`, writing to that object's `FP_CT`.
-pub fn ct_installer(ebpf: &Ebpf) -> Result<aya::programs::ProgramFd, DatapathError> {
+pub fn ct_installer(ebpf: &Ebpf) -> Result<CtInstaller, DatapathError> {
     let name = program_names::CT_INSTALL;
-    let prog = ebpf
+    let prog: &Xdp = ebpf
         .program(name)
-        .ok_or(DatapathError::MissingProgram { name })?;
-    prog.fd()
-        .and_then(|fd| fd.try_clone().map_err(ProgramError::from))
+        .ok_or(DatapathError::MissingProgram { name })?
+        .try_into()
         .map_err(|source| DatapathError::Program {
-            what: format!("the fd of {name}"),
+            what: format!("{name} is not an XDP program"),
+            source,
+        })?;
+    prog.info()
+        .and_then(|info| {
+            Xdp::from_program_info(
+                info,
+                name.into(),
+                aya_obj::programs::XdpAttachType::Interface,
+            )
+        })
+        .map(CtInstaller)
+        .map_err(|source| DatapathError::Program {
+            what: format!("opening another handle of {name}"),
             source,
         })
 }
-
-const BPF_PROG_TEST_RUN: libc::c_long = 10;
-
-/// One BPF_PROG_TEST_RUN of `prog` on `data` (no output wanted): the program's return value.
-fn prog_test_run(prog: std::os::fd::BorrowedFd<'_>, data: &[u8]) -> io::Result<u32> {
-    // union bpf_attr, test: prog_fd, retval, data_size_in, data_size_out, data_in, data_out,
-    // repeat, duration, ctx_size_in, ctx_size_out, ctx_in, ctx_out, flags, cpu, batch_size.
-    let mut attr = [0u32; 20];
-    attr[0] = prog.as_raw_fd() as u32;
-    attr[2] = data.len() as u32;
-    let ptr = data.as_ptr() as u64;
-    attr[4] = ptr as u32;
-    attr[5] = (ptr >> 32) as u32;
-    attr[8] = 1;
-    // SAFETY: the kernel reads `data_size_in` bytes from `data_in`, which `data` holds, and
-    // writes `retval` and `duration` into `attr`; it writes no data or context out (none
-    // asked for).
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_PROG_TEST_RUN,
-            attr.as_mut_ptr(),
-            size_of_val(&attr),
-        )
-    };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(attr[1])
-}
-
-/// Entries fetched per BPF_MAP_LOOKUP_BATCH call.
-const CT_BATCH: usize = 4096;
-const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 
 impl CtTable {
     /// The table pinned at `map_path` (for tools and benchmarks; the daemon takes its own
@@ -1608,7 +1417,7 @@ impl CtTable {
 
     /// Creates entries with `installer` ([`ct_installer`] of the object whose `FP_CT` this
     /// is) in [`CtTable::write_run`]: one syscall per `CT_INSTALL_MAX` writes.
-    pub fn with_installer(mut self, installer: aya::programs::ProgramFd) -> CtTable {
+    pub fn with_installer(mut self, installer: CtInstaller) -> CtTable {
         self.installer = Some(installer);
         self
     }
@@ -1616,8 +1425,7 @@ impl CtTable {
     /// Every entry, read with BPF_MAP_LOOKUP_BATCH (about 4k entries per syscall instead of
     /// two syscalls per entry), handed to `visit` chunk by chunk.
     pub fn walk(&self, visit: impl FnMut(&[CtKey], &[CtEntry])) -> io::Result<()> {
-        use std::os::fd::{AsFd as _, AsRawFd as _};
-        walk_batches(self.table.map().fd().as_fd().as_raw_fd(), visit)
+        sys::map_walk_batches(self.table.map().fd().as_fd(), visit)
     }
 
     /// The table's size limit (max_entries).
@@ -1678,11 +1486,7 @@ impl CtTable {
         let mut done = 0;
         if let Some(prog) = &self.installer {
             for chunk in records.chunks(CT_INSTALL_MAX) {
-                // SAFETY: CtRecord is repr(C) plain data without padding (size asserted).
-                let bytes = unsafe {
-                    std::slice::from_raw_parts(chunk.as_ptr().cast::<u8>(), size_of_val(chunk))
-                };
-                match prog_test_run(std::os::fd::AsFd::as_fd(prog), bytes) {
+                match prog.run(chunk) {
                     Ok(n) => {
                         self.installer_runs += 1;
                         let n = (n as usize).min(chunk.len());
@@ -2017,37 +1821,11 @@ impl PeerLinks {
 }
 
 fn interface_mac(name: &str) -> Result<[u8; 6], DatapathError> {
-    let fail = |why: String| {
+    sys::interface_mac(name).map_err(|e| {
         DatapathError::Config(format!(
-            "reading the MAC address of interface {name:?}: {why}; route = true needs an Ethernet interface"
+            "reading the MAC address of interface {name:?}: {e}; route = true needs an Ethernet interface"
         ))
-    };
-    if name.len() >= libc::IFNAMSIZ {
-        return Err(fail("name too long".into()));
-    }
-    // SAFETY: a plain socket(2) call; the fd is owned right below.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(fail(std::io::Error::last_os_error().to_string()));
-    }
-    // SAFETY: `fd` is a new descriptor nothing else owns.
-    let sock = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
-    // SAFETY: ifreq is plain old data; all zeroes is a valid value.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (d, s) in req.ifr_name.iter_mut().zip(name.bytes()) {
-        *d = s as libc::c_char;
-    }
-    // SAFETY: SIOCGIFHWADDR reads the NUL-terminated name and writes the address into `req`.
-    let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFHWADDR, &mut req) };
-    if rc != 0 {
-        return Err(fail(std::io::Error::last_os_error().to_string()));
-    }
-    // SAFETY: after a successful SIOCGIFHWADDR the union holds `ifru_hwaddr`.
-    let hw = unsafe { req.ifr_ifru.ifru_hwaddr };
-    if hw.sa_family != libc::ARPHRD_ETHER {
-        return Err(fail(format!("link type {} is not Ethernet", hw.sa_family)));
-    }
-    Ok(std::array::from_fn(|i| hw.sa_data[i] as u8))
+    })
 }
 
 /// The SNAT rule of an interface with `snat = true`: its configured addresses, or its own
@@ -2181,20 +1959,15 @@ fn ip_of(family: u8, a: &[u8; 16]) -> std::net::IpAddr {
 /// Services, backends and their counters in a pinned datapath; active connections come from
 /// one batched walk of the conntrack table.
 pub fn pinned_services(pin_dir: &Path) -> Result<Vec<ServiceRow>, DatapathError> {
-    use std::os::fd::AsFd as _;
-
     use fastpath_common::{
         ct::{CT_F_LB, tcp_state},
         lb::{BackendCounters, SvcCounters},
     };
     let svc_map = pinned_map(pin_dir, map_names::SVC)?;
     let mut services: Vec<(SvcKey, Service)> = Vec::new();
-    walk_batches(
-        svc_map.fd().as_fd().as_raw_fd(),
-        |k: &[SvcKey], v: &[Service]| {
-            services.extend(k.iter().copied().zip(v.iter().copied()));
-        },
-    )
+    sys::map_walk_batches(svc_map.fd().as_fd(), |k: &[SvcKey], v: &[Service]| {
+        services.extend(k.iter().copied().zip(v.iter().copied()));
+    })
     .map_err(|source| DatapathError::Io {
         what: "reading FP_SVC".into(),
         source,
@@ -2674,66 +2447,12 @@ fn stale_pin(pin: &Path, hook: HookKind) -> Option<&'static str> {
     }
 }
 
-const BPF_OBJ_GET: libc::c_long = 7;
-const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_LINK_TYPE_XDP: u32 = 6;
 const BPF_LINK_TYPE_TCX: u32 = 11;
 
-/// What `bpf_link_info` says of a pinned link (aya exposes neither field).
-struct PinnedLinkInfo {
-    link_type: u32,
-    /// Interface the XDP/TCX link is attached to; 0 once that interface is gone.
-    ifindex: u32,
-}
-
-/// A new fd of the object pinned at `pin` (BPF_OBJ_GET): while open, it keeps the object
-/// alive even once unpinned.
-fn open_pinned_fd(pin: &Path) -> io::Result<std::os::fd::OwnedFd> {
-    use std::os::{fd::FromRawFd as _, unix::ffi::OsStrExt as _};
-    let path = CString::new(pin.as_os_str().as_bytes())?;
-    // union bpf_attr for BPF_OBJ_GET: pathname (u64), bpf_fd, file_flags, path_fd.
-    let mut attr = [0u64; 4];
-    attr[0] = path.as_ptr() as u64;
-    // SAFETY: the bpf syscall reads `attr` (valid for its size) and the NUL-terminated path.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET,
-            attr.as_mut_ptr(),
-            size_of_val(&attr),
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the syscall returned a new fd that nothing else owns.
-    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
-}
-
-fn pinned_link_info(pin: &Path) -> io::Result<PinnedLinkInfo> {
-    let fd = open_pinned_fd(pin)?;
-    // struct bpf_link_info: type, id, prog_id, pad, then the per-type union; for XDP and TCX
-    // links its first field is the ifindex (offset 16).
-    let mut info = [0u64; 32];
-    let mut attr = [0u64; 2];
-    attr[0] = (fd.as_raw_fd() as u32 as u64) | ((size_of_val(&info) as u64) << 32);
-    attr[1] = info.as_mut_ptr() as u64;
-    // SAFETY: BPF_OBJ_GET_INFO_BY_FD writes at most `info_len` bytes into `info`.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET_INFO_BY_FD,
-            attr.as_mut_ptr(),
-            size_of_val(&attr),
-        )
-    };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(PinnedLinkInfo {
-        link_type: info[0] as u32,
-        ifindex: info[2] as u32,
-    })
+/// What the kernel says of the link pinned at `pin`.
+fn pinned_link_info(pin: &Path) -> io::Result<sys::LinkInfo> {
+    sys::link_info(sys::obj_get(pin)?.as_fd())
 }
 
 /// The link pinned at `pin`, if any.
@@ -2792,40 +2511,4 @@ fn ensure_bpffs(pin_dir: &Path) -> Result<(), DatapathError> {
         path: pin_dir.to_owned(),
         mount_hint: probe.display().to_string(),
     })
-}
-
-/// Whether `path` is on a bpffs.
-pub fn is_bpffs(path: &Path) -> bool {
-    use std::os::unix::ffi::OsStrExt as _;
-    let Ok(c) = CString::new(path.as_os_str().as_bytes()) else {
-        return false;
-    };
-    // SAFETY: an all-zero statfs is a valid value of this plain C struct.
-    let mut buf: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: statfs writes into `buf`, which is large enough; `c` is NUL-terminated.
-    let rc = unsafe { libc::statfs(c.as_ptr(), &mut buf) };
-    rc == 0 && buf.f_type as i64 == BPF_FS_MAGIC
-}
-
-/// Mounts a new bpffs instance on `path`.
-pub fn mount_bpffs(path: &Path) -> io::Result<()> {
-    use std::os::unix::ffi::OsStrExt as _;
-    let target = CString::new(path.as_os_str().as_bytes())
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    let fstype = c"bpf";
-    // SAFETY: every pointer is a NUL-terminated string that outlives the call; no data.
-    let rc = unsafe {
-        libc::mount(
-            fstype.as_ptr(),
-            target.as_ptr(),
-            fstype.as_ptr(),
-            0,
-            std::ptr::null(),
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
 }
