@@ -21,7 +21,7 @@ use fastpath_common::{
     lb::lb_peer_key,
 };
 
-use crate::{ct_events::EventHub, datapath::CtTable};
+use crate::{ct_events::EventHub, datapath::CtOps};
 
 /// After a pass, the daemon waits at least this many times the pass's duration (and at least
 /// `gc_interval_ms`) before the next: expiry is bounded to 1/(1+9) = 10% of one CPU.
@@ -49,7 +49,7 @@ pub type Timeouts = [u32; timeout_slot::COUNT];
 
 /// One expiry pass. Candidates come from the batched walk; each is read again just before
 /// its delete so a packet that refreshed it in between keeps it alive.
-pub fn pass(table: &mut CtTable, t: &Timeouts, hub: &EventHub, stats: &GcStats, now_ns: u64) {
+pub fn pass(table: &mut impl CtOps, t: &Timeouts, hub: &EventHub, stats: &GcStats, now_ns: u64) {
     let start = Instant::now();
     let mut occupancy = 0u64;
     let mut candidates: Vec<CtKey> = Vec::new();
@@ -60,7 +60,7 @@ pub fn pass(table: &mut CtTable, t: &Timeouts, hub: &EventHub, stats: &GcStats, 
     let seed = foldhash::quality::RandomState::default();
     let mut walked_conns: Vec<u64> =
         Vec::with_capacity(stats.occupancy.load(Ordering::Relaxed) as usize);
-    let walked = table.walk(|keys, values| {
+    let walked = table.walk(&mut |keys, values| {
         occupancy += keys.len() as u64;
         for (k, e) in keys.iter().zip(values) {
             if e.flags & CT_F_LB_ALIAS != 0 {

@@ -53,8 +53,12 @@ use fastpath_common::{
 };
 use tracing::{info, warn};
 
+#[cfg(test)]
+pub mod fake;
+mod ops;
 mod sys;
 
+pub use ops::{CtOps, DatapathOps, ServiceMaps};
 pub use sys::{is_bpffs, mount_bpffs};
 
 use crate::{
@@ -190,8 +194,8 @@ pub struct Datapath {
     /// Whether the maps already existed under the pin directory before this load.
     pub maps_reused: bool,
     pub attachments: Vec<Attachment>,
-    /// The LB arrays, mapped on first use (see [`LbWriter`]).
-    lb_writer: Option<LbWriter>,
+    /// The LB arrays, mapped on first use (see [`LbMaps`]).
+    lb_maps: Option<LbMaps>,
     /// Where this load's tail-call arrays are pinned (`tails/<prog id>`).
     tails_dir: PathBuf,
 }
@@ -255,7 +259,7 @@ impl Datapath {
             pin_dir: pin_dir.to_owned(),
             maps_reused,
             attachments: Vec::new(),
-            lb_writer: None,
+            lb_maps: None,
             tails_dir,
         })
     }
@@ -533,24 +537,6 @@ impl Datapath {
                 what: "writing FP_CONFIG".into(),
                 source,
             })
-    }
-
-    /// Applies the configured services: see [`apply_services`].
-    pub fn set_services(
-        &mut self,
-        services: &[crate::config::ServiceConfig],
-    ) -> Result<ServicesApplied, DatapathError> {
-        apply_services(&mut self.ebpf, &mut self.lb_writer, services, None)
-    }
-
-    /// Applies `services[i]` for each `i` in `changed` only (a health change, an API call):
-    /// every other service is left as it is.
-    pub fn update_services(
-        &mut self,
-        services: &[crate::config::ServiceConfig],
-        changed: &[usize],
-    ) -> Result<ServicesApplied, DatapathError> {
-        apply_services(&mut self.ebpf, &mut self.lb_writer, services, Some(changed))
     }
 
     /// Attaches every hook the interfaces ask for, as one change. Hooks without a pinned link
@@ -1098,63 +1084,55 @@ pub fn open_ct_events_pin(map_path: &Path) -> Result<(CtEventRing, u32), Datapat
     Ok((ring, bytes))
 }
 
-/// Applies `services` to a loaded datapath (see [`crate::lb::plan`]): new backend ranges and
-/// selection tables go into space no running service uses, written with batched map updates;
-/// then each service switches with one write of its value; then services no longer wanted are
-/// deleted. A packet sees a service either as it was or as it is now, never half written.
+/// Plans and applies `services` to a loaded datapath with its own planner (tools, tests
+/// and benchmarks; the daemon plans in [`crate::rules`]): see [`crate::lb::ServicePlanner`].
+/// A packet sees a service either as it was or as it is now, never half written.
 pub fn apply_services(
     ebpf: &mut Ebpf,
     writer: &mut Option<LbWriter>,
     services: &[crate::config::ServiceConfig],
     only: Option<&[usize]>,
 ) -> Result<ServicesApplied, DatapathError> {
-    let started = std::time::Instant::now();
-    if writer.is_none() {
-        let current = current_services(ebpf)?;
-        *writer = Some(LbWriter {
-            backends: Mapped::array(ebpf, map_names::BACKENDS)?,
-            slots: Mapped::array(ebpf, map_names::LB_SLOTS)?,
-            state: crate::lb::LbState::new(&current),
-        });
-    }
-    let Some(w) = writer.as_mut() else {
-        return Err(DatapathError::MissingMap {
-            name: map_names::LB_SLOTS,
-        });
+    let w = writer.get_or_insert_with(LbWriter::default);
+    let mut maps = EbpfLb {
+        ebpf,
+        maps: &mut w.maps,
     };
-    let plan = match w.state.plan(services, only) {
-        Ok(p) => p,
-        Err(e) => {
-            // The state handed out space for a plan that will not be written: start again
-            // from the maps next time.
-            *writer = None;
-            return Err(DatapathError::Plan(e));
+    w.planner.apply(&mut maps, services, only)
+}
+
+/// A loaded object's LB maps as a [`ServiceMaps`].
+struct EbpfLb<'a> {
+    ebpf: &'a mut Ebpf,
+    maps: &'a mut Option<LbMaps>,
+}
+
+impl ServiceMaps for EbpfLb<'_> {
+    fn current_services(&mut self) -> Result<Vec<(SvcKey, Service)>, DatapathError> {
+        current_services(self.ebpf)
+    }
+
+    fn write_services(&mut self, plan: &crate::lb::Plan) -> Result<(), DatapathError> {
+        if self.maps.is_none() {
+            *self.maps = Some(LbMaps {
+                backends: Mapped::array(self.ebpf, map_names::BACKENDS)?,
+                slots: Mapped::array(self.ebpf, map_names::LB_SLOTS)?,
+            });
         }
-    };
-    if let Err(e) = write_plan(ebpf, w, &plan) {
-        // Written in part (nothing switched yet, or some services switched): the state no
-        // longer matches the maps; read them again next time.
-        *writer = None;
-        return Err(e);
+        let Some(maps) = self.maps.as_mut() else {
+            return Err(DatapathError::MissingMap {
+                name: map_names::LB_SLOTS,
+            });
+        };
+        write_plan(self.ebpf, maps, plan)
     }
-    if let Some(w) = writer.as_mut() {
-        w.state.commit(&plan);
-    }
-    Ok(ServicesApplied {
-        services: plan.services.len(),
-        unchanged: plan.unchanged,
-        removed: plan.remove.len(),
-        backends: plan.backends.iter().map(|(_, l)| l.len()).sum(),
-        slots: plan.slots.iter().map(|(_, t)| t.len()).sum(),
-        took: started.elapsed(),
-    })
 }
 
 /// Writes a plan: backends and tables into free space, then the service switches, then the
 /// removals.
 fn write_plan(
     ebpf: &mut Ebpf,
-    w: &mut LbWriter,
+    w: &mut LbMaps,
     plan: &crate::lb::Plan,
 ) -> Result<(), DatapathError> {
     // Fresh backend indexes start with no connections counted (least-connections).
@@ -1189,11 +1167,16 @@ fn write_plan(
 
 /// The LB arrays mapped into this process, kept for the datapath's life: mapping a whole
 /// array costs milliseconds (every page is mapped up front), writing into it microseconds.
-pub struct LbWriter {
+struct LbMaps {
     backends: Mapped<Backend>,
     slots: Mapped<u32>,
-    /// What the maps hold (this process is their only writer).
-    state: crate::lb::LbState,
+}
+
+/// What [`apply_services`] keeps between calls: the mapped arrays and the planner.
+#[derive(Default)]
+pub struct LbWriter {
+    maps: Option<LbMaps>,
+    planner: crate::lb::ServicePlanner,
 }
 
 /// A BPF array created with BPF_F_MMAPABLE, mapped into this process (see
@@ -1309,7 +1292,7 @@ fn map_fd<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<BorrowedFd<'a>, 
     Ok(data.fd().as_fd())
 }
 
-/// What [`Datapath::set_services`] wrote.
+/// What one application of services wrote.
 #[derive(Debug)]
 pub struct ServicesApplied {
     /// Services written (new or changed).
