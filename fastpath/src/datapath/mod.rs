@@ -29,7 +29,7 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, DevMapHash, HashMap, IterableMap as _, MapData, PerCpuArray, RingBuf},
+    maps::{Array, DevMapHash, HashMap, MapData, PerCpuArray, RingBuf},
     programs::{
         LinkOrder, ProgramError, SchedClassifier, TcAttach, TcAttachType, Xdp,
         XdpMode as AyaXdpMode,
@@ -41,10 +41,9 @@ use aya::{
 use fastpath_common::{
     Counter, DatapathConfig,
     ct::{
-        CT_INSTALL_MAX, CT_RECORD_CREATE, CtEntry, CtKey, CtRecord, IFACE_F_CT_TC_EGRESS,
-        IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL, IFACE_F_LOOPBACK, IFACE_F_ROUTE,
-        IFACE_F_ROUTE_TC, IFACE_F_SNAT, IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_F_VXLAN,
-        IFACE_F_VXLAN_UNDERLAY, IFACE_SLOTS, IfaceConfig, ct_stat,
+        IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL,
+        IFACE_F_LOOPBACK, IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IFACE_F_SNAT, IFACE_F_VLAN_TC,
+        IFACE_F_VLAN_XDP, IFACE_F_VXLAN, IFACE_F_VXLAN_UNDERLAY, IFACE_SLOTS, IfaceConfig, ct_stat,
     },
     lb::{Backend, MAX_SNAT_RULES, Service, SnatRule, SvcKey},
     map_names, program_names,
@@ -53,11 +52,16 @@ use fastpath_common::{
 };
 use tracing::{info, warn};
 
+mod ct;
 #[cfg(test)]
 pub mod fake;
 mod ops;
 mod sys;
 
+pub use ct::{
+    CtInstaller, CtTable, ct_installer, flush_pinned_ct, pinned_ct_entries, pinned_ct_get,
+    pinned_ct_occupancy,
+};
 pub use ops::{CtOps, DatapathOps, ServiceMaps};
 pub use sys::{is_bpffs, mount_bpffs};
 
@@ -285,12 +289,7 @@ impl Datapath {
         let gone = MapData::from_pin(self.pin_dir.join("maps").join(map_names::BACKEND_GONE))
             .ok()
             .and_then(|d| Array::try_from(aya::maps::Map::Array(d)).ok());
-        Ok(CtTable {
-            table,
-            gone,
-            installer: None,
-            installer_runs: 0,
-        })
+        Ok(CtTable::from_maps(table, gone))
     }
 
     /// The conntrack installer program (see [`CtTable::with_installer`]).
@@ -1319,202 +1318,8 @@ fn update_batch<K: Copy, V: Copy>(
     })
 }
 
-/// The conntrack table as the daemon's expiry sees it: walked in batches, deleted by key.
-pub struct CtTable {
-    table: HashMap<MapData, CtKey, CtEntry>,
-    /// `FP_BACKEND_GONE`: the expiry counts load-balanced connections that went without
-    /// closing, for least-connections (the datapath counts the ones that closed).
-    gone: Option<Array<MapData, u64>>,
-    /// The loaded `fastpath_ct_install` program, for [`CtTable::write_run`].
-    installer: Option<CtInstaller>,
-    /// Runs of it so far.
-    installer_runs: u64,
-}
-
-/// The loaded `fastpath_ct_install` program, run with BPF_PROG_TEST_RUN on batches of
-/// conntrack records (see [`CtTable::write_run`]). A handle of its own (another fd of the
-/// program), so the table can outlive the object it came from.
-pub struct CtInstaller(Xdp);
-
-impl CtInstaller {
-    /// One run on `records`: how many of them the program carried out.
-    fn run(&self, records: &[CtRecord]) -> Result<u32, ProgramError> {
-        use aya::programs::{TestRun as _, TestRunOptions};
-        let opts = TestRunOptions {
-            data_in: Some(sys::ct_records_bytes(records)),
-            ..TestRunOptions::default()
-        };
-        Ok(self.0.test_run(opts)?.return_value)
-    }
-}
-
-/// The loaded `fastpath_ct_install` program of `ebpf`, writing to that object's `FP_CT`.
-pub fn ct_installer(ebpf: &Ebpf) -> Result<CtInstaller, DatapathError> {
-    let name = program_names::CT_INSTALL;
-    let prog: &Xdp = ebpf
-        .program(name)
-        .ok_or(DatapathError::MissingProgram { name })?
-        .try_into()
-        .map_err(|source| DatapathError::Program {
-            what: format!("{name} is not an XDP program"),
-            source,
-        })?;
-    prog.info()
-        .and_then(|info| {
-            Xdp::from_program_info(
-                info,
-                name.into(),
-                aya_obj::programs::XdpAttachType::Interface,
-            )
-        })
-        .map(CtInstaller)
-        .map_err(|source| DatapathError::Program {
-            what: format!("opening another handle of {name}"),
-            source,
-        })
-}
-
-impl CtTable {
-    /// The table pinned at `map_path` (for tools and benchmarks; the daemon takes its own
-    /// with [`Datapath::take_ct_table`]).
-    pub fn open_pin(map_path: &Path) -> Result<CtTable, DatapathError> {
-        let data = map_at(map_path)?;
-        let table = HashMap::try_from(aya::maps::Map::HashMap(data)).map_err(|source| {
-            DatapathError::Map {
-                what: "opening FP_CT".into(),
-                source,
-            }
-        })?;
-        let gone = map_path
-            .parent()
-            .map(|dir| dir.join(map_names::BACKEND_GONE))
-            .and_then(|p| MapData::from_pin(p).ok())
-            .and_then(|d| Array::try_from(aya::maps::Map::Array(d)).ok());
-        Ok(CtTable {
-            table,
-            gone,
-            installer: None,
-            installer_runs: 0,
-        })
-    }
-
-    /// Creates entries with `installer` ([`ct_installer`] of the object whose `FP_CT` this
-    /// is) in [`CtTable::write_run`]: one syscall per `CT_INSTALL_MAX` writes.
-    pub fn with_installer(mut self, installer: CtInstaller) -> CtTable {
-        self.installer = Some(installer);
-        self
-    }
-
-    /// Every entry, read with BPF_MAP_LOOKUP_BATCH (about 4k entries per syscall instead of
-    /// two syscalls per entry), handed to `visit` chunk by chunk.
-    pub fn walk(&self, visit: impl FnMut(&[CtKey], &[CtEntry])) -> io::Result<()> {
-        sys::map_walk_batches(self.table.map().fd().as_fd(), visit)
-    }
-
-    /// The table's size limit (max_entries).
-    pub fn capacity(&self) -> Result<u32, DatapathError> {
-        self.table
-            .map()
-            .info()
-            .map(|i| i.max_entries())
-            .map_err(|source| DatapathError::Map {
-                what: "reading FP_CT's info".into(),
-                source,
-            })
-    }
-
-    /// The entry of `key` now, if any.
-    pub fn get(&self, key: &CtKey) -> Option<CtEntry> {
-        self.table.get(key, 0).ok()
-    }
-
-    pub fn remove(&mut self, key: &CtKey) -> bool {
-        self.table.remove(key).is_ok()
-    }
-
-    /// Creates or replaces the entry of `key` (a connection replicated from a peer).
-    pub fn insert(&mut self, key: &CtKey, entry: &CtEntry) -> Result<(), DatapathError> {
-        self.table
-            .insert(key, entry, 0)
-            .map_err(|source| DatapathError::Map {
-                what: "writing an FP_CT entry".into(),
-                source,
-            })
-    }
-
-    /// Creates the entry of `key` unless one exists: `Ok(false)` when it does (untouched).
-    pub fn insert_new(&mut self, key: &CtKey, entry: &CtEntry) -> Result<bool, DatapathError> {
-        /// The map update flag of `bpf(2)`: create only.
-        const BPF_NOEXIST: u64 = 1;
-        match self.table.insert(key, entry, BPF_NOEXIST) {
-            Ok(()) => Ok(true),
-            Err(aya::maps::MapError::SyscallError(e))
-                if e.io_error.raw_os_error() == Some(libc::EEXIST) =>
-            {
-                Ok(false)
-            }
-            Err(source) => Err(DatapathError::Map {
-                what: "writing an FP_CT entry".into(),
-                source,
-            }),
-        }
-    }
-
-    /// Carries out `records` in order and stops at the first one that is not the simple case
-    /// (see the installer program, `conntrack::install` in the datapath): returns how many
-    /// were done. The caller does that one itself. With the installer program, one
-    /// BPF_PROG_TEST_RUN per `CT_INSTALL_MAX` records; without it (or if it cannot run),
-    /// creations are written one at a time and a removal stops the run.
-    pub fn write_run(&mut self, records: &[CtRecord]) -> usize {
-        let mut done = 0;
-        if let Some(prog) = &self.installer {
-            for chunk in records.chunks(CT_INSTALL_MAX) {
-                match prog.run(chunk) {
-                    Ok(n) => {
-                        self.installer_runs += 1;
-                        let n = (n as usize).min(chunk.len());
-                        done += n;
-                        if n < chunk.len() {
-                            return done;
-                        }
-                    }
-                    Err(e) => {
-                        warn!(error = %e, "The conntrack installer program did not run; writing entries one by one");
-                        self.installer = None;
-                        break;
-                    }
-                }
-            }
-            if self.installer.is_some() {
-                return done;
-            }
-        }
-        for r in &records[done..] {
-            if r.op != CT_RECORD_CREATE || !matches!(self.insert_new(&r.key, &r.entry), Ok(true)) {
-                break;
-            }
-            done += 1;
-        }
-        done
-    }
-
-    /// Runs of the installer program so far (0 without it).
-    pub fn installer_runs(&self) -> u64 {
-        self.installer_runs
-    }
-
-    /// Counts a load-balanced connection of backend `idx` that went without closing (this
-    /// process is the only writer of `FP_BACKEND_GONE`).
-    pub fn backend_gone(&mut self, idx: u32) {
-        if let Some(gone) = self.gone.as_mut() {
-            let n = gone.get(&idx, 0).unwrap_or(0);
-            let _ = gone.set(idx, &(n + 1), 0);
-        }
-    }
-}
-
 /// The map pinned at `map_path`.
-fn map_at(map_path: &Path) -> Result<MapData, DatapathError> {
+pub(super) fn map_at(map_path: &Path) -> Result<MapData, DatapathError> {
     MapData::from_pin(map_path).map_err(|source| DatapathError::Map {
         what: format!("opening {}", map_path.display()),
         source,
@@ -1522,7 +1327,7 @@ fn map_at(map_path: &Path) -> Result<MapData, DatapathError> {
 }
 
 /// Opens a pinned map of a running datapath by name.
-fn pinned_map(pin_dir: &Path, name: &str) -> Result<MapData, DatapathError> {
+pub(super) fn pinned_map(pin_dir: &Path, name: &str) -> Result<MapData, DatapathError> {
     let path = pin_dir.join("maps").join(name);
     MapData::from_pin(&path).map_err(|source| DatapathError::Map {
         what: format!(
@@ -1545,74 +1350,6 @@ pub fn pinned_config(pin_dir: &Path) -> Result<DatapathConfig, DatapathError> {
         what: "reading FP_CONFIG".into(),
         source,
     })
-}
-
-/// The conntrack table of a pinned datapath.
-fn pinned_ct_table(pin_dir: &Path) -> Result<CtTable, DatapathError> {
-    let path = pin_dir.join("maps").join(map_names::CT);
-    if !path.exists() {
-        // Same message as every other pinned reader.
-        pinned_map(pin_dir, map_names::CT)?;
-    }
-    CtTable::open_pin(&path)
-}
-
-/// Every tracked connection of a pinned datapath (`fastpath ct list`), read in batches.
-pub fn pinned_ct_entries(pin_dir: &Path) -> Result<Vec<(CtKey, CtEntry)>, DatapathError> {
-    let table = pinned_ct_table(pin_dir)?;
-    let mut out = Vec::new();
-    table
-        .walk(|keys, values| out.extend(keys.iter().copied().zip(values.iter().copied())))
-        .map_err(|e| DatapathError::Io {
-            what: "walking FP_CT".into(),
-            source: e,
-        })?;
-    Ok(out)
-}
-
-/// The connection of `key` in a pinned datapath (`fastpath ct get`), if tracked.
-pub fn pinned_ct_get(pin_dir: &Path, key: &CtKey) -> Result<Option<CtEntry>, DatapathError> {
-    Ok(pinned_ct_table(pin_dir)?.get(key))
-}
-
-/// Exact occupancy of a pinned datapath's conntrack table: (entries, capacity). Entries are
-/// counted by reading the whole table in batches (a hash map keeps no count userspace can
-/// read), so this costs about as much as an expiry pass: ~0.4 s at 1M entries.
-pub fn pinned_ct_occupancy(pin_dir: &Path) -> Result<(u64, u32), DatapathError> {
-    let table = pinned_ct_table(pin_dir)?;
-    let capacity = table.capacity()?;
-    let mut entries = 0u64;
-    table
-        .walk(|keys, _| entries += keys.len() as u64)
-        .map_err(|e| DatapathError::Io {
-            what: "walking FP_CT".into(),
-            source: e,
-        })?;
-    Ok((entries, capacity))
-}
-
-/// Deletes every tracked connection of a pinned datapath; returns how many went.
-pub fn flush_pinned_ct(pin_dir: &Path) -> Result<usize, DatapathError> {
-    let data = pinned_map(pin_dir, map_names::CT)?;
-    let mut table: HashMap<MapData, CtKey, CtEntry> =
-        HashMap::try_from(aya::maps::Map::HashMap(data)).map_err(|source| DatapathError::Map {
-            what: "opening FP_CT".into(),
-            source,
-        })?;
-    let mut keys: Vec<CtKey> = Vec::new();
-    pinned_ct_table(pin_dir)?
-        .walk(|k, _| keys.extend_from_slice(k))
-        .map_err(|e| DatapathError::Io {
-            what: "walking FP_CT".into(),
-            source: e,
-        })?;
-    let mut removed = 0;
-    for k in &keys {
-        if table.remove(k).is_ok() {
-            removed += 1;
-        }
-    }
-    Ok(removed)
 }
 
 /// One load-balanced service of a pinned datapath, with its counters (`fastpath service list`).
@@ -1982,7 +1719,7 @@ pub fn pinned_services(pin_dir: &Path) -> Result<Vec<ServiceRow>, DatapathError>
     )?))
     .map_err(map_err("opening FP_LB_SLOTS"))?;
     let mut active: std::collections::HashMap<u32, u64> = std::collections::HashMap::new();
-    pinned_ct_table(pin_dir)?
+    ct::pinned_ct_table(pin_dir)?
         .walk(|_, entries| {
             for e in entries {
                 let closed = e.state == tcp_state::TIME_WAIT || e.state == tcp_state::CLOSE;
