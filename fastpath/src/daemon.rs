@@ -158,9 +158,9 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
             None
         }
     };
-    // SAFETY: the logger owns its ring buffer fd and keeps it open until the AsyncFd (which
-    // owns the logger) is dropped.
     let mut logger = logger.and_then(|l| {
+        // SAFETY: the logger owns its ring buffer fd and keeps it open until the AsyncFd (which
+        // owns the logger) is dropped.
         match unsafe { AsyncFd::register_with_interest(l, tokio::io::Interest::READABLE) } {
             Ok(fd) => Some(fd),
             Err(e) => {

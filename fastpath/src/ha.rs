@@ -1235,8 +1235,10 @@ async fn serve(
     }
 }
 
+/// Through the real datapath (BPF_PROG_TEST_RUN): root only. `cargo xtask test` runs every
+/// unit test as root, then again as an unprivileged user skipping the `kernel_tests` modules.
 #[cfg(test)]
-mod tests {
+mod kernel_tests {
     use fastpath_common::ct::{CT_F_LB, IFACE_F_CT_XDP, tcp_state};
 
     use super::*;

@@ -29,6 +29,12 @@
 //! A full run compares itself with the results it replaces, and `bench --compare REV` compares
 //! the results with those committed at a revision (see `compare`); `bench --compare REV1 …
 //! REV` goes along several, each against the one before, carrying the stated spread.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use std::{
     collections::BTreeMap,
@@ -78,8 +84,6 @@ mod ha;
 mod lb_compare;
 mod lb_sweep;
 mod overlay_compare;
-#[path = "../../tests/support/pki.rs"]
-mod pki;
 mod plot;
 mod route_compare;
 
