@@ -222,6 +222,9 @@ pub struct BackendHealth {
     pub detail: String,
 }
 
+/// Why [`Rules::start`] failed, with the datapath handed back (for a clean shutdown).
+pub type StartError<D> = Box<(D, DatapathError)>;
+
 /// The daemon's desired state and the datapath it realizes it in (the real [`Datapath`], or
 /// in unit tests an in-memory one).
 pub struct Rules<D: DatapathOps = Datapath> {
@@ -248,13 +251,12 @@ impl<D: DatapathOps> Rules<D> {
     /// Takes over a loaded, attached datapath whose services are not applied yet: restores
     /// the state file if it was made on top of this very config file, applies the services
     /// and starts the probes.
-    #[allow(clippy::type_complexity)]
     pub fn start(
         mut dp: D,
         file_config: Config,
         config_path: PathBuf,
         health_tx: mpsc::Sender<health::Change>,
-    ) -> Result<(Rules<D>, ServicesApplied), Box<(D, DatapathError)>> {
+    ) -> Result<(Rules<D>, ServicesApplied), StartError<D>> {
         let base = file_config.fingerprint();
         let state_path = file_config.state_file();
         let (config, generation) = match load_state(&state_path) {
