@@ -21,7 +21,7 @@ use fastpath_common::{
     lb::lb_peer_key,
 };
 
-use crate::{ct_events::EventHub, datapath::CtTable};
+use crate::{ct_events::EventHub, datapath::CtOps};
 
 /// After a pass, the daemon waits at least this many times the pass's duration (and at least
 /// `gc_interval_ms`) before the next: expiry is bounded to 1/(1+9) = 10% of one CPU.
@@ -49,7 +49,7 @@ pub type Timeouts = [u32; timeout_slot::COUNT];
 
 /// One expiry pass. Candidates come from the batched walk; each is read again just before
 /// its delete so a packet that refreshed it in between keeps it alive.
-pub fn pass(table: &mut CtTable, t: &Timeouts, hub: &EventHub, stats: &GcStats, now_ns: u64) {
+pub fn pass(table: &mut impl CtOps, t: &Timeouts, hub: &EventHub, stats: &GcStats, now_ns: u64) {
     let start = Instant::now();
     let mut occupancy = 0u64;
     let mut candidates: Vec<CtKey> = Vec::new();
@@ -60,7 +60,7 @@ pub fn pass(table: &mut CtTable, t: &Timeouts, hub: &EventHub, stats: &GcStats, 
     let seed = foldhash::quality::RandomState::default();
     let mut walked_conns: Vec<u64> =
         Vec::with_capacity(stats.occupancy.load(Ordering::Relaxed) as usize);
-    let walked = table.walk(|keys, values| {
+    let walked = table.walk(&mut |keys, values| {
         occupancy += keys.len() as u64;
         for (k, e) in keys.iter().zip(values) {
             if e.flags & CT_F_LB_ALIAS != 0 {
@@ -154,12 +154,15 @@ pub fn pass(table: &mut CtTable, t: &Timeouts, hub: &EventHub, stats: &GcStats, 
 
 #[cfg(test)]
 mod tests {
-    use fastpath_common::ct::{
-        CT_F_ASSURED, CT_F_SEEN_REPLY, DEFAULT_TIMEOUTS_S, ct_key, tcp_state,
+    use fastpath_common::{
+        ct::{
+            CT_F_ASSURED, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, DEFAULT_TIMEOUTS_S, ct_key, tcp_state,
+        },
+        lb::lb_alias,
     };
 
     use super::*;
-    use crate::config::CtTimeouts;
+    use crate::{config::CtTimeouts, datapath::fake::FakeCt};
 
     #[test]
     fn timeouts_follow_state_and_assurance() {
@@ -200,5 +203,157 @@ mod tests {
         assert!(expired(&t, &udp, &e, 12_000_000_001));
         // A clock before last_seen (entry refreshed after `now` was taken) is not expired.
         assert!(!expired(&t, &udp, &e, 1));
+    }
+
+    const SEC: u64 = 1_000_000_000;
+    /// The pass's clock: long after every entry below was made.
+    const NOW: u64 = 1_000_000 * SEC;
+
+    fn v4(a: [u8; 4]) -> [u8; 16] {
+        let mut out = [0; 16];
+        out[..4].copy_from_slice(&a);
+        out
+    }
+
+    /// A plain connection from 10.0.0.1:`sport` to 10.0.0.2:`dport`, last seen `idle_s` ago.
+    fn plain(proto: u8, sport: u16, dport: u16, state: u8, idle_s: u64) -> (CtKey, CtEntry) {
+        let (key, src_is_lo) = ct_key(
+            4,
+            proto,
+            &v4([10, 0, 0, 1]),
+            sport,
+            &v4([10, 0, 0, 2]),
+            dport,
+        );
+        let entry = CtEntry {
+            last_seen_ns: NOW - idle_s * SEC,
+            state,
+            flags: CT_F_SEEN_REPLY | if src_is_lo { CT_F_ORIG_IS_LO } else { 0 },
+            ..CtEntry::default()
+        };
+        (key, entry)
+    }
+
+    /// A load-balanced TCP connection from 10.0.0.1:`sport` to the VIP 10.9.0.1:80, sent to
+    /// backend `backend` (10.1.0.`backend`:8080), last seen `idle_s` ago, and its alias.
+    fn balanced(sport: u16, state: u8, backend: u8, idle_s: u64) -> [(CtKey, CtEntry); 2] {
+        let (key, src_is_lo) = ct_key(4, 6, &v4([10, 0, 0, 1]), sport, &v4([10, 9, 0, 1]), 80);
+        let mut entry = CtEntry {
+            last_seen_ns: NOW - idle_s * SEC,
+            state,
+            flags: CT_F_SEEN_REPLY | CT_F_LB | if src_is_lo { CT_F_ORIG_IS_LO } else { 0 },
+            ..CtEntry::default()
+        };
+        entry.nat.addr = v4([10, 1, 0, backend]);
+        entry.nat.port = 8080;
+        entry.nat.backend = u32::from(backend);
+        entry.nat.service = 7;
+        let Some(alias) = lb_alias(&key, &entry) else {
+            panic!("expected an alias for {key:?}");
+        };
+        [(key, entry), alias]
+    }
+
+    fn table(entries: impl IntoIterator<Item = (CtKey, CtEntry)>) -> FakeCt {
+        FakeCt {
+            entries: entries.into_iter().collect(),
+            ..FakeCt::default()
+        }
+    }
+
+    /// One pass at NOW with the default timeouts: the events it published, and its stats.
+    fn expire(ct: &mut FakeCt) -> (Vec<CtEvent>, GcStats) {
+        let hub = EventHub::new();
+        let mut events = hub.subscribe();
+        let stats = GcStats::default();
+        pass(ct, &DEFAULT_TIMEOUTS_S, &hub, &stats, NOW);
+        let mut out = Vec::new();
+        while let Ok(ev) = events.try_recv() {
+            out.push(ev);
+        }
+        (out, stats)
+    }
+
+    #[test]
+    fn plain_connections_go_once_idle_past_their_state_timeout() {
+        let udp_old = plain(17, 1000, 53, 0, 31);
+        let udp_fresh = plain(17, 1001, 53, 0, 29);
+        let tcp_established = plain(6, 1002, 22, tcp_state::ESTABLISHED, 3600);
+        let tcp_time_wait = plain(6, 1003, 22, tcp_state::TIME_WAIT, 121);
+        let mut ct = table([udp_old, udp_fresh, tcp_established, tcp_time_wait]);
+        let (events, stats) = expire(&mut ct);
+        let left: Vec<CtKey> = ct.entries.keys().copied().collect();
+        let mut want = vec![udp_fresh.0, tcp_established.0];
+        want.sort();
+        assert_eq!(left, want, "entries left after the pass");
+        let mut gone: Vec<CtKey> = events.iter().map(|e| e.key).collect();
+        gone.sort();
+        let mut want_gone = vec![udp_old.0, tcp_time_wait.0];
+        want_gone.sort();
+        assert_eq!(gone, want_gone, "EXPIRED events");
+        assert!(
+            events
+                .iter()
+                .all(|e| e.kind == ct_event::EXPIRED && e.ts_ns == NOW)
+        );
+        assert_eq!(stats.expired_total.load(Ordering::Relaxed), 2);
+        assert_eq!(stats.occupancy.load(Ordering::Relaxed), 2);
+        assert!(ct.gone.is_empty(), "no backend counted: {:?}", ct.gone);
+    }
+
+    /// An expired load-balanced connection takes its alias with it; one that never closed is
+    /// counted gone for least-connections, one that closed (or was SNAT'd) is not. A live
+    /// one keeps its alias however old the alias's own timestamp.
+    #[test]
+    fn load_balanced_connections_expire_with_their_aliases() {
+        let open = balanced(2000, tcp_state::ESTABLISHED, 1, 432_001);
+        let closed = balanced(2001, tcp_state::TIME_WAIT, 2, 121);
+        let mut snat = balanced(2002, tcp_state::ESTABLISHED, 3, 432_001);
+        snat[0].1.flags |= CT_F_SNAT;
+        let live = balanced(2003, tcp_state::ESTABLISHED, 4, 10);
+        let mut ct = table(open.into_iter().chain(closed).chain(snat).chain(live));
+        let (events, stats) = expire(&mut ct);
+        let left: Vec<CtKey> = ct.entries.keys().copied().collect();
+        let mut want = vec![live[0].0, live[1].0];
+        want.sort();
+        assert_eq!(
+            left, want,
+            "entries left: the live connection and its alias"
+        );
+        assert_eq!(
+            ct.gone,
+            [(1, 1)].into_iter().collect(),
+            "backends counted gone: only the one that never closed"
+        );
+        assert_eq!(events.len(), 3, "one event per connection, none per alias");
+        assert_eq!(stats.expired_total.load(Ordering::Relaxed), 3);
+        assert_eq!(stats.occupancy.load(Ordering::Relaxed), 2);
+    }
+
+    /// An alias whose connection is gone goes; an expired connection's alias tuple that now
+    /// belongs to another connection stays.
+    #[test]
+    fn orphan_aliases_go_and_reused_tuples_stay() {
+        let [_, orphan] = balanced(3000, tcp_state::ESTABLISHED, 1, 10);
+        let expired = balanced(3001, tcp_state::ESTABLISHED, 2, 432_001);
+        // The alias's tuple (client ↔ backend) now holds a direct connection of its own.
+        let reused = (
+            expired[1].0,
+            CtEntry {
+                last_seen_ns: NOW,
+                state: tcp_state::ESTABLISHED,
+                flags: CT_F_SEEN_REPLY,
+                ..CtEntry::default()
+            },
+        );
+        let mut ct = table([orphan, expired[0], reused]);
+        let (_, stats) = expire(&mut ct);
+        let left: Vec<CtKey> = ct.entries.keys().copied().collect();
+        assert_eq!(
+            left,
+            vec![reused.0],
+            "only the reused tuple's connection is left"
+        );
+        assert_eq!(stats.occupancy.load(Ordering::Relaxed), 1);
     }
 }

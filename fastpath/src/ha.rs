@@ -226,7 +226,7 @@ impl Ha {
         cfg: &HaSection,
         pin_dir: PathBuf,
         lb: watch::Receiver<Arc<LbIndex>>,
-        installer: Option<aya::programs::ProgramFd>,
+        installer: Option<datapath::CtInstaller>,
     ) -> Result<Arc<Ha>, HaError> {
         let mut table = CtTable::open_pin(&pin_dir.join("maps").join(map_names::CT))?;
         if let Some(installer) = installer {

@@ -1,7 +1,8 @@
 //! Services in the datapath: from the desired services (config) and what the maps hold now,
 //! a plan that writes every new backend range and selection table into space no current
 //! service uses, then switches each service with one write of its value, then removes the
-//! services no longer wanted. Pure: `datapath` applies the plan with batched map writes.
+//! services no longer wanted. Planning is pure; `datapath` writes the plan it is given with
+//! batched map writes ([`ServicePlanner`] ties the two).
 //!
 //! Contract: applying a plan's steps in order never shows the datapath a service whose
 //! backends or table are half written, and never overwrites what a current service points to.
@@ -16,6 +17,7 @@ use fastpath_common::lb::{
 
 use crate::{
     config::{ForwardMode, NoBackend, PortRange, Scheduler, ServiceConfig},
+    datapath::{DatapathError, ServiceMaps, ServicesApplied},
     maglev::{self, MaglevBackend},
 };
 
@@ -460,23 +462,64 @@ impl LbState {
     }
 }
 
-/// Direct server return sends packets to the backends' MAC addresses, which the datapath
-/// takes from the kernel's neighbour table; a backend this node never talked to has no entry
-/// yet. One UDP datagram to each DSR backend's discard port makes the kernel resolve it
-/// (errors are of no interest: the datagram itself is not).
-pub fn resolve_dsr_backends(services: &[ServiceConfig]) {
-    for svc in services.iter().filter(|s| s.mode == ForwardMode::Dsr) {
-        for b in &svc.backends {
-            let addr = *b.address.get_ref();
-            let local: std::net::SocketAddr = if addr.is_ipv4() {
-                (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
-            } else {
-                (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
-            };
-            if let Ok(sock) = std::net::UdpSocket::bind(local) {
-                let _ = sock.send_to(b"", (addr, 9));
+/// The backends whose link-layer addresses the kernel must know: direct server return sends
+/// packets to the backends' MAC addresses, which the datapath takes from the kernel's
+/// neighbour table, and a backend this node never talked to has no entry yet (see
+/// [`crate::datapath::DatapathOps::resolve_neighbours`]).
+pub fn dsr_backends(services: &[ServiceConfig]) -> Vec<std::net::IpAddr> {
+    services
+        .iter()
+        .filter(|s| s.mode == ForwardMode::Dsr)
+        .flat_map(|s| s.backends.iter().map(|b| *b.address.get_ref()))
+        .collect()
+}
+
+/// The planning half of applying services, for the maps' one writer: the [`LbState`] of
+/// what they hold, read from them when there is none (first use, or after a plan that failed
+/// or was written in part), and each plan written through a [`ServiceMaps`].
+#[derive(Default)]
+pub struct ServicePlanner {
+    state: Option<LbState>,
+}
+
+impl ServicePlanner {
+    /// Plans `services` (all of them, or with `only` just those indexes: see
+    /// [`LbState::plan`]) and writes the plan into `maps`.
+    pub fn apply(
+        &mut self,
+        maps: &mut impl ServiceMaps,
+        services: &[ServiceConfig],
+        only: Option<&[usize]>,
+    ) -> Result<ServicesApplied, DatapathError> {
+        let started = std::time::Instant::now();
+        let state = match &mut self.state {
+            Some(s) => s,
+            None => self.state.insert(LbState::new(&maps.current_services()?)),
+        };
+        let plan = match state.plan(services, only) {
+            Ok(p) => p,
+            Err(e) => {
+                // The state handed out space for a plan that will not be written: start again
+                // from the maps next time.
+                self.state = None;
+                return Err(DatapathError::Plan(e));
             }
+        };
+        if let Err(e) = maps.write_services(&plan) {
+            // Written in part (nothing switched yet, or some services switched): the state no
+            // longer matches the maps; read them again next time.
+            self.state = None;
+            return Err(e);
         }
+        state.commit(&plan);
+        Ok(ServicesApplied {
+            services: plan.services.len(),
+            unchanged: plan.unchanged,
+            removed: plan.remove.len(),
+            backends: plan.backends.iter().map(|(_, l)| l.len()).sum(),
+            slots: plan.slots.iter().map(|(_, t)| t.len()).sum(),
+            took: started.elapsed(),
+        })
     }
 }
 

@@ -22,8 +22,9 @@ use tracing::{info, warn};
 
 use crate::{
     config::{Config, ConfigError, InterfaceCheck, ServiceConfig, ServiceId},
-    datapath::{Datapath, ServicesApplied},
+    datapath::{Datapath, DatapathError, DatapathOps, ServicesApplied},
     health::{self, ProbeKey},
+    lb::ServicePlanner,
 };
 
 /// Why a change was refused (maps to a gRPC status and a CLI exit code).
@@ -221,9 +222,15 @@ pub struct BackendHealth {
     pub detail: String,
 }
 
-/// The daemon's desired state and the datapath it realizes it in.
-pub struct Rules {
-    dp: Datapath,
+/// Why [`Rules::start`] failed, with the datapath handed back (for a clean shutdown).
+pub type StartError<D> = Box<(D, DatapathError)>;
+
+/// The daemon's desired state and the datapath it realizes it in (the real [`Datapath`], or
+/// in unit tests an in-memory one).
+pub struct Rules<D: DatapathOps = Datapath> {
+    dp: D,
+    /// Plans the services written into `dp` (this process is the LB maps' only writer).
+    planner: ServicePlanner,
     /// The desired config: services as configured (health does not change them).
     config: Config,
     generation: u64,
@@ -240,16 +247,16 @@ pub struct Rules {
     lb_index: tokio::sync::watch::Sender<std::sync::Arc<crate::sync::LbIndex>>,
 }
 
-impl Rules {
+impl<D: DatapathOps> Rules<D> {
     /// Takes over a loaded, attached datapath whose services are not applied yet: restores
     /// the state file if it was made on top of this very config file, applies the services
     /// and starts the probes.
     pub fn start(
-        mut dp: Datapath,
+        mut dp: D,
         file_config: Config,
         config_path: PathBuf,
         health_tx: mpsc::Sender<health::Change>,
-    ) -> Result<(Rules, ServicesApplied), Box<(Datapath, crate::datapath::DatapathError)>> {
+    ) -> Result<(Rules<D>, ServicesApplied), StartError<D>> {
         let base = file_config.fingerprint();
         let state_path = file_config.state_file();
         let (config, generation) = match load_state(&state_path) {
@@ -267,16 +274,18 @@ impl Rules {
                 (file_config, 0)
             }
         };
+        let mut planner = ServicePlanner::default();
         let applied = match dp
             .set_config(datapath_config(&config))
-            .and_then(|()| dp.set_services(&config.services))
+            .and_then(|()| planner.apply(&mut dp, &config.services, None))
         {
             Ok(a) => a,
             Err(e) => return Err(Box::new((dp, e))),
         };
-        crate::lb::resolve_dsr_backends(&config.services);
+        dp.resolve_neighbours(&crate::lb::dsr_backends(&config.services));
         let mut rules = Rules {
             dp,
+            planner,
             config,
             generation,
             base,
@@ -320,16 +329,16 @@ impl Rules {
         &self.config_path
     }
 
-    pub fn datapath(&self) -> &Datapath {
+    pub fn datapath(&self) -> &D {
         &self.dp
     }
 
-    pub fn datapath_mut(&mut self) -> &mut Datapath {
+    pub fn datapath_mut(&mut self) -> &mut D {
         &mut self.dp
     }
 
     /// Gives the datapath back (shutdown): probes stop.
-    pub fn into_datapath(self) -> Datapath {
+    pub fn into_datapath(self) -> D {
         for p in self.probes.values() {
             p.abort();
         }
@@ -411,7 +420,7 @@ impl Rules {
             summary.generation = self.generation;
             return Ok(summary);
         }
-        let internal = |e: crate::datapath::DatapathError| {
+        let internal = |e: DatapathError| {
             Rejected::new(
                 RejectKind::Internal,
                 format!(
@@ -421,30 +430,30 @@ impl Rules {
         };
         // The kernel's part first: a change it cannot carry is refused before anything moves.
         if let Some(ipv6) = candidate.translates() {
-            crate::datapath::prepare_forwarding(&candidate.interfaces, ipv6).map_err(|e| {
-                Rejected::new(RejectKind::Internal, format!("{e}; nothing was changed"))
-            })?;
+            self.dp
+                .prepare_forwarding(&candidate.interfaces, ipv6)
+                .map_err(|e| {
+                    Rejected::new(RejectKind::Internal, format!("{e}; nothing was changed"))
+                })?;
         }
         let changed = !(summary.created.is_empty()
             && summary.updated.is_empty()
             && summary.deleted.is_empty());
         if changed {
             let effective = health::effective(&candidate.services, &self.down);
-            self.dp.set_services(&effective).map_err(internal)?;
+            if let Err(e) = self.planner.apply(&mut self.dp, &effective, None) {
+                // Written in part, perhaps (some services switched): back to what was.
+                self.restore_services();
+                return Err(internal(e));
+            }
         }
         let settings = datapath_config(&candidate);
         let settings_changed = settings != datapath_config(&self.config);
-        let undo_services = |dp: &mut Datapath| {
-            if changed {
-                let before = health::effective(&self.config.services, &self.down);
-                if let Err(undo) = dp.set_services(&before) {
-                    warn!(error = %undo, "Could not restore the previous services after a refused change");
-                }
-            }
-        };
         if settings_changed && let Err(e) = self.dp.set_config(settings) {
             // All or nothing: the services go back to what they were.
-            undo_services(&mut self.dp);
+            if changed {
+                self.restore_services();
+            }
             return Err(internal(e));
         }
         if candidate.interfaces != self.config.interfaces {
@@ -467,7 +476,9 @@ impl Rules {
                     ));
                 }
                 Err(e) => {
-                    undo_services(&mut self.dp);
+                    if changed {
+                        self.restore_services();
+                    }
                     if settings_changed
                         && let Err(undo) = self.dp.set_config(datapath_config(&self.config))
                     {
@@ -484,7 +495,8 @@ impl Rules {
         }
         if changed {
             self.publish_lb_index();
-            crate::lb::resolve_dsr_backends(&candidate.services);
+            self.dp
+                .resolve_neighbours(&crate::lb::dsr_backends(&candidate.services));
         }
         self.config = candidate;
         self.base = base;
@@ -513,6 +525,15 @@ impl Rules {
             "Desired state changed"
         );
         Ok(summary)
+    }
+
+    /// Writes the services of the current desired state again, after a refused change wrote
+    /// some of its own.
+    fn restore_services(&mut self) {
+        let before = health::effective(&self.config.services, &self.down);
+        if let Err(undo) = self.planner.apply(&mut self.dp, &before, None) {
+            warn!(error = %undo, "Could not restore the previous services after a refused change");
+        }
     }
 
     /// Makes a whole config the desired state (an Apply, or a reload of the file): refused if
@@ -605,7 +626,7 @@ impl Rules {
         let Some(idx) = effective.iter().position(|s| s.id() == change.service) else {
             return;
         };
-        let updated = self.dp.update_services(&effective, &[idx]);
+        let updated = self.planner.apply(&mut self.dp, &effective, Some(&[idx]));
         self.publish_lb_index();
         match updated {
             Ok(applied) => info!(
@@ -713,5 +734,239 @@ mod tests {
         assert!(back.config.services[1].port_forward);
         assert_eq!(back.config.fingerprint(), c.fingerprint());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    use crate::datapath::fake::{FakeDatapath, ServiceView, Step, Write};
+
+    /// A scratch directory for one test's state file, removed when dropped.
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new(name: &str) -> Scratch {
+            let dir = std::env::temp_dir().join(format!("fp-rules-{}-{name}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {dir:?}: {e}"));
+            Scratch(dir)
+        }
+
+        fn state(&self) -> PathBuf {
+            self.0.join("state.toml")
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    const BEFORE: &str = "[[interface]]\nname = \"eth9\"\n\
+        [[service]]\nvip = \"10.0.0.1\"\nport = 80\n\
+        [[service.backend]]\naddress = \"10.1.0.1\"\nport = 80\n\
+        [[service.backend]]\naddress = \"10.1.0.2\"\nport = 80\n\
+        [[service]]\nvip = \"10.0.0.2\"\nport = 53\nprotocol = \"udp\"\nscheduler = \"wrr\"\n\
+        [[service.backend]]\naddress = \"10.1.0.3\"\nport = 53\n";
+
+    /// BEFORE with every kind of change: a service updated, one deleted, one created (in DSR
+    /// mode), a runtime setting and the interfaces changed.
+    const AFTER: &str = "[datapath]\ndrop_malformed = true\n\
+        [[interface]]\nname = \"eth9\"\n[[interface]]\nname = \"eth8\"\n\
+        [[service]]\nvip = \"10.0.0.1\"\nport = 80\n\
+        [[service.backend]]\naddress = \"10.1.0.1\"\nport = 80\n\
+        [[service.backend]]\naddress = \"10.1.0.4\"\nport = 80\n\
+        [[service]]\nvip = \"10.0.0.3\"\nport = 443\nmode = \"dsr\"\n\
+        [[service.backend]]\naddress = \"10.1.0.5\"\nport = 443\n";
+
+    fn config(scratch: &Scratch, text: &str) -> Config {
+        let text = format!(
+            "[api]\nstate_file = {:?}\n{text}",
+            scratch.state().display().to_string()
+        );
+        Config::parse_with(Path::new("t"), &text, InterfaceCheck::Skip)
+            .unwrap_or_else(|e| panic!("test config: {e}"))
+    }
+
+    /// Rules over a fake datapath holding BEFORE, committed once (generation 1, state saved).
+    fn started(scratch: &Scratch) -> Rules<FakeDatapath> {
+        let (tx, _rx) = mpsc::channel(1);
+        let fake = FakeDatapath::attached_to(&["eth9"]);
+        let (mut rules, applied) = Rules::start(
+            fake,
+            config(scratch, BEFORE),
+            scratch.0.join("config.toml"),
+            tx,
+        )
+        .unwrap_or_else(|e| panic!("start on a fake datapath: {}", e.1));
+        assert_eq!(applied.services, 2, "services written at start");
+        let mut services = rules.config().services.clone();
+        services.reverse();
+        rules
+            .change_services(0, false, "<test>", |s| {
+                *s = services;
+                Ok(())
+            })
+            .unwrap_or_else(|e| panic!("a first change: {e}"));
+        assert_eq!(rules.generation(), 1);
+        rules
+    }
+
+    /// Everything a refused change must leave as it was.
+    #[derive(Debug, PartialEq)]
+    struct Snapshot {
+        view: std::collections::BTreeMap<fastpath_common::lb::SvcKey, ServiceView>,
+        settings: DatapathConfig,
+        interfaces: Vec<String>,
+        generation: u64,
+        desired: (u64, Vec<ServiceConfig>),
+        state_file: String,
+    }
+
+    fn snapshot(rules: &Rules<FakeDatapath>) -> Snapshot {
+        let dp = rules.datapath();
+        Snapshot {
+            view: dp.view(),
+            settings: dp.config,
+            interfaces: dp.interfaces.clone(),
+            generation: rules.generation(),
+            desired: (
+                rules.config().fingerprint(),
+                rules.config().services.clone(),
+            ),
+            state_file: std::fs::read_to_string(rules.config().state_file())
+                .unwrap_or_else(|e| panic!("reading the state file: {e}")),
+        }
+    }
+
+    #[test]
+    fn a_commit_writes_services_settings_interfaces_and_state() {
+        let scratch = Scratch::new("commit");
+        let mut rules = started(&scratch);
+        let summary = rules
+            .apply_config(config(&scratch, AFTER), 1, false, false)
+            .unwrap_or_else(|e| panic!("the change: {e}"));
+        assert_eq!(
+            (summary.created, summary.updated, summary.deleted),
+            (
+                vec!["10.0.0.3:443/tcp".to_string()],
+                vec!["10.0.0.1:80/tcp".to_string()],
+                vec!["10.0.0.2:53/udp".to_string()]
+            )
+        );
+        let dp = rules.datapath();
+        assert_eq!(dp.services.len(), 2, "services after the change");
+        assert_eq!(dp.config, datapath_config(rules.config()));
+        assert_ne!(dp.config.flags & CONFIG_F_DROP_MALFORMED, 0);
+        assert_eq!(dp.interfaces, vec!["eth9", "eth8"]);
+        let dsr: std::net::IpAddr = "10.1.0.5".parse().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(dp.resolved.last(), Some(&dsr), "DSR backend resolved");
+        assert!(dp.violations.is_empty(), "{:?}", dp.violations);
+        assert_eq!(rules.generation(), 2);
+        let saved = load_state(&rules.config().state_file())
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|| panic!("no state file"));
+        assert_eq!(saved.generation, 2);
+        assert_eq!(saved.config.services, rules.config().services);
+    }
+
+    /// A change refused at each write it makes leaves the datapath as a packet sees it, the
+    /// settings, the interfaces, the desired state, its generation and the state file as
+    /// they were; the next change goes through.
+    #[test]
+    fn a_refused_change_leaves_everything_as_before_at_each_failure_point() {
+        let points = [
+            (Step::Backends, 1),
+            (Step::Slots, 1),
+            (Step::Slots, 2),
+            (Step::Switch, 1),
+            (Step::Switch, 2),
+            (Step::Remove, 1),
+            (Step::Config, 1),
+            (Step::Reattach, 1),
+        ];
+        for (step, nth) in points {
+            let scratch = Scratch::new(&format!("fail-{step:?}-{nth}"));
+            let mut rules = started(&scratch);
+            let before = snapshot(&rules);
+            rules.datapath_mut().fail_at(step, nth);
+            let e = match rules.apply_config(config(&scratch, AFTER), 1, false, false) {
+                Err(e) => e,
+                Ok(s) => panic!("{step:?} {nth} failing: expected a refusal, got {s:?}"),
+            };
+            assert_eq!(e.kind, RejectKind::Internal, "{step:?} {nth}: {e}");
+            assert_eq!(
+                snapshot(&rules),
+                before,
+                "{step:?} {nth} failing: expected everything as before"
+            );
+            let dp = rules.datapath();
+            assert!(
+                dp.violations.is_empty(),
+                "{step:?} {nth}: {:?}",
+                dp.violations
+            );
+            rules
+                .apply_config(config(&scratch, AFTER), 1, false, false)
+                .unwrap_or_else(|e| panic!("{step:?} {nth}: the change again: {e}"));
+            assert_eq!(rules.generation(), 2);
+            assert_eq!(rules.datapath().services.len(), 2);
+        }
+    }
+
+    /// Every commit writes a service's backends and table before the service points to
+    /// them, switches services before it removes any, and never writes over what a service
+    /// visible now (or switched away from in the same commit) points to.
+    #[test]
+    fn services_are_written_before_they_are_visible_and_removed_last() {
+        let scratch = Scratch::new("order");
+        let mut rules = started(&scratch);
+        let removed = rules
+            .datapath()
+            .services
+            .iter()
+            .find(|(k, _)| k.port == 53)
+            .map(|(_, s)| *s);
+        let Some(removed) = removed else {
+            panic!("expected 10.0.0.2:53/udp in the datapath");
+        };
+        let range = removed.backends_off..removed.backends_off + removed.backends_len;
+        let removed_backends: Vec<_> = range
+            .clone()
+            .map(|i| rules.datapath().backends.get(&i).copied())
+            .collect();
+        rules.datapath_mut().log.clear();
+        rules
+            .apply_config(config(&scratch, AFTER), 1, false, false)
+            .unwrap_or_else(|e| panic!("the change: {e}"));
+        let dp = rules.datapath();
+        assert!(dp.violations.is_empty(), "{:?}", dp.violations);
+        let first = |f: &dyn Fn(&Write) -> bool| dp.log.iter().position(f);
+        let last = |f: &dyn Fn(&Write) -> bool| dp.log.iter().rposition(f);
+        let (Some(last_table), Some(first_switch), Some(last_switch), Some(first_remove)) = (
+            last(&|w| matches!(w, Write::Backends { .. } | Write::Slots { .. })),
+            first(&|w| matches!(w, Write::Switch(_))),
+            last(&|w| matches!(w, Write::Switch(_))),
+            first(&|w| matches!(w, Write::Remove(_))),
+        ) else {
+            panic!("expected tables, switches and a removal in {:?}", dp.log);
+        };
+        assert!(
+            last_table < first_switch,
+            "tables before switches: {:?}",
+            dp.log
+        );
+        assert!(last_switch < first_remove, "removals last: {:?}", dp.log);
+        // The removed service's backends are still there for a packet that read it just
+        // before its removal.
+        let still: Vec<_> = range.map(|i| dp.backends.get(&i).copied()).collect();
+        assert_eq!(still, removed_backends, "the removed service's backends");
+        // Then more changes, each checked by the fake as it writes.
+        for text in [BEFORE, AFTER, BEFORE] {
+            let g = rules.generation();
+            rules
+                .apply_config(config(&scratch, text), g, false, false)
+                .unwrap_or_else(|e| panic!("change {g}: {e}"));
+        }
+        let dp = rules.datapath();
+        assert!(dp.violations.is_empty(), "{:?}", dp.violations);
     }
 }

@@ -17,20 +17,19 @@
 //! balancing). Each load pins its own arrays, so the programs still attached from an earlier
 //! load keep theirs until the links are swapped; then the older arrays are unpinned.
 
-use std::os::fd::FromRawFd as _;
 use std::time::Duration;
 use std::{
     collections::BTreeSet,
     ffi::CString,
     fs::{self, File},
     io,
-    os::fd::AsRawFd as _,
+    os::fd::{AsFd as _, BorrowedFd},
     path::{Path, PathBuf},
 };
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, DevMapHash, HashMap, IterableMap as _, MapData, PerCpuArray, RingBuf},
+    maps::{Array, DevMapHash, HashMap, MapData, PerCpuArray, RingBuf},
     programs::{
         LinkOrder, ProgramError, SchedClassifier, TcAttach, TcAttachType, Xdp,
         XdpMode as AyaXdpMode,
@@ -42,10 +41,9 @@ use aya::{
 use fastpath_common::{
     Counter, DatapathConfig,
     ct::{
-        CT_INSTALL_MAX, CT_RECORD_CREATE, CtEntry, CtKey, CtRecord, IFACE_F_CT_TC_EGRESS,
-        IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL, IFACE_F_LOOPBACK, IFACE_F_ROUTE,
-        IFACE_F_ROUTE_TC, IFACE_F_SNAT, IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_F_VXLAN,
-        IFACE_F_VXLAN_UNDERLAY, IFACE_SLOTS, IfaceConfig, ct_stat,
+        IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL,
+        IFACE_F_LOOPBACK, IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IFACE_F_SNAT, IFACE_F_VLAN_TC,
+        IFACE_F_VLAN_XDP, IFACE_F_VXLAN, IFACE_F_VXLAN_UNDERLAY, IFACE_SLOTS, IfaceConfig, ct_stat,
     },
     lb::{Backend, MAX_SNAT_RULES, Service, SnatRule, SvcKey},
     map_names, program_names,
@@ -54,14 +52,24 @@ use fastpath_common::{
 };
 use tracing::{info, warn};
 
+mod ct;
+#[cfg(test)]
+pub mod fake;
+mod ops;
+mod sys;
+
+pub use ct::{
+    CtInstaller, CtTable, ct_installer, flush_pinned_ct, pinned_ct_entries, pinned_ct_get,
+    pinned_ct_occupancy,
+};
+pub use ops::{CtOps, DatapathOps, ServiceMaps};
+pub use sys::{is_bpffs, mount_bpffs};
+
 use crate::{
     config::{InterfaceConfig, PortRange, XdpMode},
     ct_events::RecordSource,
     stats::{StatsError, StatsSnapshot},
 };
-
-/// bpffs superblock magic (statfs f_type).
-const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
@@ -190,8 +198,8 @@ pub struct Datapath {
     /// Whether the maps already existed under the pin directory before this load.
     pub maps_reused: bool,
     pub attachments: Vec<Attachment>,
-    /// The LB arrays, mapped on first use (see [`LbWriter`]).
-    lb_writer: Option<LbWriter>,
+    /// The LB arrays, mapped on first use (see [`LbMaps`]).
+    lb_maps: Option<LbMaps>,
     /// Where this load's tail-call arrays are pinned (`tails/<prog id>`).
     tails_dir: PathBuf,
 }
@@ -255,7 +263,7 @@ impl Datapath {
             pin_dir: pin_dir.to_owned(),
             maps_reused,
             attachments: Vec::new(),
-            lb_writer: None,
+            lb_maps: None,
             tails_dir,
         })
     }
@@ -281,16 +289,11 @@ impl Datapath {
         let gone = MapData::from_pin(self.pin_dir.join("maps").join(map_names::BACKEND_GONE))
             .ok()
             .and_then(|d| Array::try_from(aya::maps::Map::Array(d)).ok());
-        Ok(CtTable {
-            table,
-            gone,
-            installer: None,
-            installer_runs: 0,
-        })
+        Ok(CtTable::from_maps(table, gone))
     }
 
     /// The conntrack installer program (see [`CtTable::with_installer`]).
-    pub fn ct_installer(&self) -> Result<aya::programs::ProgramFd, DatapathError> {
+    pub fn ct_installer(&self) -> Result<CtInstaller, DatapathError> {
         ct_installer(&self.ebpf)
     }
 
@@ -533,24 +536,6 @@ impl Datapath {
                 what: "writing FP_CONFIG".into(),
                 source,
             })
-    }
-
-    /// Applies the configured services: see [`apply_services`].
-    pub fn set_services(
-        &mut self,
-        services: &[crate::config::ServiceConfig],
-    ) -> Result<ServicesApplied, DatapathError> {
-        apply_services(&mut self.ebpf, &mut self.lb_writer, services, None)
-    }
-
-    /// Applies `services[i]` for each `i` in `changed` only (a health change, an API call):
-    /// every other service is left as it is.
-    pub fn update_services(
-        &mut self,
-        services: &[crate::config::ServiceConfig],
-        changed: &[usize],
-    ) -> Result<ServicesApplied, DatapathError> {
-        apply_services(&mut self.ebpf, &mut self.lb_writer, services, Some(changed))
     }
 
     /// Attaches every hook the interfaces ask for, as one change. Hooks without a pinned link
@@ -834,8 +819,7 @@ pub fn lock_pin_dir(pin_dir: &Path) -> Result<PinDirLock, DatapathError> {
         path: pin_dir.to_owned(),
         source,
     })?;
-    // SAFETY: flock on a valid open fd.
-    if unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+    if !sys::flock_exclusive(dir.as_fd()) {
         return Err(DatapathError::Locked {
             pin_dir: pin_dir.to_owned(),
         });
@@ -889,7 +873,7 @@ pub fn remove_pins_after_handover(pin_dir: &Path, timeout: Duration) -> Result<(
         .map(|entries| {
             entries
                 .flatten()
-                .filter_map(|e| open_pinned_fd(&e.path()).ok().map(|fd| (e.path(), fd)))
+                .filter_map(|e| sys::obj_get(&e.path()).ok().map(|fd| (e.path(), fd)))
                 .collect()
         })
         .unwrap_or_default();
@@ -933,15 +917,11 @@ fn wait_for_handover(vips: &[std::net::IpAddr], timeout: Duration) {
 
 /// The VIPs of the services pinned under `pin_dir`.
 pub fn pinned_vips(pin_dir: &Path) -> Result<Vec<std::net::IpAddr>, DatapathError> {
-    use std::os::fd::AsFd as _;
     let svc_map = pinned_map(pin_dir, map_names::SVC)?;
     let mut vips = BTreeSet::new();
-    walk_batches(
-        svc_map.fd().as_fd().as_raw_fd(),
-        |k: &[SvcKey], _: &[Service]| {
-            vips.extend(k.iter().map(|k| ip_of(k.family, &k.vip)));
-        },
-    )
+    sys::map_walk_batches(svc_map.fd().as_fd(), |k: &[SvcKey], _: &[Service]| {
+        vips.extend(k.iter().map(|k| ip_of(k.family, &k.vip)));
+    })
     .map_err(|source| DatapathError::Io {
         what: "reading FP_SVC".into(),
         source,
@@ -951,45 +931,8 @@ pub fn pinned_vips(pin_dir: &Path) -> Result<Vec<std::net::IpAddr>, DatapathErro
 
 /// Those of `vips` that are addresses of an interface of this network namespace.
 fn local_vips(vips: &[std::net::IpAddr]) -> Vec<std::net::IpAddr> {
-    let local = local_addresses();
+    let local = sys::local_addresses();
     vips.iter().copied().filter(|v| local.contains(v)).collect()
-}
-
-/// Every address of this network namespace's interfaces (getifaddrs).
-fn local_addresses() -> BTreeSet<std::net::IpAddr> {
-    let mut out = BTreeSet::new();
-    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `head` with a list freed below with freeifaddrs.
-    if unsafe { libc::getifaddrs(&mut head) } != 0 {
-        return out;
-    }
-    let mut cur = head;
-    while !cur.is_null() {
-        // SAFETY: `cur` is a node of the list getifaddrs returned, alive until freeifaddrs;
-        // a sockaddr's family tells which struct it is.
-        unsafe {
-            let addr = (*cur).ifa_addr;
-            if !addr.is_null() {
-                match i32::from((*addr).sa_family) {
-                    libc::AF_INET => {
-                        let a = &*(addr as *const libc::sockaddr_in);
-                        out.insert(
-                            std::net::Ipv4Addr::from(a.sin_addr.s_addr.to_ne_bytes()).into(),
-                        );
-                    }
-                    libc::AF_INET6 => {
-                        let a = &*(addr as *const libc::sockaddr_in6);
-                        out.insert(std::net::Ipv6Addr::from(a.sin6_addr.s6_addr).into());
-                    }
-                    _ => {}
-                }
-            }
-            cur = (*cur).ifa_next;
-        }
-    }
-    // SAFETY: the list getifaddrs allocated, freed once.
-    unsafe { libc::freeifaddrs(head) };
-    out
 }
 
 /// One pinned link of a datapath as the kernel has it now (`fastpath datapath`).
@@ -1067,32 +1010,13 @@ pub fn pinned_datapath(pin_dir: &Path) -> (Vec<LinkState>, usize) {
 /// The name of interface `ifindex` in this network namespace, and whether it is up with
 /// carrier (IFF_UP and IFF_RUNNING).
 fn interface_up(ifindex: u32) -> (Option<String>, bool) {
-    let mut name = [0 as libc::c_char; libc::IF_NAMESIZE];
-    // SAFETY: if_indextoname writes at most IF_NAMESIZE bytes, NUL-terminated, into `name`.
-    if unsafe { libc::if_indextoname(ifindex, name.as_mut_ptr()) }.is_null() {
-        return (None, false);
+    match sys::interface_name(ifindex) {
+        Some(name) => {
+            let up = sys::interface_up(&name);
+            (Some(name), up)
+        }
+        None => (None, false),
     }
-    // SAFETY: NUL-terminated by if_indextoname.
-    let cname = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) };
-    let iface = cname.to_string_lossy().into_owned();
-    // SAFETY: a plain datagram socket for the ioctl, closed by OwnedFd.
-    let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if sock < 0 {
-        return (Some(iface), false);
-    }
-    // SAFETY: a new fd nothing else owns.
-    let sock = unsafe { std::os::fd::OwnedFd::from_raw_fd(sock) };
-    // SAFETY: ifreq is plain data; zeroed is a valid value.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (d, s) in req.ifr_name.iter_mut().zip(name.iter()) {
-        *d = *s;
-    }
-    // SAFETY: SIOCGIFFLAGS reads ifr_name and writes ifr_flags of `req`.
-    let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) };
-    // SAFETY: ifr_flags is the union member SIOCGIFFLAGS wrote.
-    let flags = i32::from(unsafe { req.ifr_ifru.ifru_flags });
-    let up = rc == 0 && flags & libc::IFF_UP != 0 && flags & libc::IFF_RUNNING != 0;
-    (Some(iface), up)
 }
 
 /// Removes the pins in `dir`, then `dir` (gone already: nothing to do).
@@ -1159,63 +1083,55 @@ pub fn open_ct_events_pin(map_path: &Path) -> Result<(CtEventRing, u32), Datapat
     Ok((ring, bytes))
 }
 
-/// Applies `services` to a loaded datapath (see [`crate::lb::plan`]): new backend ranges and
-/// selection tables go into space no running service uses, written with batched map updates;
-/// then each service switches with one write of its value; then services no longer wanted are
-/// deleted. A packet sees a service either as it was or as it is now, never half written.
+/// Plans and applies `services` to a loaded datapath with its own planner (tools, tests
+/// and benchmarks; the daemon plans in [`crate::rules`]): see [`crate::lb::ServicePlanner`].
+/// A packet sees a service either as it was or as it is now, never half written.
 pub fn apply_services(
     ebpf: &mut Ebpf,
     writer: &mut Option<LbWriter>,
     services: &[crate::config::ServiceConfig],
     only: Option<&[usize]>,
 ) -> Result<ServicesApplied, DatapathError> {
-    let started = std::time::Instant::now();
-    if writer.is_none() {
-        let current = current_services(ebpf)?;
-        *writer = Some(LbWriter {
-            backends: Mapped::array(ebpf, map_names::BACKENDS)?,
-            slots: Mapped::array(ebpf, map_names::LB_SLOTS)?,
-            state: crate::lb::LbState::new(&current),
-        });
-    }
-    let Some(w) = writer.as_mut() else {
-        return Err(DatapathError::MissingMap {
-            name: map_names::LB_SLOTS,
-        });
+    let w = writer.get_or_insert_with(LbWriter::default);
+    let mut maps = EbpfLb {
+        ebpf,
+        maps: &mut w.maps,
     };
-    let plan = match w.state.plan(services, only) {
-        Ok(p) => p,
-        Err(e) => {
-            // The state handed out space for a plan that will not be written: start again
-            // from the maps next time.
-            *writer = None;
-            return Err(DatapathError::Plan(e));
+    w.planner.apply(&mut maps, services, only)
+}
+
+/// A loaded object's LB maps as a [`ServiceMaps`].
+struct EbpfLb<'a> {
+    ebpf: &'a mut Ebpf,
+    maps: &'a mut Option<LbMaps>,
+}
+
+impl ServiceMaps for EbpfLb<'_> {
+    fn current_services(&mut self) -> Result<Vec<(SvcKey, Service)>, DatapathError> {
+        current_services(self.ebpf)
+    }
+
+    fn write_services(&mut self, plan: &crate::lb::Plan) -> Result<(), DatapathError> {
+        if self.maps.is_none() {
+            *self.maps = Some(LbMaps {
+                backends: Mapped::array(self.ebpf, map_names::BACKENDS)?,
+                slots: Mapped::array(self.ebpf, map_names::LB_SLOTS)?,
+            });
         }
-    };
-    if let Err(e) = write_plan(ebpf, w, &plan) {
-        // Written in part (nothing switched yet, or some services switched): the state no
-        // longer matches the maps; read them again next time.
-        *writer = None;
-        return Err(e);
+        let Some(maps) = self.maps.as_mut() else {
+            return Err(DatapathError::MissingMap {
+                name: map_names::LB_SLOTS,
+            });
+        };
+        write_plan(self.ebpf, maps, plan)
     }
-    if let Some(w) = writer.as_mut() {
-        w.state.commit(&plan);
-    }
-    Ok(ServicesApplied {
-        services: plan.services.len(),
-        unchanged: plan.unchanged,
-        removed: plan.remove.len(),
-        backends: plan.backends.iter().map(|(_, l)| l.len()).sum(),
-        slots: plan.slots.iter().map(|(_, t)| t.len()).sum(),
-        took: started.elapsed(),
-    })
 }
 
 /// Writes a plan: backends and tables into free space, then the service switches, then the
 /// removals.
 fn write_plan(
     ebpf: &mut Ebpf,
-    w: &mut LbWriter,
+    w: &mut LbMaps,
     plan: &crate::lb::Plan,
 ) -> Result<(), DatapathError> {
     // Fresh backend indexes start with no connections counted (least-connections).
@@ -1250,30 +1166,24 @@ fn write_plan(
 
 /// The LB arrays mapped into this process, kept for the datapath's life: mapping a whole
 /// array costs milliseconds (every page is mapped up front), writing into it microseconds.
-pub struct LbWriter {
+struct LbMaps {
     backends: Mapped<Backend>,
     slots: Mapped<u32>,
-    /// What the maps hold (this process is their only writer).
-    state: crate::lb::LbState,
 }
 
-// SAFETY: the mappings are plain shared memory owned by this value; moving the owner to
-// another thread is fine (it is used from one thread at a time, through `&mut`).
-unsafe impl Send for LbWriter {}
-
-/// A BPF array created with BPF_F_MMAPABLE, mapped into this process: element `i` of `T`
-/// at byte `i × size_of::<T>()` (`T` a multiple of 8 bytes; or u32 for an array of `[u32; 2]`
-/// pairs, whose halves are consecutive u32s).
-struct Mapped<T> {
-    ptr: *mut T,
-    /// Elements of `T` in the mapping.
-    len: usize,
-    bytes: usize,
+/// What [`apply_services`] keeps between calls: the mapped arrays and the planner.
+#[derive(Default)]
+pub struct LbWriter {
+    maps: Option<LbMaps>,
+    planner: crate::lb::ServicePlanner,
 }
+
+/// A BPF array created with BPF_F_MMAPABLE, mapped into this process (see
+/// [`sys::SharedArray`]).
+struct Mapped<T>(sys::SharedArray<T>);
 
 impl<T: Copy> Mapped<T> {
     fn array(ebpf: &mut Ebpf, name: &'static str) -> Result<Mapped<T>, DatapathError> {
-        use std::os::fd::AsFd as _;
         let data = match map_data(ebpf, name)? {
             aya::maps::Map::Array(d) => d,
             _ => return Err(DatapathError::MissingMap { name }),
@@ -1283,58 +1193,29 @@ impl<T: Copy> Mapped<T> {
             source,
         })?;
         let bytes = info.max_entries() as usize * (info.value_size() as usize).next_multiple_of(8);
-        let fd = data.fd().as_fd().as_raw_fd();
-        // SAFETY: a fresh shared mapping of the map's memory; the kernel checks the size and
-        // that the map is mmapable.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(DatapathError::Io {
+        sys::SharedArray::map(data.fd().as_fd(), bytes)
+            .map(Mapped)
+            .map_err(|source| DatapathError::Io {
                 what: format!(
                     "mapping {name} into memory (a datapath pinned by an older fastpath? `fastpath detach`, then start again)"
                 ),
-                source: io::Error::last_os_error(),
-            });
-        }
-        Ok(Mapped {
-            ptr: ptr.cast(),
-            len: bytes / size_of::<T>(),
-            bytes,
-        })
+                source,
+            })
     }
 
     /// Copies `values` to elements `off..off + values.len()`.
     fn write(&mut self, off: u32, values: &[T]) -> Result<(), DatapathError> {
-        let off = off as usize;
-        if off + values.len() > self.len {
-            return Err(DatapathError::Io {
-                what: format!(
-                    "writing {} elements at {off} of a {}-element array",
-                    values.len(),
-                    self.len
-                ),
-                source: io::Error::from(io::ErrorKind::InvalidInput),
-            });
+        if self.0.write(off as usize, values) {
+            return Ok(());
         }
-        // SAFETY: the range was checked against the mapping; `T` is plain data; the datapath
-        // reads these elements only after the service that names them is switched.
-        unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), self.ptr.add(off), values.len()) };
-        Ok(())
-    }
-}
-
-impl<T> Drop for Mapped<T> {
-    fn drop(&mut self) {
-        // SAFETY: unmaps exactly what `array` mapped.
-        unsafe { libc::munmap(self.ptr.cast(), self.bytes) };
+        Err(DatapathError::Io {
+            what: format!(
+                "writing {} elements at {off} of a {}-element array",
+                values.len(),
+                self.0.len()
+            ),
+            source: io::Error::from(io::ErrorKind::InvalidInput),
+        })
     }
 }
 
@@ -1380,7 +1261,7 @@ pub fn lb_index(ebpf: &mut Ebpf) -> Result<crate::sync::LbIndex, DatapathError> 
 /// What `FP_SVC` holds now (read in batches).
 pub fn current_services(ebpf: &mut Ebpf) -> Result<Vec<(SvcKey, Service)>, DatapathError> {
     let mut out = Vec::new();
-    walk_batches(
+    sys::map_walk_batches(
         map_fd(ebpf, map_names::SVC)?,
         |k: &[SvcKey], v: &[Service]| {
             out.extend(k.iter().copied().zip(v.iter().copied()));
@@ -1401,18 +1282,16 @@ fn map_data<'a>(
 }
 
 /// The fd of a loaded map, for batched syscalls aya does not offer.
-fn map_fd(ebpf: &mut Ebpf, name: &'static str) -> Result<i32, DatapathError> {
-    use std::os::fd::AsFd as _;
-
+fn map_fd<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<BorrowedFd<'a>, DatapathError> {
     use aya::maps::Map;
     let data = match map_data(ebpf, name)? {
         Map::Array(d) | Map::HashMap(d) | Map::PerCpuArray(d) => d,
         _ => return Err(DatapathError::MissingMap { name }),
     };
-    Ok(data.fd().as_fd().as_raw_fd())
+    Ok(data.fd().as_fd())
 }
 
-/// What [`Datapath::set_services`] wrote.
+/// What one application of services wrote.
 #[derive(Debug)]
 pub struct ServicesApplied {
     /// Services written (new or changed).
@@ -1425,309 +1304,22 @@ pub struct ServicesApplied {
     pub took: std::time::Duration,
 }
 
-const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
-
-/// Writes `keys[i] → values[i]` with BPF_MAP_UPDATE_BATCH: thousands of elements per syscall
-/// instead of one each.
+/// Writes `keys[i] → values[i]` into the map `fd` with one batched update per 64k elements
+/// (see [`sys::map_update_batch`]).
 fn update_batch<K: Copy, V: Copy>(
-    fd: i32,
+    fd: BorrowedFd<'_>,
     keys: &[K],
     values: &[V],
     what: &str,
 ) -> Result<(), DatapathError> {
-    let mut done = 0usize;
-    while done < keys.len() {
-        let chunk = (keys.len() - done).min(1 << 16);
-        // union bpf_attr, batch: in_batch, out_batch, keys, values, count|map_fd, elem_flags,
-        // flags.
-        let mut attr = [0u64; 7];
-        attr[2] = keys[done..].as_ptr() as u64;
-        attr[3] = values[done..].as_ptr() as u64;
-        attr[4] = (chunk as u64) | ((fd as u32 as u64) << 32);
-        // SAFETY: the kernel reads at most `count` keys and values from the slices, which hold
-        // at least `chunk` elements past `done`.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_MAP_UPDATE_BATCH,
-                attr.as_mut_ptr(),
-                size_of_val(&attr),
-            )
-        };
-        let written = (attr[4] & 0xffff_ffff) as usize;
-        if rc < 0 {
-            return Err(DatapathError::Io {
-                what: format!(
-                    "writing {what} ({} of {} written)",
-                    done + written,
-                    keys.len()
-                ),
-                source: io::Error::last_os_error(),
-            });
-        }
-        done += chunk;
-    }
-    Ok(())
-}
-
-/// Every entry of the hash map `fd` (keys `K`, values `V`), read with BPF_MAP_LOOKUP_BATCH
-/// (`CT_BATCH` entries per syscall), handed to `visit` chunk by chunk.
-fn walk_batches<K: Copy + Default, V: Copy + Default>(
-    fd: i32,
-    mut visit: impl FnMut(&[K], &[V]),
-) -> io::Result<()> {
-    let mut keys = vec![K::default(); CT_BATCH];
-    let mut values = vec![V::default(); CT_BATCH];
-    // Opaque resume tokens (a bucket index for hash maps).
-    let mut in_batch = [0u64; 8];
-    let mut out_batch = [0u64; 8];
-    let mut first = true;
-    loop {
-        // union bpf_attr, batch: in_batch, out_batch, keys, values, count|map_fd, elem_flags,
-        // flags.
-        let mut attr = [0u64; 7];
-        attr[0] = if first {
-            0
-        } else {
-            in_batch.as_mut_ptr() as u64
-        };
-        attr[1] = out_batch.as_mut_ptr() as u64;
-        attr[2] = keys.as_mut_ptr() as u64;
-        attr[3] = values.as_mut_ptr() as u64;
-        attr[4] = (CT_BATCH as u64) | ((fd as u32 as u64) << 32);
-        // SAFETY: the kernel writes at most `count` keys and values into the buffers, which
-        // hold CT_BATCH of each, and a resume token into `out_batch`.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_MAP_LOOKUP_BATCH,
-                attr.as_mut_ptr(),
-                size_of_val(&attr),
-            )
-        };
-        let err = (rc < 0).then(io::Error::last_os_error);
-        let count = ((attr[4] & 0xffff_ffff) as usize).min(CT_BATCH);
-        match err {
-            None => {}
-            // End of the table: the last chunk (possibly empty) is in the buffers.
-            Some(e) if e.raw_os_error() == Some(libc::ENOENT) => {
-                visit(&keys[..count], &values[..count]);
-                return Ok(());
-            }
-            Some(e) => return Err(e),
-        }
-        visit(&keys[..count], &values[..count]);
-        in_batch = out_batch;
-        first = false;
-    }
-}
-
-/// The conntrack table as the daemon's expiry sees it: walked in batches, deleted by key.
-pub struct CtTable {
-    table: HashMap<MapData, CtKey, CtEntry>,
-    /// `FP_BACKEND_GONE`: the expiry counts load-balanced connections that went without
-    /// closing, for least-connections (the datapath counts the ones that closed).
-    gone: Option<Array<MapData, u64>>,
-    /// The loaded `fastpath_ct_install` program, for [`CtTable::write_run`].
-    installer: Option<aya::programs::ProgramFd>,
-    /// Runs of it so far.
-    installer_runs: u64,
-}
-
-/// The loaded `fastpath_ct_install` program of `ebpf`, writing to that object's `FP_CT`.
-pub fn ct_installer(ebpf: &Ebpf) -> Result<aya::programs::ProgramFd, DatapathError> {
-    let name = program_names::CT_INSTALL;
-    let prog = ebpf
-        .program(name)
-        .ok_or(DatapathError::MissingProgram { name })?;
-    prog.fd()
-        .and_then(|fd| fd.try_clone().map_err(ProgramError::from))
-        .map_err(|source| DatapathError::Program {
-            what: format!("the fd of {name}"),
-            source,
-        })
-}
-
-const BPF_PROG_TEST_RUN: libc::c_long = 10;
-
-/// One BPF_PROG_TEST_RUN of `prog` on `data` (no output wanted): the program's return value.
-fn prog_test_run(prog: std::os::fd::BorrowedFd<'_>, data: &[u8]) -> io::Result<u32> {
-    // union bpf_attr, test: prog_fd, retval, data_size_in, data_size_out, data_in, data_out,
-    // repeat, duration, ctx_size_in, ctx_size_out, ctx_in, ctx_out, flags, cpu, batch_size.
-    let mut attr = [0u32; 20];
-    attr[0] = prog.as_raw_fd() as u32;
-    attr[2] = data.len() as u32;
-    let ptr = data.as_ptr() as u64;
-    attr[4] = ptr as u32;
-    attr[5] = (ptr >> 32) as u32;
-    attr[8] = 1;
-    // SAFETY: the kernel reads `data_size_in` bytes from `data_in`, which `data` holds, and
-    // writes `retval` and `duration` into `attr`; it writes no data or context out (none
-    // asked for).
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_PROG_TEST_RUN,
-            attr.as_mut_ptr(),
-            size_of_val(&attr),
-        )
-    };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(attr[1])
-}
-
-/// Entries fetched per BPF_MAP_LOOKUP_BATCH call.
-const CT_BATCH: usize = 4096;
-const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
-
-impl CtTable {
-    /// The table pinned at `map_path` (for tools and benchmarks; the daemon takes its own
-    /// with [`Datapath::take_ct_table`]).
-    pub fn open_pin(map_path: &Path) -> Result<CtTable, DatapathError> {
-        let data = map_at(map_path)?;
-        let table = HashMap::try_from(aya::maps::Map::HashMap(data)).map_err(|source| {
-            DatapathError::Map {
-                what: "opening FP_CT".into(),
-                source,
-            }
-        })?;
-        let gone = map_path
-            .parent()
-            .map(|dir| dir.join(map_names::BACKEND_GONE))
-            .and_then(|p| MapData::from_pin(p).ok())
-            .and_then(|d| Array::try_from(aya::maps::Map::Array(d)).ok());
-        Ok(CtTable {
-            table,
-            gone,
-            installer: None,
-            installer_runs: 0,
-        })
-    }
-
-    /// Creates entries with `installer` ([`ct_installer`] of the object whose `FP_CT` this
-    /// is) in [`CtTable::write_run`]: one syscall per `CT_INSTALL_MAX` writes.
-    pub fn with_installer(mut self, installer: aya::programs::ProgramFd) -> CtTable {
-        self.installer = Some(installer);
-        self
-    }
-
-    /// Every entry, read with BPF_MAP_LOOKUP_BATCH (about 4k entries per syscall instead of
-    /// two syscalls per entry), handed to `visit` chunk by chunk.
-    pub fn walk(&self, visit: impl FnMut(&[CtKey], &[CtEntry])) -> io::Result<()> {
-        use std::os::fd::{AsFd as _, AsRawFd as _};
-        walk_batches(self.table.map().fd().as_fd().as_raw_fd(), visit)
-    }
-
-    /// The table's size limit (max_entries).
-    pub fn capacity(&self) -> Result<u32, DatapathError> {
-        self.table
-            .map()
-            .info()
-            .map(|i| i.max_entries())
-            .map_err(|source| DatapathError::Map {
-                what: "reading FP_CT's info".into(),
-                source,
-            })
-    }
-
-    /// The entry of `key` now, if any.
-    pub fn get(&self, key: &CtKey) -> Option<CtEntry> {
-        self.table.get(key, 0).ok()
-    }
-
-    pub fn remove(&mut self, key: &CtKey) -> bool {
-        self.table.remove(key).is_ok()
-    }
-
-    /// Creates or replaces the entry of `key` (a connection replicated from a peer).
-    pub fn insert(&mut self, key: &CtKey, entry: &CtEntry) -> Result<(), DatapathError> {
-        self.table
-            .insert(key, entry, 0)
-            .map_err(|source| DatapathError::Map {
-                what: "writing an FP_CT entry".into(),
-                source,
-            })
-    }
-
-    /// Creates the entry of `key` unless one exists: `Ok(false)` when it does (untouched).
-    pub fn insert_new(&mut self, key: &CtKey, entry: &CtEntry) -> Result<bool, DatapathError> {
-        /// The map update flag of `bpf(2)`: create only.
-        const BPF_NOEXIST: u64 = 1;
-        match self.table.insert(key, entry, BPF_NOEXIST) {
-            Ok(()) => Ok(true),
-            Err(aya::maps::MapError::SyscallError(e))
-                if e.io_error.raw_os_error() == Some(libc::EEXIST) =>
-            {
-                Ok(false)
-            }
-            Err(source) => Err(DatapathError::Map {
-                what: "writing an FP_CT entry".into(),
-                source,
-            }),
-        }
-    }
-
-    /// Carries out `records` in order and stops at the first one that is not the simple case
-    /// (see the installer program, `conntrack::install` in the datapath): returns how many
-    /// were done. The caller does that one itself. With the installer program, one
-    /// BPF_PROG_TEST_RUN per `CT_INSTALL_MAX` records; without it (or if it cannot run),
-    /// creations are written one at a time and a removal stops the run.
-    pub fn write_run(&mut self, records: &[CtRecord]) -> usize {
-        let mut done = 0;
-        if let Some(prog) = &self.installer {
-            for chunk in records.chunks(CT_INSTALL_MAX) {
-                // SAFETY: CtRecord is repr(C) plain data without padding (size asserted).
-                let bytes = unsafe {
-                    std::slice::from_raw_parts(chunk.as_ptr().cast::<u8>(), size_of_val(chunk))
-                };
-                match prog_test_run(std::os::fd::AsFd::as_fd(prog), bytes) {
-                    Ok(n) => {
-                        self.installer_runs += 1;
-                        let n = (n as usize).min(chunk.len());
-                        done += n;
-                        if n < chunk.len() {
-                            return done;
-                        }
-                    }
-                    Err(e) => {
-                        warn!(error = %e, "The conntrack installer program did not run; writing entries one by one");
-                        self.installer = None;
-                        break;
-                    }
-                }
-            }
-            if self.installer.is_some() {
-                return done;
-            }
-        }
-        for r in &records[done..] {
-            if r.op != CT_RECORD_CREATE || !matches!(self.insert_new(&r.key, &r.entry), Ok(true)) {
-                break;
-            }
-            done += 1;
-        }
-        done
-    }
-
-    /// Runs of the installer program so far (0 without it).
-    pub fn installer_runs(&self) -> u64 {
-        self.installer_runs
-    }
-
-    /// Counts a load-balanced connection of backend `idx` that went without closing (this
-    /// process is the only writer of `FP_BACKEND_GONE`).
-    pub fn backend_gone(&mut self, idx: u32) {
-        if let Some(gone) = self.gone.as_mut() {
-            let n = gone.get(&idx, 0).unwrap_or(0);
-            let _ = gone.set(idx, &(n + 1), 0);
-        }
-    }
+    sys::map_update_batch(fd, keys, values).map_err(|e| DatapathError::Io {
+        what: format!("writing {what} ({} of {} written)", e.written, keys.len()),
+        source: e.source,
+    })
 }
 
 /// The map pinned at `map_path`.
-fn map_at(map_path: &Path) -> Result<MapData, DatapathError> {
+pub(super) fn map_at(map_path: &Path) -> Result<MapData, DatapathError> {
     MapData::from_pin(map_path).map_err(|source| DatapathError::Map {
         what: format!("opening {}", map_path.display()),
         source,
@@ -1735,7 +1327,7 @@ fn map_at(map_path: &Path) -> Result<MapData, DatapathError> {
 }
 
 /// Opens a pinned map of a running datapath by name.
-fn pinned_map(pin_dir: &Path, name: &str) -> Result<MapData, DatapathError> {
+pub(super) fn pinned_map(pin_dir: &Path, name: &str) -> Result<MapData, DatapathError> {
     let path = pin_dir.join("maps").join(name);
     MapData::from_pin(&path).map_err(|source| DatapathError::Map {
         what: format!(
@@ -1758,74 +1350,6 @@ pub fn pinned_config(pin_dir: &Path) -> Result<DatapathConfig, DatapathError> {
         what: "reading FP_CONFIG".into(),
         source,
     })
-}
-
-/// The conntrack table of a pinned datapath.
-fn pinned_ct_table(pin_dir: &Path) -> Result<CtTable, DatapathError> {
-    let path = pin_dir.join("maps").join(map_names::CT);
-    if !path.exists() {
-        // Same message as every other pinned reader.
-        pinned_map(pin_dir, map_names::CT)?;
-    }
-    CtTable::open_pin(&path)
-}
-
-/// Every tracked connection of a pinned datapath (`fastpath ct list`), read in batches.
-pub fn pinned_ct_entries(pin_dir: &Path) -> Result<Vec<(CtKey, CtEntry)>, DatapathError> {
-    let table = pinned_ct_table(pin_dir)?;
-    let mut out = Vec::new();
-    table
-        .walk(|keys, values| out.extend(keys.iter().copied().zip(values.iter().copied())))
-        .map_err(|e| DatapathError::Io {
-            what: "walking FP_CT".into(),
-            source: e,
-        })?;
-    Ok(out)
-}
-
-/// The connection of `key` in a pinned datapath (`fastpath ct get`), if tracked.
-pub fn pinned_ct_get(pin_dir: &Path, key: &CtKey) -> Result<Option<CtEntry>, DatapathError> {
-    Ok(pinned_ct_table(pin_dir)?.get(key))
-}
-
-/// Exact occupancy of a pinned datapath's conntrack table: (entries, capacity). Entries are
-/// counted by reading the whole table in batches (a hash map keeps no count userspace can
-/// read), so this costs about as much as an expiry pass: ~0.4 s at 1M entries.
-pub fn pinned_ct_occupancy(pin_dir: &Path) -> Result<(u64, u32), DatapathError> {
-    let table = pinned_ct_table(pin_dir)?;
-    let capacity = table.capacity()?;
-    let mut entries = 0u64;
-    table
-        .walk(|keys, _| entries += keys.len() as u64)
-        .map_err(|e| DatapathError::Io {
-            what: "walking FP_CT".into(),
-            source: e,
-        })?;
-    Ok((entries, capacity))
-}
-
-/// Deletes every tracked connection of a pinned datapath; returns how many went.
-pub fn flush_pinned_ct(pin_dir: &Path) -> Result<usize, DatapathError> {
-    let data = pinned_map(pin_dir, map_names::CT)?;
-    let mut table: HashMap<MapData, CtKey, CtEntry> =
-        HashMap::try_from(aya::maps::Map::HashMap(data)).map_err(|source| DatapathError::Map {
-            what: "opening FP_CT".into(),
-            source,
-        })?;
-    let mut keys: Vec<CtKey> = Vec::new();
-    pinned_ct_table(pin_dir)?
-        .walk(|k, _| keys.extend_from_slice(k))
-        .map_err(|e| DatapathError::Io {
-            what: "walking FP_CT".into(),
-            source: e,
-        })?;
-    let mut removed = 0;
-    for k in &keys {
-        if table.remove(k).is_ok() {
-            removed += 1;
-        }
-    }
-    Ok(removed)
 }
 
 /// One load-balanced service of a pinned datapath, with its counters (`fastpath service list`).
@@ -2017,37 +1541,11 @@ impl PeerLinks {
 }
 
 fn interface_mac(name: &str) -> Result<[u8; 6], DatapathError> {
-    let fail = |why: String| {
+    sys::interface_mac(name).map_err(|e| {
         DatapathError::Config(format!(
-            "reading the MAC address of interface {name:?}: {why}; route = true needs an Ethernet interface"
+            "reading the MAC address of interface {name:?}: {e}; route = true needs an Ethernet interface"
         ))
-    };
-    if name.len() >= libc::IFNAMSIZ {
-        return Err(fail("name too long".into()));
-    }
-    // SAFETY: a plain socket(2) call; the fd is owned right below.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(fail(std::io::Error::last_os_error().to_string()));
-    }
-    // SAFETY: `fd` is a new descriptor nothing else owns.
-    let sock = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
-    // SAFETY: ifreq is plain old data; all zeroes is a valid value.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (d, s) in req.ifr_name.iter_mut().zip(name.bytes()) {
-        *d = s as libc::c_char;
-    }
-    // SAFETY: SIOCGIFHWADDR reads the NUL-terminated name and writes the address into `req`.
-    let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFHWADDR, &mut req) };
-    if rc != 0 {
-        return Err(fail(std::io::Error::last_os_error().to_string()));
-    }
-    // SAFETY: after a successful SIOCGIFHWADDR the union holds `ifru_hwaddr`.
-    let hw = unsafe { req.ifr_ifru.ifru_hwaddr };
-    if hw.sa_family != libc::ARPHRD_ETHER {
-        return Err(fail(format!("link type {} is not Ethernet", hw.sa_family)));
-    }
-    Ok(std::array::from_fn(|i| hw.sa_data[i] as u8))
+    })
 }
 
 /// The SNAT rule of an interface with `snat = true`: its configured addresses, or its own
@@ -2181,20 +1679,15 @@ fn ip_of(family: u8, a: &[u8; 16]) -> std::net::IpAddr {
 /// Services, backends and their counters in a pinned datapath; active connections come from
 /// one batched walk of the conntrack table.
 pub fn pinned_services(pin_dir: &Path) -> Result<Vec<ServiceRow>, DatapathError> {
-    use std::os::fd::AsFd as _;
-
     use fastpath_common::{
         ct::{CT_F_LB, tcp_state},
         lb::{BackendCounters, SvcCounters},
     };
     let svc_map = pinned_map(pin_dir, map_names::SVC)?;
     let mut services: Vec<(SvcKey, Service)> = Vec::new();
-    walk_batches(
-        svc_map.fd().as_fd().as_raw_fd(),
-        |k: &[SvcKey], v: &[Service]| {
-            services.extend(k.iter().copied().zip(v.iter().copied()));
-        },
-    )
+    sys::map_walk_batches(svc_map.fd().as_fd(), |k: &[SvcKey], v: &[Service]| {
+        services.extend(k.iter().copied().zip(v.iter().copied()));
+    })
     .map_err(|source| DatapathError::Io {
         what: "reading FP_SVC".into(),
         source,
@@ -2226,7 +1719,7 @@ pub fn pinned_services(pin_dir: &Path) -> Result<Vec<ServiceRow>, DatapathError>
     )?))
     .map_err(map_err("opening FP_LB_SLOTS"))?;
     let mut active: std::collections::HashMap<u32, u64> = std::collections::HashMap::new();
-    pinned_ct_table(pin_dir)?
+    ct::pinned_ct_table(pin_dir)?
         .walk(|_, entries| {
             for e in entries {
                 let closed = e.state == tcp_state::TIME_WAIT || e.state == tcp_state::CLOSE;
@@ -2674,66 +2167,12 @@ fn stale_pin(pin: &Path, hook: HookKind) -> Option<&'static str> {
     }
 }
 
-const BPF_OBJ_GET: libc::c_long = 7;
-const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_LINK_TYPE_XDP: u32 = 6;
 const BPF_LINK_TYPE_TCX: u32 = 11;
 
-/// What `bpf_link_info` says of a pinned link (aya exposes neither field).
-struct PinnedLinkInfo {
-    link_type: u32,
-    /// Interface the XDP/TCX link is attached to; 0 once that interface is gone.
-    ifindex: u32,
-}
-
-/// A new fd of the object pinned at `pin` (BPF_OBJ_GET): while open, it keeps the object
-/// alive even once unpinned.
-fn open_pinned_fd(pin: &Path) -> io::Result<std::os::fd::OwnedFd> {
-    use std::os::{fd::FromRawFd as _, unix::ffi::OsStrExt as _};
-    let path = CString::new(pin.as_os_str().as_bytes())?;
-    // union bpf_attr for BPF_OBJ_GET: pathname (u64), bpf_fd, file_flags, path_fd.
-    let mut attr = [0u64; 4];
-    attr[0] = path.as_ptr() as u64;
-    // SAFETY: the bpf syscall reads `attr` (valid for its size) and the NUL-terminated path.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET,
-            attr.as_mut_ptr(),
-            size_of_val(&attr),
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the syscall returned a new fd that nothing else owns.
-    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
-}
-
-fn pinned_link_info(pin: &Path) -> io::Result<PinnedLinkInfo> {
-    let fd = open_pinned_fd(pin)?;
-    // struct bpf_link_info: type, id, prog_id, pad, then the per-type union; for XDP and TCX
-    // links its first field is the ifindex (offset 16).
-    let mut info = [0u64; 32];
-    let mut attr = [0u64; 2];
-    attr[0] = (fd.as_raw_fd() as u32 as u64) | ((size_of_val(&info) as u64) << 32);
-    attr[1] = info.as_mut_ptr() as u64;
-    // SAFETY: BPF_OBJ_GET_INFO_BY_FD writes at most `info_len` bytes into `info`.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET_INFO_BY_FD,
-            attr.as_mut_ptr(),
-            size_of_val(&attr),
-        )
-    };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(PinnedLinkInfo {
-        link_type: info[0] as u32,
-        ifindex: info[2] as u32,
-    })
+/// What the kernel says of the link pinned at `pin`.
+fn pinned_link_info(pin: &Path) -> io::Result<sys::LinkInfo> {
+    sys::link_info(sys::obj_get(pin)?.as_fd())
 }
 
 /// The link pinned at `pin`, if any.
@@ -2792,40 +2231,4 @@ fn ensure_bpffs(pin_dir: &Path) -> Result<(), DatapathError> {
         path: pin_dir.to_owned(),
         mount_hint: probe.display().to_string(),
     })
-}
-
-/// Whether `path` is on a bpffs.
-pub fn is_bpffs(path: &Path) -> bool {
-    use std::os::unix::ffi::OsStrExt as _;
-    let Ok(c) = CString::new(path.as_os_str().as_bytes()) else {
-        return false;
-    };
-    // SAFETY: an all-zero statfs is a valid value of this plain C struct.
-    let mut buf: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: statfs writes into `buf`, which is large enough; `c` is NUL-terminated.
-    let rc = unsafe { libc::statfs(c.as_ptr(), &mut buf) };
-    rc == 0 && buf.f_type as i64 == BPF_FS_MAGIC
-}
-
-/// Mounts a new bpffs instance on `path`.
-pub fn mount_bpffs(path: &Path) -> io::Result<()> {
-    use std::os::unix::ffi::OsStrExt as _;
-    let target = CString::new(path.as_os_str().as_bytes())
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    let fstype = c"bpf";
-    // SAFETY: every pointer is a NUL-terminated string that outlives the call; no data.
-    let rc = unsafe {
-        libc::mount(
-            fstype.as_ptr(),
-            target.as_ptr(),
-            fstype.as_ptr(),
-            0,
-            std::ptr::null(),
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
 }
