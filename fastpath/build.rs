@@ -35,9 +35,25 @@ fn main() -> anyhow::Result<()> {
     let path = std::env::join_paths(paths).context("joining PATH")?;
     // SAFETY: build scripts are single-threaded; nothing reads the environment concurrently.
     unsafe { std::env::set_var("PATH", path) };
-    aya_build::build_ebpf(
-        [Package { name: "fastpath-ebpf", root_dir: root, no_default_features: false, features: &[] }],
-        Toolchain::Custom(EBPF_TOOLCHAIN),
-    )
-    .context("building the eBPF datapath failed; run `cargo xtask bootstrap` to install the pinned nightly and bpf-linker")
+    let out_dir = std::path::PathBuf::from(
+        std::env::var_os("OUT_DIR").context("cargo sets OUT_DIR for build scripts")?,
+    );
+    let build = |features: &[&str]| {
+        aya_build::build_ebpf(
+            [Package { name: "fastpath-ebpf", root_dir: root, no_default_features: false, features }],
+            Toolchain::Custom(EBPF_TOOLCHAIN),
+        )
+        .context("building the eBPF datapath failed; run `cargo xtask bootstrap` to install the pinned nightly and bpf-linker")
+    };
+    // With `testkit` (tests, the demo, the bench) a second object carries the benchmark's
+    // programs and maps as well: built first and renamed, since aya-build writes every build
+    // of the crate to OUT_DIR/fastpath. The daemon's object, built last, never carries them.
+    println!("cargo::rerun-if-env-changed=CARGO_FEATURE_TESTKIT");
+    if std::env::var_os("CARGO_FEATURE_TESTKIT").is_some() {
+        build(&["bench"])?;
+        let (from, to) = (out_dir.join("fastpath"), out_dir.join("fastpath-bench"));
+        std::fs::rename(&from, &to)
+            .with_context(|| format!("renaming {} to {}", from.display(), to.display()))?;
+    }
+    build(&[])
 }
