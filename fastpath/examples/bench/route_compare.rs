@@ -93,16 +93,6 @@ impl Spread {
         crate::cell(self.median, self.min, self.max, digits)
     }
 
-    /// A median and spread read back without their samples (`compare`).
-    pub(crate) fn new(median: f64, min: f64, max: f64) -> Spread {
-        Spread {
-            median,
-            min,
-            max,
-            samples: Vec::new(),
-        }
-    }
-
     pub(crate) fn of(samples: Vec<f64>) -> Spread {
         let (median, min, max) = crate::stats(&samples);
         Spread {
