@@ -38,17 +38,17 @@ const BACKENDS: usize = 3;
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 100);
 const PORT: u16 = 80;
 /// Measured rounds; each runs every contender once.
-const ROUNDS: usize = 7;
+const ROUNDS: usize = 4;
 /// Further rounds of the fastpath contender and the HA one alone, new-connection runs only:
 /// the HA penalty is a few percent, and one pair's ratio varies by several, so its
 /// comparison takes the pairs of all `ROUNDS + HA_EXTRA_ROUNDS` rounds.
-const HA_EXTRA_ROUNDS: usize = 24;
+const HA_EXTRA_ROUNDS: usize = 6;
 /// The pause after each new-connection run of the `HA_EXTRA_ROUNDS`, so that the client's
 /// TIME_WAIT ports from one run do not crowd the next (see the client's `tcp_tw_reuse` in
 /// [`Bench::new`], the cause of runs that collapsed to 500-9,000 requests/s before).
 const HA_EXTRA_PAUSE: Duration = Duration::from_secs(10);
 /// Seconds per wrk run.
-const DURATION_S: u32 = 5;
+const DURATION_S: u32 = 4;
 /// `bench quick`: rounds, seconds per run and contenders.
 const QUICK_ROUNDS: usize = 3;
 const QUICK_DURATION_S: u32 = 3;

@@ -32,7 +32,7 @@ use crate::{
 /// Service counts swept.
 const SERVICES: [usize; 4] = [1, 1_000, 10_000, 100_000];
 /// Measured rounds.
-const ROUNDS: usize = 5;
+const ROUNDS: usize = 2;
 /// The contenders, in their first round's order; `Direct` runs at one service only.
 const CONTENDERS: [Contender; 6] = [
     Contender::Direct,

@@ -14,6 +14,8 @@ use plotters::{
 const WIDTH: u32 = 760;
 /// Our bars and series.
 const ACCENT: RGBColor = RGBColor(0xe8, 0x59, 0x0c);
+/// Our second and later series (fastpath at another hook).
+const ACCENT_DARK: RGBColor = RGBColor(0x99, 0x3a, 0x08);
 /// Everyone else's bars.
 const GREY: RGBColor = RGBColor(0xad, 0xb5, 0xbd);
 /// Colours for series that are not ours, in order (the accent is kept for ours).
@@ -177,8 +179,19 @@ fn bar_chart(
     bars: &[Bar],
     reference: Option<&(String, f64)>,
 ) -> DrawResult {
-    let rows = bars.len().max(1);
-    let height = 90 + 30 * rows as u32;
+    // Row slots, the first bar at the top (slot `slots - 1`). Two at least: plotters maps a
+    // one-value range to pixel 0 rather than into the plot.
+    let slots = bars.len().max(2);
+    let slot = |i: usize| slots - 1 - i;
+    // A bar's upper edge: the next slot's start, or the plot's edge for the top slot.
+    let upper = |s: usize| {
+        if s + 1 < slots {
+            SegmentValue::Exact(s + 1)
+        } else {
+            SegmentValue::Last
+        }
+    };
+    let height = 90 + 30 * slots as u32;
     let labels: Vec<String> = bars.iter().map(|b| truncate(&b.label, MAX_LABEL_CHARS)).collect();
     let label_w = labels.iter().map(|l| l.chars().count()).max().unwrap_or(0) as u32 * 7 + 10;
     let top = bars
@@ -196,14 +209,16 @@ fn bar_chart(
         .margin(10)
         .x_label_area_size(35)
         .y_label_area_size(label_w)
-        .build_cartesian_2d(0.0..x_max, (0..rows).into_segmented())?;
+        .build_cartesian_2d(0.0..x_max, (0..slots - 1).into_segmented())?;
     chart
         .configure_mesh()
         .disable_y_mesh()
         .x_desc(unit)
-        .y_labels(rows)
+        .y_labels(slots)
         .y_label_formatter(&|v| match v {
-            SegmentValue::CenterOf(i) => labels.get(*i).cloned().unwrap_or_default(),
+            SegmentValue::CenterOf(s) if *s < slots => {
+                labels.get(slot(*s)).cloned().unwrap_or_default()
+            }
             _ => String::new(),
         })
         .x_label_formatter(&|v| fmt_num(*v))
@@ -217,8 +232,8 @@ fn bar_chart(
         let colour = if b.ours { ACCENT } else { GREY };
         let mut bar = Rectangle::new(
             [
-                (0.0, SegmentValue::Exact(i)),
-                (b.median.max(0.0), SegmentValue::Exact(i + 1)),
+                (0.0, SegmentValue::Exact(slot(i))),
+                (b.median.max(0.0), upper(slot(i))),
             ],
             colour.filled(),
         );
@@ -232,8 +247,8 @@ fn bar_chart(
             .map(|&(i, b)| {
                 PathElement::new(
                     vec![
-                        (b.min.max(0.0), SegmentValue::CenterOf(i)),
-                        (b.max.max(0.0), SegmentValue::CenterOf(i)),
+                        (b.min.max(0.0), SegmentValue::CenterOf(slot(i))),
+                        (b.max.max(0.0), SegmentValue::CenterOf(slot(i))),
                     ],
                     INK.stroke_width(1),
                 )
@@ -243,7 +258,7 @@ fn bar_chart(
         let end = if b.max.is_finite() { b.median.max(b.max) } else { b.median };
         Text::new(
             format!(" {}", fmt_num(b.median)),
-            (end.max(0.0), SegmentValue::CenterOf(i)),
+            (end.max(0.0), SegmentValue::CenterOf(slot(i))),
             ("sans-serif", 12),
         )
     }))?;
@@ -252,7 +267,7 @@ fn bar_chart(
             .draw_series(std::iter::once(PathElement::new(
                 vec![
                     (*value, SegmentValue::Exact(0)),
-                    (*value, SegmentValue::Exact(rows)),
+                    (*value, SegmentValue::Last),
                 ],
                 INK.stroke_width(2),
             )))?
@@ -316,9 +331,10 @@ fn line_chart(
         .y_label_formatter(&|v| fmt_num(*v))
         .draw()?;
     let mut others = PALETTE.iter().cycle();
+    let mut ours = [ACCENT, ACCENT_DARK].into_iter();
     for s in series {
         let colour = if s.ours {
-            ACCENT
+            ours.next().unwrap_or(ACCENT_DARK)
         } else {
             *others.next().unwrap_or(&GREY)
         };

@@ -32,7 +32,7 @@ use fastpath::testkit::{fixture::Fixture, packet::Pkt};
 use crate::lb_compare::{Backlog, Machine, WRK_SCRIPT, parse_wrk};
 
 pub(crate) const ROUNDS: usize = 5;
-pub(crate) const SECS: u32 = 5;
+pub(crate) const SECS: u32 = 3;
 const SERVER4: &str = "10.221.0.2";
 pub(crate) const UDP_PAYLOAD: usize = 64;
 /// Frames per live-frames call, and per batch within it.
