@@ -120,7 +120,8 @@ pub static FP_BENCH_SEQ: Array<u64> = Array::with_max_entries(1, 0);
 /// headers the path rewrote (live frames are recycled, not reset). Not pinned.
 #[cfg(feature = "bench")]
 #[map(name = "FP_BENCH_FRAME")]
-pub static FP_BENCH_FRAME: Array<[u64; fastpath_common::bench::BENCH_FRAME_WORDS]> = Array::with_max_entries(1, 0);
+pub static FP_BENCH_FRAME: Array<[u64; fastpath_common::bench::BENCH_FRAME_WORDS]> =
+    Array::with_max_entries(1, 0);
 
 /// The conntrack key `bench_ct_lookup` looks up, written by the benchmark. Not pinned.
 #[cfg(feature = "bench")]

@@ -411,9 +411,7 @@ fn old_object(rev: &str) -> Result<PathBuf> {
     let src = base.join("src");
     fs::create_dir_all(&base).with_context(|| format!("creating {}", base.display()))?;
     if src.exists() {
-        run(cmd("git")
-            .args(["worktree", "remove", "--force"])
-            .arg(&src))?;
+        run(cmd("git").args(["worktree", "remove", "--force"]).arg(&src))?;
     }
     run(cmd("git")
         .args(["worktree", "add", "--detach"])

@@ -836,7 +836,9 @@ impl Bench {
             let run = match mode {
                 Mode::NewConnection => self.wrk(&url(PAGE), CONNECTIONS, self.duration_s, true)?,
                 Mode::KeepAlive => self.wrk(&url(PAGE), CONNECTIONS, self.duration_s, false)?,
-                Mode::Throughput => self.wrk(&url(BULK), BULK_CONNECTIONS, self.duration_s, false)?,
+                Mode::Throughput => {
+                    self.wrk(&url(BULK), BULK_CONNECTIONS, self.duration_s, false)?
+                }
             };
             let wall_s = started.elapsed().as_secs_f64();
             let machine = Machine::read()?.since(machine_before);
@@ -1731,7 +1733,6 @@ impl<'a> HaPair<'a> {
             crate::stats(&per_round),
         )
     }
-
 }
 
 /// HA sync on against off: the two fastpath rows side by side.

@@ -339,9 +339,9 @@ fn main() -> Result<()> {
     let mut args = std::env::args().skip(1).filter(|a| a != "--");
     while let Some(arg) = args.next() {
         if arg == "--old-object" {
-            let path = args
-                .next()
-                .with_context(|| format!("--old-object needs the path of an object; {}", usage()))?;
+            let path = args.next().with_context(|| {
+                format!("--old-object needs the path of an object; {}", usage())
+            })?;
             old_object = Some(PathBuf::from(path));
         } else {
             rest.push(arg);
@@ -608,7 +608,9 @@ fn bench_parse(
             .map_err(|e| anyhow::anyhow!("benchmark case fails its fixture check: {e}"))?;
         if let Some(old) = old.as_deref_mut() {
             old.evaluate(case).map_err(|e| {
-                anyhow::anyhow!("benchmark case fails its fixture check through the old object: {e}")
+                anyhow::anyhow!(
+                    "benchmark case fails its fixture check through the old object: {e}"
+                )
             })?;
         }
     }
@@ -1716,7 +1718,10 @@ fn blocks(r: &Report) -> Vec<(&'static str, String)> {
         ),
         (
             "lb-sweep",
-            with_figures(lb_sweep::markdown(&r.lb_sweep), lb_sweep::figures(&r.lb_sweep)),
+            with_figures(
+                lb_sweep::markdown(&r.lb_sweep),
+                lb_sweep::figures(&r.lb_sweep),
+            ),
         ),
         (
             "route-compare",

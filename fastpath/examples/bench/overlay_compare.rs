@@ -593,11 +593,7 @@ fn setting_markdown(md: &mut String, r: &OverlaySetting) {
             md,
             "\n{} ÷ kernel: {}; node b decapsulated {:.0}% of pod b's iperf3 bytes in the fast path.",
             v.contender.name(),
-            ratios(
-                v,
-                &captured(v.ratios[0], 0),
-                &captured(v.ratios[1], 1)
-            ),
+            ratios(v, &captured(v.ratios[0], 0), &captured(v.ratios[1], 1)),
             v.decap_share_percent
         );
     }

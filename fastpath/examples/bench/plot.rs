@@ -8,6 +8,7 @@ use std::fmt::Write as _;
 use plotters::{
     coord::ranged1d::{IntoSegmentedCoord as _, SegmentValue},
     prelude::*,
+    style::text_anchor::{HPos, Pos, VPos},
 };
 
 /// Width of every chart, px.
@@ -192,7 +193,10 @@ fn bar_chart(
         }
     };
     let height = 90 + 30 * slots as u32;
-    let labels: Vec<String> = bars.iter().map(|b| truncate(&b.label, MAX_LABEL_CHARS)).collect();
+    let labels: Vec<String> = bars
+        .iter()
+        .map(|b| truncate(&b.label, MAX_LABEL_CHARS))
+        .collect();
     let label_w = labels.iter().map(|l| l.chars().count()).max().unwrap_or(0) as u32 * 7 + 10;
     let top = bars
         .iter()
@@ -202,6 +206,12 @@ fn bar_chart(
         .fold(0.0, f64::max);
     // Room on the right for the median printed at each bar's end.
     let x_max = if top > 0.0 { top * 1.15 } else { 1.0 };
+    // The reference line is named on the axis: a legend box would cover the top bar.
+    let reference = reference.filter(|r| r.1.is_finite());
+    let x_desc = match reference {
+        Some((label, _)) => format!("{unit} (vertical line: {label})"),
+        None => unit.to_owned(),
+    };
     let root = SVGBackend::with_string(svg, (WIDTH, height)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut chart = ChartBuilder::on(&root)
@@ -213,7 +223,7 @@ fn bar_chart(
     chart
         .configure_mesh()
         .disable_y_mesh()
-        .x_desc(unit)
+        .x_desc(x_desc)
         .y_labels(slots)
         .y_label_formatter(&|v| match v {
             SegmentValue::CenterOf(s) if *s < slots => {
@@ -254,31 +264,28 @@ fn bar_chart(
                 )
             }),
     )?;
+    let value_style =
+        TextStyle::from(("sans-serif", 12).into_font()).pos(Pos::new(HPos::Left, VPos::Center));
     chart.draw_series(finite.iter().map(|&(i, b)| {
-        let end = if b.max.is_finite() { b.median.max(b.max) } else { b.median };
+        let end = if b.max.is_finite() {
+            b.median.max(b.max)
+        } else {
+            b.median
+        };
         Text::new(
             format!(" {}", fmt_num(b.median)),
             (end.max(0.0), SegmentValue::CenterOf(slot(i))),
-            ("sans-serif", 12),
+            value_style.clone(),
         )
     }))?;
-    if let Some((label, value)) = reference.filter(|r| r.1.is_finite()) {
-        chart
-            .draw_series(std::iter::once(PathElement::new(
-                vec![
-                    (*value, SegmentValue::Exact(0)),
-                    (*value, SegmentValue::Last),
-                ],
-                INK.stroke_width(2),
-            )))?
-            .label(label.as_str())
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], INK.stroke_width(2)));
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(GREY)
-            .position(SeriesLabelPosition::UpperRight)
-            .draw()?;
+    if let Some((_, value)) = reference {
+        chart.draw_series(std::iter::once(PathElement::new(
+            vec![
+                (*value, SegmentValue::Exact(0)),
+                (*value, SegmentValue::Last),
+            ],
+            INK.stroke_width(2),
+        )))?;
     }
     root.present()?;
     Ok(())
@@ -410,7 +417,11 @@ fn sig3(v: f64) -> String {
     } else {
         &s
     };
-    if s == "-0" { "0".to_owned() } else { s.to_owned() }
+    if s == "-0" {
+        "0".to_owned()
+    } else {
+        s.to_owned()
+    }
 }
 
 #[cfg(test)]
@@ -458,7 +469,14 @@ mod tests {
         .render()
         .unwrap_or_else(|e| panic!("expected an SVG, got {e}"));
         assert!(svg.starts_with("<svg"), "not an SVG document: {svg:.80}");
-        for want in ["ns per packet", "fastpath", "iptables", "floor", " 120", " 300"] {
+        for want in [
+            "ns per packet",
+            "fastpath",
+            "iptables",
+            "floor",
+            " 120",
+            " 300",
+        ] {
             assert!(svg.contains(want), "expected {want:?} in the chart");
         }
     }

@@ -73,7 +73,10 @@ pub(crate) fn splice(doc: &str, blocks: &[(&str, String)]) -> String {
     for (name, text) in blocks {
         let (b, e) = (begin(name), end(name));
         let body = format!("{b}\n{}\n{e}", text.trim_end());
-        match out.find(&b).and_then(|s| out[s..].find(&e).map(|l| (s, s + l + e.len()))) {
+        match out
+            .find(&b)
+            .and_then(|s| out[s..].find(&e).map(|l| (s, s + l + e.len())))
+        {
             Some((start, stop)) => out.replace_range(start..stop, &body),
             None => {
                 if !out.is_empty() && !out.ends_with("\n\n") {
@@ -106,7 +109,10 @@ mod tests {
     #[test]
     fn round_ratios_pair_rounds() {
         assert_eq!(round_ratios(&[2.0, 9.0, 4.0], &[1.0, 3.0]), vec![2.0, 3.0]);
-        assert_eq!(stats(&round_ratios(&[10.0, 30.0, 20.0], &[10.0, 10.0, 10.0])).0, 2.0);
+        assert_eq!(
+            stats(&round_ratios(&[10.0, 30.0, 20.0], &[10.0, 10.0, 10.0])).0,
+            2.0
+        );
     }
 
     #[test]
@@ -137,7 +143,10 @@ mod tests {
     #[test]
     fn splice_appends_missing_blocks() {
         let out = splice("# T\nprose\n", &[("b", "table b".to_owned())]);
-        assert_eq!(out, "# T\nprose\n\n<!-- bench:begin b -->\ntable b\n<!-- bench:end b -->\n");
+        assert_eq!(
+            out,
+            "# T\nprose\n\n<!-- bench:begin b -->\ntable b\n<!-- bench:end b -->\n"
+        );
         assert_eq!(
             splice("", &[("b", "x".to_owned())]),
             "<!-- bench:begin b -->\nx\n<!-- bench:end b -->\n"
