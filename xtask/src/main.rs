@@ -452,7 +452,13 @@ fn old_object(rev: &str) -> Result<PathBuf> {
         )
         .current_dir(&src);
     run(&mut c).with_context(|| format!("building the eBPF object of {rev}"))?;
-    Ok(target_dir.join("bpfel-unknown-none/release/fastpath"))
+    // Named after the commit, so the report says which object it timed.
+    let commit = output(cmd("git").args(["rev-parse", "--short", rev]))?;
+    let object = base.join(format!("fastpath-ebpf-{}.o", commit.trim()));
+    let built = target_dir.join("bpfel-unknown-none/release/fastpath");
+    fs::copy(&built, &object)
+        .with_context(|| format!("copying {} to {}", built.display(), object.display()))?;
+    Ok(object)
 }
 
 /// Builds the fastpath examples (release) and runs example `name` with `extra` arguments.

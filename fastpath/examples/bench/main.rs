@@ -381,10 +381,13 @@ fn main() -> Result<()> {
             path.display()
         ),
         Some(path) => Some(OldObject {
-            name: path.display().to_string(),
+            // The file's name in the report (xtask's `--old-rev` names it after the commit).
+            name: path
+                .file_name()
+                .map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned()),
             bytes: fs::read(path).with_context(|| {
                 format!(
-                    "reading {}; build an object with the benchmark's programs with `cargo +$(cat ebpf-toolchain.txt) build -p fastpath-ebpf --features bench --release --target bpfel-unknown-none -Z build-std=core` (RUSTFLAGS as aya-build sets them)",
+                    "reading {}; `cargo xtask bench -- quick --old-rev REV` builds the object of a git revision with the benchmark's programs",
                     path.display()
                 )
             })?,
