@@ -135,10 +135,6 @@ type Endpoint<'a> = (&'a [u8; 16], u16);
 /// the packet: drop it when the interface's stateful firewall refuses it (never at egress),
 /// translate it when it belongs to a load-balanced connection (where `lb`: the program runs
 /// the load-balancing stages — XDP, and TC ingress's tail program `fastpath_tc_lb`).
-#[expect(
-    clippy::too_many_arguments,
-    reason = "the stage's state, passed down once"
-)]
 #[inline(always)]
 pub fn track(
     hook: Hook,
@@ -183,7 +179,7 @@ pub fn track(
     }
     let src_is_lo = key.normalize();
     let key: &CtKey = key;
-    let mut hit = FP_CT.get_ptr_mut(&key);
+    let mut hit = FP_CT.get_ptr_mut(key);
     // Hostile frames touch no entry and no conntrack counter: counted under their reason
     // only. A byte test on every TCP packet; the martian test only where an entry would be
     // created (arriving packets; a loopback device carries the node's own traffic).
@@ -960,7 +956,7 @@ fn related(pkt: &Packet, p: &Parsed, key: &mut CtKey, firewall: bool, lb: bool) 
     let found = if inner_key(pkt, p, key) {
         key.normalize();
         let key: &CtKey = key;
-        FP_CT.get_ptr(&key)
+        FP_CT.get_ptr(key)
     } else {
         None
     };
@@ -1085,9 +1081,7 @@ fn create(
     let Some(state) = start_state(p, starts, firewall) else {
         return Some(reason::FW_NO_CONNECTION);
     };
-    let Some(entry) = scratch_entry(0) else {
-        return None;
-    };
+    let entry = scratch_entry(0)?;
     entry.created_ns = now;
     entry.last_seen_ns = now;
     entry.state = state;

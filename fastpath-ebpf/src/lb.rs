@@ -87,8 +87,8 @@ pub fn pick(svc: &Service, key: &CtKey) -> Option<(u32, &'static Backend)> {
         return least_connections(svc);
     }
     let pick = if svc.flags & SVC_F_WRR != 0 {
-        // SAFETY: this CPU's slot of a per-CPU array.
         let rr = FP_SVC_RR.get_ptr_mut(svc.id)?;
+        // SAFETY: this CPU's slot of a per-CPU array, which nothing else writes meanwhile.
         unsafe {
             let n = *rr;
             *rr = n.wrapping_add(1);

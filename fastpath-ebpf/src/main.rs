@@ -2,9 +2,17 @@
 //! pipeline, count the outcome once, and translate the verdict for their hook.
 #![no_std]
 #![no_main]
-// `core::intrinsics::atomic_xadd`: the BPF target has no `fetch_add` in `core::sync::atomic`.
-#![allow(internal_features)]
+#![allow(
+    internal_features,
+    reason = "`core::intrinsics::atomic_xadd`: the BPF target has no `fetch_add` in \
+              `core::sync::atomic`"
+)]
 #![feature(core_intrinsics)]
+#![allow(
+    clippy::not_unsafe_ptr_arg_deref,
+    reason = "aya's program macros expand each entry point into a pub extern fn over the \
+              kernel's context pointer, which the kernel guarantees valid"
+)]
 
 #[cfg(feature = "bench")]
 mod bench;

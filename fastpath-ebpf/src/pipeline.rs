@@ -121,9 +121,10 @@ pub fn unparsed(code: u32) -> (Verdict, u32) {
 /// Also for a frame an 802.1Q port refused (`vlan`): always dropped.
 #[inline(always)]
 fn unparsed_verdict(code: u32) -> Verdict {
-    if code == reason::VLAN_NOT_MEMBER || code == reason::VLAN_FAILED {
-        Verdict::Drop
-    } else if reason::is_malformed(code) && settings::drop_malformed() {
+    if code == reason::VLAN_NOT_MEMBER
+        || code == reason::VLAN_FAILED
+        || (reason::is_malformed(code) && settings::drop_malformed())
+    {
         Verdict::Drop
     } else {
         Verdict::Kernel

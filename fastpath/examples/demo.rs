@@ -7,6 +7,12 @@
 //! that a restart reuses the pinned maps; then runs a two-node VXLAN overlay whose pods talk
 //! through the fast path's flow cache; and removes everything it created — also on Ctrl-C or
 //! failure.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use std::{
     process::ExitCode,

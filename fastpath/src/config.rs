@@ -160,8 +160,8 @@ pub struct ServiceConfig {
     #[serde(default)]
     pub mode: ForwardMode,
     /// Full-NAT: the source address backends see. The backends must route it to this node;
-    /// it need not be assigned to an interface (if it is, set `accept_local` on the
-    /// interfaces clients come in on, or the kernel drops the translated packets as martians).
+    /// it need not be assigned to an interface (if it is, the daemon sets `accept_local` on
+    /// the attached interfaces, or the kernel would drop the translated packets as martians).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub snat_address: Option<Spanned<std::net::IpAddr>>,
     /// Full-NAT: the source ports connections get, `"FIRST-LAST"`. Default `"1024-32767"`,
@@ -580,8 +580,9 @@ pub const DEFAULT_CT_CAPACITY: u32 = 1 << 20;
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ConntrackSection {
-    /// Maximum tracked connections. Default 1048576. The table is preallocated (about 200
-    /// bytes per entry); changing it on a running datapath needs `fastpath detach` first.
+    /// Maximum tracked connections. Default 1048576. Entries are allocated as connections
+    /// appear (about 200 bytes each); changing it on a running datapath needs
+    /// `fastpath detach` first.
     #[serde(default = "default_ct_capacity")]
     pub capacity: Spanned<u32>,
     /// How often the daemon expires idle connections, in milliseconds. Default 1000: an idle
@@ -1776,25 +1777,34 @@ mod tests {
         Config::parse(Path::new("test.toml"), text)
     }
 
+    /// Every example under config/, embedded so the test reads no file at run time (it also
+    /// runs as an unprivileged user, who may not be able to read the checkout).
+    const EXAMPLE_CONFIGS: [(&str, &str); 3] = [
+        (
+            "appliance.toml",
+            include_str!("../../config/appliance.toml"),
+        ),
+        ("gateway.toml", include_str!("../../config/gateway.toml")),
+        (
+            "ha-node-a.toml",
+            include_str!("../../config/ha-node-a.toml"),
+        ),
+    ];
+
     #[test]
     fn example_configs_are_valid() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config");
-        let mut seen = 0;
-        for entry in std::fs::read_dir(&dir).expect("config/ exists") {
-            let path = entry.expect("readable entry").path();
-            if path.extension().is_some_and(|e| e == "toml") {
-                let text = std::fs::read_to_string(&path).expect("readable example");
-                if let Err(e) = Config::parse_with(&path, &text, InterfaceCheck::Skip) {
-                    panic!("example {} is invalid: {e}", path.display());
-                }
-                seen += 1;
+        let listed: Vec<&str> = EXAMPLE_CONFIGS.iter().map(|(name, _)| *name).collect();
+        assert_eq!(
+            listed.join(","),
+            env!("FASTPATH_EXAMPLE_CONFIGS"),
+            "EXAMPLE_CONFIGS must list every config/*.toml (in order)"
+        );
+        for (name, text) in EXAMPLE_CONFIGS {
+            let path = Path::new("config").join(name);
+            if let Err(e) = Config::parse_with(&path, text, InterfaceCheck::Skip) {
+                panic!("example {} is invalid: {e}", path.display());
             }
         }
-        assert!(
-            seen >= 2,
-            "expected the example configs in {}",
-            dir.display()
-        );
     }
 
     #[test]

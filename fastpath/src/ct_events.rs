@@ -187,12 +187,14 @@ pub fn render(ev: &CtEvent) -> String {
     line
 }
 
-/// Appends every event of `rx` to `path`, one line each, until the hub is dropped. Lag is
-/// counted in `stats`.
+/// Appends every event of `rx` to `path`, one line each, until `stop` turns true (then what
+/// is queued is written too: the daemon publishes its last events before it signals the
+/// stop) or the hub is dropped. Lag is counted in `stats`.
 pub async fn log_to_file(
     mut rx: broadcast::Receiver<CtEvent>,
     stats: Arc<EventStats>,
     path: PathBuf,
+    mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let file = match std::fs::OpenOptions::new()
         .create(true)
@@ -206,21 +208,36 @@ pub async fn log_to_file(
         }
     };
     let mut out = std::io::BufWriter::new(file);
+    let mut write = |ev: &CtEvent, rx: &broadcast::Receiver<CtEvent>| {
+        let _ = writeln!(out, "{}", render(ev));
+        // Flush when nothing else is queued: batches under load, prompt when idle.
+        if rx.is_empty() {
+            let _ = out.flush();
+        }
+    };
     loop {
-        match rx.recv().await {
-            Ok(ev) => {
-                let _ = writeln!(out, "{}", render(&ev));
-                // Flush when nothing else is queued: batches under load, prompt when idle.
-                if rx.is_empty() {
-                    let _ = out.flush();
-                }
-            }
+        let received = tokio::select! {
+            r = rx.recv() => r,
+            _ = stop.wait_for(|s| *s) => break,
+        };
+        match received {
+            Ok(ev) => write(&ev, &rx),
             Err(broadcast::error::RecvError::Lagged(n)) => {
                 stats.lagged.fetch_add(n, Ordering::Relaxed);
             }
             Err(broadcast::error::RecvError::Closed) => break,
         }
     }
+    loop {
+        match rx.try_recv() {
+            Ok(ev) => write(&ev, &rx),
+            Err(broadcast::error::TryRecvError::Lagged(n)) => {
+                stats.lagged.fetch_add(n, Ordering::Relaxed);
+            }
+            Err(_) => break,
+        }
+    }
+    drop(write);
     let _ = out.flush();
 }
 

@@ -4,14 +4,21 @@
 //! undoes what this run attached (links it created are removed; links it found pinned are left
 //! as they were), so a bad start never leaves the datapath half-updated.
 
-use std::{io, sync::Arc};
+use std::{
+    io,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
 
 use fastpath_common::map_names;
 use tokio::{
     io::unix::AsyncFd,
-    signal::unix::{SignalKind, signal},
+    signal::unix::{Signal, SignalKind, signal},
+    sync::{mpsc, watch},
+    task::JoinSet,
 };
-use tracing::{info, warn};
+use tracing::{Instrument as _, info, info_span, warn};
 
 use crate::{
     EBPF_OBJECT,
@@ -56,82 +63,143 @@ pub struct DaemonOptions {
     pub ct_events_log: Option<std::path::PathBuf>,
 }
 
-/// Runs until SIGINT/SIGTERM; SIGHUP reloads the config file.
 /// How long a stopping HA node that detaches waits for its VIPs to move (see
 /// `Datapath::detach_all`).
-const HANDOVER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+const HANDOVER_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long the daemon's tasks get to finish once the drain signal is sent; what is still
+/// running then is aborted, so a stuck peer or client cannot hold the stop.
+const DRAIN_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Runs until SIGINT/SIGTERM; SIGHUP reloads the config file. The steps, in order: signal
+/// handlers, the pin-dir lock, the listeners, the datapath (attach, services), the tasks; then
+/// the loop; then drain and detach (or leave attached).
 pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError> {
     // Handlers first: a SIGINT/SIGTERM that arrives while attaching is held until the loop
-    // below and then detaches cleanly, instead of killing the process half-attached.
-    let mut sigint = signal(SignalKind::interrupt()).map_err(DaemonError::Signal)?;
-    let mut sigterm = signal(SignalKind::terminate()).map_err(DaemonError::Signal)?;
-    let mut sighup = signal(SignalKind::hangup()).map_err(DaemonError::Signal)?;
-
+    // and then detaches cleanly, instead of killing the process half-attached.
+    let mut signals = Signals::install()?;
     let pin_dir = config.datapath.pin_dir.get_ref().clone();
     let _lock = datapath::lock_pin_dir(&pin_dir)?;
-    // The API's listeners before the kernel is touched: a socket another daemon serves, or a
-    // port in use, stops the start with nothing changed.
-    let socket = config.api_socket();
-    let unix = crate::api::server::bind_unix(&socket).map_err(|e| DaemonError::Listen {
-        what: format!("the API socket {}", socket.display()),
-        source: e,
-    })?;
-    let mut listeners = vec![format!("unix:{}", socket.display())];
-    let tcp_and_metrics = bind_tcp(&config, &mut listeners).await;
-    let (tcp, metrics_listener) = match tcp_and_metrics {
-        Ok(l) => l,
-        Err(e) => {
-            let _ = std::fs::remove_file(&socket);
-            return Err(e);
-        }
+    // The listeners before the kernel is touched: a socket another daemon serves, or a port in
+    // use, stops the start with nothing changed.
+    let listeners = Listeners::bind(&config).await?;
+    // Declared before the datapath, so a failed start drops the datapath first, then its pins.
+    let mut fresh_pins = FreshPins {
+        pin_dir: &pin_dir,
+        armed: false,
     };
-    let ha_listener = match bind_ha(&config, &mut listeners).await {
-        Ok(l) => l,
-        Err(e) => {
-            let _ = std::fs::remove_file(&socket);
-            return Err(e);
-        }
-    };
+    let (rules, health_rx) = start_datapath(config, &opts, &mut fresh_pins)?;
+    let mut running = start_tasks(rules, listeners, &opts, &pin_dir)?;
+    fresh_pins.armed = false;
+    running
+        .serve(&mut signals, health_rx, &opts.config_path)
+        .await;
+    running.stop(&opts).await
+}
 
-    let mut dp = Datapath::open(&pin_dir, EBPF_OBJECT, *config.conntrack.capacity.get_ref())?;
+/// SIGINT, SIGTERM (stop) and SIGHUP (reload).
+struct Signals {
+    int: Signal,
+    term: Signal,
+    hup: Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Signals, DaemonError> {
+        let on = |kind| signal(kind).map_err(DaemonError::Signal);
+        Ok(Signals {
+            int: on(SignalKind::interrupt())?,
+            term: on(SignalKind::terminate())?,
+            hup: on(SignalKind::hangup())?,
+        })
+    }
+}
+
+/// The API socket file, removed when the daemon stops or fails to start.
+struct SocketFile(PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// The pins a first start created: removed if the start fails after creating them, so a failed
+/// first start leaves nothing behind (a restart's pins are the running datapath's and stay).
+struct FreshPins<'a> {
+    pin_dir: &'a Path,
+    armed: bool,
+}
+
+impl Drop for FreshPins<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = datapath::remove_pins(self.pin_dir);
+        }
+    }
+}
+
+/// Every listener, bound.
+struct Listeners {
+    socket: SocketFile,
+    unix: tokio::net::UnixListener,
+    tcp: Option<(
+        tokio::net::TcpListener,
+        Option<tonic::transport::ServerTlsConfig>,
+    )>,
+    metrics: Option<tokio::net::TcpListener>,
+    ha: Option<(tokio::net::TcpListener, tonic::transport::ServerTlsConfig)>,
+    /// What they listen on, for the log and `GetInfo`.
+    names: Vec<String>,
+}
+
+impl Listeners {
+    async fn bind(config: &Config) -> Result<Listeners, DaemonError> {
+        let path = config.api_socket();
+        let unix = crate::api::server::bind_unix(&path).map_err(|e| DaemonError::Listen {
+            what: format!("the API socket {}", path.display()),
+            source: e,
+        })?;
+        let socket = SocketFile(path);
+        let mut names = vec![format!("unix:{}", socket.0.display())];
+        let (tcp, metrics) = bind_tcp(config, &mut names).await?;
+        let ha = bind_ha(config, &mut names).await?;
+        Ok(Listeners {
+            socket,
+            unix,
+            tcp,
+            metrics,
+            ha,
+            names,
+        })
+    }
+}
+
+/// Opens (or takes over) the pinned datapath, attaches it (all or nothing), makes the kernel
+/// settings forwarding needs, applies the services and drops links the config no longer
+/// names: on a restart the old datapath runs untouched until every new hook is in place.
+fn start_datapath(
+    config: Config,
+    opts: &DaemonOptions,
+    fresh_pins: &mut FreshPins<'_>,
+) -> Result<(Rules, mpsc::Receiver<crate::health::Change>), DaemonError> {
+    let pin_dir = fresh_pins.pin_dir;
+    let mut dp = Datapath::open(pin_dir, EBPF_OBJECT, *config.conntrack.capacity.get_ref())?;
+    fresh_pins.armed = !dp.maps_reused;
     if dp.maps_reused {
         info!(pin_dir = %pin_dir.display(), "Reusing pinned maps; counters and state continue");
     } else {
         info!(pin_dir = %pin_dir.display(), "Created and pinned maps");
     }
-    // Attach (all or nothing), then the runtime knobs, then drop links the config no longer
-    // names: on a restart the old datapath runs untouched until every new hook is in place.
-    let attached = dp
-        .attach_all(&config.interfaces)
-        .and_then(|()| dp.set_interfaces(&config.interfaces));
-    let fail = |dp: Datapath, e: DaemonError| {
-        // A first start that failed leaves nothing behind: its fresh maps go too.
-        let fresh = !dp.maps_reused;
-        drop(dp);
-        if fresh {
-            let _ = datapath::remove_pins(&pin_dir);
-        }
-        let _ = std::fs::remove_file(&socket);
-        e
-    };
-    if let Err(e) = attached {
-        return Err(fail(dp, e.into()));
-    }
-    if let Some(ipv6) = config.translates()
-        && let Err(e) = datapath::prepare_forwarding(&config.interfaces, ipv6)
-    {
-        return Err(fail(dp, e.into()));
+    dp.attach_all(&config.interfaces)?;
+    dp.set_interfaces(&config.interfaces)?;
+    if let Some(ipv6) = config.translates() {
+        datapath::prepare_forwarding(&config.interfaces, ipv6)?;
     }
     // Services: the config file's, or the API's changes on top of this very file.
-    let (health_tx, mut health_rx) = tokio::sync::mpsc::channel(256);
-    let (rules, applied) = match Rules::start(dp, config, opts.config_path.clone(), health_tx) {
-        Ok(r) => r,
-        Err(failed) => {
-            let (dp, e) = *failed;
-            return Err(fail(dp, e.into()));
-        }
-    };
+    let (health_tx, health_rx) = mpsc::channel(256);
+    let (mut rules, applied) = Rules::start(dp, config, opts.config_path.clone(), health_tx)
+        .map_err(|failed| DaemonError::from(failed.1))?;
     info!(
         services = applied.services,
         unchanged = applied.unchanged,
@@ -142,15 +210,36 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         generation = rules.generation(),
         "Services applied"
     );
-    let mut rules = rules;
-    let stale = match rules.datapath_mut().remove_stale_links() {
-        Ok(s) => s,
-        Err(e) => return Err(fail(rules.into_datapath(), e.into())),
-    };
-    for pin in stale {
+    for pin in rules.datapath_mut().remove_stale_links()? {
         info!(pin = %pin.display(), "Detached a pinned link the config no longer names");
     }
+    Ok((rules, health_rx))
+}
 
+/// The running daemon: its tasks, all under one drain signal, and what the main loop polls.
+struct Running {
+    shared: Arc<Shared>,
+    hub: EventHub,
+    /// The drain signal: every task stops when it turns true.
+    stop_tx: watch::Sender<bool>,
+    tasks: JoinSet<()>,
+    ha: Option<crate::ha::Running>,
+    socket: Option<SocketFile>,
+    ct_ring: AsyncFd<datapath::CtEventRing>,
+    logger: Option<AsyncFd<aya_log::EbpfLogger<&'static dyn log::Log>>>,
+    pin_dir: PathBuf,
+    /// `datapath.detach_on_exit` as the daemon started.
+    detach_on_exit: bool,
+}
+
+/// Starts every task: the API and metrics servers, conntrack expiry, the route watcher, the
+/// event log and HA replication; takes the datapath's log and event rings for the main loop.
+fn start_tasks(
+    mut rules: Rules,
+    listeners: Listeners,
+    opts: &DaemonOptions,
+    pin_dir: &Path,
+) -> Result<Running, DaemonError> {
     let logger = match rules.datapath_mut().take_logger() {
         Ok(l) => Some(l),
         Err(e) => {
@@ -158,9 +247,9 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
             None
         }
     };
-    // SAFETY: the logger owns its ring buffer fd and keeps it open until the AsyncFd (which
-    // owns the logger) is dropped.
-    let mut logger = logger.and_then(|l| {
+    let logger = logger.and_then(|l| {
+        // SAFETY: the logger owns its ring buffer fd and keeps it open until the AsyncFd (which
+        // owns the logger) is dropped.
         match unsafe { AsyncFd::register_with_interest(l, tokio::io::Interest::READABLE) } {
             Ok(fd) => Some(fd),
             Err(e) => {
@@ -169,76 +258,55 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
             }
         }
     });
-
-    // Conntrack events: drain the ring into the hub; subscribers never slow the drain.
+    // Conntrack events: the main loop drains the ring into the hub; subscribers never slow it.
     let hub = EventHub::new();
     // SAFETY: the RingBuf owns its fd and keeps it open while the AsyncFd owns it.
-    let mut ct_ring = unsafe {
+    let ct_ring = unsafe {
         AsyncFd::register_with_interest(
             rules.datapath_mut().take_ct_events()?,
             tokio::io::Interest::READABLE,
         )
     }
     .map_err(|e| DaemonError::EventRing(e.into()))?;
-    let mut ct_drain = ct_events::drain_timer();
-    // Conntrack expiry in its own task; a pass runs on the blocking pool.
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = JoinSet::new();
+    // Conntrack expiry; a pass runs on the blocking pool.
     let gc_stats = Arc::new(GcStats::default());
-    let gc_task = tokio::spawn(gc_loop(
-        rules.datapath_mut().take_ct_table()?,
-        rules.config().conntrack.timeouts.to_slots(),
-        hub.clone(),
-        gc_stats.clone(),
-        std::time::Duration::from_millis(*rules.config().conntrack.gc_interval_ms.get_ref()),
-        stop_rx.clone(),
-    ));
+    tasks.spawn(
+        gc_loop(
+            rules.datapath_mut().take_ct_table()?,
+            rules.config().conntrack.timeouts.to_slots(),
+            hub.clone(),
+            gc_stats.clone(),
+            Duration::from_millis(*rules.config().conntrack.gc_interval_ms.get_ref()),
+            stop_rx.clone(),
+        )
+        .instrument(info_span!("ct_gc")),
+    );
     // Route, neighbour and link changes end the generation of learned VXLAN headers; link
     // changes refresh FP_PEER.
-    let vxlan_generations = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let netwatch_task = {
-        let (pin_dir, generations, stop) =
-            (pin_dir.clone(), vxlan_generations.clone(), stop_rx.clone());
-        tokio::spawn(async move {
-            let maps = pin_dir.join("maps");
-            let watched = match (
-                datapath::VxlanGeneration::open_pin(&maps.join(map_names::VXLAN_GEN)),
-                datapath::PeerLinks::open_pin(&maps.join(map_names::PEER)),
-            ) {
-                (Ok(g), Ok(p)) => crate::netwatch::watch(g, p, generations, stop).await,
-                (Err(e), _) | (_, Err(e)) => Err(e),
-            };
-            if let Err(e) = watched {
-                warn!(error = %e, "Learned VXLAN headers will not follow route and neighbour changes, and packets forwarded at TC go out of their interface rather than straight to a veth's peer");
-            }
-        })
-    };
-    let event_log = opts.ct_events_log.clone().map(|path| {
-        tokio::spawn(ct_events::log_to_file(
-            hub.subscribe(),
-            hub.stats.clone(),
-            path,
-        ))
-    });
+    tasks.spawn(
+        watch_routes(pin_dir.to_path_buf(), stop_rx.clone()).instrument(info_span!("netwatch")),
+    );
+    if let Some(path) = opts.ct_events_log.clone() {
+        let span = info_span!("ct_events_log", path = %path.display());
+        tasks.spawn(
+            ct_events::log_to_file(hub.subscribe(), hub.stats.clone(), path, stop_rx.clone())
+                .instrument(span),
+        );
+    }
     // HA replication: the peers' streams in, this node's changes out.
-    let ha = match (&rules.config().ha, ha_listener) {
+    let ha = match (&rules.config().ha, listeners.ha) {
         (Some(cfg), Some((listener, tls))) => {
-            let ha = match crate::ha::Ha::new(
+            let ha = crate::ha::Ha::new(
                 cfg,
-                pin_dir.clone(),
+                pin_dir.to_path_buf(),
                 rules.lb_index(),
                 rules.datapath().ct_installer().ok(),
-            ) {
-                Ok(ha) => ha,
-                Err(e) => return Err(fail(rules.into_datapath(), e.into())),
-            };
-            let running = listener
-                .into_std()
-                .map_err(crate::ha::HaError::Runtime)
-                .and_then(|l| ha.start(hub.subscribe(), l, tls, stop_rx.clone()));
-            let running = match running {
-                Ok(r) => r,
-                Err(e) => return Err(fail(rules.into_datapath(), e.into())),
-            };
+            )?;
+            let listener = listener.into_std().map_err(crate::ha::HaError::Runtime)?;
+            let running = ha.start(hub.subscribe(), listener, tls, stop_rx.clone())?;
             info!(
                 node_id = *cfg.node_id.get_ref(),
                 peers = cfg.peers.len(),
@@ -248,105 +316,149 @@ pub async fn run(config: Config, opts: DaemonOptions) -> Result<(), DaemonError>
         }
         _ => None,
     };
-    let detach_on_exit = rules.config().datapath.detach_on_exit;
-    let is_ha = ha.is_some();
     let attachments = rules.datapath().attachments.len();
-
+    let detach_on_exit = rules.config().datapath.detach_on_exit;
     let shared = Arc::new(Shared {
         rules: tokio::sync::Mutex::new(Some(rules)),
-        pin_dir: pin_dir.clone(),
+        pin_dir: pin_dir.to_path_buf(),
         hub: hub.clone(),
         gc: gc_stats,
         started: std::time::Instant::now(),
-        listeners: listeners.clone(),
+        listeners: listeners.names.clone(),
         latency: Default::default(),
         ha: ha.as_ref().map(|(h, _)| h.clone()),
     });
-    let api_task = tokio::spawn(crate::api::server::serve(
-        Api(shared.clone()),
-        unix,
-        tcp,
-        stop_rx.clone(),
-    ));
-    let metrics_task = metrics_listener
-        .map(|l| tokio::spawn(crate::metrics::serve(l, shared.clone(), stop_rx.clone())));
-
+    tasks.spawn(
+        crate::api::server::serve(
+            Api(shared.clone()),
+            listeners.unix,
+            listeners.tcp,
+            stop_rx.clone(),
+        )
+        .instrument(info_span!("api")),
+    );
+    if let Some(l) = listeners.metrics {
+        tasks.spawn(
+            crate::metrics::serve(l, shared.clone(), stop_rx.clone())
+                .instrument(info_span!("metrics")),
+        );
+    }
     info!(
         attachments,
         pin_dir = %pin_dir.display(),
-        listeners = %listeners.join(" "),
+        listeners = %listeners.names.join(" "),
         "Datapath running; SIGINT/SIGTERM stops the daemon, SIGHUP reloads the config"
     );
+    Ok(Running {
+        shared,
+        hub,
+        stop_tx,
+        tasks,
+        ha: ha.map(|(_, running)| running),
+        socket: Some(listeners.socket),
+        ct_ring,
+        logger,
+        pin_dir: pin_dir.to_path_buf(),
+        detach_on_exit,
+    })
+}
 
-    loop {
-        tokio::select! {
-            _ = sigint.recv() => { info!("SIGINT received"); break; }
-            _ = sigterm.recv() => { info!("SIGTERM received"); break; }
-            _ = sighup.recv() => {
-                info!(config = %opts.config_path.display(), "SIGHUP received: reloading the config file");
-                reload(&shared, &opts.config_path).await;
-            }
-            Some(change) = health_rx.recv() => {
-                if let Ok(mut rules) = shared.rules().await {
-                    tokio::task::block_in_place(|| rules.health_changed(change));
+/// Follows route, neighbour and link changes (see `netwatch`) until `stop`.
+async fn watch_routes(pin_dir: PathBuf, stop: watch::Receiver<bool>) {
+    let maps = pin_dir.join("maps");
+    let generations = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let watched = match (
+        datapath::VxlanGeneration::open_pin(&maps.join(map_names::VXLAN_GEN)),
+        datapath::PeerLinks::open_pin(&maps.join(map_names::PEER)),
+    ) {
+        (Ok(g), Ok(p)) => crate::netwatch::watch(g, p, generations, stop).await,
+        (Err(e), _) | (_, Err(e)) => Err(e),
+    };
+    if let Err(e) = watched {
+        warn!(error = %e, "Learned VXLAN headers will not follow route and neighbour changes, and packets forwarded at TC go out of their interface rather than straight to a veth's peer");
+    }
+}
+
+impl Running {
+    /// The main loop, until SIGINT/SIGTERM: reloads, health changes, the event and log rings.
+    async fn serve(
+        &mut self,
+        signals: &mut Signals,
+        mut health_rx: mpsc::Receiver<crate::health::Change>,
+        config_path: &Path,
+    ) {
+        let mut ct_drain = ct_events::drain_timer();
+        loop {
+            tokio::select! {
+                _ = signals.int.recv() => { info!("SIGINT received"); return; }
+                _ = signals.term.recv() => { info!("SIGTERM received"); return; }
+                _ = signals.hup.recv() => reload(&self.shared, config_path).await,
+                Some(change) = health_rx.recv() => {
+                    if let Ok(mut rules) = self.shared.rules().await {
+                        tokio::task::block_in_place(|| rules.health_changed(change));
+                    }
                 }
-            }
-            drained = ct_events::drain_next(&mut ct_ring, &mut ct_drain, &hub) => {
-                if let Err(e) = drained {
-                    // Not expected (an epoll error on the ring's fd); the timer keeps draining.
-                    warn!(error = %e, "Waiting for the conntrack event ring failed");
-                    ct_drain.tick().await;
+                drained = ct_events::drain_next(&mut self.ct_ring, &mut ct_drain, &self.hub) => {
+                    if let Err(e) = drained {
+                        // Not expected (an epoll error on the ring's fd); the timer keeps draining.
+                        warn!(error = %e, "Waiting for the conntrack event ring failed");
+                        ct_drain.tick().await;
+                    }
                 }
-            }
-            ready = async {
-                match logger.as_mut() {
-                    Some(l) => l.readable_mut().await.map(Some),
-                    None => std::future::pending().await,
-                }
-            } => {
-                if let Ok(Some(mut guard)) = ready {
-                    guard.get_inner_mut().flush();
-                    guard.clear_ready();
+                ready = async {
+                    match self.logger.as_mut() {
+                        Some(l) => l.readable_mut().await.map(Some),
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    if let Ok(Some(mut guard)) = ready {
+                        guard.get_inner_mut().flush();
+                        guard.clear_ready();
+                    }
                 }
             }
         }
     }
 
-    // The events since the last drain (up to `ct_events::DRAIN_EVERY` of them) reach the
-    // subscribers (the event log, HA) before they stop.
-    ct_events::drain(ct_ring.get_mut(), &hub);
-    let _ = stop_tx.send(true);
-    let _ = api_task.await;
-    if let Some(t) = metrics_task {
-        let _ = t.await;
+    /// Drains: the last conntrack events reach the subscribers (event log, HA), every task
+    /// gets the drain signal and `DRAIN_DEADLINE` to end; then the datapath is detached (an
+    /// HA node first hands its VIPs over) or left attached.
+    async fn stop(mut self, opts: &DaemonOptions) -> Result<(), DaemonError> {
+        ct_events::drain(self.ct_ring.get_mut(), &self.hub);
+        let _ = self.stop_tx.send(true);
+        let is_ha = self.ha.is_some();
+        let drained = tokio::time::timeout(DRAIN_DEADLINE, async {
+            while self.tasks.join_next().await.is_some() {}
+            if let Some(ha) = self.ha.take() {
+                ha.stopped().await;
+            }
+        })
+        .await;
+        if drained.is_err() {
+            warn!(
+                still_running = self.tasks.len(),
+                deadline_s = DRAIN_DEADLINE.as_secs(),
+                "Tasks did not stop by the deadline; aborting them"
+            );
+            self.tasks.shutdown().await;
+        }
+        drop(self.socket.take());
+        // Clients still connected (their connections outlive the server) see UNAVAILABLE from here.
+        let Some(rules) = self.shared.rules.lock().await.take() else {
+            return Ok(());
+        };
+        let dp = rules.into_datapath();
+        if self.detach_on_exit && !opts.leave_attached {
+            let n = dp.attachments.len();
+            // An HA node hands its VIPs to the standby before it stops forwarding.
+            dp.detach_all(is_ha.then_some(HANDOVER_TIMEOUT))?;
+            info!(detached = n, "Detached programs and removed pins");
+        } else {
+            info!(pin_dir = %self.pin_dir.display(), "Leaving the datapath attached; `fastpath detach` removes it");
+            dp.leave_attached();
+        }
+        Ok(())
     }
-    let _ = std::fs::remove_file(&socket);
-    let _ = gc_task.await;
-    let _ = netwatch_task.await;
-    if let Some((_, running)) = ha {
-        running.stopped().await;
-    }
-    // Closing the hub ends the subscribers once they have written what they hold.
-    drop(hub);
-    if let Some(task) = event_log {
-        let _ = task.await;
-    }
-    drop(ct_ring);
-    // Clients still connected (their connections outlive the server) see UNAVAILABLE from here.
-    let Some(rules) = shared.rules.lock().await.take() else {
-        return Ok(());
-    };
-    let dp = rules.into_datapath();
-    if detach_on_exit && !opts.leave_attached {
-        let n = dp.attachments.len();
-        // An HA node hands its VIPs to the standby before it stops forwarding.
-        dp.detach_all(is_ha.then_some(HANDOVER_TIMEOUT))?;
-        info!(detached = n, "Detached programs and removed pins");
-    } else {
-        info!(pin_dir = %pin_dir.display(), "Leaving the datapath attached; `fastpath detach` removes it");
-        dp.leave_attached();
-    }
-    Ok(())
 }
 
 type TcpListeners = (
@@ -416,6 +528,7 @@ async fn bind_ha(
 }
 
 /// SIGHUP: the config file again; a bad file changes nothing and says why.
+#[tracing::instrument(name = "reload", skip_all, fields(config = %path.display()))]
 async fn reload(shared: &Arc<Shared>, path: &std::path::Path) {
     let new = match Config::load(path) {
         Ok(c) => c,
@@ -447,8 +560,8 @@ async fn gc_loop(
     timeouts: ct_gc::Timeouts,
     hub: EventHub,
     stats: Arc<GcStats>,
-    interval: std::time::Duration,
-    mut stop: tokio::sync::watch::Receiver<bool>,
+    interval: Duration,
+    mut stop: watch::Receiver<bool>,
 ) {
     let mut wait = interval;
     loop {

@@ -43,7 +43,7 @@ use tonic::{
     Request, Response, Status, Streaming,
     transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig},
 };
-use tracing::{info, warn};
+use tracing::{Instrument as _, info, info_span, warn};
 
 use crate::{
     api::pb as api,
@@ -323,7 +323,9 @@ impl Ha {
             .enable_all()
             .build()
             .map_err(HaError::Runtime)?;
-        let mut tasks = vec![rt.spawn(feed(self.clone(), events, stop.clone()))];
+        let mut tasks = vec![
+            rt.spawn(feed(self.clone(), events, stop.clone()).instrument(info_span!("ha_feed"))),
+        ];
         for p in &self.peers {
             tasks.push(rt.spawn(peer_stream(self.clone(), p.clone(), stop.clone())));
         }
@@ -885,8 +887,10 @@ async fn feed(
 /// This node's stream to `peer`, reconnected with a backoff until `stop`.
 async fn peer_stream(ha: Arc<Ha>, peer: Arc<PeerOut>, mut stop: watch::Receiver<bool>) {
     let mut backoff = Duration::from_millis(100);
-    loop {
-        let result = run_stream(&ha, &peer, &mut stop).await;
+    for attempt in 1u64.. {
+        let result = run_stream(&ha, &peer, &mut stop)
+            .instrument(info_span!("ha_stream_out", peer = %peer.address, attempt))
+            .await;
         peer.connected.store(false, Ordering::Relaxed);
         match result {
             Ok(()) => return,
@@ -1170,6 +1174,7 @@ impl pb::sync_server::Sync for SyncService {
         // makes this side wait.
         let (tx, rx) = watch::channel(None::<pb::Ack>);
         let ha = self.0.clone();
+        let span = info_span!("ha_stream_in", remote = ?remote);
         tokio::spawn(async move {
             let mut node = None;
             loop {
@@ -1193,7 +1198,7 @@ impl pb::sync_server::Sync for SyncService {
                 }
             }
             ha.stream_ended(node);
-        });
+        }.instrument(span));
         let acks = tokio_stream::wrappers::WatchStream::new(rx).filter_map(|a| a.map(Ok));
         Ok(Response::new(Box::pin(acks)))
     }
@@ -1235,8 +1240,10 @@ async fn serve(
     }
 }
 
+/// Through the real datapath (BPF_PROG_TEST_RUN): root only. `cargo xtask test` runs every
+/// unit test as root, then again as an unprivileged user skipping the `kernel_tests` modules.
 #[cfg(test)]
-mod tests {
+mod kernel_tests {
     use fastpath_common::ct::{CT_F_LB, IFACE_F_CT_XDP, tcp_state};
 
     use super::*;

@@ -17,11 +17,20 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-/// Userspace toolchain (aya 0.16 needs rustc >= 1.98).
-const USER_TOOLCHAIN: &str = "1.99.1";
-/// eBPF toolchain: one source, `ebpf-toolchain.txt`, also read by fastpath/build.rs.
-const EBPF_TOOLCHAIN: &str = include_str!("../../ebpf-toolchain.txt").trim_ascii();
+/// The userspace toolchain's pin, the one source (plain `cargo` in the tree reads it too).
+const USER_TOOLCHAIN_FILE: &str = include_str!("../../rust-toolchain.toml");
+/// The eBPF toolchain's pin, the one source (fastpath/build.rs reads it too).
+const EBPF_TOOLCHAIN_FILE: &str = include_str!("../../fastpath-ebpf/rust-toolchain.toml");
 const BPF_LINKER_VERSION: &str = "0.13.0";
+/// PyPI packages of `.tools/py`, the venv whose stock gRPC clients (grpcio with reflection
+/// and health checking, grpcio-tools to compile the protos) drive the API in the tests.
+const PYTHON_PACKAGES: &[&str] = &[
+    "grpcio==1.85.1",
+    "grpcio-tools==1.85.1",
+    "grpcio-reflection==1.85.1",
+    "grpcio-health-checking==1.85.1",
+    "protobuf==7.36.2",
+];
 /// Debian packages used by the tests, the demo and the benchmarks.
 const DEBIAN_PACKAGES: &[&str] = &[
     "iproute2",
@@ -37,8 +46,9 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "conntrack",
     "nftables",
     "hping3",
-    // The gateway test's echo server and clients.
+    // The gateway test's echo server and clients; the venv of `python_tools`.
     "python3",
+    "python3-venv",
     // The load-balancer comparison of `bench`: its load generator and competitors.
     "wrk",
     "haproxy",
@@ -147,7 +157,7 @@ fn cmd(program: &str) -> Command {
 /// `cargo +<pinned userspace toolchain> args...`
 fn cargo(args: &[&str]) -> Command {
     let mut c = cmd("cargo");
-    c.arg(format!("+{USER_TOOLCHAIN}")).args(args);
+    c.arg(format!("+{}", Pin::user().channel)).args(args);
     c
 }
 
@@ -200,6 +210,7 @@ fn bootstrap(packages: Packages) -> Result<()> {
     let t = Instant::now();
     if packages == Packages::Install {
         debian_packages()?;
+        python_tools()?;
     }
     toolchains()?;
     bpf_linker()?;
@@ -243,13 +254,84 @@ fn debian_packages() -> Result<()> {
         .args(&missing))
 }
 
+/// The venv `.tools/py` with [`PYTHON_PACKAGES`]; its stamp lists what was installed, so a
+/// second run with the same pins does nothing and changed pins reinstall.
+fn python_tools() -> Result<()> {
+    let venv = tools_dir().join("py");
+    let stamp = venv.join("fastpath-packages.txt");
+    let want = PYTHON_PACKAGES.join("\n") + "\n";
+    let python = venv.join("bin").join("python");
+    if python.exists() && fs::read_to_string(&stamp).ok().as_deref() == Some(want.as_str()) {
+        return Ok(());
+    }
+    eprintln!(
+        "xtask: creating the venv {} with {}",
+        venv.display(),
+        PYTHON_PACKAGES.join(" ")
+    );
+    run(cmd("python3").args(["-m", "venv", "--clear"]).arg(&venv)).context(
+        "creating the Python venv for the gRPC tool tests; install python3 with its venv module (`apt-get install python3-venv`)",
+    )?;
+    run(Command::new(&python)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+        ])
+        .args(PYTHON_PACKAGES))
+    .context("installing the gRPC tools from PyPI into .tools/py")?;
+    fs::write(&stamp, want).context("writing the Python tools stamp")?;
+    Ok(())
+}
+
 fn installed_toolchains() -> Result<String> {
     output(cmd("rustup").args(["toolchain", "list"]))
 }
 
+/// A pinned toolchain, as its `rust-toolchain.toml` states it.
+struct Pin {
+    channel: &'static str,
+    components: Vec<&'static str>,
+}
+
+impl Pin {
+    fn user() -> Pin {
+        Pin::parse(USER_TOOLCHAIN_FILE)
+    }
+
+    fn ebpf() -> Pin {
+        Pin::parse(EBPF_TOOLCHAIN_FILE)
+    }
+
+    /// Reads `channel = "..."` and `components = ["...", ...]`, each on one line: the two files
+    /// are ours, and `toolchain_files_state_a_channel` keeps them parseable.
+    fn parse(text: &'static str) -> Pin {
+        let value = |key: &str| {
+            text.lines()
+                .filter_map(|l| l.split_once('='))
+                .find(|(k, _)| k.trim() == key)
+                .map(|(_, v)| v.trim())
+                .unwrap_or_default()
+        };
+        let strings =
+            |v: &'static str| -> Vec<&'static str> { v.split('"').skip(1).step_by(2).collect() };
+        Pin {
+            channel: strings(value("channel"))
+                .first()
+                .copied()
+                .unwrap_or_default(),
+            components: strings(value("components")),
+        }
+    }
+}
+
 fn toolchains() -> Result<()> {
-    ensure_toolchain(USER_TOOLCHAIN, &["rustfmt", "clippy"])?;
-    ensure_toolchain(EBPF_TOOLCHAIN, &["rust-src"])
+    for pin in [Pin::user(), Pin::ebpf()] {
+        ensure_toolchain(pin.channel, &pin.components)?;
+    }
+    Ok(())
 }
 
 /// Installs `toolchain` with `components`, or adds the components it lacks.
@@ -291,14 +373,15 @@ fn ensure_toolchain(toolchain: &str, components: &[&str]) -> Result<()> {
 /// stamp records which nightly it was built for; a changed nightly rebuilds it.
 fn bpf_linker() -> Result<()> {
     let stamp = tools_dir().join("bpf-linker.stamp");
-    let want = format!("bpf-linker {BPF_LINKER_VERSION} for {EBPF_TOOLCHAIN}\n");
+    let ebpf = Pin::ebpf().channel;
+    let want = format!("bpf-linker {BPF_LINKER_VERSION} for {ebpf}\n");
     let bin = tools_dir().join("bin").join("bpf-linker");
     if bin.exists() && fs::read_to_string(&stamp).ok().as_deref() == Some(want.as_str()) {
         return Ok(());
     }
     let sysroot = output(
         cmd("rustc")
-            .arg(format!("+{EBPF_TOOLCHAIN}"))
+            .arg(format!("+{ebpf}"))
             .args(["--print", "sysroot"]),
     )?;
     let libdir = PathBuf::from(sysroot.trim()).join("lib");
@@ -358,9 +441,15 @@ fn build() -> Result<()> {
 fn test(extra: &[String]) -> Result<()> {
     require_root("test")?;
     run(&mut cargo(&["fmt", "--all", "--check"]))
-        .context("code is not formatted: run `cargo +1.99.1 fmt --all`")?;
-    clippy().context("clippy found something: run `cargo xtask lint` and fix what it says")?;
-    docs().context("the docs do not build without warnings: run `RUSTDOCFLAGS=\"-D warnings\" cargo +1.99.1 doc --no-deps`")?;
+        .context("code is not formatted: run `cargo fmt --all`")?;
+    clippy()
+        .and_then(|()| clippy_ebpf())
+        .context("clippy found something: run `cargo xtask lint` and fix what it says")?;
+    docs().context("the docs do not build without warnings: run `RUSTDOCFLAGS=\"-D warnings\" cargo doc --no-deps`")?;
+    unit_tests_unprivileged().context(
+        "a unit test fails without root: it must not need the kernel (move it to a \
+         `kernel_tests` module only if it tests the real datapath)",
+    )?;
     // One thread: the datapath and namespace tests share kernel state (bpffs, interfaces).
     run(cargo(&["test", "--release", "--no-fail-fast"])
         .arg("--")
@@ -427,7 +516,8 @@ fn old_object(rev: &str) -> Result<PathBuf> {
     };
     let target_dir = base.join("target");
     let mut c = cmd("cargo");
-    c.arg(format!("+{EBPF_TOOLCHAIN}"))
+    // This tree's eBPF pin: the old tree is built with today's compiler.
+    c.arg(format!("+{}", Pin::ebpf().channel))
         .args([
             "build",
             "-p",
@@ -470,7 +560,8 @@ fn run_example(name: &str, build_args: &[&str], extra: &[String]) -> Result<()> 
 
 fn lint() -> Result<()> {
     run(&mut cargo(&["fmt", "--all", "--check"]))?;
-    clippy()
+    clippy()?;
+    clippy_ebpf()
 }
 
 /// clippy on the userspace crates, every target, warnings denied.
@@ -487,6 +578,85 @@ fn clippy() -> Result<()> {
     ]))
 }
 
+/// clippy on the eBPF crate, for its real target with the flags aya-build gives it (a separate
+/// target dir: these flags differ from the host build's).
+fn clippy_ebpf() -> Result<()> {
+    let ebpf = Pin::ebpf().channel;
+    let target_dir = root_dir().join("target/ebpf-clippy");
+    run(cmd("cargo")
+        .arg(format!("+{ebpf}"))
+        .args([
+            "clippy",
+            "--release",
+            "--target",
+            "bpfel-unknown-none",
+            "-Z",
+            "build-std=core",
+            "--target-dir",
+        ])
+        .arg(&target_dir)
+        .args(["--", "-D", "warnings"])
+        .env(
+            "CARGO_ENCODED_RUSTFLAGS",
+            "--cfg=bpf_target_arch=\"x86_64\"",
+        )
+        .current_dir(root_dir().join("fastpath-ebpf")))
+}
+
+/// The user the unprivileged pass runs as: `nobody`.
+const UNPRIVILEGED_UID: &str = "65534";
+
+/// The unit tests of every userspace crate, run as an unprivileged user with no capabilities:
+/// the logic (rules, rollback, expiry, config, sync) must be testable without root. Only the
+/// `kernel_tests` modules, which drive the real datapath, are left to the root pass. The test
+/// binaries are copied to a directory that user can enter: the checkout may not be.
+fn unit_tests_unprivileged() -> Result<()> {
+    let json = output(&mut cargo(&[
+        "test",
+        "--release",
+        "--lib",
+        "--bins",
+        "--no-run",
+        "--message-format=json",
+    ]))?;
+    let exes: Vec<PathBuf> = json
+        .lines()
+        .filter(|l| l.contains("\"reason\":\"compiler-artifact\""))
+        .filter_map(|l| {
+            let rest = &l[l.find("\"executable\":\"")? + "\"executable\":\"".len()..];
+            Some(PathBuf::from(&rest[..rest.find('"')?]))
+        })
+        .collect();
+    if exes.is_empty() {
+        bail!("cargo listed no unit-test executables");
+    }
+    let dir = env::temp_dir().join(format!("fastpath-unit-{}", std::process::id()));
+    fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let result = (|| {
+        use std::os::unix::fs::PermissionsExt as _;
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o755))?;
+        for exe in &exes {
+            let name = exe.file_name().context("an executable without a name")?;
+            let copy = dir.join(name);
+            fs::copy(exe, &copy).with_context(|| format!("copying {}", exe.display()))?;
+            eprintln!(
+                "xtask: unit tests as uid {UNPRIVILEGED_UID}: {}",
+                copy.display()
+            );
+            run(Command::new("setpriv")
+                .args(["--reuid", UNPRIVILEGED_UID, "--regid", UNPRIVILEGED_UID])
+                .args(["--clear-groups", "--inh-caps=-all", "--"])
+                .arg(&copy)
+                .args(["--skip", "kernel_tests::"])
+                .current_dir(&dir)
+                .env("HOME", &dir))?;
+        }
+        Ok(())
+    })();
+    let _ = fs::remove_dir_all(&dir);
+    result
+}
+
 /// The API docs of the userspace crates, rustdoc warnings denied (broken links, bad HTML).
 fn docs() -> Result<()> {
     run(cargo(&[
@@ -499,4 +669,31 @@ fn docs() -> Result<()> {
         "fastpath-common",
     ])
     .env("RUSTDOCFLAGS", "-D warnings"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn toolchain_files_state_a_channel() {
+        let user = Pin::user();
+        assert!(
+            user.channel.starts_with("1."),
+            "rust-toolchain.toml: expected a stable version as channel, got {:?}",
+            user.channel
+        );
+        assert!(user.components.contains(&"clippy"), "{:?}", user.components);
+        let ebpf = Pin::ebpf();
+        assert!(
+            ebpf.channel.starts_with("nightly-"),
+            "fastpath-ebpf/rust-toolchain.toml: expected a dated nightly, got {:?}",
+            ebpf.channel
+        );
+        assert!(
+            ebpf.components.contains(&"rust-src"),
+            "{:?}",
+            ebpf.components
+        );
+    }
 }

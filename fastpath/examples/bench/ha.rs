@@ -390,10 +390,9 @@ pub fn markdown(r: &HaReport) -> String {
     md
 }
 
-/// `[ha]` certificates for the pair: made by the caller (rcgen is a dev-dependency the
-/// benchmark includes through `tests/support/pki.rs`).
+/// `[ha]` certificates for the pair, from a CA made for this run.
 pub fn write_tls(dir: &TempDir) -> [NodeTls; 2] {
-    let ca = crate::pki::TestCa::new(dir, "fastpath-ha-bench-ca", "ca");
+    let ca = fastpath::testkit::pki::TestCa::new(dir, "fastpath-ha-bench-ca", "ca");
     Node::BOTH.map(|node| {
         let leaf = ca.leaf(
             dir,

@@ -33,6 +33,12 @@
 //! sections' committed results; `--old-object PATH` also times the per-packet paths of another
 //! build of the datapath (with the `bench` feature), interleaved with this tree's; `bench
 //! --render` regenerates the report from the JSON alone.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a panic, with its message, is how a test fails"
+)]
 
 use std::{
     collections::BTreeMap,
@@ -82,8 +88,6 @@ mod ha;
 mod lb_compare;
 mod lb_sweep;
 mod overlay_compare;
-#[path = "../../tests/support/pki.rs"]
-mod pki;
 mod plot;
 mod report;
 mod route_compare;

@@ -2,11 +2,10 @@
 //! TCP with TLS and client certificates when configured.
 
 use std::{
-    collections::HashMap,
     net::SocketAddr,
     path::{Path, PathBuf},
     pin::Pin,
-    sync::{Arc, Mutex},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -19,56 +18,12 @@ use crate::{
     config::{Config, InterfaceCheck, ServiceConfig, ServiceId},
     ct_events::{self, EventHub},
     ct_gc::GcStats,
+    metrics::ApiLatency,
     rules::{ChangeSummary, RejectKind, Rejected, Rules},
 };
 
-/// Upper bounds (seconds) of the API latency histogram buckets.
-pub const LATENCY_BUCKETS_S: [f64; 12] = [
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.5,
-];
-
-/// Latency of one API method: a cumulative histogram, and calls by status code.
-#[derive(Clone, Debug, Default)]
-pub struct MethodLatency {
-    pub buckets: [u64; LATENCY_BUCKETS_S.len()],
-    pub count: u64,
-    pub sum_s: f64,
-    pub codes: HashMap<&'static str, u64>,
-}
-
-/// Per-method latencies of the API, for `/metrics`.
-#[derive(Debug, Default)]
-pub struct ApiLatency(Mutex<HashMap<&'static str, MethodLatency>>);
-
-impl ApiLatency {
-    pub fn record(&self, method: &'static str, took: Duration, code: tonic::Code) {
-        let Ok(mut map) = self.0.lock() else {
-            return;
-        };
-        let m = map.entry(method).or_default();
-        let s = took.as_secs_f64();
-        for (i, le) in LATENCY_BUCKETS_S.iter().enumerate() {
-            if s <= *le {
-                m.buckets[i] += 1;
-            }
-        }
-        m.count += 1;
-        m.sum_s += s;
-        *m.codes.entry(code_name(code)).or_default() += 1;
-    }
-
-    pub fn snapshot(&self) -> Vec<(&'static str, MethodLatency)> {
-        let mut v: Vec<_> = self
-            .0
-            .lock()
-            .map(|m| m.iter().map(|(k, v)| (*k, v.clone())).collect())
-            .unwrap_or_default();
-        v.sort_by_key(|(k, _)| *k);
-        v
-    }
-}
-
-fn code_name(code: tonic::Code) -> &'static str {
+/// The name of a gRPC status code, as logs and metrics show it.
+pub(crate) fn code_name(code: tonic::Code) -> &'static str {
     use tonic::Code as C;
     match code {
         C::Ok => "OK",
@@ -927,7 +882,10 @@ pub fn server_tls(config: &Config) -> Result<Option<tonic::transport::ServerTlsC
 }
 
 /// Serves the API on `unix` (and on `tcp`, with `tls` unless insecure TCP is allowed) until
-/// `shutdown` fires.
+/// `shutdown` fires. Both listeners also serve server reflection (`grpc.reflection.v1` and
+/// `v1alpha`, describing `fastpath.v1`) and `grpc.health.v1.Health`: SERVING for "" and
+/// `fastpath.v1.Fastpath` from the start, NOT_SERVING once `shutdown` fires, before the
+/// listeners stop, so a client watching the health sees the daemon go.
 pub async fn serve(
     api: Api,
     unix: tokio::net::UnixListener,
@@ -937,21 +895,47 @@ pub async fn serve(
     )>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
-    let service = || {
-        pb::fastpath_server::FastpathServer::new(api.clone())
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES)
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<pb::fastpath_server::FastpathServer<Api>>()
+        .await;
+    let reflection = match reflection_services() {
+        Ok(r) => Some(r),
+        Err(e) => {
+            // Not expected (the descriptor set is built with the binary); the API itself works.
+            warn!(error = %e, "Server reflection is not served: the embedded descriptor set does not load");
+            None
+        }
     };
-    let mut stop_unix = shutdown.clone();
+    let router = |builder: tonic::transport::Server, listener: &'static str| {
+        let (v1, v1alpha) = reflection.clone().unzip();
+        // One span per request: what a log line of its handling belongs to.
+        builder
+            .trace_fn(
+                move |req| tracing::info_span!("api_request", listener, method = %req.uri().path()),
+            )
+            .add_service(
+                pb::fastpath_server::FastpathServer::new(api.clone())
+                    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(MAX_MESSAGE_BYTES),
+            )
+            .add_service(health_service.clone())
+            .add_optional_service(v1)
+            .add_optional_service(v1alpha)
+    };
+    // The listeners stop after the health service has said NOT_SERVING.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut stop_unix = stop_rx.clone();
+    // Unix socket clients' `:authority` is normalized (see `authority`); TCP's is not.
+    let unix_incoming = tokio_stream::wrappers::UnixListenerStream::new(unix)
+        .map(|conn| conn.map(super::authority::AuthorityFix::new));
     let unix_task = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(service())
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::UnixListenerStream::new(unix),
-                async move {
-                    let _ = stop_unix.wait_for(|s| *s).await;
-                },
-            ),
+        router(tonic::transport::Server::builder(), "unix").serve_with_incoming_shutdown(
+            unix_incoming,
+            async move {
+                let _ = stop_unix.wait_for(|s| *s).await;
+            },
+        ),
     );
     let tcp_task = tcp.and_then(|(listener, tls)| {
         let mut builder = tonic::transport::Server::builder();
@@ -965,19 +949,22 @@ pub async fn serve(
                 }
             }
         }
-        let mut stop = shutdown.clone();
-        Some(tokio::spawn(
-            builder
-                .add_service(service())
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(listener),
-                    async move {
-                        let _ = stop.wait_for(|s| *s).await;
-                    },
-                ),
-        ))
+        let mut stop = stop_rx.clone();
+        Some(tokio::spawn(router(builder, "tcp").serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            async move {
+                let _ = stop.wait_for(|s| *s).await;
+            },
+        )))
     });
     let _ = shutdown.wait_for(|s| *s).await;
+    health
+        .set_service_status("", tonic_health::ServingStatus::NotServing)
+        .await;
+    health
+        .set_not_serving::<pb::fastpath_server::FastpathServer<Api>>()
+        .await;
+    let _ = stop_tx.send(true);
     // Graceful shutdown waits for every connection to close; a client that keeps one open (a
     // `ct watch`, an idle channel) must not hold the daemon's stop: it gets SHUTDOWN_GRACE.
     for (what, task) in
@@ -998,5 +985,58 @@ pub async fn serve(
     }
 }
 
+/// The reflection services, v1 and v1alpha (which clients such as Python's grpcio-reflection
+/// and older grpcurl ask only), describing `fastpath.v1`, `grpc.health.v1` and themselves.
+fn reflection_services() -> Result<
+    (
+        tonic_reflection::server::v1::ServerReflectionServer<
+            impl tonic_reflection::server::v1::ServerReflection,
+        >,
+        tonic_reflection::server::v1alpha::ServerReflectionServer<
+            impl tonic_reflection::server::v1alpha::ServerReflection,
+        >,
+    ),
+    tonic_reflection::server::Error,
+> {
+    let builder = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    Ok((builder().build_v1()?, builder().build_v1alpha()?))
+}
+
 /// How long a stopping daemon waits for API clients to finish their requests.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The descriptor set build.rs embeds loads: reflection is served, and it knows the API.
+    #[test]
+    fn reflection_loads_the_embedded_descriptor_sets() {
+        if let Err(e) = reflection_services() {
+            panic!(
+                "expected the reflection services to build from the embedded descriptor sets, got: {e}"
+            );
+        }
+        use prost::Message as _;
+        let set = prost_types::FileDescriptorSet::decode(pb::FILE_DESCRIPTOR_SET)
+            .unwrap_or_else(|e| panic!("the embedded descriptor set does not decode: {e}"));
+        let services: Vec<String> = set
+            .file
+            .iter()
+            .flat_map(|f| {
+                f.service
+                    .iter()
+                    .map(|s| format!("{}.{}", f.package(), s.name()))
+            })
+            .collect();
+        assert_eq!(
+            services,
+            ["fastpath.v1.Fastpath"],
+            "services in the reflected set"
+        );
+    }
+}

@@ -1,6 +1,12 @@
 //! Test support shared by the integration tests, the demo and the benchmarks: a packet
 //! builder, BPF_PROG_TEST_RUN fixtures through the real entry points, and network-namespace
 //! topologies with guaranteed cleanup.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test support: a panic, with its message, is how a test fails"
+)]
 
 pub mod capture;
 pub mod cases;
@@ -9,6 +15,7 @@ pub mod fixture;
 pub mod ha;
 pub mod netns;
 pub mod packet;
+pub mod pki;
 pub mod route_cases;
 pub mod traffic;
 pub mod vlan_cases;

@@ -18,7 +18,7 @@
 
 use std::{
     net::SocketAddr,
-    path::{Path, PathBuf},
+    path::PathBuf,
     thread,
     time::{Duration, Instant},
 };
@@ -32,13 +32,9 @@ use fastpath::testkit::{
 };
 use rcgen::ExtendedKeyUsagePurpose;
 
-#[path = "support/pki.rs"]
-mod pki;
-use pki::{CertFiles, TestCa};
+use fastpath::testkit::pki::{CertFiles, TestCa};
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 const BACKENDS: usize = 3;
 const CONNECTIONS: usize = 1000;

@@ -44,9 +44,7 @@ use fastpath_common::{
     map_names,
 };
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 const BACKENDS: usize = 3;
 const VIP4: &str = "10.200.0.100";

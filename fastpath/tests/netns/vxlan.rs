@@ -21,8 +21,6 @@
 //! The topology is `testkit::vxlan_cases::two_node_overlay`. Root only (never skipped).
 //! Debian packages: iproute2, ethtool, nginx, curl, iputils-ping.
 
-use std::path::Path;
-
 use fastpath::{
     stats::StatsSnapshot,
     testkit::netns::{Daemon, HttpServer, Topology, prepare_test},
@@ -33,9 +31,7 @@ use fastpath::{
 };
 use fastpath_common::{Hook, Verdict, reason};
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 /// nginx in pod b serving a 4 MiB `blob`; the server lives as long as the value returned.
 fn blob_server(topo: &Topology) -> (HttpServer, Vec<u8>) {

@@ -1,13 +1,9 @@
-//! Certificates made per test run (rcgen, a dev-dependency: hence here, shared by the test
-//! files that include it with `#[path = "support/pki.rs"] mod pki;`, not in the testkit).
-//! A CA writes its certificate to a PEM file; leaves it signs are written as `NAME.pem` and
+//! Certificates made per test run (rcgen). A CA writes its certificate to a PEM file; leaves it signs are written as `NAME.pem` and
 //! `NAME.key` into a test's temp dir.
-
-#![allow(dead_code, reason = "each test file uses part of it")]
 
 use std::path::PathBuf;
 
-use fastpath::testkit::netns::TempDir;
+use super::netns::TempDir;
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
     KeyPair,

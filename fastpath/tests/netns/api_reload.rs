@@ -2,15 +2,13 @@
 //! hooks are attached and detached live, only the difference is applied, the API's changes
 //! survive a reload of an unchanged file and a restart, and a file that changed wins.
 
-use std::{path::Path, time::Duration};
+use std::time::Duration;
 
 use fastpath::testkit::netns::{
     Daemon, DaemonConfig, LbTopology, TempDir, prepare_test, test_lb_topology, unique_pin_dir,
 };
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 /// `interface -o json`: interface name → its hooks.
 fn hooks(daemon: &Daemon) -> Vec<(String, Vec<String>)> {

@@ -19,18 +19,14 @@ use fastpath_common::map_names;
 use rcgen::ExtendedKeyUsagePurpose;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
-#[path = "support/pki.rs"]
-mod pki;
-use pki::{CertFiles, TestCa};
+use fastpath::testkit::pki::{CertFiles, TestCa};
 
 const B_ADDR: &str = "10.202.0.2";
 const ROGUE_ADDR: &str = "10.202.0.1";
 const VIP: &str = "10.203.0.1";
 const BACKEND: &str = "10.203.1.1";
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 fn ep(a: [u8; 4], port: u32) -> Option<pb::Endpoint> {
     Some(pb::Endpoint {

@@ -16,16 +16,12 @@
 //!
 //! Root only (never skipped). Debian packages: iproute2, nginx, curl, iputils-ping.
 
-use std::path::Path;
-
 use fastpath::testkit::netns::{
     Daemon, DaemonConfig, HookedInterface, Topology, VethEnd, prepare_test, unique_pin_dir,
 };
 use fastpath_common::{Hook, Verdict, reason};
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 const A4: &str = "10.212.0.1";
 const B4: &str = "10.212.0.2";

@@ -7,16 +7,14 @@
 //!
 //! Root only (never skipped). Debian packages: iproute2, nginx-light, curl, ethtool.
 
-use std::{net::IpAddr, path::Path, time::Duration};
+use std::{net::IpAddr, time::Duration};
 
 use fastpath::testkit::netns::{
     Daemon, HttpServer, LbTopology, parse_services, predicted_backend, prepare_test,
     test_lb_topology, unique_pin_dir,
 };
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 const BACKENDS: usize = 3;
 const VIP4: &str = "10.200.0.100";

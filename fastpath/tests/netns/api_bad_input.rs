@@ -53,9 +53,7 @@ use tonic::{
     transport::{Channel, Endpoint},
 };
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 const BACKENDS: usize = 2;
 const VIP4: &str = "10.200.0.100";

@@ -24,9 +24,7 @@ use fastpath::testkit::netns::{
 };
 use serde::Deserialize;
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 /// Our counters count the frame as the hook sees it (Ethernet header included); the kernel's
 /// conntrack accounting counts the IP packet. Per packet the two differ by exactly this.

@@ -20,8 +20,6 @@
 //! or GRO there). Root only (never skipped). Debian packages: iproute2, ethtool, nginx, curl,
 //! iputils-ping.
 
-use std::path::Path;
-
 use fastpath::{
     datapath,
     stats::StatsSnapshot,
@@ -32,9 +30,7 @@ use fastpath::{
 };
 use fastpath_common::{Hook, Verdict, reason};
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 const SERVER4: &str = "10.211.0.2";
 const SERVER6: &str = "fd00:211::2";

@@ -27,9 +27,7 @@ use fastpath::testkit::netns::{
 };
 use serde_json::Value;
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 const BACKENDS: usize = 3;
 /// Added through `service add` (not in the config file).

@@ -16,15 +16,11 @@ use fastpath::testkit::{
 };
 use rcgen::ExtendedKeyUsagePurpose;
 
-#[path = "support/pki.rs"]
-mod pki;
-use pki::TestCa;
+use fastpath::testkit::pki::TestCa;
 
 const VIP: &str = "10.200.250.1";
 
-fn bin() -> &'static std::path::Path {
-    std::path::Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 struct Pair {
     lb: LbTopology,

@@ -32,9 +32,7 @@ use fastpath_common::{
     Counter, DatapathConfig, Hook, Verdict, map_names, reason, stats::CONFIG_F_DROP_MALFORMED,
 };
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 /// Frame sizes as the hooks count them (Ethernet header included, no FCS).
 const ETH: u64 = 14;

@@ -14,13 +14,9 @@ use fastpath::testkit::netns::{
 };
 use rcgen::ExtendedKeyUsagePurpose;
 
-#[path = "support/pki.rs"]
-mod pki;
-use pki::{CertFiles, TestCa};
+use fastpath::testkit::pki::{CertFiles, TestCa};
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 struct Pki {
     ca: PathBuf,

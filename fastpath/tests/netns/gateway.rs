@@ -12,7 +12,7 @@
 //!   default via fp                                                      no route to clients
 //! ```
 //!
-//! Checksums: offloads off on the clients and the server, as in lb_netns (XDP sees full
+//! Checksums: offloads off on the clients and the server, as in `lb` (XDP sees full
 //! checksums, as from a wire). Root only (never skipped). Debian packages: iproute2, python3,
 //! ethtool.
 
@@ -22,9 +22,7 @@ use fastpath::testkit::netns::{
     Daemon, DaemonConfig, Spawned, TempDir, Topology, VethEnd, prepare_test, unique_pin_dir,
 };
 
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_fastpath"))
-}
+use crate::bin;
 
 const CLIENTS: usize = 10;
 const ECHO_PORT: u16 = 7000;
