@@ -548,6 +548,9 @@ fn old_object(rev: &str) -> Result<PathBuf> {
     let built = target_dir.join("bpfel-unknown-none/release/fastpath");
     fs::copy(&built, &object)
         .with_context(|| format!("copying {} to {}", built.display(), object.display()))?;
+    // The worktree is registered in the repository: removed once built (its build cache in
+    // target/bench-old/target stays for the next revision).
+    run(cmd("git").args(["worktree", "remove", "--force"]).arg(&src))?;
     Ok(object)
 }
 

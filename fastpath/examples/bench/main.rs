@@ -2200,13 +2200,7 @@ fn updates_markdown(rows: &[UpdateRow]) -> String {
         let _ = writeln!(
             md,
             "| {} | {} | {} | {:.0} | {:.0} | {:.0} | ≤ {:.0} |",
-            r.what,
-            r.services_in_datapath,
-            r.samples,
-            r.p50_us,
-            r.p99_us,
-            r.max_us,
-            r.target_us,
+            r.what, r.services_in_datapath, r.samples, r.p50_us, r.p99_us, r.max_us, r.target_us,
         );
     }
     md.push('\n');
