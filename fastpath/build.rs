@@ -72,9 +72,23 @@ fn main() -> anyhow::Result<()> {
     println!("cargo::rerun-if-changed=../fastpath-ebpf/rust-toolchain.toml");
     let toolchain = channel(EBPF_TOOLCHAIN_FILE)
         .context("fastpath-ebpf/rust-toolchain.toml states no channel = \"...\"")?;
-    aya_build::build_ebpf(
-        [Package { name: "fastpath-ebpf", root_dir: root, no_default_features: false, features: &[] }],
-        Toolchain::Custom(toolchain),
-    )
-    .context("building the eBPF datapath failed; run `cargo xtask bootstrap` to install the pinned nightly and bpf-linker")
+    let out_dir = std::path::PathBuf::from(out_dir);
+    let build = |features: &[&str]| {
+        aya_build::build_ebpf(
+            [Package { name: "fastpath-ebpf", root_dir: root, no_default_features: false, features }],
+            Toolchain::Custom(toolchain),
+        )
+        .context("building the eBPF datapath failed; run `cargo xtask bootstrap` to install the pinned nightly and bpf-linker")
+    };
+    // With `testkit` (tests, the demo, the bench) a second object carries the benchmark's
+    // programs and maps as well: built first and renamed, since aya-build writes every build
+    // of the crate to OUT_DIR/fastpath. The daemon's object, built last, never carries them.
+    println!("cargo::rerun-if-env-changed=CARGO_FEATURE_TESTKIT");
+    if std::env::var_os("CARGO_FEATURE_TESTKIT").is_some() {
+        build(&["bench"])?;
+        let (from, to) = (out_dir.join("fastpath"), out_dir.join("fastpath-bench"));
+        std::fs::rename(&from, &to)
+            .with_context(|| format!("renaming {} to {}", from.display(), to.display()))?;
+    }
+    build(&[])
 }

@@ -14,6 +14,7 @@
               kernel's context pointer, which the kernel guarantees valid"
 )]
 
+#[cfg(feature = "bench")]
 mod bench;
 mod conntrack;
 mod dsr;
@@ -34,7 +35,7 @@ mod vxlan;
 
 use aya_ebpf::{
     EbpfContext as _,
-    bindings::{__sk_buff, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, xdp_action},
+    bindings::{__sk_buff, TC_ACT_SHOT, TC_ACT_UNSPEC, xdp_action},
     helpers::bpf_redirect,
     macros::{classifier, xdp},
     programs::{TcContext, XdpContext},
@@ -526,6 +527,7 @@ fn icmp_error_tail(pkt: &Packet, hook: Hook, v4: bool) -> bool {
 }
 
 /// Empty XDP program: the floor `cargo xtask bench` measures in the same run. Never attached.
+#[cfg(feature = "bench")]
 #[xdp]
 pub fn bench_floor_xdp(_ctx: XdpContext) -> u32 {
     xdp_action::XDP_PASS
@@ -533,6 +535,7 @@ pub fn bench_floor_xdp(_ctx: XdpContext) -> u32 {
 
 /// Synthetic conntrack event producer for the ring-drain benchmark: each run emits a fixed
 /// batch of numbered events through the conntrack stage's `emit`. Never attached.
+#[cfg(feature = "bench")]
 #[xdp]
 pub fn bench_ct_events(_ctx: XdpContext) -> u32 {
     bench::ct_events();
@@ -544,6 +547,7 @@ pub fn bench_ct_events(_ctx: XdpContext) -> u32 {
 /// benchmark. Never attached.
 /// The frame comes back from the page pool with the headers the path rewrote (MAC
 /// addresses, TTL): they are restored from `FP_BENCH_FRAME` first.
+#[cfg(feature = "bench")]
 #[xdp]
 pub fn bench_xdp_tx(ctx: XdpContext) -> u32 {
     let pkt = xdp_packet(&ctx);
@@ -556,6 +560,7 @@ pub fn bench_xdp_tx(ctx: XdpContext) -> u32 {
 /// The conntrack table's lookup of the key in `FP_BENCH_CT_KEY`, and nothing else: the share
 /// of the hash lookup in the CT-hit path, for the benchmark. XDP_PASS when the key is in the
 /// table, XDP_DROP when it is not. Never attached.
+#[cfg(feature = "bench")]
 #[xdp]
 pub fn bench_ct_lookup(_ctx: XdpContext) -> u32 {
     let Some(key) = maps::FP_BENCH_CT_KEY.get(0) else {
@@ -572,6 +577,7 @@ pub fn bench_ct_lookup(_ctx: XdpContext) -> u32 {
 /// A traffic sink for the load-balancer benchmark, attached to the backends' links: drops
 /// IPv4 UDP datagrams to `bench::SINK_UDP_PORT` (no IP options) and passes everything else
 /// (ARP, TCP, ...) to the stack. The veth counts what it dropped (`ethtool -S`: xdp_drops).
+#[cfg(feature = "bench")]
 #[xdp]
 pub fn bench_xdp_sink(ctx: XdpContext) -> u32 {
     if sink_takes(&xdp_packet(&ctx)).is_some() {
@@ -582,6 +588,7 @@ pub fn bench_xdp_sink(ctx: XdpContext) -> u32 {
 }
 
 /// `Some` for what `bench_xdp_sink` drops.
+#[cfg(feature = "bench")]
 #[inline(always)]
 fn sink_takes(pkt: &Packet) -> Option<()> {
     // verifier: one value at a time with `?` (a tuple of `Option`s let LLVM read an
@@ -607,9 +614,10 @@ pub fn fastpath_ct_install(ctx: XdpContext) -> u32 {
 }
 
 /// Empty TC program: the floor for the TC entry points. Never attached.
+#[cfg(feature = "bench")]
 #[classifier]
 pub fn bench_floor_tc(_ctx: TcContext) -> i32 {
-    TC_ACT_OK
+    aya_ebpf::bindings::TC_ACT_OK
 }
 
 #[cfg(not(test))]

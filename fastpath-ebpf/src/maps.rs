@@ -13,7 +13,6 @@ use aya_ebpf::{
 };
 use fastpath_common::{
     Counter, DatapathConfig,
-    bench::BENCH_FRAME_WORDS,
     ct::{CT_EVENTS_BYTES, CtEntry, CtKey, IFACE_SLOTS, IfaceConfig, ct_stat},
     lb::{
         AFFINITY_ENTRIES, Affinity, AffinityKey, Backend, BackendCounters, BackendLoad, LB_SLOTS,
@@ -112,16 +111,20 @@ pub static FP_CT_KEY: PerCpuArray<CtKey> = PerCpuArray::with_max_entries(1, 0);
 /// never run on live traffic. Shared by all CPUs, not per-CPU, so the sequence stays one
 /// sequence when the benchmark's single producer thread moves between CPUs. Not pinned: each
 /// load starts at 0.
+#[cfg(feature = "bench")]
 #[map(name = "FP_BENCH_SEQ")]
 pub static FP_BENCH_SEQ: Array<u64> = Array::with_max_entries(1, 0);
 
 /// The routing benchmark's generator frame, its first `BENCH_FRAME_WORDS` words: written
 /// over every frame `bench_xdp_tx` sends, since a frame comes back to the generator with the
 /// headers the path rewrote (live frames are recycled, not reset). Not pinned.
+#[cfg(feature = "bench")]
 #[map(name = "FP_BENCH_FRAME")]
-pub static FP_BENCH_FRAME: Array<[u64; BENCH_FRAME_WORDS]> = Array::with_max_entries(1, 0);
+pub static FP_BENCH_FRAME: Array<[u64; fastpath_common::bench::BENCH_FRAME_WORDS]> =
+    Array::with_max_entries(1, 0);
 
 /// The conntrack key `bench_ct_lookup` looks up, written by the benchmark. Not pinned.
+#[cfg(feature = "bench")]
 #[map(name = "FP_BENCH_CT_KEY")]
 pub static FP_BENCH_CT_KEY: Array<CtKey> = Array::with_max_entries(1, 0);
 

@@ -24,3 +24,8 @@ pub mod testkit;
 
 /// The compiled datapath object, built by build.rs from fastpath-ebpf.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/fastpath"));
+/// The datapath object with the benchmark's programs and maps too (fastpath-ebpf's `bench`
+/// feature): what the fixtures and the bench load. Never in the product binary.
+#[cfg(any(test, feature = "testkit"))]
+pub static EBPF_BENCH_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/fastpath-bench"));

@@ -67,13 +67,16 @@ commands:
               test (unit, datapath fixtures, namespaces)
   bench       bootstrap, build, run every benchmark section (BPF_PROG_TEST_RUN ns/packet,
               conntrack, updates, API, the comparisons with the kernel, iptables, nftables,
-              HAProxy in namespaces, HA replication); writes docs/bench/*.json, the plots
-              docs/bench/*.svg and docs/BENCHMARKS.md. `bench SECTION` re-measures one section
-              and rewrites them with the other sections' committed results; `bench --render`
-              rewrites the report and plots from the committed JSON; `bench --compare REV`
-              compares the results with those committed at REV (medians against spreads;
-              `--compare REV1 … REV` goes along several revisions, carrying the spread);
-              `bench --help` lists the sections
+              HAProxy in namespaces, HA replication), each comparison side by side in one
+              run; writes docs/bench/*.json, the plots docs/bench/*.svg and the generated
+              tables of docs/BENCHMARKS.md (its hand-written prose is kept).
+              `bench -- quick`: the per-packet paths and a short load-balancer comparison;
+              `bench -- SECTION`: one section, the others' committed results kept;
+              `--old-rev REV` (or `--old-object PATH`, an object built with fastpath-ebpf's
+              `bench` feature): also the parse-only paths of REV's eBPF object, interleaved
+              with this tree's in the same rounds;
+              `bench -- --render`: tables and plots from the committed JSON alone;
+              `bench -- --help` lists the sections
   build       bootstrap and build the release binary target/release/fastpath
   bootstrap   only install toolchains, bpf-linker and Debian packages (idempotent)
   lint        cargo fmt --check and clippy with warnings denied
@@ -471,8 +474,84 @@ fn bench(extra: &[String]) -> Result<()> {
     if !extra.iter().any(|a| a == "--render" || a == "--help") {
         require_root("bench")?;
     }
+    // `--old-rev REV`: build REV's eBPF object and hand it to the bench as `--old-object`.
+    let mut args = Vec::new();
+    let mut it = extra.iter();
+    while let Some(arg) = it.next() {
+        if arg == "--old-rev" {
+            let rev = it
+                .next()
+                .context("--old-rev needs a git revision, e.g. `--old-rev main`")?;
+            let object = old_object(rev)?;
+            args.push("--old-object".to_owned());
+            args.push(object.to_str().context("non-UTF-8 path")?.to_owned());
+        } else {
+            args.push(arg.clone());
+        }
+    }
     // The load-balancer comparison runs target/release/fastpath, so build the binary too.
-    run_example("bench", &["--bins"], extra)
+    run_example("bench", &["--bins"], &args)
+}
+
+/// Builds the eBPF object of git revision `rev` with the benchmark's programs, in a detached
+/// worktree under target/bench-old/, as aya-build builds it; returns the object's path.
+fn old_object(rev: &str) -> Result<PathBuf> {
+    let base = root_dir().join("target/bench-old");
+    let src = base.join("src");
+    fs::create_dir_all(&base).with_context(|| format!("creating {}", base.display()))?;
+    if src.exists() {
+        run(cmd("git").args(["worktree", "remove", "--force"]).arg(&src))?;
+    }
+    run(cmd("git")
+        .args(["worktree", "add", "--detach"])
+        .arg(&src)
+        .arg(rev))?;
+    // Trees from before the `bench` feature carry the benchmark's programs unconditionally.
+    let manifest = fs::read_to_string(src.join("fastpath-ebpf/Cargo.toml"))
+        .with_context(|| format!("reading fastpath-ebpf/Cargo.toml at {rev}"))?;
+    let features: &[&str] = if manifest.contains("bench = [") {
+        &["--features", "bench"]
+    } else {
+        &[]
+    };
+    let target_dir = base.join("target");
+    let mut c = cmd("cargo");
+    // This tree's eBPF pin: the old tree is built with today's compiler.
+    c.arg(format!("+{}", Pin::ebpf().channel))
+        .args([
+            "build",
+            "-p",
+            "fastpath-ebpf",
+            "--bins",
+            "--release",
+            "--target",
+            "bpfel-unknown-none",
+            "-Z",
+            "build-std=core",
+        ])
+        .args(features)
+        .arg("--target-dir")
+        .arg(&target_dir)
+        // As aya-build sets them (fields separated by 0x1f).
+        .env(
+            "CARGO_ENCODED_RUSTFLAGS",
+            format!(
+                "--cfg=bpf_target_arch=\"{}\"\x1f-Cdebuginfo=2\x1f-Clink-arg=--btf",
+                env::consts::ARCH
+            ),
+        )
+        .current_dir(&src);
+    run(&mut c).with_context(|| format!("building the eBPF object of {rev}"))?;
+    // Named after the commit, so the report says which object it timed.
+    let commit = output(cmd("git").args(["rev-parse", "--short", rev]))?;
+    let object = base.join(format!("fastpath-ebpf-{}.o", commit.trim()));
+    let built = target_dir.join("bpfel-unknown-none/release/fastpath");
+    fs::copy(&built, &object)
+        .with_context(|| format!("copying {} to {}", built.display(), object.display()))?;
+    // The worktree is registered in the repository: removed once built (its build cache in
+    // target/bench-old/target stays for the next revision).
+    run(cmd("git").args(["worktree", "remove", "--force"]).arg(&src))?;
+    Ok(object)
 }
 
 /// Builds the fastpath examples (release) and runs example `name` with `extra` arguments.

@@ -545,13 +545,6 @@ fn setting_markdown(md: &mut String, r: &OverlaySetting) {
         );
     }
     let med = |v: &[f64]| crate::stats(v).0;
-    let verdict = |got: f64, target: f64| {
-        if got >= target {
-            "at least ONCache's gain"
-        } else {
-            "short of ONCache's gain"
-        }
-    };
     let ceiling = r
         .vs_kernel
         .iter()
@@ -600,19 +593,7 @@ fn setting_markdown(md: &mut String, r: &OverlaySetting) {
             md,
             "\n{} ÷ kernel: {}; node b decapsulated {:.0}% of pod b's iperf3 bytes in the fast path.",
             v.contender.name(),
-            ratios(
-                v,
-                &format!(
-                    "; ONCache {ONCACHE_RR:.2}×: {}{}",
-                    verdict(v.ratios[0], ONCACHE_RR),
-                    captured(v.ratios[0], 0)
-                ),
-                &format!(
-                    "; ONCache {ONCACHE_GBIT:.2}×: {}{}",
-                    verdict(v.ratios[1], ONCACHE_GBIT),
-                    captured(v.ratios[1], 1)
-                )
-            ),
+            ratios(v, &captured(v.ratios[0], 0), &captured(v.ratios[1], 1)),
             v.decap_share_percent
         );
     }
@@ -663,50 +644,4 @@ pub fn figures(r: &OverlayReport) -> Vec<Figure> {
             None,
         ),
     ]
-}
-
-/// The "Where we lose" paragraph: ONCache's gains where fastpath falls short of them, next to
-/// the ceiling measured in the same rounds.
-pub fn where_we_lose(r: &OverlayReport) -> String {
-    let mut md = String::new();
-    for setting in &r.settings {
-        let of = |c: Contender| setting.vs_kernel.iter().find(|v| v.contender == c);
-        let short: Vec<String> = [Contender::FastpathTc, Contender::Fastpath]
-            .into_iter()
-            .filter_map(of)
-            .filter(|v| v.ratios[0] < ONCACHE_RR || v.ratios[1] < ONCACHE_GBIT)
-            .map(|v| {
-                format!(
-                    "{} {:.2}× requests/s and {:.2}× TCP throughput",
-                    v.contender.name(),
-                    v.ratios[0],
-                    v.ratios[1]
-                )
-            })
-            .collect();
-        if short.is_empty() {
-            continue;
-        }
-        let _ = write!(
-            md,
-            "VXLAN overlay on {}: ONCache's gains over the kernel's overlay ({ONCACHE_RR:.2}× requests/s, {ONCACHE_GBIT:.2}× TCP throughput) are not reached: {}.",
-            setting.nodes.name(),
-            short.join("; ")
-        );
-        if let Some(c) = of(Contender::NoOverlay) {
-            let _ = write!(
-                md,
-                " Taking the overlay away altogether gains {:.2}× and {:.2}× in the same rounds{}: on a veth underlay the kernel's overlay carries a TCP stream from node to node as the GRO aggregates node a's pod link made (up to 64 KB each, segmented nowhere on the way), so it costs little more per byte than plain routing, and a bypass cannot gain on it in throughput what it gains between NICs (ONCache's testbed).",
-                c.ratios[0],
-                c.ratios[1],
-                if c.ratios[1] < ONCACHE_GBIT {
-                    " — less than ONCache's throughput gain"
-                } else {
-                    ""
-                }
-            );
-        }
-        md.push_str(" At XDP, the stream is seen segment by segment (XDP runs before GRO, and on a veth turns its peer's software GSO off); at TC, the underlay's arriving GRO aggregates go to the kernel's vxlan device, because eBPF on Linux 6.18 cannot clear their tunnel offload state.\n\n");
-    }
-    md
 }

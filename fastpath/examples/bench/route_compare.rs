@@ -32,7 +32,7 @@ use fastpath::testkit::{fixture::Fixture, packet::Pkt};
 use crate::lb_compare::{Backlog, Machine, WRK_SCRIPT, parse_wrk};
 
 pub(crate) const ROUNDS: usize = 5;
-pub(crate) const SECS: u32 = 5;
+pub(crate) const SECS: u32 = 3;
 const SERVER4: &str = "10.221.0.2";
 pub(crate) const UDP_PAYLOAD: usize = 64;
 /// Frames per live-frames call, and per batch within it.
@@ -91,16 +91,6 @@ impl Spread {
     /// Its table cell, `median (min–max)`.
     pub(crate) fn cell(&self, digits: usize) -> String {
         crate::cell(self.median, self.min, self.max, digits)
-    }
-
-    /// A median and spread read back without their samples (`compare`).
-    pub(crate) fn new(median: f64, min: f64, max: f64) -> Spread {
-        Spread {
-            median,
-            min,
-            max,
-            samples: Vec::new(),
-        }
     }
 
     pub(crate) fn of(samples: Vec<f64>) -> Spread {

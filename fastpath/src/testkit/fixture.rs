@@ -416,20 +416,29 @@ pub struct Fixture {
 }
 
 impl Fixture {
-    /// Loads [`crate::EBPF_OBJECT`] with fresh maps and loads (verifies) every program: the
-    /// three entry points and the benchmark programs.
+    /// Loads [`crate::EBPF_BENCH_OBJECT`] (the datapath plus the benchmark's programs) with
+    /// fresh maps and loads (verifies) every program: the three entry points and the benchmark
+    /// programs.
     pub fn new() -> Result<Self, FixtureError> {
         Fixture::with_ct_capacity(crate::config::DEFAULT_CT_CAPACITY)
     }
 
     /// As [`Fixture::new`], with a conntrack table of `capacity` entries.
     pub fn with_ct_capacity(capacity: u32) -> Result<Self, FixtureError> {
+        Fixture::with_object(crate::EBPF_BENCH_OBJECT, capacity)
+    }
+
+    /// As [`Fixture::with_ct_capacity`], from another build of the datapath with the
+    /// benchmark's programs (fastpath-ebpf's `bench` feature), e.g. an earlier revision's, to
+    /// time both objects in one run. Its maps must have this tree's layouts: the fixture seeds
+    /// them with this tree's types.
+    pub fn with_object(object: &[u8], capacity: u32) -> Result<Self, FixtureError> {
         let pins = PinDir::create()?;
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(&pins.path)
             .map_max_entries(map_names::CT, capacity)
             .map_max_entries(map_names::CT_NEW, capacity)
-            .load(crate::EBPF_OBJECT)
+            .load(object)
             .map_err(|source| FixtureError::Load { source })?;
         for name in [
             program_names::XDP,
@@ -1764,7 +1773,7 @@ impl XdpSink {
         let pins = PinDir::create()?;
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(&pins.path)
-            .load(crate::EBPF_OBJECT)
+            .load(crate::EBPF_BENCH_OBJECT)
             .map_err(|source| FixtureError::Load { source })?;
         let name = program_names::BENCH_XDP_SINK;
         let xdp: &mut Xdp = program_mut(&mut ebpf, name)?;
