@@ -440,21 +440,27 @@ fn build() -> Result<()> {
 
 fn test(extra: &[String]) -> Result<()> {
     require_root("test")?;
+    step("rustfmt --check");
     run(&mut cargo(&["fmt", "--all", "--check"]))
         .context("code is not formatted: run `cargo fmt --all`")?;
-    clippy()
-        .and_then(|()| clippy_ebpf())
-        .context("clippy found something: run `cargo xtask lint` and fix what it says")?;
+    step("clippy, userspace crates, every target, -D warnings");
+    clippy().context("clippy found something: run `cargo xtask lint` and fix what it says")?;
+    step("clippy, eBPF crate for bpfel-unknown-none, -D warnings");
+    clippy_ebpf().context("clippy found something: run `cargo xtask lint` and fix what it says")?;
+    step("rustdoc, -D warnings");
     docs().context("the docs do not build without warnings: run `RUSTDOCFLAGS=\"-D warnings\" cargo doc --no-deps`")?;
+    step("unit tests as an unprivileged user");
     unit_tests_unprivileged().context(
         "a unit test fails without root: it must not need the kernel (move it to a \
          `kernel_tests` module only if it tests the real datapath)",
     )?;
+    step("every test as root: unit, fixtures (BPF_PROG_TEST_RUN), namespaces");
     // One thread: the datapath and namespace tests share kernel state (bpffs, interfaces).
     run(cargo(&["test", "--release", "--no-fail-fast"])
         .arg("--")
         .arg("--test-threads=1")
         .args(extra))?;
+    step("the examples' unit tests");
     // The examples' own unit tests (the benchmark's parsers and readers): a plain
     // `cargo test` builds the examples but does not run their tests.
     run(
@@ -462,6 +468,11 @@ fn test(extra: &[String]) -> Result<()> {
             .arg("--")
             .args(extra),
     )
+}
+
+/// Names the step that starts, so a CI log shows what ran even where cargo prints nothing.
+fn step(what: &str) {
+    eprintln!("xtask: == {what}");
 }
 
 fn demo(extra: &[String]) -> Result<()> {
