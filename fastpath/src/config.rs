@@ -1942,7 +1942,11 @@ mod tests {
 
     #[test]
     fn ha_section_is_checked_key_by_key() {
-        let file = env!("CARGO_MANIFEST_PATH");
+        // A readable stand-in for the PEM files (only readability is checked here), made in
+        // the temp dir: the unprivileged pass may not be able to read the checkout.
+        let pem = std::env::temp_dir().join(format!("fastpath-ha-test-{}.pem", std::process::id()));
+        std::fs::write(&pem, "not checked here\n").expect("writing to the temp dir");
+        let file = pem.display().to_string();
         let ha = |body: &str, peers: &str| {
             format!(
                 "[[interface]]\nname = \"lo\"\n[ha]\n{body}listen = \"10.0.0.1:7946\"\ntls_cert = \"{file}\"\ntls_key = \"{file}\"\ntls_ca = \"{file}\"\n{peers}"
@@ -1978,8 +1982,9 @@ mod tests {
             assert_eq!(e.key.as_deref(), Some(key), "{e}");
             assert!(e.to_string().contains(says), "{e}");
         }
-        let e = parse(&ha("node_id = 1\n", peer).replacen(file, "/nonexistent/node.pem", 1))
+        let e = parse(&ha("node_id = 1\n", peer).replacen(&file, "/nonexistent/node.pem", 1))
             .expect_err("missing certificate");
+        let _ = std::fs::remove_file(&pem);
         assert_eq!(e.key.as_deref(), Some("ha.tls_cert"), "{e}");
         assert!(e.to_string().contains("mutual TLS"), "{e}");
     }
