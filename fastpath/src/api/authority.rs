@@ -374,8 +374,8 @@ impl<S: AsyncRead + Unpin> AsyncRead for AuthorityFix<S> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        // A read from the client may yield nothing for the server yet (a partial frame): read
-        // again until something is ready, the client has no more for now, or it is done.
+        // A read from the client may yield nothing for the server (a partial frame). The loop
+        // ends with bytes for the server, with Pending (the client has none), or at EOF.
         while this.ready.is_empty() {
             let mut raw = ReadBuf::new(&mut this.scratch);
             ready!(Pin::new(&mut this.inner).poll_read(cx, &mut raw))?;
