@@ -139,7 +139,7 @@ struct FloorRow {
 }
 
 /// One conntrack measurement at one table size.
-#[derive(Default, Serialize, Deserialize)]
+#[derive(Clone, Default, Serialize, Deserialize)]
 struct CtRow {
     path: String,
     /// Conntrack entries when the measurement starts.
@@ -152,6 +152,10 @@ struct CtRow {
     max_ns: f64,
     floor_median_ns: f64,
     over_floor_ns: f64,
+    /// The old object's rows (`--old-object`): this tree's ns ÷ the old object's, median
+    /// (min–max) over rounds measured through both.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    new_over_old: Option<(f64, f64, f64)>,
 }
 
 /// Cost of one expiry pass over the table (nothing expired: the walk itself).
@@ -202,6 +206,14 @@ struct Report {
     /// The parse-only paths of the old object against this tree's, in the same rounds.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     old_vs_new: Vec<ObjectRow>,
+    /// The old object's rows of `conntrack`, `route_paths` and `vxlan_paths`, each timed
+    /// interleaved with this tree's (same paths, same order).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    old_conntrack: Vec<CtRow>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    old_route_paths: Vec<CtRow>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    old_vxlan_paths: Vec<CtRow>,
 }
 
 /// One parse-only path timed through two builds of the datapath in the same rounds.
@@ -287,10 +299,11 @@ const SECTIONS: &[(&str, &str)] = &[
 enum Part {
     /// The floors, the rows, and the old object's name and rows when one was timed.
     Parse(Vec<FloorRow>, Vec<Row>, Option<(String, Vec<ObjectRow>)>),
-    Conntrack(Vec<CtRow>, Vec<GcRow>),
-    Lb(Vec<CtRow>),
-    Route(Vec<CtRow>),
-    Vxlan(Vec<CtRow>),
+    /// Each object's rows ([`PerObject`]) and this tree's expiry passes.
+    Conntrack(PerObject, Vec<GcRow>),
+    Lb(PerObject),
+    Route(PerObject),
+    Vxlan(PerObject),
     Drain(DrainReport),
     Updates(Vec<UpdateRow>),
     Api(api::ApiReport),
@@ -380,9 +393,10 @@ fn main() -> Result<()> {
         _ => bail!("unknown arguments {rest:?}; {}", usage()),
     };
     let old = match &old_object {
-        Some(path) if !sections.contains(&"parse") => bail!(
-            "--old-object {} times the parse-only paths: run it with `quick`, `parse` or a full run",
-            path.display()
+        Some(path) if !sections.iter().any(|s| PER_PACKET_SECTIONS.contains(s)) => bail!(
+            "--old-object {} times the per-packet paths ({}): run it with `quick`, one of those sections or a full run",
+            path.display(),
+            PER_PACKET_SECTIONS.join(", ")
         ),
         Some(path) => Some(OldObject {
             // The file's name in the report (xtask's `--old-rev` names it after the commit).
@@ -423,6 +437,9 @@ fn main() -> Result<()> {
         let at = Instant::now();
         let machine = machine();
         report.set(name, machine, measure(name, old.as_ref())?);
+        if let Some(o) = old.as_ref().filter(|_| PER_PACKET_SECTIONS.contains(&name)) {
+            report.old_object.clone_from(&o.name);
+        }
         write_docs(&root, &report)?;
         eprintln!("== {name}: {:.0} s", at.elapsed().as_secs_f64());
     }
@@ -430,40 +447,44 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// The sections `--old-object` times the old object in.
+const PER_PACKET_SECTIONS: &[&str] = &["parse", "conntrack", "lb", "route", "vxlan"];
+
 /// Another build of the datapath, timed beside this tree's (`--old-object`).
 struct OldObject {
     name: String,
     bytes: Vec<u8>,
 }
 
+impl OldObject {
+    fn fixture(&self) -> Result<Fixture> {
+        Fixture::with_object(&self.bytes, fastpath::config::DEFAULT_CT_CAPACITY).with_context(|| {
+            format!(
+                "loading the old object {} (built with the `bench` feature? its maps must have this tree's layouts)",
+                self.name
+            )
+        })
+    }
+}
+
 /// Measures one section.
 fn measure(section: &str, old: Option<&OldObject>) -> Result<Part> {
     let fixture = || Fixture::new().context("loading the datapath (run as root)");
+    let objects = Objects { old };
     eprintln!("== {section}");
     Ok(match section {
         "parse" => {
-            let mut old_fx = old
-                .map(|o| {
-                    Fixture::with_object(&o.bytes, fastpath::config::DEFAULT_CT_CAPACITY)
-                        .with_context(|| format!("loading the old object {} (built with the `bench` feature? its maps must have this tree's layouts)", o.name))
-                })
-                .transpose()?;
+            let mut old_fx = old.map(OldObject::fixture).transpose()?;
             let (floors, rows, vs) = bench_parse(&mut fixture()?, old_fx.as_mut())?;
             Part::Parse(floors, rows, old.map(|o| (o.name.clone(), vs)))
         }
         "conntrack" => {
-            let (rows, gc) = bench_conntrack(&mut fixture()?)?;
+            let (rows, gc) = bench_conntrack(&objects)?;
             Part::Conntrack(rows, gc)
         }
-        "lb" => {
-            let mut fx = fixture()?;
-            fx.ct_clear()?;
-            let rows = bench_lb(&mut fx)?;
-            fx.ct_clear()?;
-            Part::Lb(rows)
-        }
-        "route" => Part::Route(bench_route_paths()?),
-        "vxlan" => Part::Vxlan(bench_vxlan_paths()?),
+        "lb" => Part::Lb(bench_lb(&objects)?),
+        "route" => Part::Route(bench_route_paths(&objects)?),
+        "vxlan" => Part::Vxlan(bench_vxlan_paths(&objects)?),
         "drain" => Part::Drain(bench_ct_drain(&fixture()?)?),
         "updates" => Part::Updates(bench_service_updates(&mut fixture()?)?),
         "api" => Part::Api(api::run(&daemon_bin_swept()?)?),
@@ -515,15 +536,18 @@ impl Report {
             }
             Part::Conntrack(rows, gc) => {
                 self.measured.insert("lb".to_owned(), self.machine.clone());
-                self.conntrack = rows;
+                (self.conntrack, self.old_conntrack) = this_and_old(rows);
                 self.conntrack_gc = gc;
             }
             Part::Lb(rows) => {
-                self.conntrack.retain(|r| r.backends.is_none());
-                self.conntrack.extend(rows);
+                let (rows, old) = this_and_old(rows);
+                for (all, rows) in [(&mut self.conntrack, rows), (&mut self.old_conntrack, old)] {
+                    all.retain(|r| r.backends.is_none());
+                    all.extend(rows);
+                }
             }
-            Part::Route(rows) => self.route_paths = rows,
-            Part::Vxlan(rows) => self.vxlan_paths = rows,
+            Part::Route(rows) => (self.route_paths, self.old_route_paths) = this_and_old(rows),
+            Part::Vxlan(rows) => (self.vxlan_paths, self.old_vxlan_paths) = this_and_old(rows),
             Part::Drain(d) => self.conntrack_drain = d,
             Part::Updates(u) => self.service_updates = u,
             Part::Api(a) => self.api_changes = a,
@@ -534,6 +558,12 @@ impl Report {
             Part::Ha(h) => self.ha = h,
         }
     }
+}
+
+/// This tree's rows and the old object's (empty without `--old-object`).
+fn this_and_old(rows: PerObject) -> (Vec<CtRow>, Vec<CtRow>) {
+    let mut rows = rows.into_iter();
+    (rows.next().unwrap_or_default(), rows.next().unwrap_or_default())
 }
 
 /// Writes the JSON, the plots and the generated blocks of docs/BENCHMARKS.md.
@@ -815,7 +845,8 @@ const CT_LOOKUP_ROW: &str =
 /// CT hit (an established TCP flow's ACK, repeated) and CT miss + insert (a new UDP flow per
 /// run, repeat = 1, against a floor also run with repeat = 1) at each table size, and the
 /// expiry pass cost.
-fn bench_conntrack(fx: &mut Fixture) -> Result<(Vec<CtRow>, Vec<GcRow>)> {
+fn bench_conntrack(objects: &Objects) -> Result<(PerObject, Vec<GcRow>)> {
+    let mut fxs = objects.load()?;
     let seed = Seed::iface(1, IFACE_F_CT_XDP); // BPF_PROG_TEST_RUN runs on loopback (ifindex 1)
     let case = |name: &str, input: Vec<u8>| Case::xdp_to_kernel(name, &seed, input);
     let (a, b) = ([10, 255, 0, 1], [10, 255, 0, 2]);
@@ -826,62 +857,65 @@ fn bench_conntrack(fx: &mut Fixture) -> Result<(Vec<CtRow>, Vec<GcRow>)> {
     let misses: Vec<Case> = (0..CT_MISS_FLOWS)
         .map(|i| case("ct_miss", Pkt::eth().ipv4(a, b).udp(10_000 + i, 53).build()))
         .collect();
-    let mut rows = Vec::new();
+    // The hit flow's key, for the lookup alone.
+    let v4 = |a: [u8; 4]| {
+        let mut w = [0u8; 16];
+        w[..4].copy_from_slice(&a);
+        w
+    };
+    let key = fastpath_common::ct::ct_key(4, 6, &v4(a), 40000, &v4(b), 80).0;
+    let mut rows = objects.rows();
     let mut gc_rows = Vec::new();
     for size in CT_SIZES {
-        fx.ct_clear()?;
-        fx.ct_fill(size, monotonic_ns())?;
-        fx.run_repeat(&hit, 1)?; // loose pickup creates the flow; every timed run hits it
-        // The hit flow's key, for the lookup alone.
-        let v4 = |a: [u8; 4]| {
-            let mut w = [0u8; 16];
-            w[..4].copy_from_slice(&a);
-            w
-        };
-        let key = fastpath_common::ct::ct_key(4, 6, &v4(a), 40000, &v4(b), 80).0;
-        let found = fx.run_ct_lookup_repeat(&key, &hit.input, 1)?.verdict;
-        if found != fastpath::testkit::fixture::XDP_PASS {
-            bail!(
-                "the conntrack lookup benchmark does not find the CT-hit flow's key (verdict {found})"
-            );
+        for fx in &mut fxs {
+            fx.ct_clear()?;
+            fx.ct_fill(size, monotonic_ns())?;
+            fx.run_repeat(&hit, 1)?; // loose pickup creates the flow; every timed run hits it
+            let found = fx.run_ct_lookup_repeat(&key, &hit.input, 1)?.verdict;
+            if found != fastpath::testkit::fixture::XDP_PASS {
+                bail!(
+                    "the conntrack lookup benchmark does not find the CT-hit flow's key (verdict {found})"
+                );
+            }
         }
-        let (mut hit_ns, mut hit_floor, mut lookup_ns) = (vec![], vec![], vec![]);
+        // Per object: (hit, lookup, floor) samples, every object once per round.
+        let mut samples = vec![(vec![], vec![], vec![]); fxs.len()];
         for _ in 0..ROUNDS {
-            hit_floor.push(
-                fx.run_floor_repeat(Hook::Xdp, &hit.input, REPEAT)?
-                    .per_run
-                    .as_nanos() as f64,
-            );
-            hit_ns.push(fx.run_repeat(&hit, REPEAT)?.per_run.as_nanos() as f64);
-            lookup_ns.push(
-                fx.run_ct_lookup_repeat(&key, &hit.input, REPEAT)?
-                    .per_run
-                    .as_nanos() as f64,
-            );
+            for (fx, (hit_ns, lookup_ns, floor)) in fxs.iter_mut().zip(&mut samples) {
+                floor.push(
+                    fx.run_floor_repeat(Hook::Xdp, &hit.input, REPEAT)?
+                        .per_run
+                        .as_nanos() as f64,
+                );
+                hit_ns.push(fx.run_repeat(&hit, REPEAT)?.per_run.as_nanos() as f64);
+                lookup_ns.push(
+                    fx.run_ct_lookup_repeat(&key, &hit.input, REPEAT)?
+                        .per_run
+                        .as_nanos() as f64,
+                );
+            }
         }
-        rows.push(ct_row(
-            "CT hit: established TCP flow",
-            size,
-            &hit_ns,
-            &hit_floor,
-        ));
-        rows.push(ct_row(CT_LOOKUP_ROW, size, &lookup_ns, &hit_floor));
-        let (mut miss_ns, mut miss_floor) = (vec![], vec![]);
-        for m in &misses {
-            miss_floor.push(
-                fx.run_floor_repeat(Hook::Xdp, &m.input, 1)?
-                    .per_run
-                    .as_nanos() as f64,
-            );
-            miss_ns.push(fx.run_repeat(m, 1)?.per_run.as_nanos() as f64);
+        for (out, (hit_ns, lookup_ns, floor)) in rows.iter_mut().zip(&samples) {
+            out.push(ct_row("CT hit: established TCP flow", size, hit_ns, floor));
+            out.push(ct_row(CT_LOOKUP_ROW, size, lookup_ns, floor));
         }
-        rows.push(ct_row(
+        if let [(new_hit, new_lookup, _), (old_hit, old_lookup, _)] = &samples[..] {
+            let old = &mut rows[1];
+            let at = old.len() - 2;
+            old[at].new_over_old = Some(stats(&report::round_ratios(new_hit, old_hit)));
+            old[at + 1].new_over_old = Some(stats(&report::round_ratios(new_lookup, old_lookup)));
+        }
+        let timed = time_once_each(&mut fxs, "CT miss + insert", misses.iter())?;
+        push_rows(
+            &mut rows,
             "CT miss + insert: new UDP flow (repeat = 1)",
             size,
-            &miss_ns,
-            &miss_floor,
-        ));
+            None,
+            &timed,
+        );
 
+        // The expiry pass is the daemon's: timed with this tree's object only.
+        let fx = &mut fxs[0];
         gc_rows.push(gc_passes(fx, size, "plain connections")?);
         // The load balancer's shape: half the entries are aliases, each checked against its
         // connection.
@@ -894,9 +928,10 @@ fn bench_conntrack(fx: &mut Fixture) -> Result<(Vec<CtRow>, Vec<GcRow>)> {
         )?);
         eprint!("c");
     }
-    fx.ct_clear()?;
-    rows.extend(bench_lb(fx)?);
-    fx.ct_clear()?;
+    drop(fxs);
+    for (out, lb) in rows.iter_mut().zip(bench_lb(objects)?) {
+        out.extend(lb);
+    }
     Ok((rows, gc_rows))
 }
 
@@ -923,8 +958,9 @@ const ROUTE_CASES: &[(&str, &str)] = &[
 /// 10.16.0.0/12 via the cases' gateway). A routed packet comes out rewritten (MACs, TTL), so
 /// each run is one run ([`time_once_each`], [`LB_RUNS`] of them, each after the floor also run
 /// once), like the LB rows.
-fn bench_route_paths() -> Result<Vec<CtRow>> {
-    thread::spawn(|| -> Result<Vec<CtRow>> {
+fn bench_route_paths(objects: &Objects) -> Result<PerObject> {
+    thread::scope(|scope| {
+        scope.spawn(|| -> Result<PerObject> {
         enter_fresh_netns(ROUTE_NETNS_SETUP);
         let ifindex = |name: &str| {
             fastpath::config::ifindex(name).with_context(|| format!("no {name} in the namespace"))
@@ -942,38 +978,41 @@ fn bench_route_paths() -> Result<Vec<CtRow>> {
                 .with_context(|| format!("routing case {name} is not in the fixture table"))?;
             picked.push((case, *what));
         }
-        let mut fx = Fixture::new().context("loading the datapath (run as root)")?;
-        let mut rows = Vec::new();
+        let mut fxs = objects.load()?;
+        let mut rows = objects.rows();
         let mut routes = 0;
         for size in ROUTE_SIZES {
             add_routes(routes, size)?;
             routes = size;
             for (case, what) in &picked {
                 // Seeds the maps and checks the case still routes as its table says.
-                fx.evaluate(case)
-                    .map_err(|e| anyhow::anyhow!("{what}, {size} routes: {e}"))?;
+                for fx in &mut fxs {
+                    fx.evaluate(case)
+                        .map_err(|e| anyhow::anyhow!("{what}, {size} routes: {e}"))?;
+                }
                 // A flow's later packets: the route cache's answer.
                 let path = format!("{what}, cached (repeat = 1)");
-                let (ns, floor) =
-                    time_once_each(&mut fx, &path, std::iter::repeat_n(*case, LB_RUNS))?;
-                rows.push(ct_row(path, size, &ns, &floor));
+                let timed =
+                    time_once_each(&mut fxs, &path, std::iter::repeat_n(*case, LB_RUNS))?;
+                push_rows(&mut rows, &path, size, None, &timed);
                 // A flow's first packet after a change: a new generation before each run, so
                 // each asks the FIB and caches its answer.
                 let path = format!("{what}, FIB lookup (new generation; repeat = 1)");
-                let (ns, floor) = time_once_each_after(
-                    &mut fx,
+                let timed = time_once_each_after(
+                    &mut fxs,
                     &path,
                     std::iter::repeat_n(*case, LB_RUNS),
                     |fx| Ok(fx.bump_generation()?),
                 )?;
-                rows.push(ct_row(path, size, &ns, &floor));
+                push_rows(&mut rows, &path, size, None, &timed);
             }
             eprint!("r");
         }
         Ok(rows)
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("the routing benchmark's thread panicked"))?
     })
-    .join()
-    .map_err(|_| anyhow::anyhow!("the routing benchmark's thread panicked"))?
 }
 
 /// VXLAN in the fast path: the fixture overlay of `testkit::vxlan_cases` (the thread becomes
@@ -983,13 +1022,14 @@ fn bench_route_paths() -> Result<Vec<CtRow>> {
 /// arriving on `n0`, after the underlay's TC egress learned the headers from the kernel's
 /// frame, checked to be forwarded as an encapsulation. Both rewrite the frame, so each run is
 /// one run ([`time_once_each`]).
-fn bench_vxlan_paths() -> Result<Vec<CtRow>> {
+fn bench_vxlan_paths(objects: &Objects) -> Result<PerObject> {
     use fastpath::testkit::{
         fixture::{CounterDelta, raw_verdict},
         vxlan_cases::{Captures, Overlay, Underlay, node_seed},
     };
     use fastpath_common::{Verdict, reason};
-    thread::spawn(|| -> Result<Vec<CtRow>> {
+    thread::scope(|scope| {
+        scope.spawn(|| -> Result<PerObject> {
         let overlay = Overlay::build(Underlay::V4);
         let kept = Captures::load(Underlay::V4)
             .map_err(|e| anyhow::anyhow!("reading the VXLAN fixture frames: {e}"))?;
@@ -997,9 +1037,9 @@ fn bench_vxlan_paths() -> Result<Vec<CtRow>> {
             fastpath::config::ifindex(name).with_context(|| format!("no {name} in the node"))
         };
         let (n0, und0) = (ifindex("n0")?, ifindex("und0")?);
-        let mut rows = Vec::new();
+        let mut rows = objects.rows();
         for (hook, at) in [(Hook::Xdp, "XDP"), (Hook::TcIngress, "TC ingress")] {
-            let mut fx = Fixture::new().context("loading the datapath (run as root)")?;
+            let mut fxs = objects.load()?;
             let seed = node_seed(hook, &overlay);
             let case = |name: &str, hook: Hook, verdict: Verdict, input: &[u8], on: u32| Case {
                 name: name.into(),
@@ -1022,12 +1062,13 @@ fn bench_vxlan_paths() -> Result<Vec<CtRow>> {
                 )],
                 ..case("decap", hook, Verdict::Forward, &kept.decap_in, und0)
             };
-            fx.evaluate(&decap)
-                .map_err(|e| anyhow::anyhow!("VXLAN decapsulation at {at}: {e}"))?;
+            for fx in &mut fxs {
+                fx.evaluate(&decap)
+                    .map_err(|e| anyhow::anyhow!("VXLAN decapsulation at {at}: {e}"))?;
+            }
             let path = format!("VXLAN decapsulation at {at} (repeat = 1)");
-            let (ns, floor) =
-                time_once_each(&mut fx, &path, std::iter::repeat_n(&decap, LB_RUNS))?;
-            rows.push(ct_row(path, 1, &ns, &floor));
+            let timed = time_once_each(&mut fxs, &path, std::iter::repeat_n(&decap, LB_RUNS))?;
+            push_rows(&mut rows, &path, 1, None, &timed);
             // The kernel's frame leaving the underlay teaches the headers.
             let learn = case(
                 "learn",
@@ -1036,33 +1077,35 @@ fn bench_vxlan_paths() -> Result<Vec<CtRow>> {
                 &kept.encap_out,
                 und0,
             );
-            let learned = fx.run(&learn)?;
-            if learned.verdict != learn.expect_verdict {
-                bail!("VXLAN learning at TC egress: verdict {}", learned.verdict);
-            }
             let encap = case("encap", hook, Verdict::Forward, &kept.encap_in, n0);
-            let out = fx.run(&encap)?;
-            let encapsulated = out
-                .counters
-                .get(hook, Verdict::Forward, reason::VXLAN_ENCAP)
-                .packets;
-            if out.verdict != encap.expect_verdict || encapsulated != 1 {
-                bail!(
-                    "VXLAN encapsulation at {at}: verdict {}, {encapsulated} counted as encapsulated",
-                    out.verdict
-                );
+            for fx in &mut fxs {
+                let learned = fx.run(&learn)?;
+                if learned.verdict != learn.expect_verdict {
+                    bail!("VXLAN learning at TC egress: verdict {}", learned.verdict);
+                }
+                let out = fx.run(&encap)?;
+                let encapsulated = out
+                    .counters
+                    .get(hook, Verdict::Forward, reason::VXLAN_ENCAP)
+                    .packets;
+                if out.verdict != encap.expect_verdict || encapsulated != 1 {
+                    bail!(
+                        "VXLAN encapsulation at {at}: verdict {}, {encapsulated} counted as encapsulated",
+                        out.verdict
+                    );
+                }
             }
             let path = format!("VXLAN encapsulation at {at} (repeat = 1)");
-            let (ns, floor) =
-                time_once_each(&mut fx, &path, std::iter::repeat_n(&encap, LB_RUNS))?;
-            rows.push(ct_row(path, 1, &ns, &floor));
+            let timed = time_once_each(&mut fxs, &path, std::iter::repeat_n(&encap, LB_RUNS))?;
+            push_rows(&mut rows, &path, 1, None, &timed);
             eprint!("v");
         }
         drop(overlay);
         Ok(rows)
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("the VXLAN benchmark's thread panicked"))?
     })
-    .join()
-    .map_err(|_| anyhow::anyhow!("the VXLAN benchmark's thread panicked"))?
 }
 
 /// Adds the routes `from..to` of the routing rows (10.16.0.0 + i, /32, via 10.2.0.1) to this
@@ -1118,14 +1161,16 @@ fn lb_backend(i: usize) -> [u8; 4] {
 
 /// The LB stage at each of [`LB_BACKENDS`]: one service, Maglev (auto-sized table). See
 /// [`bench_lb_service`].
-fn bench_lb(fx: &mut Fixture) -> Result<Vec<CtRow>> {
-    let mut rows = Vec::new();
+fn bench_lb(objects: &Objects) -> Result<PerObject> {
+    let mut rows = objects.rows();
     // Fresh maps: the conntrack rows before leave a cleared table of a million (see below).
-    *fx = Fixture::new().context("reloading the datapath")?;
+    let mut fxs = objects.load()?;
     thread::sleep(Duration::from_secs(1));
     for n in LB_BACKENDS {
-        fx.ct_clear()?;
-        rows.extend(bench_lb_service(fx, n, LbMode::Nat, 0)?);
+        for fx in &mut fxs {
+            fx.ct_clear()?;
+        }
+        bench_lb_service(&mut fxs, &mut rows, n, LbMode::Nat, 0)?;
         eprint!("l");
     }
     // NAT and full-NAT among many connections: the table pre-filled as the load balancer
@@ -1136,10 +1181,13 @@ fn bench_lb(fx: &mut Fixture) -> Result<Vec<CtRow>> {
             // 2000 inserts took 6.2 µs each instead of 0.9 (whichever mode ran next, with no
             // insert failure or port retry counted, and still after 3 s of rest): the
             // table's allocator was still handing the freed entries back to the kernel.
-            *fx = Fixture::new().context("reloading the datapath")?;
+            drop(fxs);
+            fxs = objects.load()?;
             thread::sleep(Duration::from_secs(1));
-            fx.ct_fill_lb(size, monotonic_ns())?;
-            rows.extend(bench_lb_service(fx, LB_TABLE_BACKENDS, mode, size)?);
+            for fx in &mut fxs {
+                fx.ct_fill_lb(size, monotonic_ns())?;
+            }
+            bench_lb_service(&mut fxs, &mut rows, LB_TABLE_BACKENDS, mode, size)?;
             eprint!("l");
         }
     }
@@ -1165,7 +1213,13 @@ const LB_SNAT: [u8; 4] = [10, 254, 0, 200];
 /// translated on a repeat); each is first checked to come out translated (to the backend
 /// Maglev picked, and back from the VIP). The new-connection row: `LB_RUNS` SYNs from new
 /// source ports, each run once: service lookup, Maglev pick, conntrack insert, translation.
-fn bench_lb_service(fx: &mut Fixture, n: usize, mode: LbMode, filled: u32) -> Result<Vec<CtRow>> {
+fn bench_lb_service(
+    fxs: &mut [Fixture],
+    rows: &mut PerObject,
+    n: usize,
+    mode: LbMode,
+    filled: u32,
+) -> Result<()> {
     let mut toml = format!(
         "[[service]]\nvip = \"{}\"\nport = 80\n",
         std::net::Ipv4Addr::from(LB_VIP)
@@ -1215,83 +1269,85 @@ fn bench_lb_service(fx: &mut Fixture, n: usize, mode: LbMode, filled: u32) -> Re
     );
     let field = |frame: &[u8], at: usize, len: usize| frame.get(at..at + len).map(<[u8]>::to_vec);
 
-    // The connection: handshake through the load balancer, to the backend Maglev picks.
-    let syn = fx.run(&to_vip(40000, tcp_flags::SYN))?;
-    let Some(backend) = field(&syn.output, IP4_DST, 4)
-        .and_then(|a| <[u8; 4]>::try_from(a).ok())
-        .filter(|a| (0..n).any(|i| lb_backend(i) == *a))
-    else {
-        bail!(
-            "LB benchmark ({what}): the SYN to the VIP did not come out addressed to a backend; output {:02x?}",
-            syn.output
-        );
-    };
-    // Where the backend's replies go: the client, or the address and port full-NAT chose.
-    let reply_to = match mode {
-        LbMode::Nat => (LB_CLIENT, 40000),
-        LbMode::FullNat => {
-            let src = field(&syn.output, IP4_SRC, 4).and_then(|a| <[u8; 4]>::try_from(a).ok());
-            let sport = field(&syn.output, L4_SPORT, 2)
-                .and_then(|p| <[u8; 2]>::try_from(p).ok())
-                .map(u16::from_be_bytes);
-            match (src, sport) {
-                (Some(a), Some(p)) if a == LB_SNAT => (a, p),
-                _ => bail!(
-                    "LB benchmark ({what}): the SYN did not come out from the full-NAT address {LB_SNAT:?}; output {:02x?}",
-                    syn.output
-                ),
+    // Per object: the connection's handshake through the load balancer, to the backend
+    // Maglev picks, and the packets of the connection each way, checked once to translate.
+    let mut hits: Vec<[Case; 2]> = Vec::new();
+    for fx in fxs.iter_mut() {
+        let syn = fx.run(&to_vip(40000, tcp_flags::SYN))?;
+        let Some(backend) = field(&syn.output, IP4_DST, 4)
+            .and_then(|a| <[u8; 4]>::try_from(a).ok())
+            .filter(|a| (0..n).any(|i| lb_backend(i) == *a))
+        else {
+            bail!(
+                "LB benchmark ({what}): the SYN to the VIP did not come out addressed to a backend; output {:02x?}",
+                syn.output
+            );
+        };
+        // Where the backend's replies go: the client, or the address and port full-NAT chose.
+        let reply_to = match mode {
+            LbMode::Nat => (LB_CLIENT, 40000),
+            LbMode::FullNat => {
+                let src = field(&syn.output, IP4_SRC, 4).and_then(|a| <[u8; 4]>::try_from(a).ok());
+                let sport = field(&syn.output, L4_SPORT, 2)
+                    .and_then(|p| <[u8; 2]>::try_from(p).ok())
+                    .map(u16::from_be_bytes);
+                match (src, sport) {
+                    (Some(a), Some(p)) if a == LB_SNAT => (a, p),
+                    _ => bail!(
+                        "LB benchmark ({what}): the SYN did not come out from the full-NAT address {LB_SNAT:?}; output {:02x?}",
+                        syn.output
+                    ),
+                }
+            }
+        };
+        // Seeded once, by the SYN's run: the timed runs below leave the maps alone (see
+        // `Fixture::rerun_repeat`), as re-seeding a thousand backends between them would evict
+        // the caches the datapath runs from.
+        fx.rerun_repeat(
+            &from_backend(backend, reply_to, tcp_flags::SYN | tcp_flags::ACK),
+            1,
+        )?;
+        fx.rerun_repeat(&to_vip(40000, tcp_flags::ACK), 1)?;
+        let pair = [
+            to_vip(40000, tcp_flags::ACK),
+            from_backend(backend, reply_to, tcp_flags::ACK),
+        ];
+        for (c, want_at, want) in [
+            (&pair[0], (IP4_DST, L4_DPORT), (backend, 8080u16)),
+            (&pair[1], (IP4_SRC, L4_SPORT), (LB_VIP, 80)),
+        ] {
+            // The hit really translates (`run` re-applies the seed: the same values, the
+            // services unchanged).
+            let out = fx.run(c)?;
+            let got = (
+                field(&out.output, want_at.0, 4),
+                field(&out.output, want_at.1, 2),
+            );
+            if out.verdict != c.expect_verdict
+                || got != (Some(want.0.to_vec()), Some(want.1.to_be_bytes().to_vec()))
+            {
+                bail!(
+                    "LB hit ({what}): expected verdict {} and address {:?} port {} in the output, got verdict {} and {got:?}; output {:02x?}",
+                    c.expect_verdict,
+                    want.0,
+                    want.1,
+                    out.verdict,
+                    out.output
+                );
             }
         }
-    };
-    // Seeded once, by the SYN's run: the timed runs below leave the maps alone (see
-    // `Fixture::rerun_repeat`), as re-seeding a thousand backends between them would evict
-    // the caches the datapath runs from.
-    fx.rerun_repeat(
-        &from_backend(backend, reply_to, tcp_flags::SYN | tcp_flags::ACK),
-        1,
-    )?;
-    fx.rerun_repeat(&to_vip(40000, tcp_flags::ACK), 1)?;
-
-    let mut rows = Vec::new();
-    for (path, c, want_at, want) in [
-        (
-            "LB hit: client → VIP, translated to the backend",
-            to_vip(40000, tcp_flags::ACK),
-            (IP4_DST, L4_DPORT),
-            (backend, 8080u16),
-        ),
-        (
-            "LB hit: backend → client, translated back to the VIP",
-            from_backend(backend, reply_to, tcp_flags::ACK),
-            (IP4_SRC, L4_SPORT),
-            (LB_VIP, 80),
-        ),
-    ] {
+        hits.push(pair);
+    }
+    for (dir, path) in [
+        "LB hit: client → VIP, translated to the backend",
+        "LB hit: backend → client, translated back to the VIP",
+    ]
+    .into_iter()
+    .enumerate()
+    {
         let path = format!("{path} ({what}, repeat = 1)");
-        // Checked once before timing: the hit really translates (`run` re-applies the seed:
-        // the same values, the services unchanged).
-        let out = fx.run(&c)?;
-        let got = (
-            field(&out.output, want_at.0, 4),
-            field(&out.output, want_at.1, 2),
-        );
-        if out.verdict != c.expect_verdict
-            || got != (Some(want.0.to_vec()), Some(want.1.to_be_bytes().to_vec()))
-        {
-            bail!(
-                "{path}: expected verdict {} and address {:?} port {} in the output, got verdict {} and {got:?}; output {:02x?}",
-                c.expect_verdict,
-                want.0,
-                want.1,
-                out.verdict,
-                out.output
-            );
-        }
-        let (ns, floor) = time_once_each(fx, &path, std::iter::repeat_n(&c, LB_RUNS))?;
-        rows.push(CtRow {
-            backends: Some(n),
-            ..ct_row(path, filled.max(1), &ns, &floor)
-        });
+        let timed = time_interleaved(fxs, &path, LB_RUNS, |o, _| &hits[o][dir], |_| Ok(()))?;
+        push_rows(rows, &path, filled.max(1), Some(n), &timed);
     }
 
     // New connections: one SYN per source port, each picked by Maglev and inserted.
@@ -1301,48 +1357,122 @@ fn bench_lb_service(fx: &mut Fixture, n: usize, mode: LbMode, filled: u32) -> Re
     let syns: Vec<Case> = (0..LB_RUNS as u16)
         .map(|i| to_vip(20_000 + i, tcp_flags::SYN))
         .collect();
-    let entries_before = fx.ct_entries()?.len();
-    let (ns, floor) = time_once_each(fx, &path, syns.iter())?;
-    let added = fx.ct_entries()?.len() - entries_before;
-    if added < LB_RUNS {
-        bail!("{path}: {added} conntrack entries added for {LB_RUNS} new connections");
+    let entries_before = fxs
+        .iter()
+        .map(|fx| Ok(fx.ct_entries()?.len()))
+        .collect::<Result<Vec<_>>>()?;
+    let timed = time_once_each(fxs, &path, syns.iter())?;
+    for (fx, before) in fxs.iter().zip(&entries_before) {
+        let added = fx.ct_entries()?.len() - before;
+        if added < LB_RUNS {
+            bail!("{path}: {added} conntrack entries added for {LB_RUNS} new connections");
+        }
     }
-    rows.push(CtRow {
-        backends: Some(n),
-        ..ct_row(path, entries_before as u32, &ns, &floor)
-    });
-    Ok(rows)
+    push_rows(rows, &path, entries_before[0] as u32, Some(n), &timed);
+    Ok(())
 }
 
 /// Runs each case once (repeat = 1, maps as they are: see `Fixture::rerun_repeat`) right
-/// after the floor program on the same frame, checking its verdict; returns (case ns, floor
-/// ns), paired by index.
+/// after the floor program on the same frame, checking its verdict, through every object in
+/// turn; returns each object's (case ns, floor ns), paired by index.
 fn time_once_each<'a>(
-    fx: &mut Fixture,
+    fxs: &mut [Fixture],
     path: &str,
     cases: impl Iterator<Item = &'a Case>,
-) -> Result<(Vec<f64>, Vec<f64>)> {
-    time_once_each_after(fx, path, cases, |_| Ok(()))
+) -> Result<Timed> {
+    let cases: Vec<&Case> = cases.collect();
+    time_interleaved(fxs, path, cases.len(), |_, i| cases[i], |_| Ok(()))
 }
 
 /// [`time_once_each`] with `before(fx)` before each pair of runs (untimed).
 fn time_once_each_after<'a>(
-    fx: &mut Fixture,
+    fxs: &mut [Fixture],
     path: &str,
     cases: impl Iterator<Item = &'a Case>,
+    before: impl FnMut(&mut Fixture) -> Result<()>,
+) -> Result<Timed> {
+    let cases: Vec<&Case> = cases.collect();
+    time_interleaved(fxs, path, cases.len(), |_, i| cases[i], before)
+}
+
+/// Per object, (case ns, floor ns) of single runs.
+type Timed = Vec<(Vec<f64>, Vec<f64>)>;
+
+/// `runs` single runs of `case_of(object, run)` through every object in turn (run 0 through
+/// each object, then run 1, …), each right after the floor program on the same frame and
+/// `before(fx)` (untimed), checking the verdict.
+fn time_interleaved<'c>(
+    fxs: &mut [Fixture],
+    path: &str,
+    runs: usize,
+    case_of: impl Fn(usize, usize) -> &'c Case,
     mut before: impl FnMut(&mut Fixture) -> Result<()>,
-) -> Result<(Vec<f64>, Vec<f64>)> {
-    let (mut ns, mut floor) = (Vec::new(), Vec::new());
-    for c in cases {
-        before(fx)?;
-        floor.push(fx.run_floor_repeat(c.hook, &c.input, 1)?.per_run.as_nanos() as f64);
-        let r = fx.rerun_repeat(c, 1)?;
-        if r.verdict != c.expect_verdict {
-            bail!("{path}: verdict {} during the benchmark", r.verdict);
+) -> Result<Timed> {
+    let mut out: Timed = vec![(Vec::with_capacity(runs), Vec::with_capacity(runs)); fxs.len()];
+    for run in 0..runs {
+        for (object, (fx, (ns, floor))) in fxs.iter_mut().zip(&mut out).enumerate() {
+            let c = case_of(object, run);
+            before(fx)?;
+            floor.push(fx.run_floor_repeat(c.hook, &c.input, 1)?.per_run.as_nanos() as f64);
+            let r = fx.rerun_repeat(c, 1)?;
+            if r.verdict != c.expect_verdict {
+                bail!("{path}: verdict {} during the benchmark", r.verdict);
+            }
+            ns.push(r.per_run.as_nanos() as f64);
         }
-        ns.push(r.per_run.as_nanos() as f64);
     }
-    Ok((ns, floor))
+    Ok(out)
+}
+
+/// Each object's rows, this tree's first (see [`Objects`]).
+type PerObject = Vec<Vec<CtRow>>;
+
+/// Appends one row per object from its [`Timed`] samples.
+fn push_rows(
+    rows: &mut PerObject,
+    path: &str,
+    size: u32,
+    backends: Option<usize>,
+    timed: &Timed,
+) {
+    for (out, (ns, floor)) in rows.iter_mut().zip(timed) {
+        out.push(CtRow {
+            backends,
+            ..ct_row(path, size, ns, floor)
+        });
+    }
+    if let ([(new, _), (old, _)], [_, old_rows]) = (&timed[..], &mut rows[..])
+        && let Some(row) = old_rows.last_mut()
+    {
+        let medians = |s| report::round_medians(s, SINGLE_RUN_ROUNDS);
+        row.new_over_old = Some(stats(&report::round_ratios(&medians(new), &medians(old))));
+    }
+}
+
+/// Rounds that single runs ([`time_interleaved`]) are cut into to compare two objects: each
+/// round's median through one object against the same round's through the other.
+const SINGLE_RUN_ROUNDS: usize = 10;
+
+/// The builds of the datapath a per-packet section times, side by side: this tree's, and
+/// `--old-object`'s when given.
+struct Objects<'a> {
+    old: Option<&'a OldObject>,
+}
+
+impl Objects<'_> {
+    /// A fresh fixture of each object, this tree's first.
+    fn load(&self) -> Result<Vec<Fixture>> {
+        let mut fxs = vec![Fixture::new().context("loading the datapath (run as root)")?];
+        if let Some(o) = self.old {
+            fxs.push(o.fixture()?);
+        }
+        Ok(fxs)
+    }
+
+    /// An empty row list per object.
+    fn rows(&self) -> PerObject {
+        vec![Vec::new(); 1 + usize::from(self.old.is_some())]
+    }
 }
 
 /// Events per drain round: a whole number of producer calls.
@@ -1674,6 +1804,7 @@ fn ct_row(path: impl Into<String>, size: u32, samples: &[f64], floor: &[f64]) ->
         max_ns,
         floor_median_ns: stats(floor).0,
         over_floor_ns: stats(&diffs).0,
+        new_over_old: None,
     }
 }
 
@@ -1698,6 +1829,56 @@ fn daemon_bin_swept() -> Result<PathBuf> {
     Ok(bin)
 }
 
+/// The old object's conntrack, LB, routing and VXLAN rows beside this tree's, timed through
+/// both in the same run (`--old-object`); empty when the last run timed no old object.
+fn old_vs_new_markdown(r: &Report) -> String {
+    let pairs: Vec<(&CtRow, &CtRow)> = [
+        (&r.conntrack, &r.old_conntrack),
+        (&r.route_paths, &r.old_route_paths),
+        (&r.vxlan_paths, &r.old_vxlan_paths),
+    ]
+    .into_iter()
+    .flat_map(|(new, old)| new.iter().zip(old))
+    .collect();
+    if pairs.is_empty() {
+        return String::new();
+    }
+    let rows: Vec<Vec<String>> = pairs
+        .iter()
+        .map(|(new, old)| {
+            let (m, lo, hi) = old.new_over_old.unwrap_or((f64::NAN, f64::NAN, f64::NAN));
+            vec![
+                new.path.clone(),
+                new.table_entries.to_string(),
+                format!("{:.1}", old.median_ns),
+                format!("{:.1}", new.median_ns),
+                format!("{:+.1}", old.over_floor_ns),
+                format!("{:+.1}", new.over_floor_ns),
+                cell(m, lo, hi, 3),
+            ]
+        })
+        .collect();
+    let mut md = format!(
+        "Old object: `{}` · every row timed through both objects in turn, in the same run\n\n",
+        r.old_object
+    );
+    md.push_str(&report::table(
+        &[
+            "path",
+            "table entries",
+            "old median ns",
+            "new median ns",
+            "old over floor ns",
+            "new over floor ns",
+            "new ÷ old per round",
+        ],
+        &[false, true, true, true, true, true, true],
+        &rows,
+    ));
+    md.push('\n');
+    md
+}
+
 /// The generated blocks of docs/BENCHMARKS.md, by marker name (see `report::splice`).
 fn blocks(r: &Report) -> Vec<(&'static str, String)> {
     let with_figures = |mut md: String, figures: Vec<Figure>| {
@@ -1709,6 +1890,7 @@ fn blocks(r: &Report) -> Vec<(&'static str, String)> {
         ("parse", parse_markdown(r)),
         ("conntrack", conntrack_markdown(r)),
         ("route-paths", route_paths_markdown(r)),
+        ("old-vs-new", old_vs_new_markdown(r)),
         ("gc", gc_markdown(&r.conntrack_gc)),
         ("drain", drain_markdown(&r.conntrack_drain)),
         ("updates", updates_markdown(&r.service_updates)),

@@ -33,6 +33,17 @@ pub(crate) fn round_ratios(of: &[f64], base: &[f64]) -> Vec<f64> {
     of.iter().zip(base).map(|(a, b)| a / b).collect()
 }
 
+/// The medians of `samples` cut into `rounds` consecutive runs of equal length (the rest
+/// left out): single runs interleaved with another configuration's become rounds whose
+/// medians [`round_ratios`] can pair.
+pub(crate) fn round_medians(samples: &[f64], rounds: usize) -> Vec<f64> {
+    let len = samples.len() / rounds.max(1);
+    if len == 0 {
+        return Vec::new();
+    }
+    samples.chunks_exact(len).map(|c| stats(c).0).collect()
+}
+
 /// A table cell: `median (min–max)` with `digits` decimals.
 pub(crate) fn cell(median: f64, min: f64, max: f64, digits: usize) -> String {
     format!("{median:.digits$} ({min:.digits$}–{max:.digits$})")
@@ -104,6 +115,15 @@ mod tests {
             m.is_nan() && lo.is_nan() && hi.is_nan(),
             "expected NaNs for no samples, got {m} {lo} {hi}"
         );
+    }
+
+    #[test]
+    fn round_medians_cut_consecutive_runs() {
+        let runs = [5.0, 1.0, 3.0, 10.0, 30.0, 20.0, 99.0];
+        assert_eq!(round_medians(&runs, 2), vec![3.0, 20.0]);
+        assert_eq!(round_medians(&runs, 7), runs.to_vec());
+        assert!(round_medians(&runs, 8).is_empty());
+        assert!(round_medians(&[], 0).is_empty());
     }
 
     #[test]
