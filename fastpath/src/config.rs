@@ -718,10 +718,10 @@ impl Config {
             return None;
         }
         let v6_service = self.services.iter().any(|s| s.vip.get_ref().is_ipv6());
-        let v6_snat = snat.clone().any(|i| {
-            i.snat_addresses
-                .as_ref()
-                .is_some_and(|a| a.get_ref().iter().any(|a| a.is_ipv6()))
+        let v6_snat = snat.clone().any(|i| match &i.snat_addresses {
+            Some(a) => a.get_ref().iter().any(|a| a.is_ipv6()),
+            None => default_snat_addresses(i.name.get_ref())
+                .is_ok_and(|a| a.iter().any(|a| a.is_ipv6())),
         });
         Some(v6_service || v6_snat)
     }
@@ -1624,6 +1624,20 @@ pub fn ifindex(name: &str) -> Option<u32> {
     // SAFETY: `c` is a valid NUL-terminated string that outlives the call.
     let idx = unsafe { libc::if_nametoindex(c.as_ptr()) };
     (idx != 0).then_some(idx)
+}
+
+/// What `snat = true` without `snat_addresses` masquerades as: the first global IPv4 and the
+/// first global IPv6 address of interface `name` (loopback and link-local ones are not
+/// global), in that order; empty when it has neither.
+pub fn default_snat_addresses(name: &str) -> std::io::Result<Vec<std::net::IpAddr>> {
+    let own = interface_addresses(name)?;
+    let global = |a: &&std::net::IpAddr| match a {
+        std::net::IpAddr::V4(v4) => !v4.is_loopback() && !v4.is_link_local(),
+        std::net::IpAddr::V6(v6) => !v6.is_loopback() && !v6.is_unicast_link_local(),
+    };
+    let v4 = own.iter().filter(global).find(|a| a.is_ipv4()).copied();
+    let v6 = own.iter().filter(global).find(|a| a.is_ipv6()).copied();
+    Ok(v4.into_iter().chain(v6).collect())
 }
 
 /// The addresses of interface `name` in the current network namespace, as `ip addr` lists

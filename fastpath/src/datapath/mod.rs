@@ -1639,6 +1639,15 @@ pub fn prepare_forwarding(ifaces: &[InterfaceConfig], ipv6: bool) -> Result<(), 
                 &force,
                 "the kernel forwards the IPv6 the datapath translated",
             )?;
+            // force_forwarding is the kernel's forwarding decision only: bpf_fib_lookup still
+            // answers "forwarding disabled" for IPv6 arriving on an interface whose own
+            // forwarding flag is off, and gateway SNAT asks it where a connection leaves.
+            ensure_sysctl(
+                &Path::new("/proc/sys/net/ipv6/conf")
+                    .join(name)
+                    .join("forwarding"),
+                "the datapath's route lookups (bpf_fib_lookup) answer IPv6 arriving here",
+            )?;
         }
         if fs::read_to_string(v4.join("rp_filter")).is_ok_and(|v| v.trim() == "1") {
             warn!(iface = %name, "rp_filter is strict (1) here; set it to 2 (loose) or 0, or translated traffic arriving here may be dropped");

@@ -12,6 +12,9 @@
 //!   default via fp                                                      no route to clients
 //! ```
 //!
+//! fp's IPv6 forwarding is left off, as on a fresh host: the daemon turns it on for the
+//! interfaces it translates on (`force_forwarding`, docs/kernel-settings.md).
+//!
 //! Checksums: offloads off on the clients and the server, as in `lb` (XDP sees full
 //! checksums, as from a wire). Root only (never skipped). Debian packages: iproute2, python3,
 //! ethtool.
@@ -42,7 +45,6 @@ fn gateway_topology() -> Topology {
         topo.add_ns("fp")?;
         topo.add_ns("net")?;
         topo.ns("fp").sysctl("net.ipv4.ip_forward", "1")?;
-        topo.ns("fp").sysctl("net.ipv6.conf.all.forwarding", "1")?;
         topo.veth(
             VethEnd::new("fp", "out0")
                 .addr(&format!("{SNAT4}/24"))
