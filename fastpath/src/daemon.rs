@@ -28,6 +28,7 @@ use crate::{
     ct_events::{self, EventHub},
     ct_gc::{self, GcStats},
     datapath::{self, CtTable, Datapath, DatapathError},
+    ifaces::{SysHost, plan_interfaces},
     rules::Rules,
 };
 
@@ -51,6 +52,8 @@ pub enum DaemonError {
     Tls(String),
     #[error("HA replication: {0}")]
     Ha(#[from] crate::ha::HaError),
+    #[error(transparent)]
+    Interfaces(#[from] crate::ifaces::IfacePlanError),
 }
 
 /// Options from the command line (runtime behaviour; the config file describes the datapath).
@@ -192,7 +195,7 @@ fn start_datapath(
         info!(pin_dir = %pin_dir.display(), "Created and pinned maps");
     }
     dp.attach_all(&config.interfaces)?;
-    dp.set_interfaces(&config.interfaces)?;
+    dp.write_interfaces(&plan_interfaces(&config.interfaces, &SysHost)?)?;
     if let Some(ipv6) = config.translates() {
         datapath::prepare_forwarding(&config.interfaces, ipv6)?;
     }

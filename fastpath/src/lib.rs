@@ -10,6 +10,7 @@ pub mod daemon;
 pub mod datapath;
 pub mod ha;
 pub mod health;
+pub mod ifaces;
 pub mod lb;
 pub mod maglev;
 pub mod metrics;

@@ -24,6 +24,7 @@ use crate::{
     config::{Config, ConfigError, InterfaceCheck, ServiceConfig, ServiceId},
     datapath::{Datapath, DatapathError, DatapathOps, ServicesApplied},
     health::{self, ProbeKey},
+    ifaces::{Host, SysHost, plan_interfaces},
     lb::ServicePlanner,
 };
 
@@ -245,6 +246,8 @@ pub struct Rules<D: DatapathOps = Datapath> {
     /// The datapath's service and backend numbering, republished after every change, for
     /// HA replication (which names services and backends by identity on the wire).
     lb_index: tokio::sync::watch::Sender<std::sync::Arc<crate::sync::LbIndex>>,
+    /// What interface planning looks up (this host; a fake in tests).
+    host: Box<dyn Host + Send + Sync>,
 }
 
 impl<D: DatapathOps> Rules<D> {
@@ -295,6 +298,7 @@ impl<D: DatapathOps> Rules<D> {
             health_tx,
             health_events: tokio::sync::broadcast::channel(1024).0,
             lb_index: tokio::sync::watch::channel(Default::default()).0,
+            host: Box::new(SysHost),
         };
         rules.publish_lb_index();
         rules.reconcile_probes();
@@ -428,6 +432,20 @@ impl<D: DatapathOps> Rules<D> {
                 ),
             )
         };
+        let attach_failed = |e: &dyn std::fmt::Display| {
+            Rejected::new(
+                RejectKind::Internal,
+                format!(
+                    "attaching to the new interfaces failed: {e}; the datapath keeps its previous interfaces, services and settings"
+                ),
+            )
+        };
+        // Planned before anything moves: interfaces that cannot be planned refuse the change
+        // with nothing written.
+        let interfaces = (candidate.interfaces != self.config.interfaces)
+            .then(|| plan_interfaces(&candidate.interfaces, &*self.host))
+            .transpose()
+            .map_err(|e| attach_failed(&e))?;
         // The kernel's part first: a change it cannot carry is refused before anything moves.
         if let Some(ipv6) = candidate.translates() {
             self.dp
@@ -456,11 +474,8 @@ impl<D: DatapathOps> Rules<D> {
             }
             return Err(internal(e));
         }
-        if candidate.interfaces != self.config.interfaces {
-            match self
-                .dp
-                .reattach(&candidate.interfaces, &self.config.interfaces)
-            {
+        if let Some(plan) = &interfaces {
+            match self.dp.reattach(&candidate.interfaces, plan) {
                 Ok(detached) => {
                     for pin in detached {
                         summary.notes.push(format!("detached {}", pin.display()));
@@ -484,12 +499,7 @@ impl<D: DatapathOps> Rules<D> {
                     {
                         warn!(error = %undo, "Could not restore the previous settings");
                     }
-                    return Err(Rejected::new(
-                        RejectKind::Internal,
-                        format!(
-                            "attaching to the new interfaces failed: {e}; the datapath keeps its previous interfaces, services and settings"
-                        ),
-                    ));
+                    return Err(attach_failed(&e));
                 }
             }
         }
@@ -736,7 +746,13 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
-    use crate::datapath::fake::{FakeDatapath, ServiceView, Step, Write};
+    use crate::{
+        datapath::{
+            InterfacePlan,
+            fake::{FakeDatapath, ServiceView, Step, Write},
+        },
+        ifaces::FakeHost,
+    };
 
     /// A scratch directory for one test's state file, removed when dropped.
     struct Scratch(PathBuf);
@@ -798,6 +814,7 @@ mod tests {
         )
         .unwrap_or_else(|e| panic!("start on a fake datapath: {}", e.1));
         assert_eq!(applied.services, 2, "services written at start");
+        rules.host = Box::new(FakeHost::with(&[("eth8", 8), ("eth9", 9)]));
         let mut services = rules.config().services.clone();
         services.reverse();
         rules
@@ -816,6 +833,7 @@ mod tests {
         view: std::collections::BTreeMap<fastpath_common::lb::SvcKey, ServiceView>,
         settings: DatapathConfig,
         interfaces: Vec<String>,
+        interface_plan: InterfacePlan,
         generation: u64,
         desired: (u64, Vec<ServiceConfig>),
         state_file: String,
@@ -827,6 +845,7 @@ mod tests {
             view: dp.view(),
             settings: dp.config,
             interfaces: dp.interfaces.clone(),
+            interface_plan: dp.interface_plan.clone(),
             generation: rules.generation(),
             desired: (
                 rules.config().fingerprint(),
@@ -857,6 +876,12 @@ mod tests {
         assert_eq!(dp.config, datapath_config(rules.config()));
         assert_ne!(dp.config.flags & CONFIG_F_DROP_MALFORMED, 0);
         assert_eq!(dp.interfaces, vec!["eth9", "eth8"]);
+        let planned: Vec<u32> = dp.interface_plan.ifaces.keys().copied().collect();
+        assert_eq!(
+            planned,
+            vec![8, 9],
+            "the interface plan written with the attach"
+        );
         let dsr: std::net::IpAddr = "10.1.0.5".parse().unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(dp.resolved.last(), Some(&dsr), "DSR backend resolved");
         assert!(dp.violations.is_empty(), "{:?}", dp.violations);
@@ -968,5 +993,131 @@ mod tests {
         }
         let dp = rules.datapath();
         assert!(dp.violations.is_empty(), "{:?}", dp.violations);
+    }
+
+    /// A backend reported down stays in its service's backends, disabled, and leaves the
+    /// selection table; reported up again it is enabled and back in the table. The desired
+    /// state does not change; a report of a backend no service has writes nothing.
+    #[test]
+    fn a_health_change_takes_a_backend_out_of_the_table_and_back() {
+        let scratch = Scratch::new("health");
+        let mut rules = started(&scratch);
+        let Some(svc) = rules.config().services.iter().find(|s| s.id().port == 80) else {
+            panic!("expected 10.0.0.1:80/tcp in the config");
+        };
+        let service = svc.id();
+        let desired = rules.config().services.clone();
+        let key = *rules
+            .datapath()
+            .services
+            .keys()
+            .find(|k| k.port == 80)
+            .unwrap_or_else(|| panic!("expected 10.0.0.1:80/tcp in the datapath"));
+        let view = |rules: &Rules<FakeDatapath>| {
+            rules
+                .datapath()
+                .view()
+                .remove(&key)
+                .unwrap_or_else(|| panic!("expected {key:?} in the datapath"))
+        };
+        let addr = |a: &str| -> [u8; 16] {
+            let ip: std::net::Ipv4Addr = a.parse().unwrap_or_else(|e| panic!("{a}: {e}"));
+            let mut out = [0; 16];
+            out[..4].copy_from_slice(&ip.octets());
+            out
+        };
+        let (one, two) = (addr("10.1.0.1"), addr("10.1.0.2"));
+        let enabled = fastpath_common::lb::BACKEND_F_ENABLED;
+        let in_table = |v: &ServiceView, a: [u8; 16]| {
+            v.table
+                .iter()
+                .filter(|b| b.is_some_and(|b| b.0 == a))
+                .count()
+        };
+        let before = view(&rules);
+        assert_eq!(
+            before.backends,
+            vec![Some((one, 80, enabled)), Some((two, 80, enabled))]
+        );
+        assert!(
+            in_table(&before, two) > 0,
+            "10.1.0.2 in the table: {before:?}"
+        );
+        let change = |up: bool| health::Change {
+            service,
+            backend: "10.1.0.2:80".parse().unwrap_or_else(|e| panic!("{e}")),
+            up,
+            detail: if up {
+                "up".into()
+            } else {
+                "connection refused".into()
+            },
+        };
+
+        rules.health_changed(change(false));
+        let down = view(&rules);
+        assert_eq!(
+            down.backends,
+            vec![Some((one, 80, enabled)), Some((two, 80, 0))],
+            "10.1.0.2 down: kept, disabled"
+        );
+        assert_eq!(
+            in_table(&down, two),
+            0,
+            "10.1.0.2 down, in no slot: {down:?}"
+        );
+        assert_eq!(
+            in_table(&down, one),
+            down.table.len(),
+            "10.1.0.1 takes every slot: {down:?}"
+        );
+        assert_eq!(
+            rules.backend_health(service, change(false).backend),
+            "unchecked"
+        );
+        assert_eq!(rules.config().services, desired, "desired state unchanged");
+
+        rules.health_changed(change(true));
+        assert_eq!(view(&rules), before, "10.1.0.2 up again: as before");
+        assert_eq!(rules.config().services, desired, "desired state unchanged");
+
+        rules.datapath_mut().log.clear();
+        rules.health_changed(health::Change {
+            backend: "10.9.9.9:80".parse().unwrap_or_else(|e| panic!("{e}")),
+            ..change(false)
+        });
+        assert_eq!(
+            rules.datapath().log,
+            vec![],
+            "an unknown backend writes nothing"
+        );
+        assert!(
+            rules.datapath().violations.is_empty(),
+            "{:?}",
+            rules.datapath().violations
+        );
+    }
+
+    /// Interfaces that cannot be planned (SNAT on an interface without a global address)
+    /// refuse the change before anything is written.
+    #[test]
+    fn an_interface_plan_that_cannot_be_made_refuses_the_change_before_any_write() {
+        let scratch = Scratch::new("iface-plan");
+        let mut rules = started(&scratch);
+        let before = snapshot(&rules);
+        rules.datapath_mut().log.clear();
+        let text = AFTER.replace("name = \"eth8\"\n", "name = \"eth8\"\nsnat = true\n");
+        let e = match rules.apply_config(config(&scratch, &text), 1, false, false) {
+            Err(e) => e,
+            Ok(s) => panic!("SNAT on eth8 without an address: expected a refusal, got {s:?}"),
+        };
+        assert_eq!(e.kind, RejectKind::Internal, "{e}");
+        assert!(
+            e.message
+                .contains("interface eth8 has snat = true but no global address"),
+            "expected the planner's reason, got: {e}"
+        );
+        assert_eq!(snapshot(&rules), before, "expected everything as before");
+        assert_eq!(rules.datapath().log, vec![], "expected no write");
     }
 }

@@ -1,5 +1,5 @@
 //! In-memory datapath and conntrack table for unit tests: [`FakeDatapath`] keeps the LB maps,
-//! the runtime knobs and the attached interfaces as plain collections, logs every write in
+//! the runtime knobs, the attached interfaces and their written plan as plain collections, logs every write in
 //! order, checks as it goes that no packet could see a half-written service, and fails the
 //! Nth write of a given kind on request. [`FakeCt`] is a conntrack table in a `BTreeMap`.
 
@@ -15,7 +15,7 @@ use fastpath_common::{
     lb::{Backend, Service, SvcKey},
 };
 
-use super::{CtOps, DatapathError, DatapathOps, ServiceMaps};
+use super::{CtOps, DatapathError, DatapathOps, InterfacePlan, ServiceMaps};
 use crate::{config::InterfaceConfig, lb::Plan, sync::LbIndex};
 
 /// A kind of write, for logs and injected failures.
@@ -49,6 +49,8 @@ pub struct FakeDatapath {
     pub config: DatapathConfig,
     /// Names of the interfaces attached.
     pub interfaces: Vec<String>,
+    /// The interface plan written last.
+    pub interface_plan: InterfacePlan,
     pub log: Vec<Write>,
     /// What a packet could have seen half written (must stay empty).
     pub violations: Vec<String>,
@@ -231,7 +233,7 @@ impl DatapathOps for FakeDatapath {
     fn reattach(
         &mut self,
         ifaces: &[InterfaceConfig],
-        _old: &[InterfaceConfig],
+        plan: &InterfacePlan,
     ) -> Result<Vec<PathBuf>, DatapathError> {
         self.step(Step::Reattach)?;
         let names: Vec<String> = ifaces.iter().map(|i| i.name.get_ref().clone()).collect();
@@ -242,6 +244,7 @@ impl DatapathOps for FakeDatapath {
             .map(PathBuf::from)
             .collect();
         self.interfaces = names.clone();
+        self.interface_plan = plan.clone();
         self.log.push(Write::Reattach(names));
         Ok(detached)
     }

@@ -40,12 +40,8 @@ use aya::{
 };
 use fastpath_common::{
     Counter, DatapathConfig,
-    ct::{
-        IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL,
-        IFACE_F_LOOPBACK, IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IFACE_F_SNAT, IFACE_F_VLAN_TC,
-        IFACE_F_VLAN_XDP, IFACE_F_VXLAN, IFACE_F_VXLAN_UNDERLAY, IFACE_SLOTS, IfaceConfig, ct_stat,
-    },
-    lb::{Backend, MAX_SNAT_RULES, Service, SnatRule, SvcKey},
+    ct::{IFACE_SLOTS, IfaceConfig, ct_stat},
+    lb::{Backend, Service, SnatRule, SvcKey},
     map_names, program_names,
     route::route_stat,
     vxlan::{VxlanNet, vxlan_stat},
@@ -62,11 +58,11 @@ pub use ct::{
     CtInstaller, CtTable, ct_installer, flush_pinned_ct, pinned_ct_entries, pinned_ct_get,
     pinned_ct_occupancy,
 };
-pub use ops::{CtOps, DatapathOps, ServiceMaps};
-pub use sys::{is_bpffs, mount_bpffs};
+pub use ops::{CtOps, DatapathOps, InterfacePlan, ServiceMaps};
+pub use sys::{interface_mac, is_bpffs, mount_bpffs};
 
 use crate::{
-    config::{InterfaceConfig, PortRange, XdpMode},
+    config::{InterfaceConfig, XdpMode},
     ct_events::RecordSource,
     stats::{StatsError, StatsSnapshot},
 };
@@ -200,6 +196,8 @@ pub struct Datapath {
     pub attachments: Vec<Attachment>,
     /// The LB arrays, mapped on first use (see [`LbMaps`]).
     lb_maps: Option<LbMaps>,
+    /// The interface plan written last (what a failed [`Datapath::reattach`] restores).
+    interfaces: InterfacePlan,
     /// Where this load's tail-call arrays are pinned (`tails/<prog id>`).
     tails_dir: PathBuf,
 }
@@ -264,6 +262,7 @@ impl Datapath {
             maps_reused,
             attachments: Vec::new(),
             lb_maps: None,
+            interfaces: InterfacePlan::default(),
             tails_dir,
         })
     }
@@ -318,92 +317,18 @@ impl Datapath {
         aya_log::EbpfLogger::init(&mut self.ebpf)
     }
 
-    /// Writes the per-interface settings (FP_IFACE): which hook tracks connections arriving on
-    /// each interface — XDP when attached (earliest), else TC ingress — plus TC egress, where
-    /// the datapath tracks only what this node itself sends, so every packet is tracked once;
-    /// and the gateway SNAT rules (FP_SNAT) of interfaces with `snat = true`. Entries of
-    /// interfaces no longer configured go.
-    pub fn set_interfaces(&mut self, ifaces: &[InterfaceConfig]) -> Result<(), DatapathError> {
-        let mut wanted = std::collections::BTreeMap::new();
-        let mut rules: Vec<SnatRule> = Vec::new();
-        let mut nets = Vec::new();
-        for iface in ifaces {
-            let name = iface.name.get_ref();
-            let Some(ifindex) = crate::config::ifindex(name) else {
-                continue; // validated at load; gone since: nothing to configure
-            };
-            if ifindex >= IFACE_SLOTS {
-                warn!(iface = %name, ifindex, "Interface index beyond the datapath's per-interface table; its connections are not tracked");
-                continue;
-            }
-            let mut cfg = IfaceConfig::default();
-            if crate::config::is_loopback(name) {
-                cfg.flags |= IFACE_F_LOOPBACK;
-            }
-            if iface.conntrack {
-                if iface.xdp != XdpMode::Off {
-                    cfg.flags |= IFACE_F_CT_XDP;
-                } else if iface.tc_ingress {
-                    cfg.flags |= IFACE_F_CT_TC_INGRESS;
-                }
-                if iface.tc_egress {
-                    cfg.flags |= IFACE_F_CT_TC_EGRESS;
-                }
-                if iface.stateful_firewall {
-                    cfg.flags |= IFACE_F_FIREWALL;
-                }
-            }
-            if iface.route {
-                cfg.flags |= if iface.xdp != XdpMode::Off {
-                    IFACE_F_ROUTE
-                } else {
-                    IFACE_F_ROUTE_TC
-                };
-                cfg.mac = interface_mac(name)?;
-                for (family, sysctl) in [
-                    ("IPv4", format!("/proc/sys/net/ipv4/conf/{name}/forwarding")),
-                    ("IPv6", format!("/proc/sys/net/ipv6/conf/{name}/forwarding")),
-                ] {
-                    if std::fs::read_to_string(&sysctl).is_ok_and(|v| v.trim() == "0") {
-                        warn!(iface = %name, "route = true but {family} forwarding is off here ({sysctl} = 0): the kernel's FIB answers no forwarding lookups, so these packets go to the kernel (reason route_forwarding_off)");
-                    }
-                }
-            }
-            if let Some(vid) = &iface.vlan {
-                cfg.flags |= if iface.xdp != XdpMode::Off {
-                    IFACE_F_VLAN_XDP
-                } else {
-                    IFACE_F_VLAN_TC
-                };
-                cfg.vlan = vid.get_ref().to_be_bytes();
-            }
-            if iface.snat {
-                let rule = snat_rule(iface)?;
-                cfg.flags |= IFACE_F_SNAT;
-                cfg.snat = rules.len() as u32;
-                rules.push(rule);
-            }
-            if let Some(vx) = &iface.vxlan {
-                // Decapsulated packets are routed as if they arrived on the device.
-                cfg.flags |= IFACE_F_VXLAN | IFACE_F_ROUTE | IFACE_F_ROUTE_TC;
-                cfg.mac = interface_mac(name)?;
-                nets.push((ifindex, vx));
-            }
-            wanted.insert(ifindex, cfg);
-        }
-        let nets = vxlan_nets(&nets)?;
-        for net in nets.values() {
-            if let Some(u) = wanted.get_mut(&net.underlay) {
-                u.flags |= IFACE_F_VXLAN_UNDERLAY;
-            }
-        }
-        // The rules first: an interface names its rule only once the rule is in place.
-        if rules.len() > MAX_SNAT_RULES as usize {
-            return Err(DatapathError::Config(format!(
-                "{} interfaces with snat = true; the datapath takes at most {MAX_SNAT_RULES}",
-                rules.len()
-            )));
-        }
+    /// Writes `plan` (see [`crate::ifaces::plan_interfaces`]) as given: the SNAT rules
+    /// (FP_SNAT) first, since an interface names its rule only once the rule is in place; then
+    /// every FP_IFACE slot (the planned ones set, whatever an earlier plan left cleared); then
+    /// the XDP redirect ports and the VXLAN networks, with a new generation of learned
+    /// headers. Remembered as what a failed [`Datapath::reattach`] restores.
+    pub fn write_interfaces(&mut self, plan: &InterfacePlan) -> Result<(), DatapathError> {
+        self.write_interface_maps(plan)?;
+        self.interfaces = plan.clone();
+        Ok(())
+    }
+
+    fn write_interface_maps(&mut self, plan: &InterfacePlan) -> Result<(), DatapathError> {
         {
             let map = self
                 .ebpf
@@ -416,7 +341,7 @@ impl Datapath {
                     what: "opening FP_SNAT".into(),
                     source,
                 })?;
-            for (i, rule) in rules.iter().enumerate() {
+            for (i, rule) in plan.snat.iter().enumerate() {
                 snat.set(i as u32, rule, 0)
                     .map_err(|source| DatapathError::Map {
                         what: format!("writing FP_SNAT[{i}]"),
@@ -437,7 +362,7 @@ impl Datapath {
             })?;
         // Every slot: set the configured ones, clear whatever an earlier config left.
         for ifindex in 0..IFACE_SLOTS {
-            let cfg = wanted.get(&ifindex).copied().unwrap_or_default();
+            let cfg = plan.ifaces.get(&ifindex).copied().unwrap_or_default();
             let current = table.get(&ifindex, 0).unwrap_or_default();
             if current != cfg {
                 table
@@ -448,8 +373,8 @@ impl Datapath {
                     })?;
             }
         }
-        self.set_tx_ports(wanted.keys().copied())?;
-        self.set_vxlan_nets(&nets)
+        self.set_tx_ports(plan.ifaces.keys().copied())?;
+        self.set_vxlan_nets(&plan.vxlan)
     }
 
     /// Makes the XDP redirect device map (`FP_TX_PORTS`) hold these interfaces and no others.
@@ -555,12 +480,13 @@ impl Datapath {
 
     /// Changes the hooks of a running datapath to what `ifaces` name, as one change: new
     /// hooks are attached, kept ones stay (the same program swapped into their links), the
-    /// interface table is rewritten, and hooks no longer named are detached. On failure the
-    /// attachments and the interface table are as they were. Returns the detached pins.
+    /// interface maps get `plan` (planned for `ifaces`), and hooks no longer named are
+    /// detached. On failure the attachments are as they were and the interface maps hold the
+    /// plan written before. Returns the detached pins.
     pub fn reattach(
         &mut self,
         ifaces: &[InterfaceConfig],
-        old: &[InterfaceConfig],
+        plan: &InterfacePlan,
     ) -> Result<Vec<PathBuf>, DatapathError> {
         let before = std::mem::take(&mut self.attachments);
         if let Err(e) = self.attach_all(ifaces) {
@@ -568,10 +494,11 @@ impl Datapath {
             self.attachments = before;
             return Err(e);
         }
-        if let Err(e) = self.set_interfaces(ifaces) {
+        if let Err(e) = self.write_interface_maps(plan) {
             self.detach_fresh();
             self.attachments = before;
-            if let Err(undo) = self.set_interfaces(old) {
+            let old = self.interfaces.clone();
+            if let Err(undo) = self.write_interface_maps(&old) {
                 warn!(error = %undo, "Could not restore the interface table");
             }
             return Err(e);
@@ -579,6 +506,7 @@ impl Datapath {
         // The old handles of links kept are duplicates now; those of links no longer named
         // go with their pins below.
         drop(before);
+        self.interfaces = plan.clone();
         self.remove_stale_links()
     }
 
@@ -1385,52 +1313,6 @@ pub struct BackendRow {
     pub active: u64,
 }
 
-/// Interface `name`'s MAC address, asked of the kernel in this process's network namespace
-/// (`SIOCGIFHWADDR`; sysfs may show another namespace's interfaces).
-/// The VXLAN networks of the interfaces `nets` (vxlan devices by ifindex), by VNI.
-fn vxlan_nets(
-    nets: &[(u32, &crate::config::VxlanPort)],
-) -> Result<std::collections::BTreeMap<u32, VxlanNet>, DatapathError> {
-    // The kernel's default outer source ports: the namespace's local port range (a device
-    // created with `srcport` uses its own).
-    let (port_min, port_max) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|t| {
-            let mut it = t.split_whitespace().map(|p| p.parse::<u16>().ok());
-            Some((it.next()??, it.next()??))
-        })
-        .unwrap_or((32768, 60999));
-    let mut out = std::collections::BTreeMap::new();
-    for &(ifindex, vx) in nets {
-        let under = vx.underlay.get_ref();
-        let underlay = crate::config::ifindex(under).ok_or_else(|| {
-            DatapathError::Config(format!("the VXLAN underlay {under:?} does not exist"))
-        })?;
-        let (family, local) = match vx.local.get_ref() {
-            std::net::IpAddr::V4(a) => {
-                let mut l = [0; 16];
-                l[..4].copy_from_slice(&a.octets());
-                (4, l)
-            }
-            std::net::IpAddr::V6(a) => (6, a.octets()),
-        };
-        out.insert(
-            *vx.vni.get_ref(),
-            VxlanNet {
-                ifindex,
-                underlay,
-                port: vx.port,
-                port_min,
-                port_max,
-                family,
-                _pad: 0,
-                local,
-            },
-        );
-    }
-    Ok(out)
-}
-
 /// Starts a new generation of learned VXLAN headers and cached routes (`FP_VXLAN_GEN`):
 /// every entry learned before is a miss until the kernel's path (or the FIB) teaches it
 /// again.
@@ -1538,62 +1420,6 @@ impl PeerLinks {
         self.set = Some(wanted);
         Ok(())
     }
-}
-
-fn interface_mac(name: &str) -> Result<[u8; 6], DatapathError> {
-    sys::interface_mac(name).map_err(|e| {
-        DatapathError::Config(format!(
-            "reading the MAC address of interface {name:?}: {e}; route = true needs an Ethernet interface"
-        ))
-    })
-}
-
-/// The SNAT rule of an interface with `snat = true`: its configured addresses, or its own
-/// first global IPv4 and IPv6 addresses (masquerade).
-fn snat_rule(iface: &InterfaceConfig) -> Result<SnatRule, DatapathError> {
-    let name = iface.name.get_ref();
-    let addrs = match &iface.snat_addresses {
-        Some(a) => a.get_ref().clone(),
-        None => {
-            let own = crate::config::interface_addresses(name).map_err(|e| {
-                DatapathError::Config(format!("reading the addresses of {name}: {e}"))
-            })?;
-            let global = |a: &&std::net::IpAddr| match a {
-                std::net::IpAddr::V4(v4) => !v4.is_loopback() && !v4.is_link_local(),
-                std::net::IpAddr::V6(v6) => !v6.is_loopback() && !v6.is_unicast_link_local(),
-            };
-            let v4 = own.iter().filter(global).find(|a| a.is_ipv4()).copied();
-            let v6 = own.iter().filter(global).find(|a| a.is_ipv6()).copied();
-            let list: Vec<_> = v4.into_iter().chain(v6).collect();
-            if list.is_empty() {
-                return Err(DatapathError::Config(format!(
-                    "interface {name} has snat = true but no global address to masquerade as; add one (ip addr add) or give snat_addresses"
-                )));
-            }
-            list
-        }
-    };
-    let ports = iface
-        .snat_ports
-        .as_ref()
-        .map_or(PortRange::DEFAULT_SNAT, |r| *r.get_ref());
-    let mut rule = SnatRule {
-        port_lo: ports.first,
-        port_hi: ports.last,
-        ..SnatRule::default()
-    };
-    for a in addrs {
-        let (bytes, family) = crate::lb::addr16(a);
-        if family == 4 {
-            rule.addr4 = bytes;
-            rule.families |= 1;
-        } else {
-            rule.addr6 = bytes;
-            rule.families |= 2;
-        }
-    }
-    info!(iface = %name, v4 = %ip_of(4, &rule.addr4), v6 = %ip_of(6, &rule.addr6), families = rule.families, ports = %ports, "Gateway SNAT on");
-    Ok(rule)
 }
 
 /// What the kernel needs to forward the packets the datapath translates and hands to it

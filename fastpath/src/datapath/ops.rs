@@ -5,18 +5,32 @@
 //! same state in memory, so that logic is unit-tested without root.
 //!
 //! Contract: an implementation writes what it is given, in the order given; planning (which
-//! space a service's tables take, Maglev tables, which neighbours to resolve) is the caller's.
+//! space a service's tables take, Maglev tables, which neighbours to resolve, each
+//! interface's settings) is the caller's.
 
-use std::{net::IpAddr, path::PathBuf};
+use std::{collections::BTreeMap, net::IpAddr, path::PathBuf};
 
 use fastpath_common::{
     DatapathConfig,
-    ct::{CtEntry, CtKey},
-    lb::{Service, SvcKey},
+    ct::{CtEntry, CtKey, IfaceConfig},
+    lb::{Service, SnatRule, SvcKey},
+    vxlan::VxlanNet,
 };
 
 use super::{CtTable, Datapath, DatapathError};
 use crate::{config::InterfaceConfig, lb::Plan, sync::LbIndex};
+
+/// What the per-interface maps hold, as planned by [`crate::ifaces::plan_interfaces`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InterfacePlan {
+    /// `FP_IFACE` by ifindex (each below `IFACE_SLOTS`); every other slot is cleared. The
+    /// same interfaces make up `FP_TX_PORTS`.
+    pub ifaces: BTreeMap<u32, IfaceConfig>,
+    /// `FP_SNAT` in order: an interface's `IfaceConfig::snat` is its rule's index here.
+    pub snat: Vec<SnatRule>,
+    /// `FP_VXLAN_NET` by VNI: these and no others.
+    pub vxlan: BTreeMap<u32, VxlanNet>,
+}
 
 /// The LB maps (`FP_SVC`, `FP_BACKENDS`, `FP_LB_SLOTS`) as a planner sees them.
 pub trait ServiceMaps {
@@ -37,13 +51,14 @@ pub trait DatapathOps: ServiceMaps {
     /// Writes the runtime knobs (`FP_CONFIG[0]`).
     fn set_config(&mut self, config: DatapathConfig) -> Result<(), DatapathError>;
 
-    /// Changes the hooks to what `ifaces` name, as one change (see [`Datapath::reattach`]):
-    /// on error the attachments and the interface table are as they were. Returns the
-    /// detached pins.
+    /// Changes the hooks to what `ifaces` name and writes `plan` (planned for `ifaces`) into
+    /// the interface maps, as one change (see [`Datapath::reattach`]): on error the
+    /// attachments are as they were and the interface maps hold the plan written before.
+    /// Returns the detached pins.
     fn reattach(
         &mut self,
         ifaces: &[InterfaceConfig],
-        old: &[InterfaceConfig],
+        plan: &InterfacePlan,
     ) -> Result<Vec<PathBuf>, DatapathError>;
 
     /// Turns on the forwarding sysctls translated traffic needs (see
@@ -86,9 +101,9 @@ impl DatapathOps for Datapath {
     fn reattach(
         &mut self,
         ifaces: &[InterfaceConfig],
-        old: &[InterfaceConfig],
+        plan: &InterfacePlan,
     ) -> Result<Vec<PathBuf>, DatapathError> {
-        Datapath::reattach(self, ifaces, old)
+        Datapath::reattach(self, ifaces, plan)
     }
 
     fn prepare_forwarding(
