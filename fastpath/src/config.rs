@@ -1626,18 +1626,22 @@ pub fn ifindex(name: &str) -> Option<u32> {
     (idx != 0).then_some(idx)
 }
 
-/// What `snat = true` without `snat_addresses` masquerades as: the first global IPv4 and the
-/// first global IPv6 address of interface `name` (loopback and link-local ones are not
-/// global), in that order; empty when it has neither.
+/// What `snat = true` without `snat_addresses` masquerades as on interface `name`: see
+/// [`masquerade_addresses`].
 pub fn default_snat_addresses(name: &str) -> std::io::Result<Vec<std::net::IpAddr>> {
-    let own = interface_addresses(name)?;
+    Ok(masquerade_addresses(&interface_addresses(name)?))
+}
+
+/// Of an interface's addresses `own`, the first global IPv4 and the first global IPv6 one
+/// (loopback and link-local ones are not global), in that order; empty when it has neither.
+pub fn masquerade_addresses(own: &[std::net::IpAddr]) -> Vec<std::net::IpAddr> {
     let global = |a: &&std::net::IpAddr| match a {
         std::net::IpAddr::V4(v4) => !v4.is_loopback() && !v4.is_link_local(),
         std::net::IpAddr::V6(v6) => !v6.is_loopback() && !v6.is_unicast_link_local(),
     };
     let v4 = own.iter().filter(global).find(|a| a.is_ipv4()).copied();
     let v6 = own.iter().filter(global).find(|a| a.is_ipv6()).copied();
-    Ok(v4.into_iter().chain(v6).collect())
+    v4.into_iter().chain(v6).collect()
 }
 
 /// The addresses of interface `name` in the current network namespace, as `ip addr` lists

@@ -201,13 +201,7 @@ fn snat_rule(
                     name: name.clone(),
                     source,
                 })?;
-            let global = |a: &&IpAddr| match a {
-                IpAddr::V4(v4) => !v4.is_loopback() && !v4.is_link_local(),
-                IpAddr::V6(v6) => !v6.is_loopback() && !v6.is_unicast_link_local(),
-            };
-            let v4 = own.iter().filter(global).find(|a| a.is_ipv4()).copied();
-            let v6 = own.iter().filter(global).find(|a| a.is_ipv6()).copied();
-            let list: Vec<_> = v4.into_iter().chain(v6).collect();
+            let list = crate::config::masquerade_addresses(&own);
             if list.is_empty() {
                 return Err(IfacePlanError::NoSnatAddress { name: name.clone() });
             }
