@@ -563,7 +563,10 @@ impl Report {
 /// This tree's rows and the old object's (empty without `--old-object`).
 fn this_and_old(rows: PerObject) -> (Vec<CtRow>, Vec<CtRow>) {
     let mut rows = rows.into_iter();
-    (rows.next().unwrap_or_default(), rows.next().unwrap_or_default())
+    (
+        rows.next().unwrap_or_default(),
+        rows.next().unwrap_or_default(),
+    )
 }
 
 /// Writes the JSON, the plots and the generated blocks of docs/BENCHMARKS.md.
@@ -960,58 +963,59 @@ const ROUTE_CASES: &[(&str, &str)] = &[
 /// once), like the LB rows.
 fn bench_route_paths(objects: &Objects) -> Result<PerObject> {
     thread::scope(|scope| {
-        scope.spawn(|| -> Result<PerObject> {
-        enter_fresh_netns(ROUTE_NETNS_SETUP);
-        let ifindex = |name: &str| {
-            fastpath::config::ifindex(name).with_context(|| format!("no {name} in the namespace"))
-        };
-        let all = route_cases(RouteIfaces {
-            r0: ifindex("r0")?,
-            r1: ifindex("r1")?,
-            r2: ifindex("r2")?,
-        });
-        let mut picked = Vec::new();
-        for (name, what) in ROUTE_CASES {
-            let case = all
-                .iter()
-                .find(|c| c.name == *name)
-                .with_context(|| format!("routing case {name} is not in the fixture table"))?;
-            picked.push((case, *what));
-        }
-        let mut fxs = objects.load()?;
-        let mut rows = objects.rows();
-        let mut routes = 0;
-        for size in ROUTE_SIZES {
-            add_routes(routes, size)?;
-            routes = size;
-            for (case, what) in &picked {
-                // Seeds the maps and checks the case still routes as its table says.
-                for fx in &mut fxs {
-                    fx.evaluate(case)
-                        .map_err(|e| anyhow::anyhow!("{what}, {size} routes: {e}"))?;
+        scope
+            .spawn(|| -> Result<PerObject> {
+                enter_fresh_netns(ROUTE_NETNS_SETUP);
+                let ifindex = |name: &str| {
+                    fastpath::config::ifindex(name)
+                        .with_context(|| format!("no {name} in the namespace"))
+                };
+                let all = route_cases(RouteIfaces {
+                    r0: ifindex("r0")?,
+                    r1: ifindex("r1")?,
+                    r2: ifindex("r2")?,
+                });
+                let mut picked = Vec::new();
+                for (name, what) in ROUTE_CASES {
+                    let case = all.iter().find(|c| c.name == *name).with_context(|| {
+                        format!("routing case {name} is not in the fixture table")
+                    })?;
+                    picked.push((case, *what));
                 }
-                // A flow's later packets: the route cache's answer.
-                let path = format!("{what}, cached (repeat = 1)");
-                let timed =
-                    time_once_each(&mut fxs, &path, std::iter::repeat_n(*case, LB_RUNS))?;
-                push_rows(&mut rows, &path, size, None, &timed);
-                // A flow's first packet after a change: a new generation before each run, so
-                // each asks the FIB and caches its answer.
-                let path = format!("{what}, FIB lookup (new generation; repeat = 1)");
-                let timed = time_once_each_after(
-                    &mut fxs,
-                    &path,
-                    std::iter::repeat_n(*case, LB_RUNS),
-                    |fx| Ok(fx.bump_generation()?),
-                )?;
-                push_rows(&mut rows, &path, size, None, &timed);
-            }
-            eprint!("r");
-        }
-        Ok(rows)
-        })
-        .join()
-        .map_err(|_| anyhow::anyhow!("the routing benchmark's thread panicked"))?
+                let mut fxs = objects.load()?;
+                let mut rows = objects.rows();
+                let mut routes = 0;
+                for size in ROUTE_SIZES {
+                    add_routes(routes, size)?;
+                    routes = size;
+                    for (case, what) in &picked {
+                        // Seeds the maps and checks the case still routes as its table says.
+                        for fx in &mut fxs {
+                            fx.evaluate(case)
+                                .map_err(|e| anyhow::anyhow!("{what}, {size} routes: {e}"))?;
+                        }
+                        // A flow's later packets: the route cache's answer.
+                        let path = format!("{what}, cached (repeat = 1)");
+                        let timed =
+                            time_once_each(&mut fxs, &path, std::iter::repeat_n(*case, LB_RUNS))?;
+                        push_rows(&mut rows, &path, size, None, &timed);
+                        // A flow's first packet after a change: a new generation before each run, so
+                        // each asks the FIB and caches its answer.
+                        let path = format!("{what}, FIB lookup (new generation; repeat = 1)");
+                        let timed = time_once_each_after(
+                            &mut fxs,
+                            &path,
+                            std::iter::repeat_n(*case, LB_RUNS),
+                            |fx| Ok(fx.bump_generation()?),
+                        )?;
+                        push_rows(&mut rows, &path, size, None, &timed);
+                    }
+                    eprint!("r");
+                }
+                Ok(rows)
+            })
+            .join()
+            .map_err(|_| anyhow::anyhow!("the routing benchmark's thread panicked"))?
     })
 }
 
@@ -1428,13 +1432,7 @@ fn time_interleaved<'c>(
 type PerObject = Vec<Vec<CtRow>>;
 
 /// Appends one row per object from its [`Timed`] samples.
-fn push_rows(
-    rows: &mut PerObject,
-    path: &str,
-    size: u32,
-    backends: Option<usize>,
-    timed: &Timed,
-) {
+fn push_rows(rows: &mut PerObject, path: &str, size: u32, backends: Option<usize>, timed: &Timed) {
     for (out, (ns, floor)) in rows.iter_mut().zip(timed) {
         out.push(CtRow {
             backends,
