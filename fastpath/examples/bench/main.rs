@@ -325,8 +325,8 @@ fn quick() -> bool {
 fn usage() -> String {
     format!(
         "usage: bench [quick | SECTION | --render] [--old-object PATH]\n\n\
-         (nothing)           measure every section; rewrite docs/bench/*.json, docs/bench/*.svg and the generated blocks of docs/BENCHMARKS.md\n\
-         quick               the per-packet paths ({}) and a short load-balancer comparison\n\
+         (nothing)           measure every section (about 30 minutes on 2 CPUs, estimated; each section prints its wall time); rewrite docs/bench/*.json, docs/bench/*.svg and the generated blocks of docs/BENCHMARKS.md\n\
+         quick               the per-packet paths ({}) and a short load-balancer comparison (under 10 minutes)\n\
          SECTION             one section (or `--only SECTION`); the other sections' committed results are kept\n\
          --render            regenerate the plots and the report's blocks from docs/bench/*.json alone\n\
          --old-object PATH   also time the parse-only paths of another build of the datapath (fastpath-ebpf built with `--features bench`), interleaved with this tree's in the same rounds\n\n\
@@ -1829,7 +1829,7 @@ fn thousands(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::new();
     for (i, d) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(d);
