@@ -407,7 +407,7 @@ fn main() -> Result<()> {
         let part = measure("lb-compare", None)?;
         eprintln!("\nFP_BENCH_CONTENDERS is set: a partial comparison, printed and not written");
         if let Part::LbCompare(r) = &part {
-            print!("{}", lb_compare::markdown(r));
+            print!("{}{}", lb_compare::markdown(r), lb_compare::ha_markdown(r));
         }
         return Ok(());
     }
