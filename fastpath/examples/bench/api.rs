@@ -11,7 +11,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::plot::{Bar, Figure};
 use anyhow::{Context as _, Result, bail};
 use fastpath::{
     api::{client, pb},
@@ -258,8 +257,9 @@ pub fn run(bin: &Path) -> Result<ApiReport> {
 
 pub fn markdown(r: &ApiReport) -> String {
     use std::fmt::Write as _;
-    let mut md = String::from(
-        "## Config changes through the API and the CLI\n\nThe daemon runs as the tests run it (the namespace topology, one service of 100 backends); every change is validated with the whole desired state, applied by difference and saved to the state file before the answer. A CLI command's time includes starting the process and connecting to the Unix socket. The daemon's own time is `took_us` from its answers. The baseline is measured in the same run, in the same namespace: `iptables` (kube-proxy's way) adding or deleting one DNAT rule among 100.\n\n| change | samples | p50 ms | p99 ms | max ms | daemon's own p50 ms |\n|---|---:|---:|---:|---:|---:|\n",
+    let mut md = format!(
+        "1 service of {BACKENDS} backends · baseline: {}, same namespace\n\n| change | samples | p50 ms | p99 ms | max ms | daemon's own p50 ms |\n|---|---:|---:|---:|---:|---:|\n",
+        r.iptables_version
     );
     for row in &r.rows {
         let _ = writeln!(
@@ -280,36 +280,10 @@ pub fn markdown(r: &ApiReport) -> String {
     ) {
         let _ = writeln!(
             md,
-            "\nOne backend change, command to effect: `fastpath` {:.2} ms, `iptables` {:.2} ms (median; fastpath ÷ iptables = {:.2}). {}.",
-            cli.p50_ms,
-            ipt.p50_ms,
+            "\n| one backend change, p50 | fastpath ÷ iptables |\n|---|---:|\n| command to effect | {:.2} |",
             cli.p50_ms / ipt.p50_ms,
-            r.iptables_version
         );
     }
     md.push('\n');
     md
-}
-
-/// The changes' median latencies (no whisker: the table gives p99 and max).
-pub fn figures(r: &ApiReport) -> Vec<Figure> {
-    let bars: Vec<Bar> = r
-        .rows
-        .iter()
-        .map(|row| {
-            let label = row.what.split(':').next().unwrap_or(&row.what).to_owned();
-            Bar::new(
-                label,
-                (row.p50_ms, f64::NAN, f64::NAN),
-                !row.what.starts_with("Linux alternative"),
-            )
-        })
-        .collect();
-    vec![Figure::bars(
-        "api_changes.svg",
-        "Config changes: median command-to-effect time",
-        "ms",
-        &bars,
-        None,
-    )]
 }

@@ -343,11 +343,17 @@ fn cell(runs: &[HaRun], digits: usize, pick: impl Fn(&HaRun) -> f64) -> String {
 /// The "HA replication" block: the run's parameters and its table (the method is written
 /// by hand around the block).
 pub fn markdown(r: &HaReport) -> String {
-    let mut md = String::from("## HA replication: 100,000 connections to a peer\n\n");
+    let mut md = String::new();
     let _ = writeln!(
         md,
-        "{SYNS} SYNs per run to {VIP}:{PORT} · conntrack capacity {} · status polled every {} ms · {} runs per rate, medians (min–max)\n",
-        r.ct_capacity, r.poll_ms, r.runs_per_rate
+        "{} SYNs per run to {VIP}:{PORT} · conntrack capacity {} · status polled every {} ms · {} runs per rate, medians (min–max)\n",
+        r.rates
+            .first()
+            .and_then(|rate| rate.runs.first())
+            .map_or(0, |run| run.syns_sent),
+        r.ct_capacity,
+        r.poll_ms,
+        r.runs_per_rate
     );
     let _ = writeln!(
         md,

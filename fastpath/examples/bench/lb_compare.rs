@@ -38,7 +38,7 @@ const BACKENDS: usize = 3;
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 100);
 const PORT: u16 = 80;
 /// Measured rounds; each runs every contender once.
-const ROUNDS: usize = 4;
+const ROUNDS: usize = 3;
 /// Further rounds of the fastpath contender and the HA one alone, new-connection runs only:
 /// the HA penalty is a few percent, and one pair's ratio varies by several, so its
 /// comparison takes the pairs of all `ROUNDS + HA_EXTRA_ROUNDS` rounds.
@@ -48,7 +48,7 @@ const HA_EXTRA_ROUNDS: usize = 6;
 /// [`Bench::new`], the cause of runs that collapsed to 500-9,000 requests/s before).
 const HA_EXTRA_PAUSE: Duration = Duration::from_secs(10);
 /// Seconds per wrk run.
-const DURATION_S: u32 = 4;
+const DURATION_S: u32 = 3;
 /// `bench quick`: rounds, seconds per run and contenders.
 const QUICK_ROUNDS: usize = 3;
 const QUICK_DURATION_S: u32 = 3;
@@ -409,8 +409,8 @@ fn ticks_s(ticks: u64) -> f64 {
 /// The topology, the backends' servers and the files the runs need.
 pub(crate) struct Bench {
     bin: std::path::PathBuf,
-    /// Seconds per measured run ([`DURATION_S`], shorter in `bench quick`).
-    duration_s: u32,
+    /// Seconds per measured run ([`DURATION_S`]; the sweep's `SECS`).
+    pub(crate) duration_s: u32,
     /// nginx on every backend, kept running for the runs; dropped before `lb`, so the servers
     /// stop before their namespaces go.
     _servers: Vec<HttpServer>,
@@ -1599,27 +1599,23 @@ fn check_replication(
     Ok(())
 }
 
-/// The "Load balancers compared" section.
+/// The "Load balancers compared" tables.
 pub fn markdown(r: &CompareReport) -> String {
-    let mut md = String::from("## Load balancers compared: namespace topology, wrk\n\n");
+    let mut md = String::new();
     let _ = writeln!(
         md,
-        "One VIP ({VIP}:{PORT}) over {} nginx backends (one single-process nginx each), through the same topology for every contender: client — fp — backends, one veth link each, the client's and backends' default routes through fp. Only one contender is set up on fp at a time; between runs it is torn down and fp is checked clean (nftables ruleset flushed — iptables-nft's rules included —, kernel conntrack table flushed, HAProxy stopped and the VIP removed, the daemon stopped with no XDP program or pin left). Checksum offloads are off on every interface (client, fp, backends) for every contender: every packet on every link is MTU-sized with a full checksum, as on a wire (with offloads on, veth passes 64 KiB GSO packets: the kernel contenders would forward one packet where fastpath, whose XDP turns GSO off on the veth's peer, sees 45, and HAProxy, sending from fp itself, would hand the client 64 KiB packets). Every sender therefore checksums and segments in software, and every TCP endpoint (client, nginx, HAProxy) verifies checksums in software, as without offloads. fp's `nf_conntrack_checksum` is 0: a NIC verifies receive checksums and conntrack then skips its own check; veth cannot, so the check is off rather than charged to the iptables and nftables contenders.\n",
-        r.backends
-    );
-    let _ = writeln!(
-        md,
-        "Load: `{}`, one thread, in the client namespace, for {} s per run after a {} s warm-up following each setup. Requests/s with a new connection per request: {} connections, `-H 'Connection: close'` (nginx closes each connection after its response; wrk, having read the whole response, sometimes closes first, leaving 12,000-14,000 of the client's 28,000 ports in TIME_WAIT, and every connect() searched the port range from the same start past them until wrk's CPU did little else — runs fell to 500-9,000 requests/s for every contender, the other CPU idle — so the client has `net.ipv4.tcp_tw_reuse` = 1, as load generators are run). Keep-alive: {} connections, wrk's default persistent connections (nginx closes one every 1000 requests). Throughput: a {} MiB file over {} keep-alive connections, bytes received ÷ time — HTTP rather than iperf3 because iperf3's control and data connections must reach the same server, which a per-connection random pick does not guarantee. {} rounds, interleaved (every contender once per round, the first one rotating); the table gives medians (min–max over rounds) and ratios of medians. Every run must answer at least 100 requests (3 files), with no non-2xx response and socket errors at most {:.1}% of requests; its packets must reach the backends — each of the three at least {:.0}% of them in the new-connection runs of the load balancers — and the contender's own counter (fastpath's datapath counters, the rules' packet counters) must have seen the traffic; otherwise the benchmark fails. The baseline reaches one nginx (one process, so at most one CPU) where the load balancers spread the load over three, so a load balancer's ratio to it can exceed 1. fastpath runs as the tests and the demo configure it: XDP (native on veth) and TC ingress and egress programs on every fp interface, one service in NAT mode.\n",
-        r.load_generator,
+        "VIP {VIP}:{PORT} over {} nginx backends · {} rounds · wrk {} s per run after a {} s warm-up · {} connections (new-connection, keep-alive) · {} connections fetching a {} MiB file (throughput) · netdev_max_backlog {BACKLOG}\n\nVersions: {}; {}; {}; {}.\n",
+        r.backends,
+        r.rounds,
         r.duration_s,
         r.warmup_s,
         r.connections,
-        r.connections,
-        r.bulk_file_bytes >> 20,
         r.bulk_connections,
-        r.rounds,
-        MAX_SOCKET_ERROR_FRACTION * 100.0,
-        MIN_BACKEND_SHARE * 100.0
+        r.bulk_file_bytes >> 20,
+        r.load_generator,
+        r.haproxy,
+        r.iptables,
+        r.nftables
     );
     let _ = writeln!(
         md,
@@ -1662,15 +1658,9 @@ pub fn markdown(r: &CompareReport) -> String {
             )
         );
     }
-    let _ = writeln!(md);
     let _ = writeln!(
         md,
-        "Kernel conntrack is part of what is compared: iptables and nftables DNAT need nf_conntrack in fp (the NAT binding lives in the connection's conntrack entry; the last column counts fp's entries right after a new-connection run), fastpath keeps its own connection table in a BPF map and leaves nf_conntrack unused in fp, and HAProxy terminates the client's connection in fp's TCP stack and opens its own to the backend (no NAT, no conntrack, but two TCP connections per request). Client retransmits are summed over the measured runs, and so are the packets the host's per-CPU receive backlogs dropped (/proc/net/softnet_stat; a veth with no XDP program queues what it receives there): with both CPUs busy, the kernel's default backlog of 1000 packets overflowed (1.4 million drops counted on this machine over earlier runs of this bench), and every lost SYN stalls its connection for the 1 s retransmission timeout — so the bench raises `net.core.netdev_max_backlog` to {} for its runs (host-wide, set back afterwards), as a box that forwards for a living would. The backends keep no TIME_WAIT (`net.ipv4.tcp_max_tw_buckets` = 0 in their namespaces): the one client address reuses each of its ports every few seconds, and a SYN that meets its tuple's TIME_WAIT from a run of another contender (the direct one dials the backend, the load balancers' clients the VIP, and the client derives the SYN's sequence number and timestamp from a hash of what it dials) was answered with an ACK and retried after 1 s, thousands of times per run for the contenders that ran within a minute after the direct one. Steal is the CPU time the hypervisor gave to other guests during a run, in % of the machine's (/proc/stat): runs it hits go slower whatever the contender. The last column is the CPU the contender's own process took during the runs (user and system time of all its threads, ÷ the run's duration): the fastpath daemon drains the conntrack event ring (the datapath's connection events) and runs the expiry pass on the same 2 CPUs, HAProxy relays every byte through its sockets; the kernel contenders' work happens in softirq context and is not attributed. Versions: {}; {}; {}. The machine's 2 CPUs run everything — wrk, the three nginx, HAProxy's threads (its default: one per CPU) and the kernel's packet processing in every namespace — so these numbers compare the contenders' CPU cost per request on one box rather than what each could do on its own hardware; another engineer's tests may share the machine during a run.\n",
-        BACKLOG, r.haproxy, r.iptables, r.nftables
-    );
-    let _ = writeln!(
-        md,
-        "Latency and CPU per request, the same runs: wrk's request latency (request sent → response read; a new-connection request includes the connection's handshake), medians over rounds of each run's p50 and p99; and the whole machine's busy CPU time (both CPUs: client, fp, backends) ÷ requests.\n\n| contender | new conn p50 / p99 ms | keep-alive p50 / p99 ms | CPU µs/request: new conn / keep-alive |\n|---|---:|---:|---:|"
+        "\n| contender | new conn p50 / p99 ms | keep-alive p50 / p99 ms | CPU µs/request: new conn / keep-alive |\n|---|---:|---:|---:|"
     );
     for c in &r.contenders {
         let ms = |l: [f64; 2]| format!("{:.2} / {:.2}", l[0] / 1e3, l[1] / 1e3);
@@ -1685,7 +1675,6 @@ pub fn markdown(r: &CompareReport) -> String {
         );
     }
     let _ = writeln!(md);
-    md.push_str(&ha_markdown(r));
     md
 }
 
@@ -1735,10 +1724,10 @@ impl<'a> HaPair<'a> {
     }
 }
 
-/// HA sync on against off: the two fastpath rows side by side.
-fn ha_markdown(r: &CompareReport) -> String {
+/// HA sync on against off: the two fastpath rows side by side, and what was replicated.
+pub fn ha_markdown(r: &CompareReport) -> String {
     let Some(pair) = HaPair::of(r) else {
-        return String::new();
+        return "Not measured in this run (`bench quick` leaves the HA contender out; a full run or `bench lb-compare` measures it).\n\n".to_owned();
     };
     let HaPair {
         plain,
@@ -1747,17 +1736,13 @@ fn ha_markdown(r: &CompareReport) -> String {
         plain_new,
         sync_new,
     } = &pair;
-    let mut md = String::from(
-        "### fastpath with HA sync on and off
-
-",
-    );
+    let mut md = String::new();
     let _ = writeln!(
         md,
-        "The \"fastpath + HA sync\" contender is the fastpath contender's setup (same config, same runs, in the same interleaved rounds) plus `[ha]` on fp: the daemon turns every conntrack event into a change and streams it over gRPC with mutual TLS to a peer daemon (node B) in a peer namespace joined to fp by its own veth, which installs A's entries in its table. B's daemon attaches to a spare link of its own, not the sync link: between two machines, A's stream leaves with segmentation offload and B's packet processing runs on B's CPU (on veth, B's XDP program on the sync link would turn A's segmentation offload off and run B's receive path for every segment in A's sending context). B starts first and must hold A's snapshot (`ha status --check`) before the runs; after each run (outside its timing), once A has made no new change for 0.5 s, B must have acknowledged A's last change, received at least {} changes per request in a new-connection run (each request is a connection, one change unless the client reuses its port while the earlier connection's change is pending — a connection's events are coalesced for 20 ms —: the tuple's later connection then replaces it in the same change, as in A's table; runs on this machine made 0.84 to 1.0 changes per request, so the floor only says replication carried the connections), hold A's entries, and neither side may have refused anything, or the benchmark fails. B stands for a second machine but shares this one's 2 CPUs, so it runs under SCHED_IDLE (`chrt --idle`, every thread): it gets only CPU time nothing else wants, and its CPU is reported apart (last column); A's replication runs as the daemon always runs it, on its own thread at nice 10. One pair's ratio varies by several percent on this shared machine — on an Intel Xeon VM the new-connection runs of either contender fell around two rates, near 16,000 and near 18,000 requests/s, whichever contender ran (pinning wrk to one CPU and the three nginx to the other, tried on one focused run, did not remove it) —, so after the {} rounds of every contender, {} more rounds set up and run these two alone, new-connection runs only (the first one alternating), each run followed by a 10 s pause; new-connection figures are over all {} pairs, keep-alive over the first {}. Medians (min–max); ratio = sync ÷ plain of the medians, and the median of the per-round ratios (the two contenders' runs in one round).\n",
-        MIN_CHANGES_PER_REQUEST,
+        "{} rounds + {} rounds of the pair alone (new connections, {} s pause after each run) · new conn over {} pairs, keep-alive over {} · B must receive ≥ {MIN_CHANGES_PER_REQUEST} changes per request\n",
         r.rounds,
         r.ha_extra_rounds,
+        HA_EXTRA_PAUSE.as_secs(),
         sync_new.len(),
         r.rounds
     );
@@ -1786,10 +1771,9 @@ fn ha_markdown(r: &CompareReport) -> String {
             cpu(c.peer_process_cpu_percent)
         );
     }
-    let _ = writeln!(md);
     let _ = writeln!(
         md,
-        "New-connection req/s, sync on ÷ off: **{ratio:.3}** (ratio of medians); per round {pr_median:.3} ({pr_min:.3}–{pr_max:.3}). Replicated over the sync contender's runs: {} changes made by A, {} received by B; A's lag (change made → applied by B, over its last 4096 acks, after each new-connection run) p50 {:.2} ms, p99 {:.2} ms (medians over rounds); events lost {}, resyncs {}.\n",
+        "\n| new conn req/s, on ÷ off: ratio of medians | per round: median (min–max) | changes made by A / received by B | lag p50 / p99 ms | events lost | resyncs |\n|---:|---:|---:|---:|---:|---:|\n| **{ratio:.3}** | {pr_median:.3} ({pr_min:.3}–{pr_max:.3}) | {} / {} | {:.2} / {:.2} | {} | {} |\n",
         ha.changes,
         ha.received_changes,
         ha.lag_p50_us / 1e3,
@@ -1868,43 +1852,28 @@ mod tests {
     }
 }
 
-/// The comparison's charts: requests/s with a new connection each, keep-alive requests/s,
-/// throughput.
+/// The comparison's chart: requests/s with a new connection each.
 pub fn figures(r: &CompareReport) -> Vec<Figure> {
-    let bars = |pick: fn(&ContenderRow) -> &Metric| -> Vec<Bar> {
-        r.contenders
-            .iter()
-            .map(|c| {
-                let m = pick(c);
-                Bar::new(
-                    c.contender.as_str(),
-                    (m.median, m.min, m.max),
-                    c.contender.starts_with("fastpath"),
-                )
-            })
-            .collect()
-    };
-    vec![
-        Figure::bars(
-            "lb_new_connections.svg",
-            "Load balancers: requests/s, a new connection per request",
-            "requests/s",
-            &bars(|c| &c.new_connection_rps),
-            None,
-        ),
-        Figure::bars(
-            "lb_keep_alive.svg",
-            "Load balancers: keep-alive requests/s",
-            "requests/s",
-            &bars(|c| &c.keep_alive_rps),
-            None,
-        ),
-        Figure::bars(
-            "lb_throughput.svg",
-            "Load balancers: throughput of a large file",
-            "Gbit/s",
-            &bars(|c| &c.throughput_gbit_s),
-            None,
-        ),
-    ]
+    let bars: Vec<Bar> = r
+        .contenders
+        .iter()
+        .map(|c| {
+            let m = &c.new_connection_rps;
+            Bar::new(
+                c.contender.as_str(),
+                (m.median, m.min, m.max),
+                c.contender.starts_with("fastpath"),
+            )
+        })
+        .collect();
+    if bars.is_empty() {
+        return Vec::new();
+    }
+    vec![Figure::bars(
+        "lb_new_connections.svg",
+        "Load balancers: requests/s, a new connection per request",
+        "requests/s",
+        &bars,
+        None,
+    )]
 }

@@ -32,7 +32,7 @@ use crate::{
 /// Service counts swept.
 const SERVICES: [usize; 4] = [1, 1_000, 10_000, 100_000];
 /// Measured rounds.
-const ROUNDS: usize = 2;
+const ROUNDS: usize = 3;
 /// The contenders, in their first round's order; `Direct` runs at one service only.
 const CONTENDERS: [Contender; 6] = [
     Contender::Direct,
@@ -130,6 +130,8 @@ pub fn run(bin: &std::path::Path) -> Result<SweepReport> {
     let mut bench = Bench::new(bin)?;
     // fastpath as a load-balancing appliance runs: it routes what it translates at XDP.
     bench.routes_in_fast_path = true;
+    // wrk runs as long as the generator, the report's one `seconds_per_run`.
+    bench.duration_s = SECS;
     let topo = bench.topology();
     // A veth takes XDP frames only when its receiving end runs NAPI (GRO on): the
     // generator's on fp's client link, fastpath's redirects on the client's and the
@@ -399,20 +401,18 @@ fn fp_rx_packets(fp: &Netns) -> Result<u64> {
         .with_context(|| format!("{path}: {out:?}"))
 }
 
-/// The section of docs/BENCHMARKS.md.
+/// The sweep's tables.
 pub fn markdown(r: &SweepReport) -> String {
     let mut md = String::new();
-    let _ = writeln!(md, "## Load balancers over 1 to 100k services\n");
     let _ = writeln!(
         md,
-        "The load-balancer comparison's topology and contenders (client — fp — 3 nginx backends, checksum offloads off; GRO on at the client's, the backends' and fp's client-side link, as veth needs for XDP frames), with fastpath routing what it translates at XDP (`route = true` on fp's links, as an appliance runs it; the comparison above leaves routing to the kernel) — and again, as `fastpath-tc`, balancing and routing at TC ingress (`xdp = \"off\"` on fp's links: no XDP program on the veth links, so no copy of the senders' packets into XDP frames; its translated datagrams go straight into the backend's ingress, `bpf_redirect_peer`, past the XDP sinks, so its UDP runs go to the stacks only) — and {} services configured on fp: the measured one (the VIP, TCP port 80 and UDP port {UDP_PORT}, over the three backends) and the others, each held the way that contender holds many — fastpath: one service each in its service map (one backend each, weighted round robin: 100k Maglev tables of the default 251 slots would not fit the datapath's 4 Mi slots); iptables: kube-proxy's layout, one rule per service in a services chain walked in order for every new connection, the measured service's rules last; nftables: kube-proxy's nftables layout, one verdict map keyed by address, protocol and port; HAProxy: one listener on every local address and the service picked by destination from an address list (`dst -f`, a tree). {} interleaved rounds (every service count, every contender, the first rotating). New connections/s: wrk, 16 connections, `Connection: close`, {} s after a 1 s warm-up, checked as in the comparison. Small UDP: the in-kernel generator of the routing comparison in the client (XDP live frames, batches of {GEN_BATCH}) sends {UDP_PAYLOAD}-byte datagrams, one flow, to the VIP's UDP port for {} s, twice per run: to the backends' stacks (datagrams/s they received), then to XDP sinks on the backends' links (`bench_xdp_sink` drops the datagrams before any skb exists, as a traffic generator's receiving port takes them; datagrams/s dropped there). The first is what the whole box delivers, the backends' stacks included; the second measures the load balancer's path, as a generator's receiving port would: the generator costs every contender the same, the sinks almost nothing — but not the same. A kernel contender hands the backend's veth an skb, which the sink's XDP program gets only after veth copies it into an XDP buffer (its headroom is under XDP's 256 bytes), while fastpath's redirected frames arrive as XDP frames; between machines a NIC would transmit either without that copy, at a cost of its own. All of it runs on the generator's CPU (the generator sends from the kernel, and every veth hop's NAPI runs where it was scheduled), so a run is bound by one CPU. Loss = taken by fp's client link but not received (HAProxy does not balance UDP). CPU: the whole machine's busy time (both CPUs: client, fp, backends) ÷ connections or datagrams. Setup: from the start of the contender's setup (rules loaded, daemon started with its config) to ready. Plain kernel forwarding to backend 0 (no load balancer) is the baseline. Medians (min–max).\n",
+        "services {} · {} rounds · wrk and each UDP run {} s after a 1 s warm-up · UDP: {UDP_PAYLOAD}-byte datagrams, one flow, batches of {GEN_BATCH} · VIP port {UDP_PORT}\n",
         r.services
             .iter()
             .map(|n| n.to_string())
             .collect::<Vec<_>>()
             .join(", "),
         r.rounds,
-        r.seconds_per_run,
         r.seconds_per_run,
     );
     let _ = writeln!(
@@ -440,7 +440,7 @@ pub fn markdown(r: &SweepReport) -> String {
         );
     }
     let _ = writeln!(md);
-    md.push_str(&verdicts(r));
+    md.push_str(&ratios(r));
     md
 }
 
@@ -453,7 +453,7 @@ fn row<'a>(r: &'a SweepReport, contender: &str, services: usize) -> Option<&'a S
 
 /// Ratios of medians measured in the same rounds, per service count: fastpath against
 /// iptables DNAT and HAProxy.
-fn verdicts(r: &SweepReport) -> String {
+fn ratios(r: &SweepReport) -> String {
     let ratio = |a: Option<&Spread>, b: Option<&Spread>| match (a, b) {
         (Some(a), Some(b)) => format!("{:.2}", a.median / b.median),
         _ => "—".to_owned(),
@@ -498,63 +498,41 @@ fn verdicts(r: &SweepReport) -> String {
     md
 }
 
-/// The sweep's charts: one line per contender over the service counts.
+/// The sweep's chart: one line per contender over the service counts, datagrams/s to the XDP
+/// sinks (the load balancer's own path).
 pub fn figures(r: &SweepReport) -> Vec<Figure> {
     if r.rows.is_empty() {
         return Vec::new();
     }
-    let series = |pick: fn(&SweepRow) -> Option<&Spread>| -> Vec<Series> {
-        CONTENDERS
-            .iter()
-            .filter_map(|c| {
-                let points: Vec<(f64, f64, f64, f64)> = r
-                    .rows
-                    .iter()
-                    .filter(|row| row.contender == c.key())
-                    .filter_map(|row| {
-                        pick(row).map(|s| (row.services as f64, s.median, s.min, s.max))
-                    })
-                    .collect();
-                (!points.is_empty()).then(|| Series {
-                    name: if *c == Contender::Direct {
-                        "kernel forwarding, no LB".to_owned()
-                    } else {
-                        c.key().to_owned()
-                    },
-                    points,
-                    ours: c.is_fastpath(),
+    let series: Vec<Series> = CONTENDERS
+        .iter()
+        .filter_map(|c| {
+            let points: Vec<(f64, f64, f64, f64)> = r
+                .rows
+                .iter()
+                .filter(|row| row.contender == c.key())
+                .filter_map(|row| {
+                    row.sink_pps
+                        .as_ref()
+                        .map(|s| (row.services as f64, s.median, s.min, s.max))
                 })
+                .collect();
+            (!points.is_empty()).then(|| Series {
+                name: if *c == Contender::Direct {
+                    "kernel forwarding, no LB".to_owned()
+                } else {
+                    c.key().to_owned()
+                },
+                points,
+                ours: c.is_fastpath(),
             })
-            .collect()
-    };
-    vec![
-        Figure::lines(
-            "sweep_new_connections.svg",
-            "New connections/s over the number of services",
-            "services",
-            "connections/s",
-            &series(|row| Some(&row.new_conn_per_s)),
-        ),
-        Figure::lines(
-            "sweep_udp_pps.svg",
-            "Small UDP datagrams/s over the number of services",
-            "services",
-            "datagrams/s",
-            &series(|row| row.udp_pps.as_ref()),
-        ),
-        Figure::lines(
-            "sweep_udp_sink_pps.svg",
-            "Small UDP datagrams/s to XDP sinks (the load balancer's path) over the number of services",
-            "services",
-            "datagrams/s",
-            &series(|row| row.sink_pps.as_ref()),
-        ),
-        Figure::lines(
-            "sweep_cpu_per_connection.svg",
-            "Whole-machine CPU per connection over the number of services",
-            "services",
-            "µs per connection",
-            &series(|row| Some(&row.cpu_us_per_conn)),
-        ),
-    ]
+        })
+        .collect();
+    vec![Figure::lines(
+        "sweep_udp_sink_pps.svg",
+        "Small UDP datagrams/s to XDP sinks (the load balancer's path) over the number of services",
+        "services",
+        "datagrams/s",
+        &series,
+    )]
 }

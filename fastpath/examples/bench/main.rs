@@ -338,8 +338,8 @@ fn quick() -> bool {
 fn usage() -> String {
     format!(
         "usage: bench [quick | SECTION | --render] [--old-object PATH]\n\n\
-         (nothing)           measure every section; rewrite docs/bench/*.json, docs/bench/*.svg and the generated blocks of docs/BENCHMARKS.md\n\
-         quick               the per-packet paths ({}) and a short load-balancer comparison\n\
+         (nothing)           measure every section (about 30 minutes on 2 CPUs, estimated; each section prints its wall time); rewrite docs/bench/*.json, docs/bench/*.svg and the generated blocks of docs/BENCHMARKS.md\n\
+         quick               the per-packet paths ({}) and a short load-balancer comparison (under 10 minutes)\n\
          SECTION             one section (or `--only SECTION`); the other sections' committed results are kept\n\
          --render            regenerate the plots and the report's blocks from docs/bench/*.json alone\n\
          --old-object PATH   also time the parse-only paths of another build of the datapath (fastpath-ebpf built with `--features bench`), interleaved with this tree's in the same rounds\n\n\
@@ -421,7 +421,7 @@ fn main() -> Result<()> {
         let part = measure("lb-compare", None)?;
         eprintln!("\nFP_BENCH_CONTENDERS is set: a partial comparison, printed and not written");
         if let Part::LbCompare(r) = &part {
-            print!("{}", lb_compare::markdown(r));
+            print!("{}{}", lb_compare::markdown(r), lb_compare::ha_markdown(r));
         }
         return Ok(());
     }
@@ -791,11 +791,7 @@ fn gc_markdown(rows: &[GcRow]) -> String {
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "Expiry pass (the daemon's GC: batched walk of the whole table, nothing expired), {GC_PASSES} passes:\n"
-    );
-    let _ = writeln!(
-        md,
-        "| table entries | entries | median ms | min–max ms |\n|---:|---|---:|---:|"
+        "{GC_PASSES} passes per row\n\n| table entries | entries | median ms | min–max ms |\n|---:|---|---:|---:|"
     );
     for g in rows {
         let _ = writeln!(
@@ -1877,7 +1873,9 @@ fn old_vs_new_markdown(r: &Report) -> String {
     md
 }
 
-/// The generated blocks of docs/BENCHMARKS.md, by marker name (see `report::splice`).
+/// The generated blocks of docs/BENCHMARKS.md, by marker name (see `report::splice`). Each
+/// holds data only: run parameters, tables, versions and figures; headings and method are
+/// written by hand around them.
 fn blocks(r: &Report) -> Vec<(&'static str, String)> {
     let with_figures = |mut md: String, figures: Vec<Figure>| {
         md.push_str(&embed(&figures));
@@ -1886,16 +1884,20 @@ fn blocks(r: &Report) -> Vec<(&'static str, String)> {
     vec![
         ("machine", measured_markdown(r)),
         ("parse", parse_markdown(r)),
-        ("conntrack", conntrack_markdown(r)),
+        (
+            "conntrack",
+            with_figures(conntrack_markdown(r), conntrack_figures(r)),
+        ),
         ("route-paths", route_paths_markdown(r)),
+        (
+            "vxlan-paths",
+            with_figures(vxlan_paths_markdown(r), route_figures(r)),
+        ),
         ("old-vs-new", old_vs_new_markdown(r)),
         ("gc", gc_markdown(&r.conntrack_gc)),
         ("drain", drain_markdown(&r.conntrack_drain)),
         ("updates", updates_markdown(&r.service_updates)),
-        (
-            "api",
-            with_figures(api::markdown(&r.api_changes), api::figures(&r.api_changes)),
-        ),
+        ("api", api::markdown(&r.api_changes)),
         (
             "lb-compare",
             with_figures(
@@ -1903,6 +1905,7 @@ fn blocks(r: &Report) -> Vec<(&'static str, String)> {
                 lb_compare::figures(&r.lb_compare),
             ),
         ),
+        ("lb-ha", lb_compare::ha_markdown(&r.lb_compare)),
         (
             "lb-sweep",
             with_figures(
@@ -1919,10 +1922,7 @@ fn blocks(r: &Report) -> Vec<(&'static str, String)> {
         ),
         (
             "overlay-compare",
-            with_figures(
-                overlay_compare::markdown(&r.overlay_compare),
-                overlay_compare::figures(&r.overlay_compare),
-            ),
+            overlay_compare::markdown(&r.overlay_compare),
         ),
         ("ha", ha::markdown(&r.ha)),
     ]
@@ -1931,11 +1931,11 @@ fn blocks(r: &Report) -> Vec<(&'static str, String)> {
 /// The parse-only paths, their floors and, with `--old-object`, the old object's rows.
 fn parse_markdown(r: &Report) -> String {
     let mut md = String::new();
-    let _ = writeln!(md, "## Datapath ns/packet (BPF_PROG_TEST_RUN)\n");
     let _ = writeln!(
         md,
-        "Each configuration runs {} times per call, in {} interleaved rounds after a warm-up; the table gives the median of the per-call means and the min–max over rounds; \"over floor\" is the median over rounds of (path − floor) measured back to back in the same round. The floor is an empty program of the same kind (XDP_PASS / TC_ACT_OK) on the same frame, measured in the same rounds: it is the cost of BPF_PROG_TEST_RUN itself.\n",
-        r.repeat_per_call, r.rounds
+        "repeat {} per call · {} rounds · floor = empty program of the same hook on the same frame\n",
+        thousands(u64::from(r.repeat_per_call)),
+        r.rounds
     );
     let _ = writeln!(md, "| floor | median ns | min–max ns |\n|---|---:|---:|");
     for f in &r.floors {
@@ -1965,11 +1965,10 @@ fn parse_markdown(r: &Report) -> String {
         );
     }
     let _ = writeln!(md);
-    md.push_str(&embed(&parse_figures(r)));
     if !r.old_vs_new.is_empty() {
         let _ = writeln!(
             md,
-            "This tree's object against `{}`, every configuration of both timed in the same rounds; new ÷ old is the median (min–max) of the per-round ratios.\n",
+            "old object: `{}` · same rounds · new ÷ old = median (min–max) of per-round ratios\n",
             r.old_object
         );
         let rows: Vec<Vec<String>> = r
@@ -2005,28 +2004,36 @@ fn parse_markdown(r: &Report) -> String {
     md
 }
 
+/// `n` with thousands separated by commas, for run parameters.
+fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, d) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(d);
+    }
+    out
+}
+
+/// A list of counts for run parameters: "1, 16, 1,024".
+fn counts(ns: impl IntoIterator<Item = u64>) -> String {
+    ns.into_iter().map(thousands).collect::<Vec<_>>().join(", ")
+}
+
 /// The conntrack rows (hit, miss, lookup alone, the LB rows).
 fn conntrack_markdown(r: &Report) -> String {
     let mut md = String::new();
-    let _ = writeln!(md, "## Conntrack\n");
     let _ = writeln!(
         md,
-        "XDP with the conntrack stage on (the interface tracks at XDP). CT hit: an established TCP flow's ACK, {} runs per call, {} interleaved rounds, paired with the empty-program floor. CT miss + insert: {} new UDP flows, each run once (repeat = 1, so its floor is also measured with repeat = 1, which includes the kernel's per-call timing overhead). Table pre-filled with that many established connections.\n",
-        r.repeat_per_call, r.rounds, CT_MISS_FLOWS
-    );
-    let _ = writeln!(
-        md,
-        "LB rows: one service on a VIP (NAT mode, Maglev, table auto-sized) with {} backends. LB hit: the packets of one established connection, each way, {LB_RUNS} calls of one run each (repeat = 1: a repeat would see its own translated packet), each right after the floor also run once; each packet is first checked to come out translated (to the backend Maglev picked, back from the VIP). The hit path does not depend on the backend count (the connection's entry holds its backend); the new-connection rows, {LB_RUNS} SYNs from new source ports each run once, are where the service lookup, the Maglev pick and the conntrack insert happen. Then one service of {LB_TABLE_BACKENDS} backends in NAT and in full-NAT mode (`snat_address`: both addresses translated, the backend answering the address and port full-NAT chose) with the table pre-filled with {} entries as the load balancer fills it (connections and their aliases). The maps are seeded once per backend count, not between the timed calls (re-applying a thousand backends between them would time a datapath whose caches the seeding just evicted). Table entries: the count when the measurement starts.\n",
-        LB_BACKENDS
-            .iter()
-            .map(|n| n.to_string())
-            .collect::<Vec<_>>()
-            .join(", "),
-        CT_SIZES
-            .iter()
-            .map(|n| n.to_string())
-            .collect::<Vec<_>>()
-            .join(" and ")
+        "CT hit and lookup: repeat {} per call, {} rounds · CT miss: {} new flows · LB: backends {}, table {} entries, {} calls per row · repeat = 1 rows: floor also repeat = 1\n",
+        thousands(u64::from(r.repeat_per_call)),
+        r.rounds,
+        thousands(u64::from(CT_MISS_FLOWS)),
+        counts(LB_BACKENDS.iter().map(|&n| n as u64)),
+        counts(CT_SIZES.iter().map(|&n| u64::from(n))),
+        thousands(LB_RUNS as u64),
     );
     let _ = writeln!(
         md,
@@ -2046,7 +2053,6 @@ fn conntrack_markdown(r: &Report) -> String {
         );
     }
     let _ = writeln!(md);
-    md.push_str(&embed(&conntrack_figures(r)));
     md
 }
 
@@ -2055,12 +2061,9 @@ fn route_paths_markdown(r: &Report) -> String {
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "### Routing (L3 stage)\n\nThe routing fixture cases (`testkit::route_cases`) in a namespace of their own (`ROUTE_NETNS_SETUP`: the datapath asks its FIB with `bpf_fib_lookup`), with {} more IPv4 routes (/32s in 10.16.0.0/12 via the cases' gateway) beside the cases' own handful. A routed frame comes out rewritten (MAC addresses, TTL), so each timed run is one run, {LB_RUNS} of them, each right after the empty program also run once (repeat = 1: its floor includes the kernel's per-call timing, as in the LB rows). Each case is first checked against its fixture expectation (forwarded, reason `routed`, the expected frame), then timed twice: \"cached\", the flow's later packets, which take the route cache's answer, and \"FIB lookup\", a new generation before each run (as the daemon starts on a route, neighbour, link or configuration change), so that each asks the FIB and caches its answer, as a flow's first packet does.\n",
-        ROUTE_SIZES
-            .iter()
-            .map(|n| n.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
+        "routes added {} · {} calls per row, repeat = 1 (floor also repeat = 1)\n",
+        counts(ROUTE_SIZES.iter().map(|&n| u64::from(n))),
+        thousands(LB_RUNS as u64)
     );
     let _ = writeln!(
         md,
@@ -2086,9 +2089,16 @@ fn route_paths_markdown(r: &Report) -> String {
         );
     }
     md.push('\n');
+    md
+}
+
+/// VXLAN encapsulation and decapsulation rows.
+fn vxlan_paths_markdown(r: &Report) -> String {
+    let mut md = String::new();
     let _ = writeln!(
         md,
-        "### VXLAN (encapsulation and decapsulation)\n\nThe VXLAN fixture overlay (`testkit::vxlan_cases`: a node with a pod link `n0`, an underlay `und0` and the kernel's `vxlan0`, VNI 42, IPv4 underlay) and the frames kept from the kernel's own devices (`tests/fixtures/vxlan/`). Decapsulation: the remote's encapsulated datagram arriving on the underlay (checked once to come out byte for byte as the kernel's routed frame). Encapsulation: the pod's datagram arriving on `n0` after the underlay's TC egress learned the outer headers from the kernel's frame (checked to be forwarded as an encapsulation). Each run is one run, {LB_RUNS} of them after the empty program also run once (repeat = 1). The flow cache holds one entry per remote node, so there is no table-size sweep here: the conntrack and routing rows above cover the 1k and 1M tables the path also looks up.\n\n| path | median ns | min–max ns | floor ns | over floor ns |\n|---|---:|---:|---:|---:|"
+        "{} calls per row, repeat = 1 (floor also repeat = 1)\n\n| path | median ns | min–max ns | floor ns | over floor ns |\n|---|---:|---:|---:|---:|",
+        thousands(LB_RUNS as u64)
     );
     for c in &r.vxlan_paths {
         let _ = writeln!(
@@ -2107,15 +2117,13 @@ fn route_paths_markdown(r: &Report) -> String {
     md
 }
 
-/// Every chart of the report.
+/// Every chart of the report: the headline comparisons only (the tables carry the rest).
 fn figures(r: &Report) -> Vec<Figure> {
-    let mut all = parse_figures(r);
-    all.extend(conntrack_figures(r));
-    all.extend(api::figures(&r.api_changes));
+    let mut all = conntrack_figures(r);
+    all.extend(route_figures(r));
     all.extend(lb_compare::figures(&r.lb_compare));
     all.extend(lb_sweep::figures(&r.lb_sweep));
     all.extend(route_compare::figures(&r.route_compare));
-    all.extend(overlay_compare::figures(&r.overlay_compare));
     all
 }
 
@@ -2125,28 +2133,6 @@ fn xdp_floor(r: &Report) -> f64 {
         .iter()
         .find(|f| f.hook == "xdp")
         .map_or(f64::NAN, |f| f.median_ns)
-}
-
-/// The parse-only paths next to the empty XDP program.
-fn parse_figures(r: &Report) -> Vec<Figure> {
-    let bars: Vec<Bar> = r
-        .rows
-        .iter()
-        .map(|row| {
-            Bar::new(
-                row.what.as_str(),
-                (row.median_ns, row.min_ns, row.max_ns),
-                true,
-            )
-        })
-        .collect();
-    vec![Figure::bars(
-        "ns_parse.svg",
-        "Parse-only paths: ns/packet (BPF_PROG_TEST_RUN)",
-        "ns/packet",
-        &bars,
-        Some(("empty XDP program", xdp_floor(r))),
-    )]
 }
 
 /// Conntrack and LB paths: their cost over the empty program measured with them (repeat = 1
@@ -2172,7 +2158,18 @@ fn conntrack_figures(r: &Report) -> Vec<Figure> {
             Bar::new(label, (c.over_floor_ns, f64::NAN, f64::NAN), true)
         })
         .collect();
-    let route: Vec<Bar> = r
+    vec![Figure::bars(
+        "ns_conntrack_lb.svg",
+        "Conntrack and LB paths: ns/packet over the empty-program floor",
+        "ns over the floor",
+        &bars,
+        Some(("the floor, i.e. 2× the floor in all", xdp_floor(r))),
+    )]
+}
+
+/// The L3 stage and VXLAN paths over the empty program measured with them.
+fn route_figures(r: &Report) -> Vec<Figure> {
+    let bars: Vec<Bar> = r
         .route_paths
         .iter()
         .chain(&r.vxlan_paths)
@@ -2189,23 +2186,16 @@ fn conntrack_figures(r: &Report) -> Vec<Figure> {
             )
         })
         .collect();
-    let mut figures = vec![Figure::bars(
-        "ns_conntrack_lb.svg",
-        "Conntrack and LB paths: ns/packet over the empty-program floor",
+    if bars.is_empty() {
+        return Vec::new();
+    }
+    vec![Figure::bars(
+        "ns_route.svg",
+        "L3 stage and VXLAN: ns/packet over the empty-program floor",
         "ns over the floor",
         &bars,
-        Some(("the floor, i.e. 2× the floor in all", xdp_floor(r))),
-    )];
-    if !route.is_empty() {
-        figures.push(Figure::bars(
-            "ns_route.svg",
-            "L3 stage and VXLAN: ns/packet over the empty-program floor",
-            "ns over the floor",
-            &route,
-            None,
-        ));
-    }
-    figures
+        None,
+    )]
 }
 
 /// The machine, and which commit each section was measured at (one line when a full run
@@ -2374,7 +2364,7 @@ fn bench_service_updates(fx: &mut Fixture) -> Result<Vec<UpdateRow>> {
 
 fn updates_markdown(rows: &[UpdateRow]) -> String {
     let mut md = String::from(
-        "## Service updates: config call → datapath effective\n\n`datapath::apply_services` (what the daemon runs at start, on a health change — for the changed service only — and on every change made through the API: see the next section), timed from the call to its return: it plans from the state it keeps of the maps (read once, batched), writes new backend ranges and Maglev tables beside the live ones (batched `BPF_MAP_UPDATE_BATCH`), then switches each changed service with one value write — the next packet sees it. Unchanged services are not written.\n\n| change | services in the datapath | samples | p50 µs | p99 µs | max µs | goal (p99) µs |\n|---|---:|---:|---:|---:|---:|---:|\n",
+        "| change | services in the datapath | samples | p50 µs | p99 µs | max µs | goal (p99) µs |\n|---|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in rows {
         let _ = writeln!(
@@ -2389,16 +2379,14 @@ fn updates_markdown(rows: &[UpdateRow]) -> String {
 
 fn drain_markdown(d: &DrainReport) -> String {
     let mut md = String::new();
-    let _ = writeln!(md, "### Conntrack event drain\n");
     let _ = writeln!(
         md,
-        "A synthetic producer (`bench_ct_events`, {} events per BPF_PROG_TEST_RUN call, on one thread) emits numbered NEW events through the conntrack stage's own `emit` into the {} KiB event ring. Delivered: while it runs, the daemon's drain takes them out on another thread (`ct_events::drain_next` in the runtime's main future: the datapath wakes it once a MiB of events is unread, its timer every 10 ms; it drains into the EventHub, a tokio broadcast; {} workers as in the daemon) and one subscriber task receives every event. Flow control keeps produced − delivered ≤ {} events (half the ring's records, in whole producer calls, and below the broadcast's capacity), so nothing may be lost: every round must deliver all {} events in sequence, with the ring's `events_lost`, the subscriber's lag and malformed records all zero, or the benchmark fails. The rate is events over the time from the first producer call to the last event received. Producer alone, the baseline: the same producer with nothing else running, timed over its calls only, in batches of {} events with the ring emptied (and checked) between batches. {} rounds of each, interleaved, after a warm-up round.\n",
+        "{} events per producer call · ring {} KiB · {} tokio workers · in flight ≤ {} events · {} events per round · {} rounds\n",
         d.producer_events_per_call,
-        d.ring_bytes / 1024,
+        thousands(u64::from(d.ring_bytes) / 1024),
         d.tokio_workers,
-        d.in_flight_limit,
-        d.events_per_round,
-        d.in_flight_limit,
+        thousands(d.in_flight_limit),
+        thousands(d.events_per_round),
         d.rounds
     );
     let _ = writeln!(
@@ -2420,7 +2408,7 @@ fn drain_markdown(d: &DrainReport) -> String {
     let _ = writeln!(md);
     let _ = writeln!(
         md,
-        "Delivered ÷ producer alone: {:.2}. The producer spends {:.1} ns per event inside BPF_PROG_TEST_RUN (ring reserve, write, submit; median over the drain rounds). Lost in the ring {}, lagged {}, malformed {}, out of order {}.\n",
+        "| delivered ÷ producer alone | producer ns/event in BPF_PROG_TEST_RUN | lost in the ring | lagged | malformed | out of order |\n|---:|---:|---:|---:|---:|---:|\n| {:.2} | {:.1} | {} | {} | {} | {} |\n",
         d.delivered_over_producer,
         d.producer_kernel_ns_per_event,
         d.events_lost,
@@ -2487,5 +2475,48 @@ fn machine() -> Machine {
             })
             .clone(),
         date: sh("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_parameters_group_thousands() {
+        let got: Vec<String> = [0, 7, 999, 1_000, 21_000, 1_000_000, 8_388_608]
+            .into_iter()
+            .map(thousands)
+            .collect();
+        assert_eq!(
+            got,
+            ["0", "7", "999", "1,000", "21,000", "1,000,000", "8,388,608"],
+            "expected commas every three digits from the right"
+        );
+        assert_eq!(counts([1, 16, 1_024]), "1, 16, 1,024");
+    }
+
+    #[test]
+    fn blocks_carry_no_headings_and_embed_every_chart() {
+        // Headings belong to the hand-written text around the blocks.
+        let r = Report::default();
+        let blocks = blocks(&r);
+        for (name, md) in &blocks {
+            assert!(
+                !md.lines().any(|l| l.starts_with('#')),
+                "block {name}: expected no heading, got {md:?}"
+            );
+        }
+        let charts = figures(&r);
+        assert!(!charts.is_empty(), "expected the conntrack chart at least");
+        for f in &charts {
+            assert!(
+                blocks
+                    .iter()
+                    .any(|(_, md)| md.contains(&format!("(bench/{})", f.file))),
+                "chart {} is written but embedded in no block",
+                f.file
+            );
+        }
     }
 }

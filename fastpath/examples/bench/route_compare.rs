@@ -31,7 +31,8 @@ use fastpath::testkit::{fixture::Fixture, packet::Pkt};
 
 use crate::lb_compare::{Backlog, Machine, WRK_SCRIPT, parse_wrk};
 
-pub(crate) const ROUNDS: usize = 5;
+/// Interleaved rounds (routing and overlay comparisons).
+pub(crate) const ROUNDS: usize = 3;
 pub(crate) const SECS: u32 = 3;
 const SERVER4: &str = "10.221.0.2";
 pub(crate) const UDP_PAYLOAD: usize = 64;
@@ -533,11 +534,10 @@ pub fn run(bin: &Path) -> Result<RouteReport> {
 
 pub fn markdown(r: &RouteReport) -> String {
     let mut md = String::new();
-    let _ = writeln!(md, "## Routing: fastpath's L3 stage vs kernel forwarding\n");
     let _ = writeln!(
         md,
-        "A client and a server namespace on either side of fp, which routes between them: by the kernel alone, or by fastpath with `route = true` and `conntrack = false` on both links (routing alone, as the kernel contender: no connection tracking), at XDP (native) or at TC ingress (`xdp = \"off\"`) (every fastpath run must show at least 90% of the received datagrams counted `routed` at its hook). {} interleaved rounds of {} s runs, the first contender alternating: an in-kernel generator in the client (BPF_PROG_TEST_RUN of an XDP_TX program in live-frames mode on its veth, batches of {}: frames as a NIC driver hands them over, no socket) sends {}-byte UDP datagrams (106-byte frames) to the server's discard port as fast as the first hop takes them (datagrams the server's stack received per second, its `Udp NoPorts` counter; loss = taken by fp's c0 but not received, the generator's overrun of c0's receive ring not counted; whole-machine CPU per received datagram); wrk keep-alive, {} connections, a 64-byte page from nginx (requests/s); iperf3 TCP, one stream (Gbit/s). The client and server veths have checksum offloads off and GRO on, and so has fp's c0 (NAPI for the generator's XDP frames), for every contender. Medians (min–max) over rounds; ratio = fastpath ÷ kernel.\n",
-        r.rounds, r.seconds_per_run, GEN_BATCH, UDP_PAYLOAD, CONNECTIONS
+        "{} rounds · {} s per run · UDP: {UDP_PAYLOAD}-byte datagrams, batches of {GEN_BATCH} · wrk keep-alive, {CONNECTIONS} connections · iperf3, one TCP stream\n",
+        r.rounds, r.seconds_per_run
     );
     let _ = writeln!(
         md,
@@ -556,10 +556,14 @@ pub fn markdown(r: &RouteReport) -> String {
         );
     }
     let med = |v: &[f64]| crate::stats(v).0;
+    let _ = writeln!(
+        md,
+        "\n| ÷ kernel | datagrams/s (per-round median) | requests/s (per-round median) | TCP Gbit/s | CPU per datagram |\n|---|---:|---:|---:|---:|"
+    );
     for v in &r.vs_kernel {
         let _ = writeln!(
             md,
-            "\n{} ÷ kernel: packets/s **{:.2}×** (per-round median {:.2}×), requests/s **{:.2}×** (per-round median {:.2}×), TCP throughput {:.2}×, CPU per datagram {:.2}×.",
+            "| {} | **{:.2}** ({:.2}) | **{:.2}** ({:.2}) | {:.2} | {:.2} |",
             v.contender.name(),
             v.ratios[0],
             med(&v.pps_round_ratios),
@@ -578,35 +582,28 @@ pub fn round_ratios<S>(of: &[S], base: &[S], f: fn(&S) -> f64) -> Vec<f64> {
     of.iter().zip(base).map(|(x, b)| f(x) / f(b)).collect()
 }
 
-/// The routing comparison's charts: datagrams/s and requests/s.
+/// The routing comparison's chart: datagrams/s.
 pub fn figures(r: &RouteReport) -> Vec<Figure> {
-    let bars = |pick: fn(&RouteRow) -> &Spread| -> Vec<Bar> {
-        r.rows
-            .iter()
-            .map(|row| {
-                let s = pick(row);
-                Bar::new(
-                    row.what.as_str(),
-                    (s.median, s.min, s.max),
-                    row.contender != Contender::Kernel,
-                )
-            })
-            .collect()
-    };
-    vec![
-        Figure::bars(
-            "route_pps.svg",
-            "Routing: 64-byte UDP datagrams/s",
-            "datagrams/s",
-            &bars(|row| &row.udp_pps),
-            None,
-        ),
-        Figure::bars(
-            "route_rr.svg",
-            "Routing: keep-alive requests/s",
-            "requests/s",
-            &bars(|row| &row.rr_per_s),
-            None,
-        ),
-    ]
+    let bars: Vec<Bar> = r
+        .rows
+        .iter()
+        .map(|row| {
+            let s = &row.udp_pps;
+            Bar::new(
+                row.what.as_str(),
+                (s.median, s.min, s.max),
+                row.contender != Contender::Kernel,
+            )
+        })
+        .collect();
+    if bars.is_empty() {
+        return Vec::new();
+    }
+    vec![Figure::bars(
+        "route_pps.svg",
+        "Routing: 64-byte UDP datagrams/s",
+        "datagrams/s",
+        &bars,
+        None,
+    )]
 }
