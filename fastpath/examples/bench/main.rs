@@ -681,7 +681,10 @@ fn bench_parse(
         .collect();
 
     for round in 0..=ROUNDS {
-        for (object, cfgs) in configs.iter_mut().enumerate() {
+        // Which object goes first rotates round by round.
+        for turn in 0..objects {
+            let object = (round + turn) % objects;
+            let cfgs = &mut configs[object];
             let fx: &mut Fixture = match (object, old.as_deref_mut()) {
                 (1, Some(old)) => old,
                 _ => &mut *fx,
@@ -877,10 +880,14 @@ fn bench_conntrack(objects: &Objects) -> Result<(PerObject, Vec<GcRow>)> {
                 );
             }
         }
-        // Per object: (hit, lookup, floor) samples, every object once per round.
+        // Per object: (hit, lookup, floor) samples, every object once per round, the first
+        // one rotating.
         let mut samples = vec![(vec![], vec![], vec![]); fxs.len()];
-        for _ in 0..ROUNDS {
-            for (fx, (hit_ns, lookup_ns, floor)) in fxs.iter_mut().zip(&mut samples) {
+        let objects = fxs.len();
+        for round in 0..ROUNDS {
+            for turn in 0..objects {
+                let object = (round + turn) % objects;
+                let (fx, (hit_ns, lookup_ns, floor)) = (&mut fxs[object], &mut samples[object]);
                 floor.push(
                     fx.run_floor_repeat(Hook::Xdp, &hit.input, REPEAT)?
                         .per_run
@@ -1399,7 +1406,8 @@ fn time_once_each_after<'a>(
 type Timed = Vec<(Vec<f64>, Vec<f64>)>;
 
 /// `runs` single runs of `case_of(object, run)` through every object in turn (run 0 through
-/// each object, then run 1, …), each right after the floor program on the same frame and
+/// each object, then run 1, …; which object goes first rotates run by run, so that neither
+/// always runs after the other), each right after the floor program on the same frame and
 /// `before(fx)` (untimed), checking the verdict.
 fn time_interleaved<'c>(
     fxs: &mut [Fixture],
@@ -1409,8 +1417,11 @@ fn time_interleaved<'c>(
     mut before: impl FnMut(&mut Fixture) -> Result<()>,
 ) -> Result<Timed> {
     let mut out: Timed = vec![(Vec::with_capacity(runs), Vec::with_capacity(runs)); fxs.len()];
+    let objects = fxs.len();
     for run in 0..runs {
-        for (object, (fx, (ns, floor))) in fxs.iter_mut().zip(&mut out).enumerate() {
+        for turn in 0..objects {
+            let object = (run + turn) % objects;
+            let (fx, (ns, floor)) = (&mut fxs[object], &mut out[object]);
             let c = case_of(object, run);
             before(fx)?;
             floor.push(fx.run_floor_repeat(c.hook, &c.input, 1)?.per_run.as_nanos() as f64);
