@@ -5,7 +5,6 @@
 //! beyond read-only lookups (interface names).
 
 use std::{
-    ffi::CString,
     fmt,
     ops::Range,
     path::{Path, PathBuf},
@@ -1164,7 +1163,7 @@ impl Config {
                     ),
                 ));
             }
-            if interfaces == InterfaceCheck::MustExist && ifindex(name).is_none() {
+            if interfaces == InterfaceCheck::MustExist && crate::sys::ifindex(name).is_none() {
                 return Err(err(
                     iface.name.span(),
                     key,
@@ -1174,9 +1173,10 @@ impl Config {
                 ));
             }
             if interfaces == InterfaceCheck::MustExist
-                && let Some(kind) = link_type(name)
-                && kind != ARPHRD_ETHER
-                && kind != ARPHRD_LOOPBACK
+                && let Ok(kind) = crate::sys::link_type(name)
+                // The datapath parses Ethernet frames; loopback uses Ethernet framing.
+                && kind != libc::ARPHRD_ETHER
+                && kind != libc::ARPHRD_LOOPBACK
             {
                 return Err(err(
                     iface.name.span(),
@@ -1618,18 +1618,12 @@ impl ServicesOnly {
     }
 }
 
-/// Index of interface `name` in the current network namespace.
-pub fn ifindex(name: &str) -> Option<u32> {
-    let c = CString::new(name).ok()?;
-    // SAFETY: `c` is a valid NUL-terminated string that outlives the call.
-    let idx = unsafe { libc::if_nametoindex(c.as_ptr()) };
-    (idx != 0).then_some(idx)
-}
-
 /// What `snat = true` without `snat_addresses` masquerades as on interface `name`: see
 /// [`masquerade_addresses`].
 pub fn default_snat_addresses(name: &str) -> std::io::Result<Vec<std::net::IpAddr>> {
-    Ok(masquerade_addresses(&interface_addresses(name)?))
+    Ok(masquerade_addresses(&crate::sys::interface_addresses(
+        name,
+    )?))
 }
 
 /// Of an interface's addresses `own`, the first global IPv4 and the first global IPv6 one
@@ -1642,80 +1636,6 @@ pub fn masquerade_addresses(own: &[std::net::IpAddr]) -> Vec<std::net::IpAddr> {
     let v4 = own.iter().filter(global).find(|a| a.is_ipv4()).copied();
     let v6 = own.iter().filter(global).find(|a| a.is_ipv6()).copied();
     v4.into_iter().chain(v6).collect()
-}
-
-/// The addresses of interface `name` in the current network namespace, as `ip addr` lists
-/// them (getifaddrs).
-pub fn interface_addresses(name: &str) -> std::io::Result<Vec<std::net::IpAddr>> {
-    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `head` with a list we free below.
-    if unsafe { libc::getifaddrs(&mut head) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let mut out = Vec::new();
-    let mut cur = head;
-    while !cur.is_null() {
-        // SAFETY: `cur` is a node of the list getifaddrs returned, not freed yet.
-        let ifa = unsafe { &*cur };
-        cur = ifa.ifa_next;
-        if ifa.ifa_addr.is_null() || ifa.ifa_name.is_null() {
-            continue;
-        }
-        // SAFETY: a NUL-terminated interface name owned by the list.
-        let ifname = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) };
-        if ifname.to_bytes() != name.as_bytes() {
-            continue;
-        }
-        // SAFETY: `ifa_addr` points at a sockaddr of the family it states, owned by the list.
-        match i32::from(unsafe { (*ifa.ifa_addr).sa_family }) {
-            libc::AF_INET => {
-                // SAFETY: as above, a sockaddr_in.
-                let sin = unsafe { &*ifa.ifa_addr.cast::<libc::sockaddr_in>() };
-                out.push(std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)).into());
-            }
-            libc::AF_INET6 => {
-                // SAFETY: as above, a sockaddr_in6.
-                let sin6 = unsafe { &*ifa.ifa_addr.cast::<libc::sockaddr_in6>() };
-                out.push(std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr).into());
-            }
-            _ => {}
-        }
-    }
-    // SAFETY: the list getifaddrs returned, freed once.
-    unsafe { libc::freeifaddrs(head) };
-    Ok(out)
-}
-
-/// Link types the datapath can parse: Ethernet, and loopback (which uses Ethernet framing).
-const ARPHRD_ETHER: u16 = 1;
-const ARPHRD_LOOPBACK: u16 = 772;
-
-/// Whether interface `name` is a loopback device (its sources are never judged martian).
-pub fn is_loopback(name: &str) -> bool {
-    link_type(name) == Some(ARPHRD_LOOPBACK)
-}
-
-/// ARPHRD link type of interface `name` in the current network namespace (SIOCGIFHWADDR, so
-/// it works after setns, unlike /sys/class/net which shows the mounting namespace).
-fn link_type(name: &str) -> Option<u16> {
-    // struct ifreq: 16-byte name, then a sockaddr whose first two bytes are the family.
-    let mut ifreq = [0u8; 40];
-    let bytes = name.as_bytes();
-    if bytes.len() >= 16 {
-        return None;
-    }
-    ifreq[..bytes.len()].copy_from_slice(bytes);
-    // SAFETY: plain socket creation; the fd is closed below.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: SIOCGIFHWADDR reads the name from and writes a sockaddr into `ifreq`, which is
-    // as large as struct ifreq.
-    let rc = unsafe { libc::ioctl(fd, libc::SIOCGIFHWADDR, ifreq.as_mut_ptr()) };
-    // SAFETY: `fd` is ours and open.
-    unsafe { libc::close(fd) };
-    (rc == 0).then(|| u16::from_ne_bytes([ifreq[16], ifreq[17]]))
 }
 
 /// The dotted key whose line holds byte offset `at` (`datapath.pin_dir`, `interface[1].xdp`),
@@ -2066,12 +1986,6 @@ mod tests {
             .expect_err("integer for a mode");
         assert_eq!(e.line, Some(5), "{e}");
         assert_eq!(e.key.as_deref(), Some("interface[1].xdp"), "{e}");
-    }
-
-    #[test]
-    fn loopback_is_an_ethernet_framed_device() {
-        assert_eq!(link_type("lo"), Some(ARPHRD_LOOPBACK));
-        assert_eq!(link_type("nosuch0"), None);
     }
 
     #[test]

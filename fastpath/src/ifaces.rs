@@ -71,19 +71,19 @@ pub struct SysHost;
 
 impl Host for SysHost {
     fn ifindex(&self, name: &str) -> Option<u32> {
-        crate::config::ifindex(name)
+        crate::sys::ifindex(name)
     }
 
     fn is_loopback(&self, name: &str) -> bool {
-        crate::config::is_loopback(name)
+        crate::sys::is_loopback(name)
     }
 
     fn mac(&self, name: &str) -> io::Result<[u8; 6]> {
-        crate::datapath::interface_mac(name)
+        crate::sys::interface_mac(name)
     }
 
     fn addresses(&self, name: &str) -> io::Result<Vec<IpAddr>> {
-        crate::config::interface_addresses(name)
+        crate::sys::interface_addresses(name)
     }
 
     fn sysctl(&self, path: &str) -> Option<String> {

@@ -18,6 +18,7 @@ pub mod netwatch;
 pub mod rules;
 pub mod stats;
 pub mod sync;
+pub mod sys;
 /// Test support (packet builder, fixtures, namespace topologies): never in the product
 /// binary (`cargo xtask build`).
 #[cfg(any(test, feature = "testkit"))]

@@ -279,8 +279,8 @@ impl<'a> Sinks<'a> {
         for i in 0..topo.backends() {
             let sink = &mut *sinks.sink;
             let link = topo.backend(i).in_netns(|| -> Result<XdpLinkId> {
-                let ifindex = fastpath::config::ifindex(LbTopology::HOST_IF)
-                    .context("no eth0 in a backend")?;
+                let ifindex =
+                    fastpath::sys::ifindex(LbTopology::HOST_IF).context("no eth0 in a backend")?;
                 sink.attach(ifindex)
                     .context("attaching the XDP sink to a backend's link")
             })??;

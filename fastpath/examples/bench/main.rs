@@ -970,7 +970,7 @@ fn bench_route_paths(objects: &Objects) -> Result<PerObject> {
             .spawn(|| -> Result<PerObject> {
                 enter_fresh_netns(ROUTE_NETNS_SETUP);
                 let ifindex = |name: &str| {
-                    fastpath::config::ifindex(name)
+                    fastpath::sys::ifindex(name)
                         .with_context(|| format!("no {name} in the namespace"))
                 };
                 let all = route_cases(RouteIfaces {
@@ -1041,7 +1041,7 @@ fn bench_vxlan_paths(objects: &Objects) -> Result<PerObject> {
         let kept = Captures::load(Underlay::V4)
             .map_err(|e| anyhow::anyhow!("reading the VXLAN fixture frames: {e}"))?;
         let ifindex = |name: &str| {
-            fastpath::config::ifindex(name).with_context(|| format!("no {name} in the node"))
+            fastpath::sys::ifindex(name).with_context(|| format!("no {name} in the node"))
         };
         let (n0, und0) = (ifindex("n0")?, ifindex("und0")?);
         let mut rows = objects.rows();

@@ -169,7 +169,7 @@ impl Generator {
     ) -> Result<(u64, f64, Machine)> {
         let fx = &mut self.0;
         ns.in_netns(|| -> Result<(u64, f64, Machine)> {
-            let ifindex = fastpath::config::ifindex(iface)
+            let ifindex = fastpath::sys::ifindex(iface)
                 .with_context(|| format!("no {iface} in {}", ns.name()))?;
             let before = Machine::read()?;
             let started = std::time::Instant::now();

@@ -503,7 +503,7 @@ impl pb::fastpath_server::Fastpath for Api {
                     let name = i.name.get_ref();
                     pb::InterfaceStatus {
                         name: name.clone(),
-                        ifindex: crate::config::ifindex(name).unwrap_or(0),
+                        ifindex: crate::sys::ifindex(name).unwrap_or(0),
                         xdp: format!("{:?}", i.xdp).to_lowercase(),
                         tc_ingress: i.tc_ingress,
                         tc_egress: i.tc_egress,

@@ -15,7 +15,8 @@ use fastpath_common::{
 };
 use tracing::warn;
 
-use super::{DatapathError, map_at, pinned_map, sys};
+use super::{DatapathError, map_at, pinned_map};
+use crate::sys;
 
 /// The conntrack table as the daemon's expiry sees it: walked in batches, deleted by key.
 pub struct CtTable {

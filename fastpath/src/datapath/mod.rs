@@ -52,19 +52,18 @@ mod ct;
 #[cfg(test)]
 pub mod fake;
 mod ops;
-mod sys;
 
 pub use ct::{
     CtInstaller, CtTable, ct_installer, flush_pinned_ct, pinned_ct_entries, pinned_ct_get,
     pinned_ct_occupancy,
 };
 pub use ops::{CtOps, DatapathOps, InterfacePlan, ServiceMaps};
-pub use sys::{interface_mac, is_bpffs, mount_bpffs};
 
 use crate::{
     config::{InterfaceConfig, XdpMode},
     ct_events::RecordSource,
     stats::{StatsError, StatsSnapshot},
+    sys::{self, is_bpffs, mount_bpffs},
 };
 
 #[derive(Debug, thiserror::Error)]

@@ -29,7 +29,7 @@ impl PacketSocket {
     /// Opens a socket on `dev` in this thread's namespace (see `Netns::in_netns` for another).
     /// Frames are queued from now on.
     pub fn open(dev: &str) -> io::Result<PacketSocket> {
-        let ifindex = crate::config::ifindex(dev)
+        let ifindex = crate::sys::ifindex(dev)
             .ok_or_else(|| io::Error::other(format!("no interface {dev:?} here")))?;
         // SAFETY: a plain socket(2) call; the fd is owned right below.
         let fd = unsafe {

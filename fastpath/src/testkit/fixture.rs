@@ -41,8 +41,8 @@ use fastpath_common::{
 };
 
 use crate::{
-    datapath::{is_bpffs, mount_bpffs},
     stats::{StatsError, StatsSnapshot},
+    sys::{is_bpffs, mount_bpffs},
 };
 
 /// Raw XDP return codes (`enum xdp_action`).

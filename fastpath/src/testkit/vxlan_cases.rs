@@ -417,7 +417,7 @@ fn overlay_config(
 /// Panics if an interface is missing.
 pub fn node_seed(hook: Hook, overlay: &Overlay) -> Seed {
     let ifindex = |name: &str| {
-        crate::config::ifindex(name).unwrap_or_else(|| panic!("no interface {name} in the node"))
+        crate::sys::ifindex(name).unwrap_or_else(|| panic!("no interface {name} in the node"))
     };
     let route = if hook == Hook::Xdp {
         IFACE_F_ROUTE
@@ -636,7 +636,7 @@ impl Overlay {
     /// The node's VXLAN network as the daemon would configure it (ifindexes of this thread's
     /// namespace).
     pub fn net(&self) -> VxlanNet {
-        let idx = |n: &str| crate::config::ifindex(n).unwrap_or_else(|| panic!("no {n}"));
+        let idx = |n: &str| crate::sys::ifindex(n).unwrap_or_else(|| panic!("no {n}"));
         let (local, family) = match self.underlay {
             Underlay::V4 => {
                 let mut local = [0; 16];

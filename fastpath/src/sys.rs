@@ -1,8 +1,8 @@
-//! Every raw system call of the datapath module: the bpf(2) commands aya does not offer
-//! (batched map reads and writes, BPF_OBJ_GET of a link pin, a link's info), the interface
-//! ioctls, statfs/mount of the bpffs, flock of the pin directory, getifaddrs, and the shared
-//! mappings of the LB arrays. Each is a small safe wrapper; the rest of `datapath` holds no
-//! `unsafe` and no `libc` call.
+//! Every raw system call of the daemon: the bpf(2) commands aya does not offer (batched map
+//! reads and writes, BPF_OBJ_GET of a link pin, a link's info), the interface lookups
+//! (if_nametoindex, the SIOCGIF* ioctls, getifaddrs), statfs/mount of the bpffs, flock of the
+//! pin directory, and the shared mappings of the LB arrays. Each is a small safe wrapper; no
+//! other module holds an `unsafe` system call.
 
 use std::{
     collections::BTreeSet,
@@ -198,33 +198,35 @@ pub fn mount_bpffs(path: &Path) -> io::Result<()> {
     }
 }
 
-/// Every address of this network namespace's interfaces (getifaddrs).
-pub fn local_addresses() -> BTreeSet<IpAddr> {
-    let mut out = BTreeSet::new();
+/// Every address of every interface in this network namespace, with the interface's name,
+/// as `ip addr` lists them (getifaddrs).
+pub fn addresses() -> io::Result<Vec<(String, IpAddr)>> {
+    let mut out = Vec::new();
     let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills `head` with a list freed below with freeifaddrs.
     if unsafe { libc::getifaddrs(&mut head) } != 0 {
-        return out;
+        return Err(io::Error::last_os_error());
     }
     let mut cur = head;
     while !cur.is_null() {
         // SAFETY: `cur` is a node of the list getifaddrs returned, alive until freeifaddrs;
-        // a sockaddr's family tells which struct it is.
+        // its name is NUL-terminated and a sockaddr's family tells which struct it is.
         unsafe {
-            let addr = (*cur).ifa_addr;
-            if !addr.is_null() {
-                match i32::from((*addr).sa_family) {
+            let (addr, name) = ((*cur).ifa_addr, (*cur).ifa_name);
+            if !addr.is_null() && !name.is_null() {
+                let ip: Option<IpAddr> = match i32::from((*addr).sa_family) {
                     libc::AF_INET => {
                         let a = &*(addr as *const libc::sockaddr_in);
-                        out.insert(
-                            std::net::Ipv4Addr::from(a.sin_addr.s_addr.to_ne_bytes()).into(),
-                        );
+                        Some(std::net::Ipv4Addr::from(a.sin_addr.s_addr.to_ne_bytes()).into())
                     }
                     libc::AF_INET6 => {
                         let a = &*(addr as *const libc::sockaddr_in6);
-                        out.insert(std::net::Ipv6Addr::from(a.sin6_addr.s6_addr).into());
+                        Some(std::net::Ipv6Addr::from(a.sin6_addr.s6_addr).into())
                     }
-                    _ => {}
+                    _ => None,
+                };
+                if let Some(ip) = ip {
+                    out.push((CStr::from_ptr(name).to_string_lossy().into_owned(), ip));
                 }
             }
             cur = (*cur).ifa_next;
@@ -232,7 +234,31 @@ pub fn local_addresses() -> BTreeSet<IpAddr> {
     }
     // SAFETY: the list getifaddrs allocated, freed once.
     unsafe { libc::freeifaddrs(head) };
-    out
+    Ok(out)
+}
+
+/// The addresses of this network namespace's interfaces (none when they cannot be read).
+pub fn local_addresses() -> BTreeSet<IpAddr> {
+    addresses()
+        .map(|all| all.into_iter().map(|(_, ip)| ip).collect())
+        .unwrap_or_default()
+}
+
+/// The addresses of interface `name` in this network namespace, in `ip addr`'s order.
+pub fn interface_addresses(name: &str) -> io::Result<Vec<IpAddr>> {
+    Ok(addresses()?
+        .into_iter()
+        .filter(|(n, _)| n == name)
+        .map(|(_, ip)| ip)
+        .collect())
+}
+
+/// The index of interface `name` in this network namespace, if it exists.
+pub fn ifindex(name: &str) -> Option<u32> {
+    let c = CString::new(name).ok()?;
+    // SAFETY: `c` is a valid NUL-terminated string that outlives the call.
+    let idx = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    (idx != 0).then_some(idx)
 }
 
 /// The name of interface `ifindex` in this network namespace, if it exists.
@@ -292,15 +318,7 @@ pub fn interface_up(name: &str) -> bool {
 /// The hardware address of interface `name` (SIOCGIFHWADDR): an error unless it is an
 /// Ethernet interface.
 pub fn interface_mac(name: &str) -> io::Result<[u8; 6]> {
-    let sock = ioctl_socket()?;
-    let mut req = ifreq(name)?;
-    // SAFETY: SIOCGIFHWADDR reads the NUL-terminated name and writes the address into `req`.
-    let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFHWADDR, &mut req) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: after a successful SIOCGIFHWADDR the union holds `ifru_hwaddr`.
-    let hw = unsafe { req.ifr_ifru.ifru_hwaddr };
+    let hw = hwaddr(name)?;
     if hw.sa_family != libc::ARPHRD_ETHER {
         return Err(io::Error::new(
             io::ErrorKind::Unsupported,
@@ -310,10 +328,35 @@ pub fn interface_mac(name: &str) -> io::Result<[u8; 6]> {
     Ok(std::array::from_fn(|i| hw.sa_data[i] as u8))
 }
 
+/// The ARPHRD link type of interface `name` (`libc::ARPHRD_ETHER`, `libc::ARPHRD_LOOPBACK`,
+/// ...), read with SIOCGIFHWADDR: it answers for this process's network namespace after
+/// setns, unlike /sys/class/net, which shows the mounting namespace's.
+pub fn link_type(name: &str) -> io::Result<u16> {
+    Ok(hwaddr(name)?.sa_family)
+}
+
+/// Whether interface `name` is a loopback device.
+pub fn is_loopback(name: &str) -> bool {
+    link_type(name).is_ok_and(|t| t == libc::ARPHRD_LOOPBACK)
+}
+
+/// SIOCGIFHWADDR of interface `name`: its link type and hardware address.
+fn hwaddr(name: &str) -> io::Result<libc::sockaddr> {
+    let sock = ioctl_socket()?;
+    let mut req = ifreq(name)?;
+    // SAFETY: SIOCGIFHWADDR reads the NUL-terminated name and writes the address into `req`.
+    let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFHWADDR, &mut req) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: after a successful SIOCGIFHWADDR the union holds `ifru_hwaddr`.
+    Ok(unsafe { req.ifr_ifru.ifru_hwaddr })
+}
+
 /// A BPF array created with BPF_F_MMAPABLE, mapped into this process: element `i` of `T`
 /// at byte `i × size_of::<T>()` (`T` plain data, a multiple of 8 bytes; or u32 for an array
 /// of `[u32; 2]` pairs, whose halves are consecutive u32s).
-pub struct SharedArray<T> {
+pub(crate) struct SharedArray<T> {
     ptr: *mut T,
     /// Elements of `T` in the mapping.
     len: usize,
@@ -396,5 +439,20 @@ mod tests {
             "16 bytes: no room for NUL"
         );
         assert!(ifreq("a\0b").is_err());
+    }
+
+    #[test]
+    fn loopback_is_an_ethernet_framed_device_with_its_addresses() {
+        assert_eq!(link_type("lo").ok(), Some(libc::ARPHRD_LOOPBACK));
+        assert!(is_loopback("lo"));
+        assert!(link_type("nosuch0").is_err());
+        assert!(ifindex("lo").is_some());
+        assert_eq!(ifindex("nosuch0"), None);
+        let lo = interface_addresses("lo").expect("getifaddrs");
+        assert!(
+            lo.contains(&IpAddr::from([127, 0, 0, 1])),
+            "expected 127.0.0.1 on lo, got {lo:?}"
+        );
+        assert!(local_addresses().is_superset(&lo.into_iter().collect()));
     }
 }
