@@ -1848,38 +1848,62 @@ fn old_vs_new_markdown(r: &Report) -> String {
     if pairs.is_empty() {
         return String::new();
     }
-    let rows: Vec<Vec<String>> = pairs
-        .iter()
-        .map(|(new, old)| {
-            let (m, lo, hi) = old.new_over_old.unwrap_or((f64::NAN, f64::NAN, f64::NAN));
-            vec![
-                new.path.clone(),
-                new.table_entries.to_string(),
-                format!("{:.1}", old.median_ns),
-                format!("{:.1}", new.median_ns),
-                format!("{:+.1}", old.over_floor_ns),
-                format!("{:+.1}", new.over_floor_ns),
-                cell(m, lo, hi, 3),
-            ]
-        })
-        .collect();
+    let rows = pairs.iter().map(|(new, old)| OldNewRow {
+        path: new.path.clone(),
+        beside: new.table_entries.to_string(),
+        medians: (old.median_ns, new.median_ns),
+        over_floor: (old.over_floor_ns, new.over_floor_ns),
+        new_over_old: old.new_over_old.unwrap_or((f64::NAN, f64::NAN, f64::NAN)),
+    });
     let mut md = format!(
         "Old object: `{}` · every row timed through both objects in turn, in the same run\n\n",
         r.old_object
     );
-    md.push_str(&report::table(
+    md.push_str(&old_new_table("table entries", true, rows));
+    md
+}
+
+/// One path timed through the old object and this tree's: (old, new) pairs.
+struct OldNewRow {
+    path: String,
+    /// The second column's value (the hook, or the table's entries).
+    beside: String,
+    medians: (f64, f64),
+    over_floor: (f64, f64),
+    /// This tree's ns ÷ the old object's, median (min–max) over rounds.
+    new_over_old: (f64, f64, f64),
+}
+
+/// The old-vs-new table: path, `beside` (right-aligned when `numeric`), both medians, both
+/// costs over the floor, and new ÷ old per round.
+fn old_new_table(beside: &str, numeric: bool, rows: impl Iterator<Item = OldNewRow>) -> String {
+    let rows: Vec<Vec<String>> = rows
+        .map(|o| {
+            let (m, lo, hi) = o.new_over_old;
+            vec![
+                o.path,
+                o.beside,
+                format!("{:.1}", o.medians.0),
+                format!("{:.1}", o.medians.1),
+                format!("{:+.1}", o.over_floor.0),
+                format!("{:+.1}", o.over_floor.1),
+                cell(m, lo, hi, 3),
+            ]
+        })
+        .collect();
+    let mut md = report::table(
         &[
             "path",
-            "table entries",
+            beside,
             "old median ns",
             "new median ns",
             "old over floor ns",
             "new over floor ns",
             "new ÷ old per round",
         ],
-        &[false, true, true, true, true, true, true],
+        &[false, numeric, true, true, true, true, true],
         &rows,
-    ));
+    );
     md.push('\n');
     md
 }
@@ -1982,35 +2006,14 @@ fn parse_markdown(r: &Report) -> String {
             "old object: `{}` · same rounds · new ÷ old = median (min–max) of per-round ratios\n",
             r.old_object
         );
-        let rows: Vec<Vec<String>> = r
-            .old_vs_new
-            .iter()
-            .map(|o| {
-                vec![
-                    o.what.clone(),
-                    o.hook.clone(),
-                    format!("{:.1}", o.old_median_ns),
-                    format!("{:.1}", o.new_median_ns),
-                    format!("{:+.1}", o.old_over_floor_ns),
-                    format!("{:+.1}", o.new_over_floor_ns),
-                    cell(o.new_over_old.0, o.new_over_old.1, o.new_over_old.2, 3),
-                ]
-            })
-            .collect();
-        md.push_str(&report::table(
-            &[
-                "path",
-                "hook",
-                "old median ns",
-                "new median ns",
-                "old over floor ns",
-                "new over floor ns",
-                "new ÷ old per round",
-            ],
-            &[false, false, true, true, true, true, true],
-            &rows,
-        ));
-        md.push('\n');
+        let rows = r.old_vs_new.iter().map(|o| OldNewRow {
+            path: o.what.clone(),
+            beside: o.hook.clone(),
+            medians: (o.old_median_ns, o.new_median_ns),
+            over_floor: (o.old_over_floor_ns, o.new_over_floor_ns),
+            new_over_old: o.new_over_old,
+        });
+        md.push_str(&old_new_table("hook", false, rows));
     }
     md
 }
