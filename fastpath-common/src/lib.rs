@@ -103,7 +103,7 @@ pub mod program_names {
     pub const CT_INSTALL: &str = "fastpath_ct_install";
     /// XDP programs the main one tail-calls (`FP_TAILS`), by index: rare paths whose stack
     /// would not fit beside the main program's.
-    pub const XDP_TAILS: [&str; 7] = [
+    pub const XDP_TAILS: [&str; 8] = [
         "fastpath_xdp_icmp_error",
         "fastpath_xdp_icmp6_error",
         "fastpath_xdp_reject",
@@ -111,6 +111,7 @@ pub mod program_names {
         "fastpath_xdp_vlan_forward",
         "fastpath_xdp_vxlan_encap",
         "fastpath_xdp_vxlan_decap",
+        "fastpath_xdp_new_connection",
     ];
     /// TC programs the TC ingress one tail-calls (`FP_TC_TAILS`), by index.
     pub const TC_TAILS: [&str; 5] = [
@@ -139,6 +140,11 @@ pub const TAIL_VXLAN_ENCAP: u32 = 5;
 /// `FP_TAILS` index of the XDP tail program for UDP arriving on a VXLAN underlay: a
 /// configured network's packets are decapsulated and their inner packet routed.
 pub const TAIL_VXLAN_DECAP: u32 = 6;
+/// `FP_TAILS` index of the XDP tail program for a packet that may start a connection
+/// conntrack did not find: the load-balancing stages (service, backend, the connection's
+/// entries), then the rest of the pipeline. A program of its own: verified apart from the
+/// main program, whose established path it leaves within the verifier's limits.
+pub const TAIL_NEW_CONNECTION: u32 = 7;
 /// `FP_TC_TAILS` indexes of the TC ingress tail programs: VXLAN encapsulation of a packet
 /// the L3 stage routed to a vxlan device, and decapsulation of UDP arriving on an underlay
 /// (as `TAIL_VXLAN_ENCAP` and `TAIL_VXLAN_DECAP` at XDP).

@@ -4,9 +4,11 @@
 //! their inner header, counts, and emits events. With the interface's stateful firewall on, it
 //! also says which packets to drop.
 //!
-//! A new connection to a service gets its backend from the LB stage and keeps it as a NAT
-//! binding in two entries (see `fastpath_common::lb::CtNat`); the stage then says how to
-//! translate each of the connection's packets.
+//! A packet without a connection that may start one, where the load-balancing stages run, is
+//! reported as a miss: the pipeline asks the LB stage (and gateway SNAT) for a service and a
+//! backend, then has this stage create the connection — plain ([`create_plain`]) or with its
+//! NAT binding in two entries ([`create_lb`], see `fastpath_common::lb::CtNat`). The stage
+//! then says how to translate each of the connection's packets.
 //!
 //! Contract: never changes the packet itself (the pipeline rewrites what it is told to); runs
 //! at most once per packet per interface (the daemon picks the hook). Assured entries are never
@@ -27,22 +29,23 @@ use fastpath_common::{
         tcp_class, tcp_classify, tcp_flags_valid, tcp_state, tcp_step,
     },
     lb::{
-        CtNat, SNAT_TRIES, SVC_F_DSR, SVC_F_FULL_NAT, SVC_F_GATEWAY, SVC_F_NO_BACKEND_DROP,
-        SVC_F_NO_BACKEND_REJECT, Service, flow_hash, lb_peer_key_into, nat_alias_backend_is_lo,
+        Backend, CtNat, SNAT_TRIES, SVC_F_DSR, SVC_F_FULL_NAT, SVC_F_GATEWAY, Service, flow_hash,
+        lb_peer_key_into, nat_alias_backend_is_lo,
     },
     reason,
 };
 
 use crate::{
-    gateway, lb,
+    ctx::{Miss, NAT_DSR, NAT_DST, NAT_ICMP_ERROR, NAT_ICMP_KEEP_SOURCE, NAT_SRC, copy16},
     maps::{
         FP_CT, FP_CT_ENTRY, FP_CT_EVENTS, FP_CT_KEY, FP_CT_KEY2, FP_CT_KEY3, FP_CT_NEW,
-        FP_CT_STATS, FP_IFACE, FP_NAT, FP_SVC_KEY,
+        FP_CT_STATS, FP_IFACE, FP_MISS, FP_NAT, FP_SVC_KEY,
     },
     packet::Packet,
     parse::{
         FAMILY_IPV4, FAMILY_IPV6, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, Parsed,
     },
+    settings, stats,
 };
 
 /// BPF_NOEXIST: create only.
@@ -70,45 +73,10 @@ pub enum Action {
     /// Rewrite the packet as this CPU's `FP_NAT` plan says, then hand it on, counted under
     /// `reason`.
     Nat(u32),
+    /// No connection, and the packet may start one where the LB stages run: the pipeline
+    /// looks for its service, then calls [`create_lb`] or [`create_plain`] with [`missed`].
+    Miss,
 }
-
-/// What to rewrite: the destination (`ends & NAT_DST`) and/or the source (`ends &
-/// NAT_SRC`) to these addresses (IPv4: the first 4 bytes) and ports.
-///
-/// verifier: a plan in per-CPU map memory rather than references in the `Action`. Every
-/// translating path then reaches the rewrite in the same shape (no pointers into different
-/// maps, which the verifier never treats as equivalent), so its states are pruned there
-/// instead of multiplied by the rewrite's branches; and no "this pointer or none", which
-/// LLVM turns into a mask on a pointer, which is refused.
-#[repr(C, align(8))]
-pub struct NatPlan {
-    pub dst_addr: [u8; 16],
-    pub src_addr: [u8; 16],
-    pub dst_port: u16,
-    pub src_port: u16,
-    pub ends: u8,
-    pub _pad: [u8; 3],
-    /// `NAT_DSR`: the interface the packet leaves through (set by `dsr::forward`).
-    pub out_ifindex: u32,
-    /// The reason of a forward verdict handed to the tail program that tags the frame
-    /// (`fastpath_xdp_vlan_forward`).
-    pub fwd_reason: u32,
-}
-
-/// `NatPlan::ends`: rewrite the destination.
-pub const NAT_DST: u8 = 1;
-/// `NatPlan::ends`: rewrite the source.
-pub const NAT_SRC: u8 = 2;
-/// `NatPlan::ends`: direct server return — no rewrite; send the packet to the MAC address of
-/// `dst_addr` (the backend).
-pub const NAT_DSR: u8 = 4;
-/// `NatPlan::ends`: an ICMP error about a packet a backend was sent (done by the tail program
-/// `fastpath_xdp_icmp_error`). The quoted packet's destination becomes `src_addr:src_port`
-/// (the VIP) and, with `NAT_DST`, its source `dst_addr:dst_port` (full-NAT: the client); the
-/// error then comes from the VIP (unless `NAT_ICMP_KEEP_SOURCE`) and, with `NAT_DST`, goes
-/// to the client.
-pub const NAT_ICMP_ERROR: u8 = 8;
-pub const NAT_ICMP_KEEP_SOURCE: u8 = 16;
 
 /// Plans the rewrite of the packet's destination to `dst` and, if `ends & NAT_SRC`, its
 /// source to `src` (if `ends & NAT_DST`, likewise), and says to do it under `reason`.
@@ -261,7 +229,7 @@ pub fn track(
                     count(ct_stat::FW_DROPPED);
                     return Action::Drop(code);
                 }
-                lb::count(e.nat.service, e.nat.backend, len, false);
+                stats::service(e.nat.service, e.nat.backend, len, false);
                 let e: &'static CtEntry = e;
                 let dsr = e.flags & CT_F_DSR != 0;
                 return nat(
@@ -282,20 +250,30 @@ pub fn track(
             refused
         }
         None => {
-            // perf: a `match`, not `or_else`: a closure is a function LLVM may leave out of
-            // line (a BPF-to-BPF call, and the caller's registers spilled around it).
-            if lb_here
-                && kind == Kind::Starts
-                && let Some(svc) = match lb::service(pkt, p) {
-                    Some(svc) => Some(svc),
-                    None => gateway::snat_service(pkt, p, ifindex),
+            if lb_here && kind == Kind::Starts {
+                let Some(m) = FP_MISS.get_ptr_mut(0) else {
+                    return Action::Pass;
+                };
+                // SAFETY: this CPU's slot of a per-CPU array, used by this program run and the
+                // tail program it calls only.
+                unsafe {
+                    *m = Miss {
+                        src_is_lo,
+                        firewall,
+                        now,
+                    };
                 }
-            {
-                return lb_create(key, src_is_lo, svc, firewall, pkt, p, len, now);
+                return Action::Miss;
             }
             create(key, src_is_lo, kind == Kind::Starts, firewall, p, len, now)
         }
     };
+    judged(refused, firewall)
+}
+
+/// What a packet the stateful firewall may refuse (`refused`: its reason) turns into.
+#[inline(always)]
+fn judged(refused: Option<u32>, firewall: bool) -> Action {
     match refused {
         Some(code) if firewall => {
             count(ct_stat::FW_DROPPED);
@@ -303,6 +281,51 @@ pub fn track(
         }
         _ => Action::Pass,
     }
+}
+
+/// What `track` found of the packet it reported as [`Action::Miss`] (this CPU's `FP_MISS`).
+#[inline(always)]
+pub fn missed() -> Option<&'static Miss> {
+    FP_MISS.get(0)
+}
+
+/// The key of the connection a [`Action::Miss`] was reported for (this CPU's `FP_CT_KEY`,
+/// normalized).
+#[inline(always)]
+pub fn missed_key() -> Option<&'static CtKey> {
+    // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
+    FP_CT_KEY.get_ptr(0).map(|k| unsafe { &*k })
+}
+
+/// A missed packet with no service: a plain connection, as `track` creates one.
+#[inline(always)]
+pub fn create_plain(m: &Miss, p: &Parsed, len: usize) -> Action {
+    let Some(key) = missed_key() else {
+        return Action::Pass;
+    };
+    judged(
+        create(key, m.src_is_lo, true, m.firewall, p, len, m.now),
+        m.firewall,
+    )
+}
+
+/// The state a missed packet to a service starts its connection in, if it may start one.
+/// Without the firewall a mid-stream packet is picked up, as conntrack does: the same backend
+/// comes out of the same table (Maglev), as on a peer after failover.
+#[inline(always)]
+pub fn lb_start(m: &Miss, p: &Parsed) -> Option<u8> {
+    start_state(p, true, m.firewall)
+}
+
+/// What happens to a missed packet to a service that may not start a connection
+/// ([`lb_start`] said `None`).
+#[inline(always)]
+pub fn lb_refused(m: &Miss) -> Action {
+    if m.firewall {
+        count(ct_stat::FW_DROPPED);
+        return Action::Drop(reason::FW_NO_CONNECTION);
+    }
+    Action::Pass
 }
 
 /// A TCP segment with a flag combination Linux's conntrack calls invalid
@@ -319,8 +342,7 @@ fn invalid_flags(hit: Option<*mut CtEntry>, firewall: bool) -> Action {
         Some(e) => unsafe { (*e).flags },
         None => 0,
     };
-    if entry_flags & (CT_F_LB | CT_F_LB_ALIAS) != 0 || firewall || crate::settings::drop_malformed()
-    {
+    if entry_flags & (CT_F_LB | CT_F_LB_ALIAS) != 0 || firewall || settings::drop_malformed() {
         Action::Drop(reason::TCP_INVALID_FLAGS)
     } else {
         Action::Kernel(reason::TCP_INVALID_FLAGS)
@@ -412,59 +434,31 @@ fn full_nat(flags: u8, end: u8) -> u8 {
     if flags & CT_F_FULL_NAT != 0 { end } else { 0 }
 }
 
-/// Copies 16 address bytes with two word loads and stores (no memcpy call). Both must be
-/// 8-aligned: key fields, `CtNat`/`Backend` addresses, all at multiples of 8 in 8-aligned
-/// structs.
-#[inline(always)]
-pub(crate) fn copy16(dst: &mut [u8; 16], src: &[u8; 16]) {
-    let d = (dst as *mut [u8; 16]).cast::<u64>();
-    let s = (src as *const [u8; 16]).cast::<u64>();
-    // SAFETY: both are 16 bytes and 8-aligned (see above); any bytes are valid.
-    unsafe {
-        core::ptr::write_volatile(d, core::ptr::read_volatile(s));
-        core::ptr::write_volatile(d.add(1), core::ptr::read_volatile(s.add(1)));
-    }
-}
-
-/// A new connection to service `svc`: picks its backend, creates its entry (client ↔ VIP,
-/// holding the state and the binding) and the alias under client ↔ backend (how the
-/// backend's replies find it), and says to translate the packet to the backend.
+/// A new connection (missed as `m`, starting in `state`) to service `svc`, given backend
+/// `backend` (index `idx`) by the LB stage: creates its entry (client ↔ VIP, holding the
+/// state and the binding) and the alias under client ↔ backend (how the backend's replies
+/// find it), and says to translate the packet to the backend.
 #[expect(
     clippy::too_many_arguments,
-    reason = "the stage's state, passed down once"
+    reason = "the stages' results, passed down once"
 )]
 #[inline(always)]
-fn lb_create(
-    key: &CtKey,
-    src_is_lo: bool,
+pub fn create_lb(
+    m: &Miss,
+    state: u8,
     svc: &'static Service,
-    firewall: bool,
+    idx: u32,
+    backend: &Backend,
     pkt: &Packet,
     p: &Parsed,
     len: usize,
-    now: u64,
 ) -> Action {
-    // Without the firewall, a mid-stream packet is picked up as in conntrack: the same backend
-    // comes out of the same table (Maglev), as on a peer after failover.
-    let Some(state) = start_state(p, true, firewall) else {
-        if firewall {
-            count(ct_stat::FW_DROPPED);
-            return Action::Drop(reason::FW_NO_CONNECTION);
-        }
-        return Action::Pass;
-    };
-    let Some((idx, backend)) = lb::pick_for_client(svc, key, pkt, p, now) else {
-        lb::count_no_backend(svc.id);
-        return if svc.flags & SVC_F_NO_BACKEND_REJECT != 0 {
-            // Answered by the tail program the entry point calls for this reason.
-            Action::Kernel(reason::LB_REJECTED)
-        } else if svc.flags & SVC_F_NO_BACKEND_DROP != 0 {
-            Action::Drop(reason::LB_NO_BACKEND)
-        } else {
-            Action::Kernel(reason::LB_NO_BACKEND)
-        };
-    };
-    let (Some(alias), Some(svc_key)) = (FP_CT_KEY2.get_ptr_mut(0), FP_SVC_KEY.get_ptr(0)) else {
+    let (src_is_lo, now) = (m.src_is_lo, m.now);
+    let (Some(key), Some(alias), Some(svc_key)) = (
+        missed_key(),
+        FP_CT_KEY2.get_ptr_mut(0),
+        FP_SVC_KEY.get_ptr(0),
+    ) else {
         return Action::Pass;
     };
     // SAFETY: this CPU's slots of per-CPU arrays, used by this program run only.
@@ -564,8 +558,8 @@ fn lb_create(
     let _ = FP_CT_NEW.push(key, BPF_EXIST);
     count(ct_stat::NEW);
     emit(key, ct_event::NEW, entry, event_ns());
-    lb::count(svc.id, idx, len, true);
-    lb::opened(idx);
+    stats::service(svc.id, idx, len, true);
+    stats::backend_opened(idx);
     nat(
         (&backend.addr, backend.port),
         (&svc.snat_addr, sport),
@@ -842,7 +836,7 @@ fn lb_reply(
             return Action::Drop(code);
         }
     }
-    lb::count(alias.nat.service, alias.nat.backend, len, false);
+    stats::service(alias.nat.service, alias.nat.backend, len, false);
     action
 }
 
@@ -1120,7 +1114,7 @@ fn early_drop() -> bool {
         if FP_CT.remove(&victim).is_ok() {
             let ended = e.state == tcp_state::TIME_WAIT || e.state == tcp_state::CLOSE;
             if e.flags & CT_F_LB != 0 && !ended {
-                lb::closed(e.nat.backend);
+                stats::backend_closed(e.nat.backend);
             }
             count(ct_stat::EARLY_DROP);
             emit(&victim, ct_event::EARLY_DROP, &e, event_ns());
@@ -1186,7 +1180,7 @@ fn update(
                     count(ct_stat::KILLED);
                     emit(key, ct_event::KILLED, e, event_ns());
                     if e.flags & CT_F_LB != 0 && !closed(was) {
-                        lb::closed(e.nat.backend);
+                        stats::backend_closed(e.nat.backend);
                     }
                     let _ = FP_CT.remove(key);
                     return None;
@@ -1205,7 +1199,7 @@ fn update(
                     count(ct_stat::CLOSED);
                     emit(key, ct_event::CLOSED, e, event_ns());
                     if e.flags & CT_F_LB != 0 {
-                        lb::closed(e.nat.backend);
+                        stats::backend_closed(e.nat.backend);
                     }
                 }
             }

@@ -12,11 +12,11 @@ use fastpath_common::{
 };
 
 use crate::{
+    ctx::End,
     maps::{
-        FP_AFF_KEY, FP_AFFINITY, FP_BACKEND_GONE, FP_BACKEND_LOAD, FP_BACKEND_STATS, FP_BACKENDS,
-        FP_LB_SLOTS, FP_NEW_SVC, FP_SVC, FP_SVC_KEY, FP_SVC_RR, FP_SVC_STATS,
+        FP_AFF_KEY, FP_AFFINITY, FP_BACKEND_GONE, FP_BACKEND_LOAD, FP_BACKENDS, FP_LB_SLOTS,
+        FP_NEW_SVC, FP_SVC, FP_SVC_KEY, FP_SVC_RR,
     },
-    nat::End,
     packet::Packet,
     parse::{FAMILY_IPV4, Parsed},
 };
@@ -208,72 +208,4 @@ fn least_connections(svc: &Service) -> Option<(u32, &'static Backend)> {
         }
     }
     best.map(|(idx, b, _, _)| (idx, b))
-}
-
-/// Adds 1 to `*p` atomically (a BPF atomic add: CPUs do not lose each other's increments).
-/// `core::sync::atomic` has no fetch_add on this target; the intrinsic compiles to BPF's
-/// atomic add instruction.
-///
-/// # Safety
-/// `p` is a valid, 8-aligned pointer into map memory.
-#[inline(always)]
-unsafe fn atomic_add(p: *mut u64) {
-    // SAFETY: as the caller promises.
-    unsafe {
-        core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
-            p, 1,
-        );
-    }
-}
-
-/// Records a connection given to backend `idx` (least-connections' count).
-#[inline(always)]
-pub fn opened(idx: u32) {
-    if let Some(l) = FP_BACKEND_LOAD.get_ptr_mut(idx) {
-        // SAFETY: a map value pointer; the add is atomic, so CPUs do not lose each other's.
-        unsafe { atomic_add(&raw mut (*l).opened) };
-    }
-}
-
-/// Records that a connection of backend `idx` closed (or went without closing).
-#[inline(always)]
-pub fn closed(idx: u32) {
-    if let Some(l) = FP_BACKEND_LOAD.get_ptr_mut(idx) {
-        // SAFETY: as in `opened`.
-        unsafe { atomic_add(&raw mut (*l).closed) };
-    }
-}
-
-/// Counts a packet (and a new connection) for its service and backend.
-#[inline(always)]
-pub fn count(service: u32, backend: u32, len: usize, new_connection: bool) {
-    if let Some(c) = FP_SVC_STATS.get_ptr_mut(service) {
-        // SAFETY: this CPU's slot of a per-CPU array.
-        unsafe {
-            (*c).packets += 1;
-            (*c).bytes += len as u64;
-            if new_connection {
-                (*c).connections += 1;
-            }
-        }
-    }
-    if let Some(c) = FP_BACKEND_STATS.get_ptr_mut(backend) {
-        // SAFETY: as above.
-        unsafe {
-            (*c).packets += 1;
-            (*c).bytes += len as u64;
-            if new_connection {
-                (*c).connections += 1;
-            }
-        }
-    }
-}
-
-/// Counts a new connection to a service that has no backend.
-#[inline(always)]
-pub fn count_no_backend(service: u32) {
-    if let Some(c) = FP_SVC_STATS.get_ptr_mut(service) {
-        // SAFETY: this CPU's slot of a per-CPU array.
-        unsafe { (*c).no_backend += 1 };
-    }
 }

@@ -17,7 +17,9 @@
 #[cfg(feature = "bench")]
 mod bench;
 mod conntrack;
+mod ctx;
 mod dsr;
+mod fib;
 mod gateway;
 mod lb;
 mod maps;
@@ -46,7 +48,7 @@ use fastpath_common::{
     reason,
 };
 
-use crate::packet::Packet;
+use crate::packet::{Packet, tc_packet, xdp_packet};
 
 /// `tail` of `fastpath_xdp` when no tail program is wanted.
 const NO_TAIL: u32 = u32::MAX;
@@ -70,15 +72,40 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
     };
     let pkt = xdp_packet(&ctx);
     let len = pkt.len;
-    let (mut verdict, mut reason) = match popped.and_then(|()| pipeline::parse(&pkt)) {
+    let (verdict, reason) = match popped.and_then(|()| pipeline::parse(&pkt)) {
         Ok(p) => pipeline::process(&pkt, p, Hook::Xdp, true, ifindex, false),
         Err(code) => pipeline::unparsed(code),
     };
+    xdp_finish(&ctx, verdict, reason, len)
+}
+
+/// Tail program of `fastpath_xdp` (`FP_TAILS[TAIL_NEW_CONNECTION]`): the pipeline after
+/// conntrack for a packet that may start a connection conntrack did not find
+/// (`pipeline::missed`), from the packet context the main program parsed (`FP_PKT_CTX`,
+/// this CPU's); then counted and sent on as the main program does.
+#[xdp]
+#[inline(always)]
+pub fn fastpath_xdp_new_connection(ctx: XdpContext) -> u32 {
+    let ifindex = ctx.ingress_ifindex() as u32;
+    let pkt = xdp_packet(&ctx);
+    let len = pkt.len;
+    let (verdict, reason) = match maps::FP_PKT_CTX.get(0) {
+        Some(p) => pipeline::missed(&pkt, p, Hook::Xdp, ifindex),
+        None => (Verdict::Kernel, fastpath_common::reason::NONE),
+    };
+    xdp_finish(&ctx, verdict, reason, len)
+}
+
+/// The end of an XDP pipeline run: the tail program a verdict needs, the packet counted once
+/// under its reason, the XDP action.
+#[inline(always)]
+fn xdp_finish(ctx: &XdpContext, mut verdict: Verdict, mut reason: u32, len: usize) -> u32 {
     // Rare paths whose stack does not fit beside this program's: their tail programs.
     // verifier: a plain index with a "none" value, not an `Option` (whose payload LLVM may
     // read uninitialised on the `None` path, which the verifier refuses).
     let family_tail = |v4: u32, v6: u32| if pipeline::is_ipv4() { v4 } else { v6 };
     let mut tail = match reason {
+        pipeline::NEW_CONNECTION => fastpath_common::TAIL_NEW_CONNECTION,
         fastpath_common::reason::LB_ICMP_ERROR => family_tail(
             fastpath_common::TAIL_ICMP_ERROR,
             fastpath_common::TAIL_ICMP6_ERROR,
@@ -109,7 +136,7 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
     }
     if tail != NO_TAIL {
         // SAFETY: the tail program takes the same context; it does not return here.
-        unsafe { maps::FP_TAILS.tail_call(&ctx, tail) };
+        unsafe { maps::FP_TAILS.tail_call(ctx, tail) };
         // The tail program is missing: the packet goes on as it is.
         reason = fastpath_common::reason::LB_REWRITE_FAILED;
     }
@@ -252,21 +279,6 @@ pub fn fastpath_xdp_reject(ctx: XdpContext) -> u32 {
 #[xdp]
 pub fn fastpath_xdp_reject6(ctx: XdpContext) -> u32 {
     reject::answer(&ctx, false)
-}
-
-/// The packet an XDP program sees.
-#[inline(always)]
-pub(crate) fn xdp_packet(ctx: &XdpContext) -> Packet {
-    // verifier: `len` is read from the context a second time, volatile, so LLVM cannot derive
-    // one bounds check from another through it (it otherwise drops checks the verifier needs).
-    // SAFETY: `ctx.ctx` points at the kernel's xdp_md for the duration of the program.
-    let end = unsafe { core::ptr::read_volatile(&(*ctx.ctx).data_end) } as usize;
-    Packet {
-        data: ctx.data(),
-        data_end: ctx.data_end(),
-        len: end.saturating_sub(ctx.data()),
-        ctx: ctx.as_ptr(),
-    }
 }
 
 #[classifier]
@@ -444,17 +456,6 @@ fn tc_finish(
         Verdict::Forward if hook == Hook::TcIngress => route::tc_redirect(route::out_ifindex()),
         // SAFETY: bpf_redirect has no preconditions; it returns the TC action to take.
         Verdict::Forward => unsafe { bpf_redirect(route::out_ifindex(), 0) as i32 },
-    }
-}
-
-/// The packet bounds of an skb; re-read after anything that can move packet data.
-#[inline(always)]
-pub(crate) fn tc_packet(ctx: &TcContext) -> Packet {
-    Packet {
-        data: ctx.data(),
-        data_end: ctx.data_end(),
-        len: ctx.len() as usize,
-        ctx: ctx.as_ptr(),
     }
 }
 

@@ -2,10 +2,8 @@
 //! daemon, so a daemon restart or crash keeps both the counters and the attached programs.
 
 use crate::{
-    conntrack::NatPlan,
-    gateway::FibParams,
+    ctx::{FibParams, Miss, NatPlan, RouteHop, RouteKey, RouteLearning},
     parse::Parsed,
-    route::{RouteHop, RouteKey, RouteLearning},
 };
 use aya_ebpf::{
     macros::map,
@@ -197,7 +195,11 @@ pub static FP_BACKEND_GONE: Array<u64> = Array::pinned(MAX_BACKENDS, 0);
 #[map(name = "FP_CT_ENTRY")]
 pub static FP_CT_ENTRY: PerCpuArray<CtEntry> = PerCpuArray::with_max_entries(2, 0);
 
-/// This CPU's planned rewrite of the packet being processed (see `conntrack::NatPlan`).
+/// This CPU's packet that may start a connection conntrack did not find (see `ctx::Miss`).
+#[map(name = "FP_MISS")]
+pub static FP_MISS: PerCpuArray<Miss> = PerCpuArray::with_max_entries(1, 0);
+
+/// This CPU's planned rewrite of the packet being processed (see `ctx::NatPlan`).
 #[map(name = "FP_NAT")]
 pub static FP_NAT: PerCpuArray<NatPlan> = PerCpuArray::with_max_entries(1, 0);
 
@@ -221,7 +223,7 @@ pub static FP_FIB: PerCpuArray<FibParams> = PerCpuArray::with_max_entries(1, 0);
 /// program is attached. Not pinned by name: each load brings its own programs, and the
 /// daemon pins each load's arrays apart (`tails/<prog id>/`), so they outlive it.
 #[map(name = "FP_TAILS")]
-pub static FP_TAILS: ProgramArray = ProgramArray::with_max_entries(7, 0);
+pub static FP_TAILS: ProgramArray = ProgramArray::with_max_entries(8, 0);
 
 /// TC ingress tail programs (`program_names::TC_TAILS`), as `FP_TAILS`.
 #[map(name = "FP_TC_TAILS")]

@@ -14,7 +14,7 @@ use aya_ebpf::helpers::bpf_l4_csum_replace;
 use fastpath_common::csum;
 
 use crate::{
-    conntrack::{NAT_DSR, NAT_DST, NAT_ICMP_ERROR, NAT_ICMP_KEEP_SOURCE, NAT_SRC, NatPlan},
+    ctx::{NAT_DSR, NAT_DST, NAT_ICMP_ERROR, NAT_ICMP_KEEP_SOURCE, NAT_SRC, NatPlan},
     maps::FP_NAT,
     packet::{Packet, be16},
     parse::{FAMILY_IPV4, IPPROTO_TCP, IPPROTO_UDP, Parsed},
@@ -25,13 +25,6 @@ use crate::{
 const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
 const BPF_F_MARK_MANGLED_0: u64 = 1 << 5;
 const BPF_F_IPV6: u64 = 1 << 7;
-
-/// Which end of the packet an address belongs to.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum End {
-    Src,
-    Dst,
-}
 
 /// Whether this CPU's `FP_NAT` plan is an ICMP error's translation (see `icmp_error`).
 #[inline(always)]
@@ -47,7 +40,7 @@ pub fn dsr_planned() -> bool {
     FP_NAT.get(0).is_some_and(|plan| plan.ends & NAT_DSR != 0)
 }
 
-/// Rewrites the packet as this CPU's `FP_NAT` plan says (see `conntrack::NatPlan`). At XDP
+/// Rewrites the packet as this CPU's `FP_NAT` plan says (see `ctx::NatPlan`). At XDP
 /// (`!tc`) the L4 checksum is written as computed; at TC it is updated by the kernel
 /// (`bpf_l4_csum_replace`), which knows what this program cannot see: a partial checksum
 /// (`CHECKSUM_PARTIAL`, as a local sender or a veth with transmit offloads passes it) holds

@@ -3,6 +3,10 @@
 //! All header reads go through [`Packet::load`]: it bounds the offset (so the verifier can
 //! track it) and checks the read against `data_end` before touching memory.
 
+use aya_ebpf::{
+    EbpfContext as _,
+    programs::{TcContext, XdpContext},
+};
 use core::mem::size_of;
 
 /// Largest header offset the parser ever reads at. Bounds variable offsets for the verifier.
@@ -127,4 +131,30 @@ impl Packet {
 #[inline(always)]
 pub fn be16(b: [u8; 2]) -> u16 {
     u16::from_be_bytes(b)
+}
+
+/// The packet an XDP program sees.
+#[inline(always)]
+pub fn xdp_packet(ctx: &XdpContext) -> Packet {
+    // verifier: `len` is read from the context a second time, volatile, so LLVM cannot derive
+    // one bounds check from another through it (it otherwise drops checks the verifier needs).
+    // SAFETY: `ctx.ctx` points at the kernel's xdp_md for the duration of the program.
+    let end = unsafe { core::ptr::read_volatile(&(*ctx.ctx).data_end) } as usize;
+    Packet {
+        data: ctx.data(),
+        data_end: ctx.data_end(),
+        len: end.saturating_sub(ctx.data()),
+        ctx: ctx.as_ptr(),
+    }
+}
+
+/// The packet bounds of an skb; re-read after anything that can move packet data.
+#[inline(always)]
+pub fn tc_packet(ctx: &TcContext) -> Packet {
+    Packet {
+        data: ctx.data(),
+        data_end: ctx.data_end(),
+        len: ctx.len() as usize,
+        ctx: ctx.as_ptr(),
+    }
 }

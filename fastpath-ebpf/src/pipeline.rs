@@ -1,18 +1,25 @@
-//! The pipeline every entry point runs: parse, then conntrack (with the stateful firewall),
-//! lb, nat, the L3 stage (VXLAN and VLAN egress are tail programs, see main.rs). Each stage
-//! either claims the packet (forward/drop) or lets it continue; whatever no stage claims goes
-//! to the kernel, the slow path, with a reason.
+//! The pipeline every entry point runs, stage by stage in this order: parse, conntrack (with
+//! the stateful firewall), load balancing (and gateway SNAT) for a connection conntrack did
+//! not find, NAT, the L3 stage (VXLAN and VLAN egress are tail programs, see main.rs). Each
+//! stage either claims the packet (forward/drop) or lets it continue; whatever no stage claims
+//! goes to the kernel, the slow path, with a reason. Stages do not call each other: what one
+//! needs of another comes through here.
 
-use fastpath_common::{Hook, Verdict, reason};
+use fastpath_common::{
+    Hook, Verdict,
+    lb::{SVC_F_NO_BACKEND_DROP, SVC_F_NO_BACKEND_REJECT},
+    reason,
+};
 
 use crate::{
     conntrack::{self, Action},
-    dsr,
+    ctx::Miss,
+    dsr, gateway, lb,
     maps::FP_PKT_CTX,
     nat,
     packet::Packet,
     parse::{self, FAMILY_IPV4, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, Parsed},
-    route, settings,
+    route, settings, stats,
 };
 
 /// ICMPv6 router solicitation .. redirect (133..=137): neighbour discovery.
@@ -48,9 +55,42 @@ pub fn process(
     ifindex: u32,
     local: bool,
 ) -> (Verdict, u32) {
+    let action = match conntrack::track(hook, lb, ifindex, local, pkt, p, pkt.len) {
+        // At XDP the rest is the tail program `fastpath_xdp_new_connection`'s (`missed`).
+        Action::Miss if hook == Hook::Xdp => return (Verdict::Kernel, NEW_CONNECTION),
+        Action::Miss => match conntrack::missed() {
+            Some(m) => new_connection(m, pkt, p, ifindex),
+            None => Action::Pass,
+        },
+        tracked => tracked,
+    };
+    act(action, pkt, p, hook, ifindex)
+}
+
+/// The reason `process` gives a packet whose connection is created by the tail program
+/// `fastpath_xdp_new_connection` ([`missed`]); never counted (the entry point calls that
+/// program, or counts the packet under another reason when it is missing).
+pub const NEW_CONNECTION: u32 = u32::MAX - 1;
+
+/// The pipeline after conntrack for a packet it reported as a miss (`conntrack::missed`):
+/// the LB stage, the connection's creation, then as [`process`].
+#[inline(always)]
+pub fn missed(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> (Verdict, u32) {
+    let action = match conntrack::missed() {
+        Some(m) => new_connection(m, pkt, p, ifindex),
+        None => Action::Pass,
+    };
+    act(action, pkt, p, hook, ifindex)
+}
+
+/// The stages after conntrack and load balancing: carries out `action` (NAT, direct server
+/// return), then routes.
+#[inline(always)]
+fn act(action: Action, pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> (Verdict, u32) {
     // Where packets arrive, the L3 stage routes what the earlier stages let through (at
-    // egress the kernel has routed them already). One call site: the stage is inlined once.
-    let (verdict, code) = match conntrack::track(hook, lb, ifindex, local, pkt, p, pkt.len) {
+    // egress the kernel has routed them already). One call site per program: the stage is
+    // inlined once.
+    let (verdict, code) = match action {
         // Not tracked here (the tracking hook judged it where there is one): a TCP flag
         // combination Linux's conntrack calls invalid is not routed either (see
         // `reason::TCP_INVALID_FLAGS`); as a malformed packet, the kernel's unless
@@ -63,7 +103,7 @@ pub fn process(
             };
             return (verdict, reason::TCP_INVALID_FLAGS);
         }
-        Action::Pass => (Verdict::Kernel, reason::NONE),
+        Action::Pass | Action::Miss => (Verdict::Kernel, reason::NONE),
         Action::Drop(code) => return (Verdict::Drop, code),
         Action::Kernel(code) => return (Verdict::Kernel, code),
         // Translated by the tail program the entry point calls for this reason.
@@ -103,6 +143,41 @@ pub fn process(
         (Err(why), reason::NONE) => (verdict, why),
         (Err(_), code) => (verdict, code),
     }
+}
+
+/// The LB stage for a packet that may start a connection conntrack did not find (`m`): the
+/// service its destination names, else gateway SNAT's for where it is routed; a backend for
+/// it; then conntrack creates the connection with its binding. Without a service, a plain
+/// connection.
+#[inline(always)]
+fn new_connection(m: &Miss, pkt: &Packet, p: &Parsed, ifindex: u32) -> Action {
+    // perf: a `match`, not `or_else`: a closure is a function LLVM may leave out of line (a
+    // BPF-to-BPF call, and the caller's registers spilled around it).
+    let svc = match lb::service(pkt, p) {
+        Some(svc) => Some(svc),
+        None => gateway::snat_service(pkt, p, ifindex),
+    };
+    let Some(svc) = svc else {
+        return conntrack::create_plain(m, p, pkt.len);
+    };
+    let Some(state) = conntrack::lb_start(m, p) else {
+        return conntrack::lb_refused(m);
+    };
+    let Some(key) = conntrack::missed_key() else {
+        return Action::Pass;
+    };
+    let Some((idx, backend)) = lb::pick_for_client(svc, key, pkt, p, m.now) else {
+        stats::service_no_backend(svc.id);
+        return if svc.flags & SVC_F_NO_BACKEND_REJECT != 0 {
+            // Answered by the tail program the entry point calls for this reason.
+            Action::Kernel(reason::LB_REJECTED)
+        } else if svc.flags & SVC_F_NO_BACKEND_DROP != 0 {
+            Action::Drop(reason::LB_NO_BACKEND)
+        } else {
+            Action::Kernel(reason::LB_NO_BACKEND)
+        };
+    };
+    conntrack::create_lb(m, state, svc, idx, backend, pkt, p, pkt.len)
 }
 
 /// Whether this CPU's parsed packet is IPv4.

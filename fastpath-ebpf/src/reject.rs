@@ -26,8 +26,9 @@ use fastpath_common::{
 
 use crate::{
     maps::FP_PKT_CTX,
+    packet::xdp_packet,
     parse::{FAMILY_IPV4, IPPROTO_TCP, IPPROTO_UDP, Parsed},
-    stats, vlan, xdp_packet,
+    stats, vlan,
 };
 
 const TCP_FIN: u8 = 0x01;

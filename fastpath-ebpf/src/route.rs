@@ -29,13 +29,13 @@ use aya_ebpf::{
 };
 
 use crate::{
-    gateway::{self, FibParams},
+    ctx::{FibParams, RouteLearning},
+    fib,
     maps::{
         FP_IFACE, FP_NAT, FP_PEER, FP_ROUTE_CACHE, FP_ROUTE_LEARN, FP_ROUTE_STATS, FP_TX_PORTS,
     },
     packet::Packet,
     parse::{FAMILY_IPV4, IPPROTO_TCP, Parsed},
-    vxlan,
 };
 
 /// `bpf_fib_lookup` results (`BPF_FIB_LKUP_RET_*`).
@@ -104,7 +104,7 @@ pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> Result<(),
     } else {
         0
     };
-    let f = gateway::fib_question(pkt, p, ifindex, false).ok_or(reason::ROUTE_OTHER)?;
+    let f = fib::question(pkt, p, ifindex, false).ok_or(reason::ROUTE_OTHER)?;
     // verifier: a hit writes its answer where the FIB writes its own, so both ways join with
     // the same state below.
     if !cached(f, pkt, p, gso_size, tot_len) {
@@ -117,7 +117,7 @@ pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> Result<(),
         let learning = unsafe { &mut *learning };
         learning.key = *f.key();
         f.set_len(tot_len);
-        match gateway::fib_answer(pkt, f, 0) {
+        match fib::answer(pkt, f, 0) {
             Ok(()) => {}
             Err(FIB_NOT_FWDED) => return Err(reason::ROUTE_NOT_FORWARDED),
             Err(FIB_NO_NEIGH) => return Err(reason::ROUTE_NO_NEIGHBOR),
@@ -156,26 +156,6 @@ pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> Result<(),
     Ok(())
 }
 
-/// What a route cache entry holds: the FIB's answer for a flow, and for how long it holds.
-#[repr(C)]
-pub struct RouteHop {
-    /// The `FP_VXLAN_GEN` generation it was learned in.
-    generation: u64,
-    /// Coarse-clock time it is used until.
-    expires_ns: u64,
-    /// The egress interface.
-    out: u32,
-    /// The longest IP packet known to fit the route (its MTU, or the longest packet the FIB
-    /// passed): a longer one asks the FIB, which checks the MTU.
-    fits: u16,
-    _pad: u16,
-    /// The answer's last 16 bytes: the next hop's MAC address and the egress interface's.
-    tail: [u64; 2],
-}
-
-/// The route cache key: the first 48 bytes of the FIB question (`FibParams::key`).
-pub type RouteKey = [u64; 6];
-
 /// Whether the route cache answers the FIB question in `f` — an answer of this generation,
 /// not expired, for which the packet (`tot_len` bytes, or a GRO aggregate of `gso_size`
 /// segments) is known to fit — and then writes it into `f` as the FIB would. Counted.
@@ -189,7 +169,7 @@ fn cached(f: &mut FibParams, pkt: &Packet, p: &Parsed, gso_size: u32, tot_len: u
             let hop = unsafe { &*hop };
             // SAFETY: bpf_ktime_get_coarse_ns has no preconditions.
             let now = unsafe { bpf_ktime_get_coarse_ns() };
-            if hop.generation != vxlan::generation() || now > hop.expires_ns {
+            if hop.generation != fib::generation() || now > hop.expires_ns {
                 route_stat::STALE
             } else if !(if gso_size == 0 {
                 tot_len <= hop.fits
@@ -210,19 +190,12 @@ fn cached(f: &mut FibParams, pkt: &Packet, p: &Parsed, gso_size: u32, tot_len: u
     outcome == route_stat::HIT
 }
 
-/// A flow being learned: the FIB question's key and the answer to cache.
-#[repr(C)]
-pub struct RouteLearning {
-    key: RouteKey,
-    hop: RouteHop,
-}
-
 /// Caches the FIB's answer in `f` (packets up to `fits` bytes fit) under the question's key
 /// `learning` kept, for the flow's next packets.
 #[inline(always)]
 fn learn(learning: &mut RouteLearning, f: &FibParams, fits: u16) {
     let hop = &mut learning.hop;
-    hop.generation = vxlan::generation();
+    hop.generation = fib::generation();
     // SAFETY: bpf_ktime_get_coarse_ns has no preconditions.
     hop.expires_ns = unsafe { bpf_ktime_get_coarse_ns() } + ROUTE_CACHE_TTL_NS;
     (hop.out, hop.tail) = f.answer();

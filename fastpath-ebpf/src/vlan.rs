@@ -17,7 +17,10 @@ use fastpath_common::{
     reason,
 };
 
-use crate::{maps::FP_IFACE, packet::Packet, xdp_packet};
+use crate::{
+    maps::FP_IFACE,
+    packet::{Packet, xdp_packet},
+};
 
 /// The 802.1Q tag protocol identifier, as it lies in a frame.
 const TPID: [u8; 2] = [0x81, 0x00];

@@ -28,9 +28,10 @@ use fastpath_common::{
 };
 
 use crate::{
+    fib,
     maps::{
-        FP_FIB, FP_IFACE, FP_PKT_CTX, FP_VXLAN_GEN, FP_VXLAN_KEY, FP_VXLAN_LEARN, FP_VXLAN_NET,
-        FP_VXLAN_PEER, FP_VXLAN_STATS,
+        FP_FIB, FP_IFACE, FP_PKT_CTX, FP_VXLAN_KEY, FP_VXLAN_LEARN, FP_VXLAN_NET, FP_VXLAN_PEER,
+        FP_VXLAN_STATS,
     },
     packet::{Packet, be16},
     parse::{ETH_P_IPV4, ETH_P_IPV6, FAMILY_IPV4, IPPROTO_TCP, IPPROTO_UDP, Parsed},
@@ -41,12 +42,6 @@ const TCP_FIN: u8 = 0x01;
 const TCP_RST: u8 = 0x04;
 /// VXLAN header flags: the VNI is valid.
 const VXLAN_FLAG_VNI: u8 = 0x08;
-
-/// The current generation of learned headers and cached routes.
-#[inline(always)]
-pub fn generation() -> u64 {
-    FP_VXLAN_GEN.get(0).copied().unwrap_or(0)
-}
 
 #[inline(always)]
 fn count(slot: u32) {
@@ -188,7 +183,7 @@ fn plan(pkt: &Packet) -> Result<Plan, u32> {
     )
     .ok_or(reason::VXLAN_MISS)?;
     // SAFETY: a live entry of the cache.
-    if unsafe { (*peer).generation } != generation() {
+    if unsafe { (*peer).generation } != fib::generation() {
         return Err(reason::VXLAN_STALE);
     }
     let v4 = p.family == FAMILY_IPV4;
@@ -603,7 +598,7 @@ fn learn_from(pkt: &Packet, ifindex: u32) -> Option<()> {
     let ip_id: [u8; 2] = pkt.load_now(18)?;
     // Known in this generation: nothing to learn (the fast path's own packets, encapsulated
     // at TC, leave through here too).
-    let current = generation();
+    let current = fib::generation();
     // SAFETY: a live entry of the cache, read only.
     if peer(net.ifindex, mac).is_some_and(|e| unsafe { (*e).generation } == current) {
         return None;

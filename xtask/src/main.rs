@@ -6,6 +6,8 @@
 //! `.tools/`), and the Debian packages the tests and demo use. Every other command bootstraps
 //! first, then drives `cargo +<pinned>`.
 
+mod modules;
+
 use std::{
     env,
     ffi::OsString,
@@ -79,7 +81,9 @@ commands:
               `bench -- --help` lists the sections
   build       bootstrap and build the release binary target/release/fastpath
   bootstrap   only install toolchains, bpf-linker and Debian packages (idempotent)
-  lint        cargo fmt --check and clippy with warnings denied
+  lint        cargo fmt --check, no import cycle among the eBPF crate's modules, and clippy
+              with warnings denied
+  modules     list which of the eBPF crate's modules each one imports (and any cycle)
 
 Everything that needs the kernel (demo, test, bench) must run as root.";
 
@@ -93,6 +97,7 @@ fn main() {
         Some("demo") => bootstrap(Packages::Install).and_then(|()| demo(&args[1..])),
         Some("bench") => bootstrap(Packages::Install).and_then(|()| bench(&args[1..])),
         Some("lint") => bootstrap(Packages::Skip).and_then(|()| lint()),
+        Some("modules") => ebpf_modules(true),
         Some("-h" | "--help" | "help") | None => {
             println!("{USAGE}");
             return;
@@ -574,8 +579,29 @@ fn run_example(name: &str, build_args: &[&str], extra: &[String]) -> Result<()> 
 
 fn lint() -> Result<()> {
     run(&mut cargo(&["fmt", "--all", "--check"]))?;
+    ebpf_modules(false)?;
     clippy()?;
     clippy_ebpf()
+}
+
+/// The eBPF crate's module dependencies (`modules`): printed when `print`; an error naming the
+/// modules of any import cycle.
+fn ebpf_modules(print: bool) -> Result<()> {
+    let g = modules::graph(&root_dir().join("fastpath-ebpf/src"))?;
+    if print {
+        for (m, deps) in &g {
+            let deps: Vec<&str> = deps.iter().map(String::as_str).collect();
+            println!("{m:<10} -> {}", deps.join(" "));
+        }
+    }
+    let cyclic = modules::in_cycles(&g);
+    if !cyclic.is_empty() {
+        bail!(
+            "fastpath-ebpf modules that import each other in a cycle: {} (`cargo xtask modules` lists the imports; a stage's result reaches the next stage through pipeline.rs, and shared types go to ctx.rs)",
+            cyclic.join(" ")
+        );
+    }
+    Ok(())
 }
 
 /// clippy on the userspace crates, every target, warnings denied.

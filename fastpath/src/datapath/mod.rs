@@ -253,7 +253,7 @@ impl Datapath {
             })?;
         }
         // Before anything is attached: the main program tail-calls these.
-        install_tails(&mut ebpf)?;
+        install_tails(&mut ebpf, Tails::All)?;
         let tails_dir = pin_tails(&ebpf, pin_dir)?;
         Ok(Datapath {
             ebpf,
@@ -1885,16 +1885,29 @@ fn tc_program_name(hook: HookKind) -> &'static str {
     }
 }
 
+/// Which tail programs [`install_tails`] wants.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Tails {
+    /// Every one this tree names: a missing one is an error.
+    All,
+    /// Those the object has.
+    Present,
+}
+
 /// Loads the tail programs — XDP (`program_names::XDP_TAILS`) and TC ingress
 /// (`program_names::TC_TAILS`) — and puts each in its program array (`FP_TAILS`,
-/// `FP_TC_TAILS`) at its index, where the main programs find them.
-pub fn install_tails(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
+/// `FP_TC_TAILS`) at its index, where the main programs find them. `Tails::Present`: only
+/// those the object has (an earlier build's, timed beside this tree's by the benchmark).
+pub fn install_tails(ebpf: &mut Ebpf, which: Tails) -> Result<(), DatapathError> {
     let arrays: [(&'static str, &[&'static str]); 2] = [
         (map_names::TAILS, &program_names::XDP_TAILS),
         (map_names::TC_TAILS, &program_names::TC_TAILS),
     ];
     for (map, names) in arrays {
         for (index, &name) in names.iter().enumerate() {
+            if which == Tails::Present && ebpf.program(name).is_none() {
+                continue;
+            }
             let loaded = if map == map_names::TAILS {
                 program::<Xdp>(ebpf, name)?.load()
             } else {

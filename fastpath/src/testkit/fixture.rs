@@ -40,6 +40,7 @@ use fastpath_common::{
     vxlan::VxlanNet,
 };
 
+use crate::datapath::Tails;
 use crate::{
     stats::{StatsError, StatsSnapshot},
     sys::{is_bpffs, mount_bpffs},
@@ -425,14 +426,19 @@ impl Fixture {
 
     /// As [`Fixture::new`], with a conntrack table of `capacity` entries.
     pub fn with_ct_capacity(capacity: u32) -> Result<Self, FixtureError> {
-        Fixture::with_object(crate::EBPF_BENCH_OBJECT, capacity)
+        Fixture::load(crate::EBPF_BENCH_OBJECT, capacity, Tails::All)
     }
 
     /// As [`Fixture::with_ct_capacity`], from another build of the datapath with the
     /// benchmark's programs (fastpath-ebpf's `bench` feature), e.g. an earlier revision's, to
     /// time both objects in one run. Its maps must have this tree's layouts: the fixture seeds
     /// them with this tree's types.
+    /// Tail programs it lacks (it may predate one) are left out.
     pub fn with_object(object: &[u8], capacity: u32) -> Result<Self, FixtureError> {
+        Fixture::load(object, capacity, Tails::Present)
+    }
+
+    fn load(object: &[u8], capacity: u32, tails: Tails) -> Result<Self, FixtureError> {
         let pins = PinDir::create()?;
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(&pins.path)
@@ -461,7 +467,7 @@ impl Fixture {
             tc.load()
                 .map_err(|source| FixtureError::Program { name, source })?;
         }
-        crate::datapath::install_tails(&mut ebpf)
+        crate::datapath::install_tails(&mut ebpf, tails)
             .map_err(|source| FixtureError::Tails { source })?;
         Ok(Fixture {
             lb_writer: None,

@@ -1,0 +1,171 @@
+//! The types the stages share through per-CPU maps, and that the maps are made of: a
+//! translation plan, the FIB question and answer, the route cache's entries. Only types and
+//! plain helpers on them: this module imports no stage and no map, so every stage and
+//! `maps` can depend on it without a cycle.
+
+/// What to rewrite: the destination (`ends & NAT_DST`) and/or the source (`ends &
+/// NAT_SRC`) to these addresses (IPv4: the first 4 bytes) and ports.
+///
+/// verifier: a plan in per-CPU map memory rather than references in the `Action`. Every
+/// translating path then reaches the rewrite in the same shape (no pointers into different
+/// maps, which the verifier never treats as equivalent), so its states are pruned there
+/// instead of multiplied by the rewrite's branches; and no "this pointer or none", which
+/// LLVM turns into a mask on a pointer, which is refused.
+#[repr(C, align(8))]
+pub struct NatPlan {
+    pub dst_addr: [u8; 16],
+    pub src_addr: [u8; 16],
+    pub dst_port: u16,
+    pub src_port: u16,
+    pub ends: u8,
+    pub _pad: [u8; 3],
+    /// `NAT_DSR`: the interface the packet leaves through (set by `dsr::forward`).
+    pub out_ifindex: u32,
+    /// The reason of a forward verdict handed to the tail program that tags the frame
+    /// (`fastpath_xdp_vlan_forward`).
+    pub fwd_reason: u32,
+}
+
+/// `NatPlan::ends`: rewrite the destination.
+pub const NAT_DST: u8 = 1;
+/// `NatPlan::ends`: rewrite the source.
+pub const NAT_SRC: u8 = 2;
+/// `NatPlan::ends`: direct server return — no rewrite; send the packet to the MAC address of
+/// `dst_addr` (the backend).
+pub const NAT_DSR: u8 = 4;
+/// `NatPlan::ends`: an ICMP error about a packet a backend was sent (done by the tail program
+/// `fastpath_xdp_icmp_error`). The quoted packet's destination becomes `src_addr:src_port`
+/// (the VIP) and, with `NAT_DST`, its source `dst_addr:dst_port` (full-NAT: the client); the
+/// error then comes from the VIP (unless `NAT_ICMP_KEEP_SOURCE`) and, with `NAT_DST`, goes
+/// to the client.
+pub const NAT_ICMP_ERROR: u8 = 8;
+pub const NAT_ICMP_KEEP_SOURCE: u8 = 16;
+
+/// What the conntrack stage found of a packet that may start a connection it did not find
+/// (`conntrack::Action::Miss`), for the connection's creation after the LB stage.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Miss {
+    /// The coarse clock's time of the lookup.
+    pub now: u64,
+    /// The packet's source is on the key's `lo` side.
+    pub src_is_lo: bool,
+    /// The interface's stateful firewall judges the packet.
+    pub firewall: bool,
+}
+
+/// Which end of the packet an address belongs to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum End {
+    Src,
+    Dst,
+}
+
+/// `bpf_fib_lookup`'s parameters with plain fields (the kernel's layout, 64 bytes).
+#[repr(C, align(8))]
+pub struct FibParams {
+    pub(crate) family: u8,
+    pub(crate) l4_protocol: u8,
+    pub(crate) sport: u16,
+    pub(crate) dport: u16,
+    pub(crate) tot_len: u16,
+    pub ifindex: u32,
+    pub(crate) flowinfo: u32,
+    pub(crate) src: [u64; 2],
+    pub(crate) dst: [u64; 2],
+    pub(crate) tail: [u64; 2],
+}
+const _: () = assert!(core::mem::size_of::<FibParams>() == 64);
+
+impl FibParams {
+    /// The question's first 48 bytes (family, protocol, ports, length, arriving interface,
+    /// flow label, addresses): the route cache's key, while they hold the question (the
+    /// answer overwrites the interface, the length, the flow label and, for a route via a
+    /// gateway, the destination).
+    #[inline(always)]
+    pub fn key(&self) -> &RouteKey {
+        // SAFETY: the struct starts with 48 bytes of plain integers, 8-aligned as the key.
+        unsafe { &*(self as *const FibParams).cast::<RouteKey>() }
+    }
+
+    /// Sets the length the lookup checks against the route's MTU (0: none; see
+    /// `fib::lookup`).
+    #[inline(always)]
+    pub fn set_len(&mut self, tot_len: u16) {
+        self.tot_len = tot_len;
+    }
+
+    /// The answer's egress interface and its last 16 bytes (VLAN fields, MAC addresses).
+    #[inline(always)]
+    pub fn answer(&self) -> (u32, [u64; 2]) {
+        (self.ifindex, self.tail)
+    }
+
+    /// Writes an answer as [`FibParams::answer`] gave it: a route cache hit stands in for the
+    /// lookup for the code that reads the answer from here.
+    #[inline(always)]
+    pub fn set_answer(&mut self, out: u32, tail: [u64; 2]) {
+        self.ifindex = out;
+        self.tail = tail;
+    }
+
+    /// After a successful TC lookup asked with no length: the egress route's MTU (the
+    /// kernel's `mtu_result`, which shares the length's field).
+    #[inline(always)]
+    pub fn mtu(&self) -> u16 {
+        self.tot_len
+    }
+
+    /// After a successful lookup without `BPF_FIB_LOOKUP_SKIP_NEIGH`: the next hop's MAC
+    /// address, then the egress interface's, as an Ethernet header starts.
+    #[inline(always)]
+    pub fn macs(&self) -> [u8; 12] {
+        // SAFETY: two u64 are 16 bytes; any bits are valid.
+        let t = unsafe { core::mem::transmute::<[u64; 2], [u8; 16]>(self.tail) };
+        // The kernel's layout from byte 48: VLAN protocol and TCI (4), smac (6), dmac (6).
+        [
+            t[10], t[11], t[12], t[13], t[14], t[15], t[4], t[5], t[6], t[7], t[8], t[9],
+        ]
+    }
+}
+
+/// What a route cache entry holds: the FIB's answer for a flow, and for how long it holds.
+#[repr(C)]
+pub struct RouteHop {
+    /// The `FP_VXLAN_GEN` generation it was learned in.
+    pub(crate) generation: u64,
+    /// Coarse-clock time it is used until.
+    pub(crate) expires_ns: u64,
+    /// The egress interface.
+    pub(crate) out: u32,
+    /// The longest IP packet known to fit the route (its MTU, or the longest packet the FIB
+    /// passed): a longer one asks the FIB, which checks the MTU.
+    pub(crate) fits: u16,
+    pub(crate) _pad: u16,
+    /// The answer's last 16 bytes: the next hop's MAC address and the egress interface's.
+    pub(crate) tail: [u64; 2],
+}
+
+/// The route cache key: the first 48 bytes of the FIB question (`FibParams::key`).
+pub type RouteKey = [u64; 6];
+
+/// A flow being learned: the FIB question's key and the answer to cache.
+#[repr(C)]
+pub struct RouteLearning {
+    pub(crate) key: RouteKey,
+    pub(crate) hop: RouteHop,
+}
+
+/// Copies 16 address bytes with two word loads and stores (no memcpy call). Both must be
+/// 8-aligned: key fields, `CtNat`/`Backend` addresses, all at multiples of 8 in 8-aligned
+/// structs.
+#[inline(always)]
+pub fn copy16(dst: &mut [u8; 16], src: &[u8; 16]) {
+    let d = (dst as *mut [u8; 16]).cast::<u64>();
+    let s = (src as *const [u8; 16]).cast::<u64>();
+    // SAFETY: both are 16 bytes and 8-aligned (see above); any bytes are valid.
+    unsafe {
+        core::ptr::write_volatile(d, core::ptr::read_volatile(s));
+        core::ptr::write_volatile(d.add(1), core::ptr::read_volatile(s.add(1)));
+    }
+}

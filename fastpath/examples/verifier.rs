@@ -1,0 +1,112 @@
+//! What the kernel's verifier made of each datapath program: instructions it processed
+//! (`verified_insns`, against its limit of 1,000,000) and the size of the program it accepted,
+//! for this tree's object or the objects named, side by side. Root (loads programs).
+//!
+//! `cargo run --release -p fastpath --example verifier [-- OBJECT...]`; with no object, this
+//! tree's daemon object (`fastpath::EBPF_OBJECT`) and its benchmark build.
+
+use std::collections::BTreeMap;
+
+use anyhow::{Context as _, Result};
+use aya::{
+    EbpfLoader,
+    programs::{Program, ProgramError},
+};
+
+/// Per program: instructions processed by the verifier and translated size, or why it was
+/// refused.
+type Counts = BTreeMap<String, Result<(u32, u32), String>>;
+
+fn main() -> Result<()> {
+    let paths: Vec<String> = std::env::args().skip(1).collect();
+    let mut objects: Vec<(String, Vec<u8>)> = Vec::new();
+    if paths.is_empty() {
+        objects.push(("this tree".into(), fastpath::EBPF_OBJECT.to_vec()));
+        objects.push((
+            "this tree (bench)".into(),
+            fastpath::EBPF_BENCH_OBJECT.to_vec(),
+        ));
+    }
+    for p in paths {
+        let bytes = std::fs::read(&p).with_context(|| format!("reading the object {p}"))?;
+        objects.push((p, bytes));
+    }
+    let counts: Vec<Counts> = objects
+        .iter()
+        .map(|(name, bytes)| counts(bytes).with_context(|| format!("loading {name}")))
+        .collect::<Result<_>>()?;
+    let mut programs: Vec<&String> = counts.iter().flat_map(|c| c.keys()).collect();
+    programs.sort();
+    programs.dedup();
+    print!("| program |");
+    for (name, _) in &objects {
+        print!(" {name}: verified insns | {name}: insns |");
+    }
+    println!();
+    println!("|---|{}", "---:|---:|".repeat(objects.len()));
+    for prog in programs {
+        print!("| {prog} |");
+        for c in &counts {
+            match c.get(prog) {
+                Some(Ok((verified, size))) => print!(" {verified} | {size} |"),
+                Some(Err(why)) => print!(" refused: {why} | |"),
+                None => print!(" – | – |"),
+            }
+        }
+        println!();
+    }
+    Ok(())
+}
+
+/// Loads every XDP and TC program of `object` and reads back what the verifier counted.
+fn counts(object: &[u8]) -> Result<Counts> {
+    // The pinned maps go to a directory of this run's, removed with what it holds.
+    let pins = std::path::PathBuf::from(format!(
+        "/sys/fs/bpf/fastpath-verifier-{}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&pins).with_context(|| format!("creating {}", pins.display()))?;
+    let loaded = EbpfLoader::new()
+        .default_map_pin_directory(&pins)
+        .load(object)
+        .map_err(anyhow::Error::from)
+        .and_then(|mut ebpf| programs(&mut ebpf));
+    let _ = std::fs::remove_dir_all(&pins);
+    loaded
+}
+
+/// [`counts`] of a loaded object.
+fn programs(ebpf: &mut aya::Ebpf) -> Result<Counts> {
+    let mut out = Counts::new();
+    for (name, prog) in ebpf.programs_mut() {
+        let loaded = match prog {
+            Program::Xdp(p) => p.load().and_then(|()| p.info()),
+            Program::SchedClassifier(p) => p.load().and_then(|()| p.info()),
+            _ => continue,
+        };
+        out.insert(
+            name.to_string(),
+            loaded
+                .map(|info| {
+                    (
+                        info.verified_instruction_count().unwrap_or(0),
+                        info.size_translated().unwrap_or(0) / 8,
+                    )
+                })
+                .map_err(|e| refusal(&e)),
+        );
+    }
+    Ok(out)
+}
+
+/// The verifier's verdict in one line: its log's last non-empty line.
+fn refusal(e: &ProgramError) -> String {
+    let text = format!("{e:#}");
+    text.lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("")
+        .chars()
+        .take(120)
+        .collect()
+}
