@@ -1130,19 +1130,22 @@ fn add_routes(from: u32, to: u32) -> Result<()> {
             std::net::Ipv4Addr::from(base + i)
         );
     }
-    let dir = std::env::temp_dir().join(format!("fp-bench-routes-{}", std::process::id()));
-    fs::write(&dir, batch).context("writing the routes' batch file")?;
+    ip_batch(&batch, &format!("adding routes {from}..{to}"))
+}
+
+/// Runs the `ip` commands in `batch` (one a line, without `ip`) in this thread's namespace
+/// with one `ip -batch`; `what` says what they do, for the error.
+fn ip_batch(batch: &str, what: &str) -> Result<()> {
+    let file = std::env::temp_dir().join(format!("fp-bench-ip-batch-{}", std::process::id()));
+    fs::write(&file, batch).with_context(|| format!("writing the batch file for {what}"))?;
     let out = Command::new("ip")
         .args(["-batch"])
-        .arg(&dir)
+        .arg(&file)
         .output()
         .context("running ip -batch")?;
-    let _ = fs::remove_file(&dir);
+    let _ = fs::remove_file(&file);
     if !out.status.success() {
-        bail!(
-            "ip -batch adding routes {from}..{to}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        bail!("ip -batch {what}: {}", String::from_utf8_lossy(&out.stderr));
     }
     Ok(())
 }
@@ -1154,51 +1157,190 @@ const LB_RUNS: usize = 2000;
 /// The LB benchmark's VIP (port 80) and client; backends listen on 8080.
 const LB_VIP: [u8; 4] = [10, 254, 0, 100];
 const LB_CLIENT: [u8; 4] = [10, 253, 0, 1];
-/// Ethernet + IPv4 (no options) offsets of the source and destination address and ports in
-/// the frames `Pkt` builds.
+/// Ethernet + IPv4 (no options) offsets of the source and destination address and source
+/// port in the frames `Pkt` builds.
 const IP4_SRC: usize = 14 + 12;
 const IP4_DST: usize = 14 + 16;
 const L4_SPORT: usize = 14 + 20;
-const L4_DPORT: usize = 14 + 22;
+/// The MAC addresses of the LB benchmark's appliance links (see [`LB_NETNS_SETUP`]): `lbc`
+/// towards the client, `lbb` towards the backends.
+const LB_CLIENT_LINK_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x0c, 0];
+const LB_BACKEND_LINK_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x0c, 1];
+/// The client's MAC address, its neighbour entry on `lbc`.
+const LB_CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x0d, 1];
+
+/// Commands (`ip ...`, `sysctl ...`) that make a fresh network namespace the LB benchmark's
+/// appliance: forwarding on; `lbc`, the client's link (10.253.0.254/24, the client
+/// 10.253.0.1 resolved), and `lbb`, the backends' link (10.254.0.254/16: every backend, the
+/// VIP and the full-NAT source are in it; [`add_lb_neighbours`] resolves the backends), each
+/// a veth with its peer up.
+const LB_NETNS_SETUP: &[&[&str]] = &[
+    &["ip", "link", "set", "lo", "up"],
+    &["sysctl", "-qw", "net.ipv4.ip_forward=1"],
+    &[
+        "ip",
+        "link",
+        "add",
+        "lbc",
+        "address",
+        "02:00:00:00:0c:00",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "lbcp",
+    ],
+    &[
+        "ip",
+        "link",
+        "add",
+        "lbb",
+        "address",
+        "02:00:00:00:0c:01",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "lbbp",
+    ],
+    &["ip", "link", "set", "lbcp", "up"],
+    &["ip", "link", "set", "lbbp", "up"],
+    &["ip", "link", "set", "lbc", "up"],
+    &["ip", "link", "set", "lbb", "up"],
+    &["ip", "addr", "add", "10.253.0.254/24", "dev", "lbc"],
+    &["ip", "addr", "add", "10.254.0.254/16", "dev", "lbb"],
+    &[
+        "ip",
+        "neigh",
+        "add",
+        "10.253.0.1",
+        "lladdr",
+        "02:00:00:00:0d:01",
+        "dev",
+        "lbc",
+        "nud",
+        "permanent",
+    ],
+];
 
 /// Backend `i` of the LB benchmark's service: 10.254.(1 + i / 250).(1 + i % 250).
 fn lb_backend(i: usize) -> [u8; 4] {
     [10, 254, 1 + (i / 250) as u8, 1 + (i % 250) as u8]
 }
 
-/// The LB stage at each of [`LB_BACKENDS`]: one service, Maglev (auto-sized table). See
-/// [`bench_lb_service`].
+/// Backend `i`'s MAC address: 02:00:00:fe followed by `i` in two bytes.
+fn lb_backend_mac(i: usize) -> [u8; 6] {
+    let [hi, lo] = (i as u16).to_be_bytes();
+    [0x02, 0, 0, 0xfe, hi, lo]
+}
+
+/// Resolves the addresses of the largest service's backends on `lbb` (permanent neighbour
+/// entries, so the FIB lookups at XDP find their MAC addresses).
+fn add_lb_neighbours() -> Result<()> {
+    let mut batch = String::new();
+    for i in 0..LB_BACKENDS.into_iter().max().unwrap_or(0) {
+        let mac = lb_backend_mac(i).map(|b| format!("{b:02x}")).join(":");
+        let _ = writeln!(
+            batch,
+            "neigh add {} lladdr {mac} dev lbb nud permanent",
+            std::net::Ipv4Addr::from(lb_backend(i))
+        );
+    }
+    ip_batch(&batch, "adding the LB backends' neighbours")
+}
+
+/// The LB benchmark's appliance links, by ifindex, in the namespace [`LB_NETNS_SETUP`]
+/// prepared.
+#[derive(Clone, Copy)]
+struct LbLinks {
+    client: u32,
+    backends: u32,
+}
+
+impl LbLinks {
+    /// `lbc` and `lbb` of this thread's namespace.
+    fn of_this_namespace() -> Result<Self> {
+        let ifindex = |name: &str| {
+            fastpath::sys::ifindex(name)
+                .with_context(|| format!("no {name} in the LB benchmark's namespace"))
+        };
+        Ok(LbLinks {
+            client: ifindex("lbc")?,
+            backends: ifindex("lbb")?,
+        })
+    }
+
+    /// Both links as the daemon configures an appliance's (`route = true`, conntrack and
+    /// XDP on): connections tracked and packets routed at XDP, each link with its MAC
+    /// address and in the XDP redirect device map; with the `[[service]]` tables `services`.
+    fn seed(self, services: &str) -> Seed {
+        use fastpath_common::ct::{IFACE_F_ROUTE, IfaceConfig};
+        let routed = |mac| IfaceConfig {
+            flags: IFACE_F_CT_XDP | IFACE_F_ROUTE,
+            mac,
+            ..IfaceConfig::default()
+        };
+        Seed::default()
+            .with_iface_config(self.client, routed(LB_CLIENT_LINK_MAC))
+            .with_iface_config(self.backends, routed(LB_BACKEND_LINK_MAC))
+            .with_tx_ports(&[self.client, self.backends])
+            .with_services(services)
+    }
+}
+
+/// The LB stage at each of [`LB_BACKENDS`]: one service, Maglev (auto-sized table), on an
+/// appliance that routes at XDP: this function's thread enters a namespace prepared by
+/// [`LB_NETNS_SETUP`], whose FIB the datapath asks. See [`bench_lb_service`].
 fn bench_lb(objects: &Objects) -> Result<PerObject> {
-    let mut rows = objects.rows();
-    // Fresh maps: the conntrack rows before leave a cleared table of a million (see below).
-    let mut fxs = objects.load()?;
-    thread::sleep(Duration::from_secs(1));
-    for n in LB_BACKENDS {
-        for fx in &mut fxs {
-            fx.ct_clear()?;
-        }
-        bench_lb_service(&mut fxs, &mut rows, n, LbMode::Nat, 0)?;
-        eprint!("l");
-    }
-    // NAT and full-NAT among many connections: the table pre-filled as the load balancer
-    // fills it (connections and their aliases).
-    for mode in [LbMode::Nat, LbMode::FullNat] {
-        for size in CT_SIZES {
-            // Fresh maps for each: after a table of a million entries was cleared, the next
-            // 2000 inserts took 6.2 µs each instead of 0.9 (whichever mode ran next, with no
-            // insert failure or port retry counted, and still after 3 s of rest): the
-            // table's allocator was still handing the freed entries back to the kernel.
-            drop(fxs);
-            fxs = objects.load()?;
-            thread::sleep(Duration::from_secs(1));
-            for fx in &mut fxs {
-                fx.ct_fill_lb(size, monotonic_ns())?;
-            }
-            bench_lb_service(&mut fxs, &mut rows, LB_TABLE_BACKENDS, mode, size)?;
-            eprint!("l");
-        }
-    }
-    Ok(rows)
+    thread::scope(|scope| {
+        scope
+            .spawn(|| -> Result<PerObject> {
+                enter_fresh_netns(LB_NETNS_SETUP);
+                add_lb_neighbours()?;
+                let links = LbLinks::of_this_namespace()?;
+                let mut rows = objects.rows();
+                // Fresh maps: the conntrack rows before leave a cleared table of a million
+                // (see below).
+                let mut fxs = objects.load()?;
+                thread::sleep(Duration::from_secs(1));
+                for n in LB_BACKENDS {
+                    for fx in &mut fxs {
+                        fx.ct_clear()?;
+                    }
+                    bench_lb_service(&mut fxs, &mut rows, links, n, LbMode::Nat, 0)?;
+                    eprint!("l");
+                }
+                // NAT and full-NAT among many connections: the table pre-filled as the load
+                // balancer fills it (connections and their aliases).
+                for mode in [LbMode::Nat, LbMode::FullNat] {
+                    for size in CT_SIZES {
+                        // Fresh maps for each: after a table of a million entries was cleared,
+                        // the next 2000 inserts took 6.2 µs each instead of 0.9 (whichever mode
+                        // ran next, with no insert failure or port retry counted, and still
+                        // after 3 s of rest): the table's allocator was still handing the freed
+                        // entries back to the kernel.
+                        drop(fxs);
+                        fxs = objects.load()?;
+                        thread::sleep(Duration::from_secs(1));
+                        for fx in &mut fxs {
+                            fx.ct_fill_lb(size, monotonic_ns())?;
+                        }
+                        bench_lb_service(
+                            &mut fxs,
+                            &mut rows,
+                            links,
+                            LB_TABLE_BACKENDS,
+                            mode,
+                            size,
+                        )?;
+                        eprint!("l");
+                    }
+                }
+                Ok(rows)
+            })
+            .join()
+            .map_err(|_| anyhow::anyhow!("the LB benchmark's thread panicked"))?
+    })
 }
 
 /// How the LB benchmark's service forwards.
@@ -1215,18 +1357,27 @@ const LB_TABLE_BACKENDS: usize = 16;
 /// The full-NAT service's source address.
 const LB_SNAT: [u8; 4] = [10, 254, 0, 200];
 
-/// One service on 10.254.0.100:80 with `n` backends. The hit rows: the packets of one
-/// established connection, each way, each run once (a translated packet would come back
-/// translated on a repeat); each is first checked to come out translated (to the backend
-/// Maglev picked, and back from the VIP). The new-connection row: `LB_RUNS` SYNs from new
-/// source ports, each run once: service lookup, Maglev pick, conntrack insert, translation.
+/// One service on 10.254.0.100:80 with `n` backends, on the appliance `links`: the client's
+/// packets arrive on `lbc`, the backends' on `lbb`, and each translated packet is routed at
+/// XDP (FIB lookup, then the route cache) and redirected out of the other link. The hit rows:
+/// the packets of one established connection, each way, each run once (a translated packet
+/// would come back translated on a repeat), with the flow's route cached; the handshake and
+/// both hit packets are first checked to come out redirected, translated (to the backend
+/// Maglev picked, and back from the VIP) and routed (TTL, the next hop's and the egress
+/// link's MAC addresses), byte for byte, and every timed hit to have found the route cache.
+/// The new-connection row: `LB_RUNS` SYNs from new source ports, each run once: service
+/// lookup, Maglev pick, conntrack insert, translation, FIB lookup, redirect.
 fn bench_lb_service(
     fxs: &mut [Fixture],
     rows: &mut PerObject,
+    links: LbLinks,
     n: usize,
     mode: LbMode,
     filled: u32,
 ) -> Result<()> {
+    use fastpath::testkit::fixture::{Outcome, XDP_REDIRECT, hexdump_diff, verdict_name};
+    use fastpath_common::route::route_stat;
+
     let mut toml = format!(
         "[[service]]\nvip = \"{}\"\nport = 80\n",
         std::net::Ipv4Addr::from(LB_VIP)
@@ -1245,19 +1396,58 @@ fn bench_lb_service(
             std::net::Ipv4Addr::from(lb_backend(i))
         );
     }
-    let seed = Seed::iface(1, IFACE_F_CT_XDP).with_services(&toml);
-    let case = |input: Vec<u8>| Case::xdp_to_kernel(format!("lb_{n}_backends"), &seed, input);
+    let seed = links.seed(&toml);
+    let case = |input: Vec<u8>, arrives_on: u32| Case {
+        name: format!("lb_{n}_backends"),
+        hook: Hook::Xdp,
+        seed: seed.clone(),
+        input,
+        arrives_on: Some(arrives_on),
+        expect_verdict: XDP_REDIRECT,
+        expect_output: None,
+        expect_counters: Vec::new(),
+    };
+    // The client's packets to the VIP, sent to the appliance's MAC address on `lbc`.
     let to_vip = |sport, flags| {
         case(
             Pkt::eth()
+                .macs(LB_CLIENT_LINK_MAC, LB_CLIENT_MAC)
                 .ipv4(LB_CLIENT, LB_VIP)
                 .tcp(sport, 80, flags)
                 .build(),
+            links.client,
         )
     };
-    // Backends answer the client (NAT) or the source full-NAT gave the connection.
-    let from_backend = |backend, (to, port): ([u8; 4], u16), flags| {
-        case(Pkt::eth().ipv4(backend, to).tcp(8080, port, flags).build())
+    // Backend `b`'s packets, on `lbb`, to the client (NAT) or to the source full-NAT gave
+    // the connection.
+    let from_backend = |b: usize, (to, port): ([u8; 4], u16), flags| {
+        case(
+            Pkt::eth()
+                .macs(LB_BACKEND_LINK_MAC, lb_backend_mac(b))
+                .ipv4(lb_backend(b), to)
+                .tcp(8080, port, flags)
+                .build(),
+            links.backends,
+        )
+    };
+    // What leaves the appliance: translated, TTL 64 → 63, from the egress link's MAC address
+    // to the next hop's. To backend `b` from `from` (the client, or full-NAT's source) ...
+    let to_backend_out = |b: usize, (from, sport): ([u8; 4], u16), flags| {
+        Pkt::eth()
+            .macs(lb_backend_mac(b), LB_BACKEND_LINK_MAC)
+            .ipv4(from, lb_backend(b))
+            .ttl(63)
+            .tcp(sport, 8080, flags)
+            .build()
+    };
+    // ... and to the client from the VIP.
+    let to_client_out = |flags| {
+        Pkt::eth()
+            .macs(LB_CLIENT_MAC, LB_CLIENT_LINK_MAC)
+            .ipv4(LB_VIP, LB_CLIENT)
+            .ttl(63)
+            .tcp(80, 40000, flags)
+            .build()
     };
     let what = format!(
         "{}{n} backend{}, Maglev {} slots{}",
@@ -1275,22 +1465,38 @@ fn bench_lb_service(
         }
     );
     let field = |frame: &[u8], at: usize, len: usize| frame.get(at..at + len).map(<[u8]>::to_vec);
+    // A run that did not come out redirected as `want` is a benchmark of something else.
+    let routed = |step: &str, out: &Outcome, want: &[u8]| -> Result<()> {
+        if out.verdict != XDP_REDIRECT || out.output != want {
+            bail!(
+                "LB benchmark ({what}): {step}: expected XDP_REDIRECT and the frame translated and routed, got {}; expected vs got:\n{}",
+                verdict_name(Hook::Xdp, out.verdict),
+                hexdump_diff(want, &out.output)
+            );
+        }
+        Ok(())
+    };
 
     // Per object: the connection's handshake through the load balancer, to the backend
-    // Maglev picks, and the packets of the connection each way, checked once to translate.
+    // Maglev picks, and the packets of the connection each way, checked once to come out
+    // translated and routed.
     let mut hits: Vec<[Case; 2]> = Vec::new();
     for fx in fxs.iter_mut() {
+        // Seeded once, by the SYN's run: the runs after it leave the maps alone (see
+        // `Fixture::rerun`), as re-seeding a thousand backends between them would evict the
+        // caches the datapath runs from, and would empty the route cache.
         let syn = fx.run(&to_vip(40000, tcp_flags::SYN))?;
-        let Some(backend) = field(&syn.output, IP4_DST, 4)
-            .and_then(|a| <[u8; 4]>::try_from(a).ok())
-            .filter(|a| (0..n).any(|i| lb_backend(i) == *a))
+        let Some(b) = field(&syn.output, IP4_DST, 4)
+            .and_then(|a| (0..n).position(|i| lb_backend(i)[..] == a[..]))
         else {
             bail!(
-                "LB benchmark ({what}): the SYN to the VIP did not come out addressed to a backend; output {:02x?}",
+                "LB benchmark ({what}): the SYN to the VIP did not come out addressed to a backend; verdict {}, output {:02x?}",
+                verdict_name(Hook::Xdp, syn.verdict),
                 syn.output
             );
         };
-        // Where the backend's replies go: the client, or the address and port full-NAT chose.
+        // Where the backend's replies go: the client, or the address and port full-NAT chose
+        // (the source of what reaches the backend either way).
         let reply_to = match mode {
             LbMode::Nat => (LB_CLIENT, 40000),
             LbMode::FullNat => {
@@ -1307,75 +1513,95 @@ fn bench_lb_service(
                 }
             }
         };
-        // Seeded once, by the SYN's run: the timed runs below leave the maps alone (see
-        // `Fixture::rerun_repeat`), as re-seeding a thousand backends between them would evict
-        // the caches the datapath runs from.
-        fx.rerun_repeat(
-            &from_backend(backend, reply_to, tcp_flags::SYN | tcp_flags::ACK),
-            1,
+        routed(
+            "the SYN to the VIP",
+            &syn,
+            &to_backend_out(b, reply_to, tcp_flags::SYN),
         )?;
-        fx.rerun_repeat(&to_vip(40000, tcp_flags::ACK), 1)?;
+        let syn_ack = from_backend(b, reply_to, tcp_flags::SYN | tcp_flags::ACK);
+        routed(
+            "the backend's SYN-ACK",
+            &fx.rerun(&syn_ack)?,
+            &to_client_out(tcp_flags::SYN | tcp_flags::ACK),
+        )?;
         let pair = [
             to_vip(40000, tcp_flags::ACK),
-            from_backend(backend, reply_to, tcp_flags::ACK),
+            from_backend(b, reply_to, tcp_flags::ACK),
         ];
-        for (c, want_at, want) in [
-            (&pair[0], (IP4_DST, L4_DPORT), (backend, 8080u16)),
-            (&pair[1], (IP4_SRC, L4_SPORT), (LB_VIP, 80)),
+        for (c, step, want) in [
+            (
+                &pair[0],
+                "an established connection's packet to the VIP",
+                to_backend_out(b, reply_to, tcp_flags::ACK),
+            ),
+            (
+                &pair[1],
+                "an established connection's packet from the backend",
+                to_client_out(tcp_flags::ACK),
+            ),
         ] {
-            // The hit really translates (`run` re-applies the seed: the same values, the
-            // services unchanged).
-            let out = fx.run(c)?;
-            let got = (
-                field(&out.output, want_at.0, 4),
-                field(&out.output, want_at.1, 2),
-            );
-            if out.verdict != c.expect_verdict
-                || got != (Some(want.0.to_vec()), Some(want.1.to_be_bytes().to_vec()))
-            {
-                bail!(
-                    "LB hit ({what}): expected verdict {} and address {:?} port {} in the output, got verdict {} and {got:?}; output {:02x?}",
-                    c.expect_verdict,
-                    want.0,
-                    want.1,
-                    out.verdict,
-                    out.output
-                );
-            }
+            routed(step, &fx.rerun(c)?, &want)?;
         }
         hits.push(pair);
     }
+    let route_stat = |fx: &Fixture, slot: u32| -> Result<u64> {
+        Ok(fx
+            .route_stats()?
+            .get(slot as usize)
+            .copied()
+            .unwrap_or_default())
+    };
     for (dir, path) in [
-        "LB hit: client → VIP, translated to the backend",
-        "LB hit: backend → client, translated back to the VIP",
+        "LB hit: client → VIP, translated to the backend, routed at XDP",
+        "LB hit: backend → client, translated back to the VIP, routed at XDP",
     ]
     .into_iter()
     .enumerate()
     {
         let path = format!("{path} ({what}, repeat = 1)");
+        // The flow's route learned afresh (a new generation, then one run) so that no timed
+        // run finds it expired: a flow's later packets take the route cache's answer.
+        let mut hits_before = Vec::new();
+        for (fx, pair) in fxs.iter_mut().zip(&hits) {
+            fx.bump_generation()?;
+            fx.rerun(&pair[dir])?;
+            hits_before.push(route_stat(fx, route_stat::HIT)?);
+        }
         let timed = time_interleaved(fxs, &path, LB_RUNS, |o, _| &hits[o][dir], |_| Ok(()))?;
+        for (fx, before) in fxs.iter().zip(hits_before) {
+            let cached = route_stat(fx, route_stat::HIT)? - before;
+            if cached != LB_RUNS as u64 {
+                bail!(
+                    "{path}: expected all {LB_RUNS} runs to take the route cache's answer, {cached} did"
+                );
+            }
+        }
         push_rows(rows, &path, filled.max(1), Some(n), &timed);
     }
 
-    // New connections: one SYN per source port, each picked by Maglev and inserted.
+    // New connections: one SYN per source port, each picked by Maglev, inserted, and routed
+    // after a FIB lookup (a new flow, not in the route cache).
     let path = format!(
-        "LB new connection: SYN → VIP, Maglev pick + conntrack insert + translation ({what}, {LB_RUNS} connections, repeat = 1)"
+        "LB new connection: SYN → VIP, Maglev pick + conntrack insert + translation + FIB lookup, routed at XDP ({what}, {LB_RUNS} connections, repeat = 1)"
     );
     let syns: Vec<Case> = (0..LB_RUNS as u16)
         .map(|i| to_vip(20_000 + i, tcp_flags::SYN))
         .collect();
-    let entries_before = fxs
-        .iter()
-        .map(|fx| Ok(fx.ct_entries()?.len()))
-        .collect::<Result<Vec<_>>>()?;
+    let mut before = Vec::new();
+    for fx in fxs.iter() {
+        before.push((fx.ct_entries()?.len(), route_stat(fx, route_stat::MISS)?));
+    }
     let timed = time_once_each(fxs, &path, syns.iter())?;
-    for (fx, before) in fxs.iter().zip(&entries_before) {
-        let added = fx.ct_entries()?.len() - before;
-        if added < LB_RUNS {
-            bail!("{path}: {added} conntrack entries added for {LB_RUNS} new connections");
+    for (fx, (entries, misses)) in fxs.iter().zip(&before) {
+        let added = fx.ct_entries()?.len() - entries;
+        let looked_up = route_stat(fx, route_stat::MISS)? - misses;
+        if added < LB_RUNS || looked_up != LB_RUNS as u64 {
+            bail!(
+                "{path}: expected {LB_RUNS} conntrack entries added and {LB_RUNS} FIB lookups for {LB_RUNS} new connections, got {added} entries and {looked_up} lookups"
+            );
         }
     }
-    push_rows(rows, &path, entries_before[0] as u32, Some(n), &timed);
+    push_rows(rows, &path, before[0].0 as u32, Some(n), &timed);
     Ok(())
 }
 

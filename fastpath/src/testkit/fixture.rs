@@ -21,7 +21,7 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray, RingBuf},
+    maps::{Array, DevMapHash, HashMap as BpfHashMap, MapData, MapError, PerCpuArray, RingBuf},
     programs::{
         NetworkInterface, ProgramError, SchedClassifier, TestRun, TestRunOptions, TestRunResult,
         Xdp,
@@ -99,6 +99,10 @@ pub struct Seed {
     /// learned headers (`FP_VXLAN_PEER`) are not part of a seed: a run of the TC egress
     /// program learns them for the runs after it.
     pub vxlan_generation: Option<u64>,
+    /// Written to `FP_TX_PORTS` (each ifindex → its device, as the daemon writes its
+    /// configured interfaces); every other entry is removed. Empty (the default): XDP
+    /// redirects by ifindex. The interfaces must exist in the namespace the fixture runs in.
+    pub tx_ports: Vec<u32>,
 }
 
 impl Seed {
@@ -139,6 +143,12 @@ impl Seed {
                 ..IfaceConfig::default()
             },
         )
+    }
+
+    /// This seed with `ifindexes` in the XDP redirect device map (and no other interface).
+    pub fn with_tx_ports(mut self, ifindexes: &[u32]) -> Self {
+        self.tx_ports = ifindexes.to_vec();
+        self
     }
 
     /// This seed with interface `ifindex`'s settings (also) set to `cfg`.
@@ -219,6 +229,27 @@ impl Seed {
             let old: Vec<[u64; 6]> = cache.keys().filter_map(Result::ok).collect();
             for key in old {
                 cache.remove(&key).map_err(map_err)?;
+            }
+        }
+        {
+            let name = map_names::TX_PORTS;
+            let map_err = map_error(name);
+            let map = ebpf
+                .map_mut(name)
+                .ok_or(FixtureError::MissingMap { name })?;
+            let mut ports: DevMapHash<_> = DevMapHash::try_from(map).map_err(map_err)?;
+            let stale: Vec<u32> = ports
+                .keys()
+                .filter_map(Result::ok)
+                .filter(|k| !self.tx_ports.contains(k))
+                .collect();
+            for ifindex in stale {
+                ports.remove(ifindex).map_err(map_err)?;
+            }
+            for &ifindex in &self.tx_ports {
+                ports
+                    .insert(ifindex, ifindex, None, 0)
+                    .map_err(|source| FixtureError::TxPort { ifindex, source })?;
             }
         }
         if let Some(g) = self.vxlan_generation {
@@ -374,6 +405,15 @@ pub enum FixtureError {
         name: &'static str,
         #[source]
         source: aya::maps::MapError,
+    },
+    #[error(
+        "putting interface {ifindex} in FP_TX_PORTS: {source}; a seed's TX ports must be \
+         interfaces of the namespace the fixture runs in (`ip link`)"
+    )]
+    TxPort {
+        ifindex: u32,
+        #[source]
+        source: aya::maps::xdp::XdpMapError,
     },
     #[error("reading counters: {source}")]
     Stats {
