@@ -23,7 +23,7 @@ use aya::{
 use fastpath::testkit::fixture::Fixture;
 use fastpath_common::Hook;
 
-use super::CtRow;
+use super::{CtRow, ct_row};
 
 /// The Katran source the guide in docs/BENCHMARKS.md builds (balancer.bpf.c and the map and
 /// constant headers of this commit of facebookincubator/katran).
@@ -239,8 +239,7 @@ impl Katran {
 
     /// LRU misses Katran counted so far (`stats[MAX_VIPS + LRU_CNTRS].v2`, all CPUs).
     pub(crate) fn lru_misses(&mut self) -> Result<u64> {
-        let stats: PerCpuArray<&mut MapData, [u64; 2]> =
-            PerCpuArray::try_from(self.map("stats")?)?;
+        let stats: PerCpuArray<&mut MapData, [u64; 2]> = PerCpuArray::try_from(self.map("stats")?)?;
         Ok(stats
             .get(&(MAX_VIPS + LRU_CNTRS), 0)?
             .iter()
@@ -279,7 +278,10 @@ impl Katran {
         let (verdict, _, out) = self.run(frame)?;
         let missed = self.lru_misses()? - misses;
         let outer = outer_ipv4(&out);
-        let inner_unchanged = out.get(34..).zip(frame.get(14..)).is_some_and(|(a, b)| a == b);
+        let inner_unchanged = out
+            .get(34..)
+            .zip(frame.get(14..))
+            .is_some_and(|(a, b)| a == b);
         match outer {
             Some((IPPROTO_IPIP, real))
                 if verdict == XDP_TX
@@ -297,6 +299,77 @@ impl Katran {
     }
 }
 
+/// The Katran rows: one per timed path.
+#[derive(Clone, Copy)]
+pub(crate) enum Row {
+    /// The established connection's client → VIP packet: an LRU hit.
+    Hit,
+    /// A SYN from a new source port per run: an LRU miss, ring pick and LRU insert.
+    NewConnection,
+}
+
+/// Katran with the LB benchmark's service and a number of flows in its LRU, whose rows go to
+/// its [`KatranObject`].
+pub(crate) struct KatranLb<'o> {
+    object: &'o KatranObject,
+    katran: Katran,
+    reals: Vec<[u8; 4]>,
+    flows: u32,
+}
+
+impl<'o> KatranLb<'o> {
+    /// Loads `object` for `vip` over `reals` and pre-fills `flows` flows in its LRU, the last
+    /// `established` (on real 1), the connection the benchmark's hit packets belong to.
+    pub(crate) fn new(
+        object: &'o KatranObject,
+        flows: u32,
+        vip: [u8; 4],
+        reals: Vec<[u8; 4]>,
+        established: [u8; 40],
+    ) -> Result<Self> {
+        let mut katran = object.load(flows, vip, &reals)?;
+        katran.fill_lru(flows, vip, reals.len() as u32, established, 1)?;
+        Ok(Self {
+            object,
+            katran,
+            reals,
+            flows,
+        })
+    }
+
+    pub(crate) fn katran(&self) -> &Katran {
+        &self.katran
+    }
+
+    /// Checks `frame` once for `row`: an LRU hit for [`Row::Hit`], a miss otherwise.
+    pub(crate) fn check(&mut self, row: Row, frame: &[u8]) -> Result<()> {
+        let (what, hit) = match row {
+            Row::Hit => ("hit", true),
+            Row::NewConnection => ("new connection", false),
+        };
+        self.katran.check(what, frame, &self.reals, hit).map(|_| ())
+    }
+
+    /// Adds `row`'s timed samples (`runs` single runs and their floors) to the object's rows.
+    pub(crate) fn push_row(&self, row: Row, runs: usize, ns: &[f64], floor: &[f64]) {
+        let what = format!(
+            "{} reals, Maglev ring {RING_SIZE} slots, {} flows in its LRU",
+            self.reals.len(),
+            self.flows
+        );
+        let path = match row {
+            Row::Hit => format!("Katran hit: client → VIP, IPIP to the real ({what}, repeat = 1)"),
+            Row::NewConnection => format!(
+                "Katran new connection: SYN → VIP, ring pick + LRU insert + IPIP ({what}, {runs} connections, repeat = 1)"
+            ),
+        };
+        self.object.push(CtRow {
+            backends: Some(self.reals.len()),
+            ..ct_row(path, self.flows, ns, floor)
+        });
+    }
+}
+
 /// Katran as one more participant of `time_interleaved`'s rotation: run `run` times
 /// `frames(run)` through Katran right after the floor program on the same frame.
 pub(crate) struct Beside<'k, 'f> {
@@ -308,7 +381,10 @@ impl Beside<'_, '_> {
     /// (Katran ns, floor ns) of run `run`; the floor is the first object's empty XDP program.
     pub(crate) fn time(&self, floor: &mut Fixture, run: usize) -> Result<(f64, f64)> {
         let frame = (self.frames)(run);
-        let floor_ns = floor.run_floor_repeat(Hook::Xdp, frame, 1)?.per_run.as_nanos() as f64;
+        let floor_ns = floor
+            .run_floor_repeat(Hook::Xdp, frame, 1)?
+            .per_run
+            .as_nanos() as f64;
         let (verdict, ns, _) = self.katran.run(frame)?;
         if verdict != XDP_TX {
             bail!("Katran: verdict {verdict} during the benchmark, expected XDP_TX ({XDP_TX})");
@@ -328,7 +404,10 @@ mod tests {
         want[..4].copy_from_slice(&[10, 254, 0, 100]);
         want[16..18].copy_from_slice(&[0, 80]);
         want[18] = 6;
-        assert_eq!(v, want, "expected vip, port (big endian), proto at 0, 16, 18");
+        assert_eq!(
+            v, want,
+            "expected vip, port (big endian), proto at 0, 16, 18"
+        );
     }
 
     #[test]
@@ -337,14 +416,22 @@ mod tests {
         assert_eq!(&k[..4], &[10, 253, 0, 1], "src");
         assert_eq!(&k[4..16], &[0u8; 12], "rest of the src union");
         assert_eq!(&k[16..20], &[10, 254, 0, 100], "dst");
-        assert_eq!(&k[32..36], &[0x9c, 0x40, 0, 80], "sport then dport, big endian");
+        assert_eq!(
+            &k[32..36],
+            &[0x9c, 0x40, 0, 80],
+            "sport then dport, big endian"
+        );
         assert_eq!(k[36], 6, "proto");
         assert_eq!(&k[37..], &[0u8; 3], "padding");
     }
 
     #[test]
     fn meta_real_and_lru_values() {
-        assert_eq!(vip_meta(0, 3), [0, 0, 0, 0, 3, 0, 0, 0], "flags then vip_num");
+        assert_eq!(
+            vip_meta(0, 3),
+            [0, 0, 0, 0, 3, 0, 0, 0],
+            "flags then vip_num"
+        );
         let r = real_definition([10, 254, 1, 7]);
         assert_eq!((&r[..4], &r[4..]), (&[10, 254, 1, 7][..], &[0u8; 16][..]));
         assert_eq!(real_pos_lru(9)[..4], 9u32.to_ne_bytes(), "pos first");

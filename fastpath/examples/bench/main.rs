@@ -372,7 +372,10 @@ fn main() -> Result<()> {
             old_object = Some(PathBuf::from(path));
         } else if arg == "--katran-object" {
             let path = args.next().with_context(|| {
-                format!("--katran-object needs the path of Katran's object; {}", usage())
+                format!(
+                    "--katran-object needs the path of Katran's object; {}",
+                    usage()
+                )
             })?;
             katran_object = Some(PathBuf::from(path));
         } else {
@@ -1231,7 +1234,13 @@ fn bench_lb(objects: &Objects) -> Result<PerObject> {
             }
             // Katran beside the NAT rows, with as many flows in its LRU.
             let mut katran = match objects.katran.filter(|_| mode == LbMode::Nat) {
-                Some(k) => Some(katran_filled(k, size)?),
+                Some(k) => Some(katran::KatranLb::new(
+                    k,
+                    size,
+                    LB_VIP,
+                    (0..LB_TABLE_BACKENDS).map(lb_backend).collect(),
+                    katran::flow_key(LB_CLIENT, LB_VIP, 40000, 80),
+                )?),
                 None => None,
             };
             bench_lb_service(
@@ -1240,22 +1249,12 @@ fn bench_lb(objects: &Objects) -> Result<PerObject> {
                 LB_TABLE_BACKENDS,
                 mode,
                 size,
-                katran.as_mut().map(|k| (objects.katran, k)),
+                katran.as_mut(),
             )?;
             eprint!("l");
         }
     }
     Ok(rows)
-}
-
-/// Katran loaded with the LB benchmark's service and `flows` flows in its LRU, the last the
-/// bench's established connection (client:40000 → VIP:80).
-fn katran_filled(k: &katran::KatranObject, flows: u32) -> Result<katran::Katran> {
-    let reals: Vec<[u8; 4]> = (0..LB_TABLE_BACKENDS).map(lb_backend).collect();
-    let mut katran = k.load(flows, LB_VIP, &reals)?;
-    let established = katran::flow_key(LB_CLIENT, LB_VIP, 40000, 80);
-    katran.fill_lru(flows, LB_VIP, reals.len() as u32, established, 1)?;
-    Ok(katran)
 }
 
 /// How the LB benchmark's service forwards.
@@ -1283,7 +1282,7 @@ fn bench_lb_service(
     n: usize,
     mode: LbMode,
     filled: u32,
-    mut katran: Option<(Option<&katran::KatranObject>, &mut katran::Katran)>,
+    mut katran: Option<&mut katran::KatranLb<'_>>,
 ) -> Result<()> {
     let mut toml = format!(
         "[[service]]\nvip = \"{}\"\nport = 80\n",
@@ -1411,25 +1410,15 @@ fn bench_lb_service(
     .enumerate()
     {
         let path = format!("{path} ({what}, repeat = 1)");
-        // Katran beside client → VIP: the same packet, an LRU hit, encapsulated to the real.
-        let beside = katran.as_mut().filter(|_| dir == 0);
-        let frame = |_| hits[0][0].input.as_slice();
-        let reals: Vec<[u8; 4]> = (0..n).map(lb_backend).collect();
-        let beside = match beside {
-            Some((_, k)) => {
-                k.check("hit", &hits[0][0].input, &reals, true)?;
-                Some(katran::Beside {
-                    katran: &**k,
-                    frames: &frame,
-                })
-            }
-            None => None,
-        };
-        let mut timed =
-            time_interleaved_beside(fxs, &path, LB_RUNS, |o, _| &hits[o][dir], |_| Ok(()), beside.as_ref())?;
-        katran_row(katran.as_ref().filter(|_| dir == 0).and_then(|k| k.0), &mut timed, || {
-            format!("Katran hit: client → VIP, IPIP to the real ({n} reals, Maglev ring {} slots, {filled} flows in its LRU, repeat = 1)", katran::RING_SIZE)
-        }, filled, n);
+        // Katran beside client → VIP: the same packet, an LRU hit.
+        let timed = time_with_katran(
+            fxs,
+            &path,
+            LB_RUNS,
+            |o, _| &hits[o][dir],
+            katran.as_deref_mut().filter(|_| dir == 0),
+            katran::Row::Hit,
+        )?;
         push_rows(rows, &path, filled.max(1), Some(n), &timed);
     }
 
@@ -1444,23 +1433,14 @@ fn bench_lb_service(
         .iter()
         .map(|fx| Ok(fx.ct_entries()?.len()))
         .collect::<Result<Vec<_>>>()?;
-    let frame = |i: usize| syns[i].input.as_slice();
-    let beside = match katran.as_mut() {
-        Some((_, k)) => {
-            let reals: Vec<[u8; 4]> = (0..n).map(lb_backend).collect();
-            k.check("new connection", &syns[0].input, &reals, false)?;
-            Some(katran::Beside {
-                katran: k,
-                frames: &frame,
-            })
-        }
-        None => None,
-    };
-    let mut timed =
-        time_interleaved_beside(fxs, &path, syns.len(), |_, i| &syns[i], |_| Ok(()), beside.as_ref())?;
-    katran_row(katran.as_ref().and_then(|k| k.0), &mut timed, || {
-        format!("Katran new connection: SYN → VIP, ring pick + LRU insert + IPIP ({n} reals, Maglev ring {} slots, {filled} flows in its LRU, {LB_RUNS} connections, repeat = 1)", katran::RING_SIZE)
-    }, filled, n);
+    let timed = time_with_katran(
+        fxs,
+        &path,
+        syns.len(),
+        |_, i| &syns[i],
+        katran,
+        katran::Row::NewConnection,
+    )?;
     for (fx, before) in fxs.iter().zip(&entries_before) {
         let added = fx.ct_entries()?.len() - before;
         if added < LB_RUNS {
@@ -1471,23 +1451,31 @@ fn bench_lb_service(
     Ok(())
 }
 
-/// Moves the last participant's samples out of `timed` (Katran's, when `object` is given) into
-/// a row of the object's.
-fn katran_row(
-    object: Option<&katran::KatranObject>,
-    timed: &mut Timed,
-    path: impl FnOnce() -> String,
-    flows: u32,
-    reals: usize,
-) {
-    if let Some(k) = object
-        && let Some((ns, floor)) = timed.pop()
-    {
-        k.push(CtRow {
-            backends: Some(reals),
-            ..ct_row(path(), flows, &ns, &floor)
-        });
+/// [`time_interleaved`] with Katran beside when given: checked once on run 0's frame (see
+/// `katran::KatranLb::check`), then timed on each run's frame in the same rotation, its samples
+/// made into a Katran row (`row`) and left out of the result.
+fn time_with_katran<'c>(
+    fxs: &mut [Fixture],
+    path: &str,
+    runs: usize,
+    case_of: impl Fn(usize, usize) -> &'c Case,
+    katran: Option<&mut katran::KatranLb<'_>>,
+    row: katran::Row,
+) -> Result<Timed> {
+    let Some(k) = katran else {
+        return time_interleaved(fxs, path, runs, case_of, |_| Ok(()));
+    };
+    k.check(row, &case_of(0, 0).input)?;
+    let frames = |run: usize| case_of(0, run).input.as_slice();
+    let beside = katran::Beside {
+        katran: k.katran(),
+        frames: &frames,
+    };
+    let mut timed = time_interleaved_beside(fxs, path, runs, &case_of, |_| Ok(()), Some(&beside))?;
+    if let Some((ns, floor)) = timed.pop() {
+        k.push_row(row, runs, &ns, &floor);
     }
+    Ok(timed)
 }
 
 /// Runs each case once (repeat = 1, maps as they are: see `Fixture::rerun_repeat`) right
@@ -1542,8 +1530,7 @@ fn time_interleaved_beside<'c>(
 ) -> Result<Timed> {
     let objects = fxs.len();
     let participants = objects + usize::from(beside.is_some());
-    let mut out: Timed =
-        vec![(Vec::with_capacity(runs), Vec::with_capacity(runs)); participants];
+    let mut out: Timed = vec![(Vec::with_capacity(runs), Vec::with_capacity(runs)); participants];
     for run in 0..runs {
         for turn in 0..participants {
             let object = (run + turn) % participants;
@@ -2017,7 +2004,13 @@ fn katran_markdown(r: &Report) -> String {
         })
         .collect();
     let mut md = report::table(
-        &["path", "flows in LRU", "median ns (min–max)", "floor ns", "over floor ns"],
+        &[
+            "path",
+            "flows in LRU",
+            "median ns (min–max)",
+            "floor ns",
+            "over floor ns",
+        ],
         &[false, true, true, true, true],
         &rows,
     );
