@@ -31,13 +31,13 @@ pub(crate) const KATRAN_SOURCE: &str =
     "facebookincubator/katran 0659be9a6a94f5423af46dad6ff6044356ce74d4";
 
 /// Katran's consistent-hashing ring size per VIP (`RING_SIZE` in balancer_consts.h).
-pub(crate) const RING_SIZE: u32 = 65_537;
+const RING_SIZE: u32 = 65_537;
 /// `MAX_VIPS` in balancer_consts.h: the global counters of `stats` start at this index.
 const MAX_VIPS: u32 = 512;
 /// `LRU_CNTRS` in balancer_consts.h: v1 counts VIP packets, v2 LRU misses.
 const LRU_CNTRS: u32 = 0;
 /// XDP_TX: Katran sends the encapsulated packet back out of the interface.
-pub(crate) const XDP_TX: u32 = 3;
+const XDP_TX: u32 = 3;
 /// IPPROTO_IPIP, the outer header's protocol of Katran's IPv4-in-IPv4 encapsulation.
 const IPPROTO_IPIP: u8 = 4;
 const IPPROTO_TCP: u8 = 6;
@@ -51,16 +51,16 @@ const OUTPUT_SLACK: usize = 64;
 
 /// `struct vip_definition`: the VIP (IPv4 in the first 4 bytes of a 16-byte union), its port
 /// and protocol. Addresses and the port are in network byte order; 20 bytes with padding.
-pub(crate) fn vip_definition(vip: [u8; 4], port_be: u16, proto: u8) -> [u8; 20] {
+fn vip_definition(vip: [u8; 4], port: u16, proto: u8) -> [u8; 20] {
     let mut v = [0u8; 20];
     v[..4].copy_from_slice(&vip);
-    v[16..18].copy_from_slice(&port_be.to_be_bytes());
+    v[16..18].copy_from_slice(&port.to_be_bytes());
     v[18] = proto;
     v
 }
 
 /// `struct vip_meta`: flags and the VIP's number (its ring is `vip_num * RING_SIZE ..`).
-pub(crate) fn vip_meta(flags: u32, vip_num: u32) -> [u8; 8] {
+fn vip_meta(flags: u32, vip_num: u32) -> [u8; 8] {
     let mut v = [0u8; 8];
     v[..4].copy_from_slice(&flags.to_ne_bytes());
     v[4..].copy_from_slice(&vip_num.to_ne_bytes());
@@ -68,7 +68,7 @@ pub(crate) fn vip_meta(flags: u32, vip_num: u32) -> [u8; 8] {
 }
 
 /// `struct real_definition` of an IPv4 real (flags 0: not IPv6): 20 bytes with padding.
-pub(crate) fn real_definition(addr: [u8; 4]) -> [u8; 20] {
+fn real_definition(addr: [u8; 4]) -> [u8; 20] {
     let mut v = [0u8; 20];
     v[..4].copy_from_slice(&addr);
     v
@@ -87,7 +87,7 @@ pub(crate) fn flow_key(src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16) -> [u
 }
 
 /// `struct real_pos_lru`: the real's index (and an access time Katran only reads for UDP).
-pub(crate) fn real_pos_lru(pos: u32) -> [u8; 16] {
+fn real_pos_lru(pos: u32) -> [u8; 16] {
     let mut v = [0u8; 16];
     v[..4].copy_from_slice(&pos.to_ne_bytes());
     v
@@ -95,13 +95,13 @@ pub(crate) fn real_pos_lru(pos: u32) -> [u8; 16] {
 
 /// A ring of `size` slots over reals `1..=reals`, each real in `size / reals` or one more
 /// slots (Katran's real ids start at 1: 0 is "no real").
-pub(crate) fn ring(reals: u32, size: u32) -> Vec<u32> {
+fn ring(reals: u32, size: u32) -> Vec<u32> {
     (0..size).map(|slot| 1 + slot % reals.max(1)).collect()
 }
 
 /// The `i`-th pre-filled flow: a client of 10.252.0.0/16 on a port of 1024..=65535, to the
 /// VIP. Distinct for `i` below 2^16 × 64512, and never the bench's own client (10.253.0.1).
-pub(crate) fn filler_flow(i: u32, vip: [u8; 4], vport: u16) -> [u8; 40] {
+fn filler_flow(i: u32, vip: [u8; 4], vport: u16) -> [u8; 40] {
     let host = i / 64_512;
     let port = 1024 + (i % 64_512) as u16;
     let [_, _, a, b] = host.to_be_bytes();
@@ -109,7 +109,7 @@ pub(crate) fn filler_flow(i: u32, vip: [u8; 4], vport: u16) -> [u8; 40] {
 }
 
 /// The outer IPv4 header of Katran's output: (protocol, destination), if the frame has one.
-pub(crate) fn outer_ipv4(frame: &[u8]) -> Option<(u8, [u8; 4])> {
+fn outer_ipv4(frame: &[u8]) -> Option<(u8, [u8; 4])> {
     let ip = frame.get(14..34)?;
     if frame.get(12..14)? != [0x08, 0x00] || ip[0] >> 4 != 4 {
         return None;
@@ -145,7 +145,7 @@ impl KatranObject {
 
     /// Loads the object with a fallback LRU for `flows` pre-filled flows (plus headroom) and
     /// configures the bench's service.
-    pub(crate) fn load(&self, flows: u32, vip: [u8; 4], reals: &[[u8; 4]]) -> Result<Katran> {
+    fn load(&self, flows: u32, vip: [u8; 4], reals: &[[u8; 4]]) -> Result<Katran> {
         let ebpf = EbpfLoader::new()
             .map_max_entries("fallback_cache", flows + LRU_HEADROOM)
             // One VIP (number 0): Katran reads only the first RING_SIZE slots of `ch_rings`,
@@ -156,7 +156,7 @@ impl KatranObject {
             .load(&self.bytes)
             .with_context(|| {
                 format!(
-                    "loading the Katran object {} with aya (maps: vip_map, reals, ch_rings, ctl_array, fallback_cache, stats)",
+                    "loading the Katran object {} with aya (it needs the maps vip_map, reals, ch_rings, ctl_array, fallback_cache and stats: build balancer.bpf.c as docs/BENCHMARKS.md, \"Katran\", says)",
                     self.name
                 )
             })?;
@@ -174,7 +174,7 @@ impl KatranObject {
         Ok(k)
     }
 
-    pub(crate) fn push(&self, row: CtRow) {
+    fn push(&self, row: CtRow) {
         self.rows
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -220,7 +220,7 @@ impl Katran {
 
     /// Pre-fills `flows` flows to the VIP in the fallback LRU, spread over the reals, then
     /// `established` (a flow the bench's packets belong to) on real `pos`.
-    pub(crate) fn fill_lru(
+    fn fill_lru(
         &mut self,
         flows: u32,
         vip: [u8; 4],
@@ -238,7 +238,7 @@ impl Katran {
     }
 
     /// LRU misses Katran counted so far (`stats[MAX_VIPS + LRU_CNTRS].v2`, all CPUs).
-    pub(crate) fn lru_misses(&mut self) -> Result<u64> {
+    fn lru_misses(&mut self) -> Result<u64> {
         let stats: PerCpuArray<&mut MapData, [u64; 2]> = PerCpuArray::try_from(self.map("stats")?)?;
         Ok(stats
             .get(&(MAX_VIPS + LRU_CNTRS), 0)?
@@ -248,7 +248,7 @@ impl Katran {
     }
 
     /// One run of `frame` (repeat = 1): verdict, kernel-reported ns, output frame.
-    pub(crate) fn run(&self, frame: &[u8]) -> Result<(u32, f64, Vec<u8>)> {
+    fn run(&self, frame: &[u8]) -> Result<(u32, f64, Vec<u8>)> {
         let prog: &Xdp = self
             .ebpf
             .program("balancer_ingress")
@@ -267,13 +267,7 @@ impl Katran {
 
     /// Runs `frame` once and checks Katran really balanced it: XDP_TX, an IPIP header towards
     /// one of `reals` around the unchanged packet, and an LRU hit (`lru_hit`) or miss.
-    pub(crate) fn check(
-        &mut self,
-        what: &str,
-        frame: &[u8],
-        reals: &[[u8; 4]],
-        lru_hit: bool,
-    ) -> Result<[u8; 4]> {
+    fn check(&mut self, what: &str, frame: &[u8], reals: &[[u8; 4]], lru_hit: bool) -> Result<()> {
         let misses = self.lru_misses()?;
         let (verdict, _, out) = self.run(frame)?;
         let missed = self.lru_misses()? - misses;
@@ -289,7 +283,7 @@ impl Katran {
                     && inner_unchanged
                     && (missed == 0) == lru_hit =>
             {
-                Ok(real)
+                Ok(())
             }
             _ => bail!(
                 "Katran {what}: expected XDP_TX ({XDP_TX}) with an IPIP header to one of the reals around the input and an LRU {}, got verdict {verdict}, outer header {outer:?}, {missed} LRU misses; output {out:02x?}",
@@ -347,7 +341,7 @@ impl<'o> KatranLb<'o> {
             Row::Hit => ("hit", true),
             Row::NewConnection => ("new connection", false),
         };
-        self.katran.check(what, frame, &self.reals, hit).map(|_| ())
+        self.katran.check(what, frame, &self.reals, hit)
     }
 
     /// Adds `row`'s timed samples (`runs` single runs and their floors) to the object's rows.
