@@ -77,6 +77,8 @@ commands:
               `--old-rev REV` (or `--old-object PATH`, an object built with fastpath-ebpf's
               `bench` feature): also the parse-only paths of REV's eBPF object, interleaved
               with this tree's in the same rounds;
+              `bench -- lb --katran-object PATH`: also Katran's XDP load balancer (an
+              object built from its source, see docs/BENCHMARKS.md) beside the LB rows;
               `bench -- --render`: tables and plots from the committed JSON alone;
               `bench -- --help` lists the sections
   build       bootstrap and build the release binary target/release/fastpath

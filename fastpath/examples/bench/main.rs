@@ -31,8 +31,9 @@
 //! `bench` measures every section; `bench quick` the per-packet paths and a short
 //! load-balancer comparison; `bench SECTION` one section (see [`SECTIONS`]), keeping the other
 //! sections' committed results; `--old-object PATH` also times the per-packet paths of another
-//! build of the datapath (with the `bench` feature), interleaved with this tree's; `bench
-//! --render` regenerates the report from the JSON alone.
+//! build of the datapath (with the `bench` feature), interleaved with this tree's;
+//! `--katran-object PATH` also times Katran's XDP load balancer beside the LB rows among 1k and
+//! 1M connections (see `katran`); `bench --render` regenerates the report from the JSON alone.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -85,6 +86,7 @@ use tokio::{
 
 mod api;
 mod ha;
+mod katran;
 mod lb_compare;
 mod lb_sweep;
 mod overlay_compare;
@@ -214,6 +216,12 @@ struct Report {
     old_route_paths: Vec<CtRow>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     old_vxlan_paths: Vec<CtRow>,
+    /// Katran's rows (`--katran-object`), timed in the same rounds as the LB rows among 1k
+    /// and 1M connections, and the Katran source the object was built from.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    katran: Vec<CtRow>,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    katran_source: String,
 }
 
 /// One parse-only path timed through two builds of the datapath in the same rounds.
@@ -337,12 +345,13 @@ fn quick() -> bool {
 
 fn usage() -> String {
     format!(
-        "usage: bench [quick | SECTION | --render] [--old-object PATH]\n\n\
+        "usage: bench [quick | SECTION | --render] [--old-object PATH] [--katran-object PATH]\n\n\
          (nothing)           measure every section (about 30 minutes on 2 CPUs, estimated; each section prints its wall time); rewrite docs/bench/*.json, docs/bench/*.svg and the generated blocks of docs/BENCHMARKS.md\n\
          quick               the per-packet paths ({}) and a short load-balancer comparison (under 10 minutes)\n\
          SECTION             one section (or `--only SECTION`); the other sections' committed results are kept\n\
          --render            regenerate the plots and the report's blocks from docs/bench/*.json alone\n\
-         --old-object PATH   also time the parse-only paths of another build of the datapath (fastpath-ebpf built with `--features bench`), interleaved with this tree's in the same rounds\n\n\
+         --old-object PATH   also time the parse-only paths of another build of the datapath (fastpath-ebpf built with `--features bench`), interleaved with this tree's in the same rounds\n\
+         --katran-object PATH  also time Katran's XDP load balancer (an object built from its source: docs/BENCHMARKS.md, \"Katran\") in the `lb` rows among 1k and 1M connections, in the same rounds; without it the bench times fastpath alone\n\n\
          Sections: {}",
         QUICK_SECTIONS[..QUICK_SECTIONS.len() - 1].join(", "),
         section_names()
@@ -352,6 +361,7 @@ fn usage() -> String {
 fn main() -> Result<()> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let mut old_object = None;
+    let mut katran_object = None;
     let mut rest = Vec::new();
     let mut args = std::env::args().skip(1).filter(|a| a != "--");
     while let Some(arg) = args.next() {
@@ -360,6 +370,14 @@ fn main() -> Result<()> {
                 format!("--old-object needs the path of an object; {}", usage())
             })?;
             old_object = Some(PathBuf::from(path));
+        } else if arg == "--katran-object" {
+            let path = args.next().with_context(|| {
+                format!(
+                    "--katran-object needs the path of Katran's object; {}",
+                    usage()
+                )
+            })?;
+            katran_object = Some(PathBuf::from(path));
         } else {
             rest.push(arg);
         }
@@ -412,13 +430,21 @@ fn main() -> Result<()> {
         }),
         None => None,
     };
+    let katran = match &katran_object {
+        Some(path) if !sections.iter().any(|s| ["conntrack", "lb"].contains(s)) => bail!(
+            "--katran-object {} times Katran beside the LB rows: run it with `lb`, `conntrack`, `quick` or a full run",
+            path.display()
+        ),
+        Some(path) => Some(katran::KatranObject::read(path)?),
+        None => None,
+    };
     if std::env::var_os("FP_BENCH_CONTENDERS").is_some() {
         if sections != ["lb-compare"] {
             bail!(
                 "FP_BENCH_CONTENDERS is for `bench lb-compare` while developing: other runs measure every contender; unset it"
             );
         }
-        let part = measure("lb-compare", None)?;
+        let part = measure("lb-compare", None, None)?;
         eprintln!("\nFP_BENCH_CONTENDERS is set: a partial comparison, printed and not written");
         if let Part::LbCompare(r) = &part {
             print!("{}{}", lb_compare::markdown(r), lb_compare::ha_markdown(r));
@@ -436,7 +462,15 @@ fn main() -> Result<()> {
     for name in sections {
         let at = Instant::now();
         let machine = machine();
-        report.set(name, machine, measure(name, old.as_ref())?);
+        report.set(name, machine, measure(name, old.as_ref(), katran.as_ref())?);
+        if let Some(k) = &katran {
+            let rows = k.take_rows();
+            if !rows.is_empty() {
+                eprintln!("Katran ({}): {} rows", k.name(), rows.len());
+                report.katran = rows;
+                katran::KATRAN_SOURCE.clone_into(&mut report.katran_source);
+            }
+        }
         if let Some(o) = old.as_ref().filter(|_| PER_PACKET_SECTIONS.contains(&name)) {
             report.old_object.clone_from(&o.name);
         }
@@ -468,9 +502,13 @@ impl OldObject {
 }
 
 /// Measures one section.
-fn measure(section: &str, old: Option<&OldObject>) -> Result<Part> {
+fn measure(
+    section: &str,
+    old: Option<&OldObject>,
+    katran: Option<&katran::KatranObject>,
+) -> Result<Part> {
     let fixture = || Fixture::new().context("loading the datapath (run as root)");
-    let objects = Objects { old };
+    let objects = Objects { old, katran };
     eprintln!("== {section}");
     Ok(match section {
         "parse" => {
@@ -1307,7 +1345,7 @@ fn bench_lb(objects: &Objects) -> Result<PerObject> {
                     for fx in &mut fxs {
                         fx.ct_clear()?;
                     }
-                    bench_lb_service(&mut fxs, &mut rows, links, n, LbMode::Nat, 0)?;
+                    bench_lb_service(&mut fxs, &mut rows, links, n, LbMode::Nat, 0, None)?;
                     eprint!("l");
                 }
                 // NAT and full-NAT among many connections: the table pre-filled as the load
@@ -1325,6 +1363,17 @@ fn bench_lb(objects: &Objects) -> Result<PerObject> {
                         for fx in &mut fxs {
                             fx.ct_fill_lb(size, monotonic_ns())?;
                         }
+                        // Katran beside the NAT rows, with as many flows in its LRU.
+                        let mut katran = match objects.katran.filter(|_| mode == LbMode::Nat) {
+                            Some(k) => Some(katran::KatranLb::new(
+                                k,
+                                size,
+                                LB_VIP,
+                                (0..LB_TABLE_BACKENDS).map(lb_backend).collect(),
+                                katran::flow_key(LB_CLIENT, LB_VIP, 40000, 80),
+                            )?),
+                            None => None,
+                        };
                         bench_lb_service(
                             &mut fxs,
                             &mut rows,
@@ -1332,6 +1381,7 @@ fn bench_lb(objects: &Objects) -> Result<PerObject> {
                             LB_TABLE_BACKENDS,
                             mode,
                             size,
+                            katran.as_mut(),
                         )?;
                         eprint!("l");
                     }
@@ -1374,6 +1424,7 @@ fn bench_lb_service(
     n: usize,
     mode: LbMode,
     filled: u32,
+    mut katran: Option<&mut katran::KatranLb<'_>>,
 ) -> Result<()> {
     use fastpath::testkit::fixture::{Outcome, XDP_REDIRECT, hexdump_diff, verdict_name};
     use fastpath_common::route::route_stat;
@@ -1567,7 +1618,15 @@ fn bench_lb_service(
             fx.rerun(&pair[dir])?;
             hits_before.push(route_stat(fx, route_stat::HIT)?);
         }
-        let timed = time_interleaved(fxs, &path, LB_RUNS, |o, _| &hits[o][dir], |_| Ok(()))?;
+        // Katran beside client → VIP: the same packet, an LRU hit.
+        let timed = time_with_katran(
+            fxs,
+            &path,
+            LB_RUNS,
+            |o, _| &hits[o][dir],
+            katran.as_deref_mut().filter(|_| dir == 0),
+            katran::Row::Hit,
+        )?;
         for (fx, before) in fxs.iter().zip(hits_before) {
             let cached = route_stat(fx, route_stat::HIT)? - before;
             if cached != LB_RUNS as u64 {
@@ -1591,7 +1650,14 @@ fn bench_lb_service(
     for fx in fxs.iter() {
         before.push((fx.ct_entries()?.len(), route_stat(fx, route_stat::MISS)?));
     }
-    let timed = time_once_each(fxs, &path, syns.iter())?;
+    let timed = time_with_katran(
+        fxs,
+        &path,
+        syns.len(),
+        |_, i| &syns[i],
+        katran,
+        katran::Row::NewConnection,
+    )?;
     for (fx, (entries, misses)) in fxs.iter().zip(&before) {
         let added = fx.ct_entries()?.len() - entries;
         let looked_up = route_stat(fx, route_stat::MISS)? - misses;
@@ -1603,6 +1669,33 @@ fn bench_lb_service(
     }
     push_rows(rows, &path, before[0].0 as u32, Some(n), &timed);
     Ok(())
+}
+
+/// [`time_interleaved`] with Katran beside when given: checked once on run 0's frame (see
+/// `katran::KatranLb::check`), then timed on each run's frame in the same rotation, its samples
+/// made into a Katran row (`row`) and left out of the result.
+fn time_with_katran<'c>(
+    fxs: &mut [Fixture],
+    path: &str,
+    runs: usize,
+    case_of: impl Fn(usize, usize) -> &'c Case,
+    katran: Option<&mut katran::KatranLb<'_>>,
+    row: katran::Row,
+) -> Result<Timed> {
+    let Some(k) = katran else {
+        return time_interleaved(fxs, path, runs, case_of, |_| Ok(()));
+    };
+    k.check(row, &case_of(0, 0).input)?;
+    let frames = |run: usize| case_of(0, run).input.as_slice();
+    let beside = katran::Beside {
+        katran: k.katran(),
+        frames: &frames,
+    };
+    let mut timed = time_interleaved_beside(fxs, path, runs, &case_of, |_| Ok(()), Some(&beside))?;
+    if let Some((ns, floor)) = timed.pop() {
+        k.push_row(row, runs, &ns, &floor);
+    }
+    Ok(timed)
 }
 
 /// Runs each case once (repeat = 1, maps as they are: see `Fixture::rerun_repeat`) right
@@ -1640,13 +1733,33 @@ fn time_interleaved<'c>(
     path: &str,
     runs: usize,
     case_of: impl Fn(usize, usize) -> &'c Case,
-    mut before: impl FnMut(&mut Fixture) -> Result<()>,
+    before: impl FnMut(&mut Fixture) -> Result<()>,
 ) -> Result<Timed> {
-    let mut out: Timed = vec![(Vec::with_capacity(runs), Vec::with_capacity(runs)); fxs.len()];
+    time_interleaved_beside(fxs, path, runs, case_of, before, None)
+}
+
+/// [`time_interleaved`] with `beside` (Katran) as one more participant of the rotation, its
+/// floor the first object's; its samples come last in the result.
+fn time_interleaved_beside<'c>(
+    fxs: &mut [Fixture],
+    path: &str,
+    runs: usize,
+    case_of: impl Fn(usize, usize) -> &'c Case,
+    mut before: impl FnMut(&mut Fixture) -> Result<()>,
+    beside: Option<&katran::Beside<'_, '_>>,
+) -> Result<Timed> {
     let objects = fxs.len();
+    let participants = objects + usize::from(beside.is_some());
+    let mut out: Timed = vec![(Vec::with_capacity(runs), Vec::with_capacity(runs)); participants];
     for run in 0..runs {
-        for turn in 0..objects {
-            let object = (run + turn) % objects;
+        for turn in 0..participants {
+            let object = (run + turn) % participants;
+            if let Some(b) = beside.filter(|_| object == objects) {
+                let (ns, floor) = b.time(&mut fxs[0], run)?;
+                out[object].0.push(ns);
+                out[object].1.push(floor);
+                continue;
+            }
             let (fx, (ns, floor)) = (&mut fxs[object], &mut out[object]);
             let c = case_of(object, run);
             before(fx)?;
@@ -1688,6 +1801,8 @@ const SINGLE_RUN_ROUNDS: usize = 10;
 /// `--old-object`'s when given.
 struct Objects<'a> {
     old: Option<&'a OldObject>,
+    /// `--katran-object`: timed beside the LB rows among many connections.
+    katran: Option<&'a katran::KatranObject>,
 }
 
 impl Objects<'_> {
@@ -2089,6 +2204,44 @@ fn old_vs_new_markdown(r: &Report) -> String {
     md
 }
 
+/// Katran's rows (`--katran-object`) and the Katran source; empty when the last `lb` run
+/// timed no Katran.
+fn katran_markdown(r: &Report) -> String {
+    if r.katran.is_empty() {
+        return String::new();
+    }
+    let rows: Vec<Vec<String>> = r
+        .katran
+        .iter()
+        .map(|k| {
+            vec![
+                k.path.clone(),
+                k.table_entries.to_string(),
+                cell(k.median_ns, k.min_ns, k.max_ns, 1),
+                format!("{:.1}", k.floor_median_ns),
+                format!("{:+.1}", k.over_floor_ns),
+            ]
+        })
+        .collect();
+    let mut md = report::table(
+        &[
+            "path",
+            "flows in LRU",
+            "median ns (min–max)",
+            "floor ns",
+            "over floor ns",
+        ],
+        &[false, true, true, true, true],
+        &rows,
+    );
+    let _ = write!(
+        md,
+        "\nVersions: Katran {} (balancer.bpf.c, IPIP encapsulation, fallback LRU); timed in the same rounds as the rows \"among 1000 / 1000000 conntrack entries\" above, floor = the same empty XDP program.\n",
+        r.katran_source
+    );
+    md
+}
+
 /// One path timed through the old object and this tree's: (old, new) pairs.
 struct OldNewRow {
     path: String,
@@ -2155,6 +2308,7 @@ fn blocks(r: &Report) -> Vec<(&'static str, String)> {
             with_figures(vxlan_paths_markdown(r), route_figures(r)),
         ),
         ("old-vs-new", old_vs_new_markdown(r)),
+        ("katran", katran_markdown(r)),
         ("gc", gc_markdown(&r.conntrack_gc)),
         ("drain", drain_markdown(&r.conntrack_drain)),
         ("updates", updates_markdown(&r.service_updates)),
