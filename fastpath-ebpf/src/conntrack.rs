@@ -16,7 +16,7 @@
 
 use aya_ebpf::{
     bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
-    helpers::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
+    helpers::bpf_ktime_get_ns,
 };
 use fastpath_common::{
     Hook,
@@ -98,11 +98,15 @@ fn nat(dst: Endpoint, src: Endpoint, ends: u8, reason: u32) -> Action {
 /// An address (IPv4 in the first 4 bytes; 8-aligned map memory) and port to translate to.
 type Endpoint<'a> = (&'a [u8; 16], u16);
 
-/// Tracks `p` if `hook` tracks for interface `ifindex`. At egress only packets this node sent
+/// Tracks `p` (seen at `now`, `ctx::now`) if `hook` tracks for interface `ifindex`. At egress only packets this node sent
 /// (`local`) are tracked: forwarded ones were tracked where they came in. Says what to do with
 /// the packet: drop it when the interface's stateful firewall refuses it (never at egress),
 /// translate it when it belongs to a load-balanced connection (where `lb`: the program runs
 /// the load-balancing stages — XDP, and TC ingress's tail program `fastpath_tc_lb`).
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the packet and where it was seen, passed down once"
+)]
 #[inline(always)]
 pub fn track(
     hook: Hook,
@@ -112,6 +116,7 @@ pub fn track(
     pkt: &Packet,
     p: &Parsed,
     len: usize,
+    now: u64,
 ) -> Action {
     if p.fragment != 0 || (hook == Hook::TcEgress && !local) {
         return Action::Pass;
@@ -164,11 +169,6 @@ pub fn track(
         return Action::Drop(reason::MARTIAN_SOURCE);
     }
     count(ct_stat::LOOKUPS);
-    // The coarse monotonic clock: the last tick's time (jiffies' resolution, as Linux's own
-    // conntrack keeps time), a read instead of a clock-source read per packet; userspace
-    // compares it with CLOCK_MONOTONIC, which it trails by at most one tick.
-    // SAFETY: bpf_ktime_get_coarse_ns has no preconditions.
-    let now = unsafe { bpf_ktime_get_coarse_ns() };
     let lb_here = lb && is_tcp_udp;
     if lb_here
         && let Some(e) = hit

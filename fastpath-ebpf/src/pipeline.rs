@@ -13,7 +13,7 @@ use fastpath_common::{
 
 use crate::{
     conntrack::{self, Action},
-    ctx::Miss,
+    ctx::{self, Miss},
     dsr, gateway, lb,
     maps::FP_PKT_CTX,
     nat,
@@ -55,7 +55,14 @@ pub fn process(
     ifindex: u32,
     local: bool,
 ) -> (Verdict, u32) {
-    let action = match conntrack::track(hook, lb, ifindex, local, pkt, p, pkt.len) {
+    // One clock read for every stage; none where nothing is tracked or routed (packets
+    // forwarded by this node, seen again at egress).
+    let now = if hook == Hook::TcEgress && !local {
+        0
+    } else {
+        ctx::now()
+    };
+    let action = match conntrack::track(hook, lb, ifindex, local, pkt, p, pkt.len, now) {
         // At XDP the rest is the tail program `fastpath_xdp_new_connection`'s (`missed`).
         Action::Miss if hook == Hook::Xdp => return (Verdict::Kernel, NEW_CONNECTION),
         Action::Miss => match conntrack::missed() {
@@ -64,7 +71,7 @@ pub fn process(
         },
         tracked => tracked,
     };
-    act(action, pkt, p, hook, ifindex)
+    act(action, pkt, p, hook, ifindex, now)
 }
 
 /// The reason `process` gives a packet whose connection is created by the tail program
@@ -76,17 +83,24 @@ pub const NEW_CONNECTION: u32 = u32::MAX - 1;
 /// the LB stage, the connection's creation, then as [`process`].
 #[inline(always)]
 pub fn missed(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> (Verdict, u32) {
-    let action = match conntrack::missed() {
-        Some(m) => new_connection(m, pkt, p, ifindex),
-        None => Action::Pass,
+    let (action, now) = match conntrack::missed() {
+        Some(m) => (new_connection(m, pkt, p, ifindex), m.now),
+        None => (Action::Pass, ctx::now()),
     };
-    act(action, pkt, p, hook, ifindex)
+    act(action, pkt, p, hook, ifindex, now)
 }
 
 /// The stages after conntrack and load balancing: carries out `action` (NAT, direct server
 /// return), then routes.
 #[inline(always)]
-fn act(action: Action, pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> (Verdict, u32) {
+fn act(
+    action: Action,
+    pkt: &Packet,
+    p: &Parsed,
+    hook: Hook,
+    ifindex: u32,
+    now: u64,
+) -> (Verdict, u32) {
     // Where packets arrive, the L3 stage routes what the earlier stages let through (at
     // egress the kernel has routed them already). One call site per program: the stage is
     // inlined once.
@@ -133,7 +147,7 @@ fn act(action: Action, pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> (V
     let routed = if hook == Hook::TcEgress {
         Err(reason::NONE)
     } else {
-        route::forward(pkt, p, hook, ifindex)
+        route::forward(pkt, p, hook, ifindex, now)
     };
     // A translated packet keeps its translation's reason; the verdict says who routed it.
     match (routed, code) {

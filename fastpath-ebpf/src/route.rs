@@ -25,7 +25,7 @@ use fastpath_common::{
 
 use aya_ebpf::{
     bindings::__sk_buff,
-    helpers::{bpf_ktime_get_coarse_ns, bpf_redirect, bpf_redirect_peer},
+    helpers::{bpf_redirect, bpf_redirect_peer},
 };
 
 use crate::{
@@ -47,12 +47,13 @@ const FIB_FWD_DISABLED: i64 = 5;
 const FIB_NO_NEIGH: i64 = 7;
 const FIB_FRAG_NEEDED: i64 = 8;
 
-/// Routes the packet that arrived on `ifindex` at `hook` (XDP or TC ingress): `Ok` when it
+/// Routes the packet that arrived on `ifindex` at `hook` (XDP or TC ingress) at `now`
+/// (`ctx::now`): `Ok` when it
 /// is ready to be redirected to [`out_ifindex`] (TTL and MAC addresses rewritten), else the
 /// reason it goes to the kernel unchanged — [`reason::NONE`] when `ifindex` does not route
 /// at this hook.
 #[inline(always)]
-pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> Result<(), u32> {
+pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32, now: u64) -> Result<(), u32> {
     let Some(iface) = FP_IFACE.get(ifindex) else {
         return Err(reason::NONE);
     };
@@ -107,7 +108,7 @@ pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> Result<(),
     let f = fib::question(pkt, p, ifindex, false).ok_or(reason::ROUTE_OTHER)?;
     // verifier: a hit writes its answer where the FIB writes its own, so both ways join with
     // the same state below.
-    if !cached(f, pkt, p, gso_size, tot_len) {
+    if !cached(f, pkt, p, gso_size, tot_len, now) {
         // The answer overwrites parts of the question (the next hop's address replaces the
         // destination): the key is kept first.
         let Some(learning) = FP_ROUTE_LEARN.get_ptr_mut(0) else {
@@ -134,7 +135,7 @@ pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> Result<(),
         if gso_size != 0 && !segments_fit(pkt, p, gso_size, fits) {
             return Err(reason::ROUTE_MTU);
         }
-        learn(learning, f, fits);
+        learn(learning, f, fits, now);
     }
     let out = f.ifindex;
     match FP_IFACE.get(out) {
@@ -160,15 +161,20 @@ pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> Result<(),
 /// not expired, for which the packet (`tot_len` bytes, or a GRO aggregate of `gso_size`
 /// segments) is known to fit — and then writes it into `f` as the FIB would. Counted.
 #[inline(always)]
-fn cached(f: &mut FibParams, pkt: &Packet, p: &Parsed, gso_size: u32, tot_len: u16) -> bool {
+fn cached(
+    f: &mut FibParams,
+    pkt: &Packet,
+    p: &Parsed,
+    gso_size: u32,
+    tot_len: u16,
+    now: u64,
+) -> bool {
     let outcome = match FP_ROUTE_CACHE.get_ptr(f.key()) {
         None => route_stat::MISS,
         Some(hop) => {
             // SAFETY: a live entry; `learn` replaces entries whole (a racing reader may mix
             // fields of two answers for one flow, both the FIB's within a generation).
             let hop = unsafe { &*hop };
-            // SAFETY: bpf_ktime_get_coarse_ns has no preconditions.
-            let now = unsafe { bpf_ktime_get_coarse_ns() };
             if hop.generation != fib::generation() || now > hop.expires_ns {
                 route_stat::STALE
             } else if !(if gso_size == 0 {
@@ -193,11 +199,10 @@ fn cached(f: &mut FibParams, pkt: &Packet, p: &Parsed, gso_size: u32, tot_len: u
 /// Caches the FIB's answer in `f` (packets up to `fits` bytes fit) under the question's key
 /// `learning` kept, for the flow's next packets.
 #[inline(always)]
-fn learn(learning: &mut RouteLearning, f: &FibParams, fits: u16) {
+fn learn(learning: &mut RouteLearning, f: &FibParams, fits: u16, now: u64) {
     let hop = &mut learning.hop;
     hop.generation = fib::generation();
-    // SAFETY: bpf_ktime_get_coarse_ns has no preconditions.
-    hop.expires_ns = unsafe { bpf_ktime_get_coarse_ns() } + ROUTE_CACHE_TTL_NS;
+    hop.expires_ns = now + ROUTE_CACHE_TTL_NS;
     (hop.out, hop.tail) = f.answer();
     hop.fits = fits;
     // perf: an entry of an earlier generation is written in place (an insert allocates an

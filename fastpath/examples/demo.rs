@@ -118,10 +118,14 @@ fn run() -> Result<()> {
     }
 
     step(
-        "fastpath daemon on fp (XDP + TCX ingress/egress on every interface, a service on a VIP)",
+        "fastpath daemon on fp (XDP + TCX ingress/egress on every interface, routing at XDP as an appliance does, a service on a VIP)",
     )?;
     let config = lb
-        .fp_config(&unique_pin_dir("demo"))
+        .fp_interfaces()
+        .iter()
+        .fold(lb.fp_config(&unique_pin_dir("demo")), |c, i| {
+            c.interface_key(i, "route = true")
+        })
         .services(&demo_services());
     println!("{}", indent(&config.to_toml()));
     let mut daemon = Daemon::start(&bin, lb.fp(), &config);
@@ -515,7 +519,7 @@ fn print_counters(title: &str, delta: &StatsSnapshot) {
         .map(|r| r.packets)
         .sum();
     println!(
-        "  {total} packet-hook events, {kernel} handed to the kernel (the slow path): conntrack tracks them (below); connections to the VIP are translated to their backend at XDP (lb_to_backend / lb_from_backend); the kernel routes every packet."
+        "  {total} packet-hook events, {kernel} handed to the kernel (the slow path): conntrack tracks them (below); connections to the VIP are translated to their backend at XDP (lb_to_backend / lb_from_backend) and sent on from there (forward); the kernel routes only what the fast path hands it (a next hop not yet resolved, traffic to fp itself)."
     );
 }
 
