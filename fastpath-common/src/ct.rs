@@ -391,8 +391,37 @@ pub struct CtEntry {
     /// The NAT binding of a load-balanced connection (`CT_F_LB`, `CT_F_LB_ALIAS`); zero
     /// otherwise.
     pub nat: crate::lb::CtNat,
+    /// Where the fast path routes the packets that find this entry, per direction (`DIR_*`;
+    /// an alias's packets, the backend's, use `DIR_REPLY`): learned by the datapath on the
+    /// direction's first routed packet after the connection's first, so an established
+    /// packet is one lookup, a rewrite and a redirect. Local to the node that learned it:
+    /// zero in entries the daemon writes (HA, restores).
+    pub hops: [CtHop; 2],
 }
-const _: () = assert!(core::mem::size_of::<CtEntry>() == 104);
+const _: () = assert!(core::mem::size_of::<CtEntry>() == 184);
+
+/// The FIB's answer for one direction of a connection (`CtEntry::hops`), used while
+/// `until_ns` has not passed, the route generation (`FP_VXLAN_GEN`, its low 32 bits) is the
+/// one it was learned in, the packet arrives on `in_ifindex`, and its IP length is at most
+/// `fits`: the route cache's rules (`route::ROUTE_CACHE_TTL_NS`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct CtHop {
+    /// Coarse-clock time it holds until (0: nothing learned).
+    pub until_ns: u64,
+    pub generation: u32,
+    pub in_ifindex: u32,
+    /// The egress interface.
+    pub out_ifindex: u32,
+    /// The longest IP packet known to fit the route.
+    pub fits: u16,
+    pub _pad: u16,
+    /// The next hop's MAC address, then the egress interface's: an Ethernet header's first
+    /// 12 bytes.
+    pub macs: [u8; 12],
+    pub _pad2: u32,
+}
+const _: () = assert!(core::mem::size_of::<CtHop>() == 40);
 const _: () = assert!(core::mem::offset_of!(CtEntry, state) == 48);
 
 impl CtEntry {
@@ -636,7 +665,7 @@ pub struct CtRecord {
     pub op: u32,
     pub _pad: u32,
 }
-const _: () = assert!(core::mem::size_of::<CtRecord>() == 152);
+const _: () = assert!(core::mem::size_of::<CtRecord>() == 232);
 
 /// [`CtRecord::op`]: create the entry if its key is free.
 pub const CT_RECORD_CREATE: u32 = 0;
@@ -645,7 +674,7 @@ pub const CT_RECORD_REMOVE: u32 = 1;
 
 /// Records one run of the installer takes at most: BPF_PROG_TEST_RUN gives an XDP program
 /// at most a page less its headroom and `skb_shared_info` (3520 bytes with 4 KiB pages).
-pub const CT_INSTALL_MAX: usize = 23;
+pub const CT_INSTALL_MAX: usize = 15;
 const _: () = assert!(CT_INSTALL_MAX * core::mem::size_of::<CtRecord>() <= 3520);
 
 #[cfg(feature = "user")]

@@ -36,7 +36,9 @@ use fastpath_common::{
 };
 
 use crate::{
-    ctx::{Miss, NAT_DSR, NAT_DST, NAT_ICMP_ERROR, NAT_ICMP_KEEP_SOURCE, NAT_SRC, copy16},
+    ctx::{
+        self, HopRef, Miss, NAT_DSR, NAT_DST, NAT_ICMP_ERROR, NAT_ICMP_KEEP_SOURCE, NAT_SRC, copy16,
+    },
     maps::{
         FP_CT, FP_CT_ENTRY, FP_CT_EVENTS, FP_CT_KEY, FP_CT_KEY2, FP_CT_KEY3, FP_CT_NEW,
         FP_CT_STATS, FP_IFACE, FP_MISS, FP_NAT, FP_SVC_KEY,
@@ -98,7 +100,9 @@ fn nat(dst: Endpoint, src: Endpoint, ends: u8, reason: u32) -> Action {
 /// An address (IPv4 in the first 4 bytes; 8-aligned map memory) and port to translate to.
 type Endpoint<'a> = (&'a [u8; 16], u16);
 
-/// Tracks `p` (seen at `now`, `ctx::now`) if `hook` tracks for interface `ifindex`. At egress only packets this node sent
+/// Tracks `p` if `hook` tracks for interface `ifindex` (reading the clock into `now`,
+/// `ctx::now`, for the later stages); on a
+/// hit, points `hop` at the next hop its entry keeps for the packet's direction. At egress only packets this node sent
 /// (`local`) are tracked: forwarded ones were tracked where they came in. Says what to do with
 /// the packet: drop it when the interface's stateful firewall refuses it (never at egress),
 /// translate it when it belongs to a load-balanced connection (where `lb`: the program runs
@@ -116,7 +120,8 @@ pub fn track(
     pkt: &Packet,
     p: &Parsed,
     len: usize,
-    now: u64,
+    now: &mut u64,
+    hop: &mut HopRef,
 ) -> Action {
     if p.fragment != 0 || (hook == Hook::TcEgress && !local) {
         return Action::Pass;
@@ -169,6 +174,8 @@ pub fn track(
         return Action::Drop(reason::MARTIAN_SOURCE);
     }
     count(ct_stat::LOOKUPS);
+    *now = ctx::now();
+    let now = *now;
     let lb_here = lb && is_tcp_udp;
     if lb_here
         && let Some(e) = hit
@@ -219,9 +226,14 @@ pub fn track(
                 if !lb_here {
                     return Action::Pass;
                 }
+                // The backend's packets leave as the alias's reply direction says.
+                hop.hop = &raw mut e.hops[DIR_REPLY];
+                hop.in_entry = true;
                 return lb_reply(pkt, p, e, firewall, len, now);
             }
             let refused = update(key, e, src_is_lo, p, len, now);
+            hop.hop = &raw mut e.hops[e.dir(src_is_lo) & 1];
+            hop.in_entry = true;
             if lb_here && e.flags & CT_F_LB != 0 && e.dir(src_is_lo) == DIR_ORIGINAL {
                 if let Some(code) = refused
                     && firewall

@@ -3,6 +3,8 @@
 //! plain helpers on them: this module imports no stage and no map, so every stage and
 //! `maps` can depend on it without a cycle.
 
+use fastpath_common::ct::CtHop;
+
 /// What to rewrite: the destination (`ends & NAT_DST`) and/or the source (`ends &
 /// NAT_SRC`) to these addresses (IPv4: the first 4 bytes) and ports.
 ///
@@ -52,6 +54,14 @@ pub struct Miss {
     pub src_is_lo: bool,
     /// The interface's stateful firewall judges the packet.
     pub firewall: bool,
+}
+
+/// Where the L3 stage finds, and keeps, the next hop of the packet's connection direction:
+/// the entry's (`CtEntry::hops`, set by conntrack on a hit: `in_entry`), else this CPU's
+/// scratch hop, never read. verifier: never null, so no "a pointer or none".
+pub struct HopRef {
+    pub hop: *mut CtHop,
+    pub in_entry: bool,
 }
 
 /// Which end of the packet an address belongs to.

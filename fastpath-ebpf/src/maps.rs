@@ -11,7 +11,7 @@ use aya_ebpf::{
 };
 use fastpath_common::{
     Counter, DatapathConfig,
-    ct::{CT_EVENTS_BYTES, CtEntry, CtKey, IFACE_SLOTS, IfaceConfig, ct_stat},
+    ct::{CT_EVENTS_BYTES, CtEntry, CtHop, CtKey, IFACE_SLOTS, IfaceConfig, ct_stat},
     lb::{
         AFFINITY_ENTRIES, Affinity, AffinityKey, Backend, BackendCounters, BackendLoad, LB_SLOTS,
         MAX_BACKENDS, MAX_SERVICES, MAX_SNAT_RULES, Service, SnatRule, SvcCounters, SvcKey,
@@ -198,6 +198,11 @@ pub static FP_CT_ENTRY: PerCpuArray<CtEntry> = PerCpuArray::with_max_entries(2, 
 /// This CPU's packet that may start a connection conntrack did not find (see `ctx::Miss`).
 #[map(name = "FP_MISS")]
 pub static FP_MISS: PerCpuArray<Miss> = PerCpuArray::with_max_entries(1, 0);
+
+/// This CPU's stand-in for a connection's next hop (`ctx::HopRef`) when the packet found no
+/// entry: written, never read.
+#[map(name = "FP_HOP")]
+pub static FP_HOP: PerCpuArray<CtHop> = PerCpuArray::with_max_entries(1, 0);
 
 /// This CPU's planned rewrite of the packet being processed (see `ctx::NatPlan`).
 #[map(name = "FP_NAT")]

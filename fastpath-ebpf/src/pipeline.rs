@@ -13,7 +13,7 @@ use fastpath_common::{
 
 use crate::{
     conntrack::{self, Action},
-    ctx::{self, Miss},
+    ctx::{HopRef, Miss},
     dsr, gateway, lb,
     maps::FP_PKT_CTX,
     nat,
@@ -55,14 +55,15 @@ pub fn process(
     ifindex: u32,
     local: bool,
 ) -> (Verdict, u32) {
-    // One clock read for every stage; none where nothing is tracked or routed (packets
-    // forwarded by this node, seen again at egress).
-    let now = if hook == Hook::TcEgress && !local {
-        0
-    } else {
-        ctx::now()
+    // One clock read for every stage, by the first that needs it (0: not read yet); none for
+    // a packet that is neither tracked nor routed.
+    let mut now = 0;
+    let Some(mut hop) = route::scratch_hop() else {
+        return (Verdict::Kernel, reason::NONE);
     };
-    let action = match conntrack::track(hook, lb, ifindex, local, pkt, p, pkt.len, now) {
+    let action = match conntrack::track(
+        hook, lb, ifindex, local, pkt, p, pkt.len, &mut now, &mut hop,
+    ) {
         // At XDP the rest is the tail program `fastpath_xdp_new_connection`'s (`missed`).
         Action::Miss if hook == Hook::Xdp => return (Verdict::Kernel, NEW_CONNECTION),
         Action::Miss => match conntrack::missed() {
@@ -71,7 +72,7 @@ pub fn process(
         },
         tracked => tracked,
     };
-    act(action, pkt, p, hook, ifindex, now)
+    act(action, pkt, p, hook, ifindex, now, &hop)
 }
 
 /// The reason `process` gives a packet whose connection is created by the tail program
@@ -85,9 +86,14 @@ pub const NEW_CONNECTION: u32 = u32::MAX - 1;
 pub fn missed(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> (Verdict, u32) {
     let (action, now) = match conntrack::missed() {
         Some(m) => (new_connection(m, pkt, p, ifindex), m.now),
-        None => (Action::Pass, ctx::now()),
+        None => (Action::Pass, 0),
     };
-    act(action, pkt, p, hook, ifindex, now)
+    // A new connection's first packet takes the route cache's or the FIB's answer; its entry
+    // keeps it from the next packet on.
+    let Some(hop) = route::scratch_hop() else {
+        return (Verdict::Kernel, reason::NONE);
+    };
+    act(action, pkt, p, hook, ifindex, now, &hop)
 }
 
 /// The stages after conntrack and load balancing: carries out `action` (NAT, direct server
@@ -100,6 +106,7 @@ fn act(
     hook: Hook,
     ifindex: u32,
     now: u64,
+    hop: &HopRef,
 ) -> (Verdict, u32) {
     // Where packets arrive, the L3 stage routes what the earlier stages let through (at
     // egress the kernel has routed them already). One call site per program: the stage is
@@ -147,7 +154,7 @@ fn act(
     let routed = if hook == Hook::TcEgress {
         Err(reason::NONE)
     } else {
-        route::forward(pkt, p, hook, ifindex, now)
+        route::forward(pkt, p, hook, ifindex, now, hop)
     };
     // A translated packet keeps its translation's reason; the verdict says who routed it.
     match (routed, code) {

@@ -18,7 +18,9 @@
 
 use fastpath_common::{
     Hook, TAIL_VLAN_FORWARD, TAIL_VXLAN_ENCAP, csum,
-    ct::{IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_F_VXLAN},
+    ct::{
+        CtHop, IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_F_VXLAN,
+    },
     reason,
     route::{ROUTE_CACHE_TTL_NS, route_stat},
 };
@@ -29,10 +31,11 @@ use aya_ebpf::{
 };
 
 use crate::{
-    ctx::{FibParams, RouteLearning},
+    ctx::{self, FibParams, HopRef, RouteLearning},
     fib,
     maps::{
-        FP_IFACE, FP_NAT, FP_PEER, FP_ROUTE_CACHE, FP_ROUTE_LEARN, FP_ROUTE_STATS, FP_TX_PORTS,
+        FP_HOP, FP_IFACE, FP_NAT, FP_PEER, FP_ROUTE_CACHE, FP_ROUTE_LEARN, FP_ROUTE_STATS,
+        FP_TX_PORTS,
     },
     packet::Packet,
     parse::{FAMILY_IPV4, IPPROTO_TCP, Parsed},
@@ -48,12 +51,20 @@ const FIB_NO_NEIGH: i64 = 7;
 const FIB_FRAG_NEEDED: i64 = 8;
 
 /// Routes the packet that arrived on `ifindex` at `hook` (XDP or TC ingress) at `now`
-/// (`ctx::now`): `Ok` when it
+/// (`ctx::now`; 0: not read yet), with the next hop its connection keeps for its direction (`hop`) when that
+/// holds — else the route cache's or the FIB's answer, then kept there: `Ok` when it
 /// is ready to be redirected to [`out_ifindex`] (TTL and MAC addresses rewritten), else the
 /// reason it goes to the kernel unchanged — [`reason::NONE`] when `ifindex` does not route
 /// at this hook.
 #[inline(always)]
-pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32, now: u64) -> Result<(), u32> {
+pub fn forward(
+    pkt: &Packet,
+    p: &Parsed,
+    hook: Hook,
+    ifindex: u32,
+    now: u64,
+    hop: &HopRef,
+) -> Result<(), u32> {
     let Some(iface) = FP_IFACE.get(ifindex) else {
         return Err(reason::NONE);
     };
@@ -105,10 +116,31 @@ pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32, now: u64) -> 
     } else {
         0
     };
+    let now = if now == 0 { ctx::now() } else { now };
+    // SAFETY: a live conntrack entry's hop (valid for this program run) or this CPU's
+    // scratch one; racing writers store whole answers of the same flow (see `keep`).
+    let known = unsafe { &mut *hop.hop };
+    let generation = fib::generation() as u32;
+    if hop.in_entry
+        && gso_size == 0
+        && known.until_ns > now
+        && known.generation == generation
+        && known.in_ifindex == ifindex
+        && tot_len <= known.fits
+    {
+        if !rewrite(pkt, l3, v4, hdr, known.macs) {
+            return Err(reason::ROUTE_OTHER);
+        }
+        count(route_stat::HIT);
+        redirect_to(known.out_ifindex);
+        return Ok(());
+    }
     let f = fib::question(pkt, p, ifindex, false).ok_or(reason::ROUTE_OTHER)?;
     // verifier: a hit writes its answer where the FIB writes its own, so both ways join with
     // the same state below.
-    if !cached(f, pkt, p, gso_size, tot_len, now) {
+    let fits = if let Some(fits) = cached(f, pkt, p, gso_size, tot_len, now) {
+        fits
+    } else {
         // The answer overwrites parts of the question (the next hop's address replaces the
         // destination): the key is kept first.
         let Some(learning) = FP_ROUTE_LEARN.get_ptr_mut(0) else {
@@ -136,7 +168,8 @@ pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32, now: u64) -> 
             return Err(reason::ROUTE_MTU);
         }
         learn(learning, f, fits, now);
-    }
+        fits
+    };
     let out = f.ifindex;
     match FP_IFACE.get(out) {
         // A VXLAN network's device: encapsulated by a tail program (the entry point's), when
@@ -150,16 +183,61 @@ pub fn forward(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32, now: u64) -> 
         Some(e) if e.flags & (IFACE_F_ROUTE | IFACE_F_ROUTE_TC) != 0 => {}
         _ => return Err(reason::ROUTE_EGRESS_NOT_ROUTED),
     }
-    if !rewrite(pkt, l3, v4, hdr, f.macs()) {
+    let macs = f.macs();
+    if !rewrite(pkt, l3, v4, hdr, macs) {
         return Err(reason::ROUTE_OTHER);
+    }
+    if hop.in_entry {
+        keep(known, ifindex, out, fits, macs, now, generation);
     }
     redirect_to(out);
     Ok(())
 }
 
+/// Keeps a route in a connection's entry (`CtEntry::hops`) for the direction's next
+/// packets, under the route cache's rules (`ROUTE_CACHE_TTL_NS`, the generation), its
+/// generation written last: a reader on another CPU that sees it sees the rest (x86 keeps
+/// stores in order; two CPUs keeping one direction's route write the same answer).
+#[inline(always)]
+fn keep(
+    known: &mut CtHop,
+    ifindex: u32,
+    out: u32,
+    fits: u16,
+    macs: [u8; 12],
+    now: u64,
+    generation: u32,
+) {
+    known.until_ns = now + ROUTE_CACHE_TTL_NS;
+    known.in_ifindex = ifindex;
+    known.out_ifindex = out;
+    known.fits = fits;
+    known.macs = macs;
+    // SAFETY: a volatile store keeps the compiler from moving it before the others.
+    unsafe { core::ptr::write_volatile(&raw mut known.generation, generation) };
+}
+
+/// This CPU's stand-in hop (`ctx::HopRef`) for a packet without a connection entry.
+#[inline(always)]
+pub fn scratch_hop() -> Option<HopRef> {
+    Some(HopRef {
+        hop: FP_HOP.get_ptr_mut(0)?,
+        in_entry: false,
+    })
+}
+
+#[inline(always)]
+fn count(outcome: u32) {
+    if let Some(c) = FP_ROUTE_STATS.get_ptr_mut(outcome) {
+        // SAFETY: this CPU's slot of a per-CPU array.
+        unsafe { *c += 1 };
+    }
+}
+
 /// Whether the route cache answers the FIB question in `f` — an answer of this generation,
 /// not expired, for which the packet (`tot_len` bytes, or a GRO aggregate of `gso_size`
-/// segments) is known to fit — and then writes it into `f` as the FIB would. Counted.
+/// segments) is known to fit — and then writes it into `f` as the FIB would, and gives the
+/// longest packet known to fit. Counted.
 #[inline(always)]
 fn cached(
     f: &mut FibParams,
@@ -168,32 +246,29 @@ fn cached(
     gso_size: u32,
     tot_len: u16,
     now: u64,
-) -> bool {
-    let outcome = match FP_ROUTE_CACHE.get_ptr(f.key()) {
-        None => route_stat::MISS,
+) -> Option<u16> {
+    let (outcome, fits) = match FP_ROUTE_CACHE.get_ptr(f.key()) {
+        None => (route_stat::MISS, 0),
         Some(hop) => {
             // SAFETY: a live entry; `learn` replaces entries whole (a racing reader may mix
             // fields of two answers for one flow, both the FIB's within a generation).
             let hop = unsafe { &*hop };
             if hop.generation != fib::generation() || now > hop.expires_ns {
-                route_stat::STALE
+                (route_stat::STALE, 0)
             } else if !(if gso_size == 0 {
                 tot_len <= hop.fits
             } else {
                 segments_fit(pkt, p, gso_size, hop.fits)
             }) {
-                route_stat::MISS
+                (route_stat::MISS, 0)
             } else {
                 f.set_answer(hop.out, hop.tail);
-                route_stat::HIT
+                (route_stat::HIT, hop.fits)
             }
         }
     };
-    if let Some(c) = FP_ROUTE_STATS.get_ptr_mut(outcome) {
-        // SAFETY: this CPU's slot of a per-CPU array.
-        unsafe { *c += 1 };
-    }
-    outcome == route_stat::HIT
+    count(outcome);
+    (outcome == route_stat::HIT).then_some(fits)
 }
 
 /// Caches the FIB's answer in `f` (packets up to `fits` bytes fit) under the question's key

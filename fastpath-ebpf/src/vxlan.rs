@@ -388,7 +388,11 @@ fn route_inner(inner: &Packet, hook: Hook, net: u32) -> Result<(), u32> {
         Ok(p) if p.l4_proto == IPPROTO_TCP && p.tcp_flags & (TCP_FIN | TCP_RST) != 0 => {
             Err(reason::VXLAN_TCP_CLOSE)
         }
-        Ok(p) => route::forward(inner, p, hook, net, crate::ctx::now()),
+        // Not tracked here: the route cache's or the FIB's answer.
+        Ok(p) => match route::scratch_hop() {
+            Some(hop) => route::forward(inner, p, hook, net, 0, &hop),
+            None => Err(reason::VXLAN_MISS),
+        },
         Err(_) => Err(reason::VXLAN_MISS),
     }
 }

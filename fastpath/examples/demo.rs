@@ -120,6 +120,8 @@ fn run() -> Result<()> {
     step(
         "fastpath daemon on fp (XDP + TCX ingress/egress on every interface, routing at XDP as an appliance does, a service on a VIP)",
     )?;
+    lb.take_xdp_redirects()
+        .context("turning GRO on where fp's routed frames arrive")?;
     let config = lb
         .fp_interfaces()
         .iter()

@@ -1144,6 +1144,17 @@ impl LbTopology {
         Ok(())
     }
 
+    /// GRO on (`ethtool -K eth0 gro on`) on the client and every backend: a veth takes frames
+    /// fp redirects into it at XDP (`route = true`) only when its peer is in NAPI mode (an XDP
+    /// program or GRO there); otherwise the kernel drops them.
+    pub fn take_xdp_redirects(&self) -> Result<(), NetnsError> {
+        for ns in std::iter::once(self.client()).chain((0..self.backends).map(|i| self.backend(i)))
+        {
+            ns.run(&["ethtool", "-K", Self::HOST_IF, "gro", "on"])?;
+        }
+        Ok(())
+    }
+
     /// A daemon config attaching every hook (XDP auto, TC ingress and egress) to every fp
     /// interface.
     pub fn fp_config(&self, pin_dir: &Path) -> DaemonConfig {
