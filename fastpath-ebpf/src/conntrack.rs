@@ -36,9 +36,8 @@ use fastpath_common::{
 };
 
 use crate::{
-    ctx::{
-        self, HopRef, Miss, NAT_DSR, NAT_DST, NAT_ICMP_ERROR, NAT_ICMP_KEEP_SOURCE, NAT_SRC, copy16,
-    },
+    clock,
+    ctx::{HopRef, Miss, NAT_DSR, NAT_DST, NAT_ICMP_ERROR, NAT_ICMP_KEEP_SOURCE, NAT_SRC, copy16},
     maps::{
         FP_CT, FP_CT_ENTRY, FP_CT_EVENTS, FP_CT_KEY, FP_CT_KEY2, FP_CT_KEY3, FP_CT_NEW,
         FP_CT_STATS, FP_IFACE, FP_MISS, FP_NAT, FP_SVC_KEY,
@@ -101,7 +100,7 @@ fn nat(dst: Endpoint, src: Endpoint, ends: u8, reason: u32) -> Action {
 type Endpoint<'a> = (&'a [u8; 16], u16);
 
 /// Tracks `p` if `hook` tracks for interface `ifindex` (reading the clock into `now`,
-/// `ctx::now`, for the later stages); on a
+/// `clock::now`, for the later stages); on a
 /// hit, points `hop` at the next hop its entry keeps for the packet's direction. At egress only packets this node sent
 /// (`local`) are tracked: forwarded ones were tracked where they came in. Says what to do with
 /// the packet: drop it when the interface's stateful firewall refuses it (never at egress),
@@ -174,7 +173,7 @@ pub fn track(
         return Action::Drop(reason::MARTIAN_SOURCE);
     }
     count(ct_stat::LOOKUPS);
-    *now = ctx::now();
+    *now = clock::now();
     let now = *now;
     let lb_here = lb && is_tcp_udp;
     if lb_here

@@ -166,16 +166,6 @@ pub struct RouteLearning {
     pub(crate) hop: RouteHop,
 }
 
-/// The coarse monotonic clock: the last tick's time (jiffies' resolution, as Linux's own
-/// conntrack keeps time), a read instead of a clock-source read; userspace compares it with
-/// CLOCK_MONOTONIC, which it trails by at most one tick. Read once per packet by the pipeline
-/// (a helper call costs tens of ns on CPUs that mitigate `ret`) and handed to the stages.
-#[inline(always)]
-pub fn now() -> u64 {
-    // SAFETY: bpf_ktime_get_coarse_ns has no preconditions.
-    unsafe { aya_ebpf::helpers::bpf_ktime_get_coarse_ns() }
-}
-
 /// Copies 16 address bytes with two word loads and stores (no memcpy call). Both must be
 /// 8-aligned: key fields, `CtNat`/`Backend` addresses, all at multiples of 8 in 8-aligned
 /// structs.

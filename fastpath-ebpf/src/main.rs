@@ -16,6 +16,7 @@
 
 #[cfg(feature = "bench")]
 mod bench;
+mod clock;
 mod conntrack;
 mod ctx;
 mod dsr;

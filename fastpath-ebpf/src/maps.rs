@@ -39,6 +39,11 @@ pub static FP_STATS_EXT: PerCpuArray<Counter> = PerCpuArray::pinned(STATS_ENTRIE
 #[map(name = "FP_CONFIG")]
 pub static FP_CONFIG: Array<DatapathConfig> = Array::pinned(1, 0);
 
+/// This CPU's clock reading (`clock::now`): the jiffies it was read at, and the coarse
+/// clock's time then. Not pinned: a load starts it empty.
+#[map(name = "FP_CLOCK")]
+pub static FP_CLOCK: PerCpuArray<[u64; 2]> = PerCpuArray::with_max_entries(1, 0);
+
 /// Time of the last rare-event log record on each CPU (ns, monotonic): see `ratelimit`.
 /// Not pinned: losing it on restart only allows one early record.
 #[map(name = "FP_LOG_RATELIMIT")]

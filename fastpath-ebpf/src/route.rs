@@ -31,7 +31,8 @@ use aya_ebpf::{
 };
 
 use crate::{
-    ctx::{self, FibParams, HopRef, RouteLearning},
+    clock,
+    ctx::{FibParams, HopRef, RouteLearning},
     fib,
     maps::{
         FP_HOP, FP_IFACE, FP_NAT, FP_PEER, FP_ROUTE_CACHE, FP_ROUTE_LEARN, FP_ROUTE_STATS,
@@ -51,7 +52,7 @@ const FIB_NO_NEIGH: i64 = 7;
 const FIB_FRAG_NEEDED: i64 = 8;
 
 /// Routes the packet that arrived on `ifindex` at `hook` (XDP or TC ingress) at `now`
-/// (`ctx::now`; 0: not read yet), with the next hop its connection keeps for its direction (`hop`) when that
+/// (`clock::now`; 0: not read yet), with the next hop its connection keeps for its direction (`hop`) when that
 /// holds — else the route cache's or the FIB's answer, then kept there: `Ok` when it
 /// is ready to be redirected to [`out_ifindex`] (TTL and MAC addresses rewritten), else the
 /// reason it goes to the kernel unchanged — [`reason::NONE`] when `ifindex` does not route
@@ -116,7 +117,7 @@ pub fn forward(
     } else {
         0
     };
-    let now = if now == 0 { ctx::now() } else { now };
+    let now = if now == 0 { clock::now() } else { now };
     // SAFETY: a live conntrack entry's hop (valid for this program run) or this CPU's
     // scratch one; racing writers store whole answers of the same flow (see `keep`).
     let known = unsafe { &mut *hop.hop };

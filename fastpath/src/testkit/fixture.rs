@@ -1027,19 +1027,13 @@ impl CtStats {
 impl Fixture {
     /// Every entry of `FP_CT`, in key order.
     pub fn ct_entries(&self) -> Result<BTreeMap<CtKey, CtEntry>, FixtureError> {
-        let name = map_names::CT;
-        let table = self.ct_table()?;
-        table
-            .iter()
-            .collect::<Result<_, _>>()
-            .map_err(map_error(name))
+        self.ct_table()?.entries().map_err(map_error(map_names::CT))
     }
 
     /// The entry of one connection, if there is one.
     pub fn ct_entry(&self, key: &CtKey) -> Result<Option<CtEntry>, FixtureError> {
         let name = map_names::CT;
-        let table = self.ct_table()?;
-        match table.get(key, 0) {
+        match self.ct_table()?.get(key) {
             Ok(entry) => Ok(Some(entry)),
             Err(MapError::KeyNotFound) => Ok(None),
             Err(source) => Err(FixtureError::Map { name, source }),
@@ -1047,30 +1041,39 @@ impl Fixture {
     }
 
     /// `FP_CT`, read-only.
-    fn ct_table(&self) -> Result<BpfHashMap<&MapData, CtKey, CtEntry>, FixtureError> {
+    fn ct_table(&self) -> Result<CtView<&MapData>, FixtureError> {
         let name = map_names::CT;
-        let map = self
-            .ebpf
-            .map(name)
-            .ok_or(FixtureError::MissingMap { name })?;
-        BpfHashMap::try_from(map).map_err(map_error(name))
+        let map = || self.ebpf.map(name).ok_or(FixtureError::MissingMap { name });
+        match BpfHashMap::try_from(map()?) {
+            Ok(t) => Ok(CtView::Now(t)),
+            Err(MapError::InvalidValueSize { .. }) => BpfHashMap::try_from(map()?)
+                .map(CtView::BeforeHops)
+                .map_err(map_error(name)),
+            Err(e) => Err(map_error(name)(e)),
+        }
     }
 
     /// `FP_CT`, writable.
-    fn ct_table_mut(&mut self) -> Result<BpfHashMap<&mut MapData, CtKey, CtEntry>, FixtureError> {
+    fn ct_table_mut(&mut self) -> Result<CtView<&mut MapData>, FixtureError> {
         let name = map_names::CT;
+        let now = matches!(self.ct_table()?, CtView::Now(_));
         let map = self
             .ebpf
             .map_mut(name)
             .ok_or(FixtureError::MissingMap { name })?;
-        BpfHashMap::try_from(map).map_err(map_error(name))
+        if now {
+            BpfHashMap::try_from(map).map(CtView::Now)
+        } else {
+            BpfHashMap::try_from(map).map(CtView::BeforeHops)
+        }
+        .map_err(map_error(name))
     }
 
     /// Writes one entry into `FP_CT` (what a peer's replication installs).
     pub fn ct_insert(&mut self, key: &CtKey, entry: &CtEntry) -> Result<(), FixtureError> {
         let name = map_names::CT;
         self.ct_table_mut()?
-            .insert(key, entry, 0)
+            .insert(key, entry)
             .map_err(map_error(name))
     }
 
@@ -1079,10 +1082,7 @@ impl Fixture {
         let name = map_names::CT;
         let mut table = self.ct_table_mut()?;
         // Keys first: deleting while walking would restart the kernel's iteration.
-        let keys = table
-            .keys()
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(map_error(name))?;
+        let keys = table.keys().map_err(map_error(name))?;
         for key in &keys {
             table.remove(key).map_err(map_error(name))?;
         }
@@ -1148,10 +1148,10 @@ impl Fixture {
                 entry.nat.addr[..4].copy_from_slice(&[172, 16, b[3] & 0x7, 1]);
                 entry.nat.port = 8080;
                 if let Some((ak, alias)) = fastpath_common::lb::lb_alias(&key, &entry) {
-                    table.insert(&ak, &alias, 0).map_err(map_error(name))?;
+                    table.insert(&ak, &alias).map_err(map_error(name))?;
                 }
             }
-            table.insert(&key, &entry, 0).map_err(map_error(name))?;
+            table.insert(&key, &entry).map_err(map_error(name))?;
         }
         Ok(())
     }
@@ -1160,14 +1160,14 @@ impl Fixture {
     pub fn ct_age(&mut self, key: &CtKey, ns: u64) -> Result<(), FixtureError> {
         let name = map_names::CT;
         let mut table = self.ct_table_mut()?;
-        let mut e = match table.get(key, 0) {
+        let mut e = match table.get(key) {
             Ok(e) => e,
             Err(MapError::KeyNotFound) => return Ok(()),
             Err(source) => return Err(FixtureError::Map { name, source }),
         };
         e.created_ns = e.created_ns.saturating_sub(ns);
         e.last_seen_ns = e.last_seen_ns.saturating_sub(ns);
-        table.insert(key, &e, 0).map_err(map_error(name))
+        table.insert(key, &e).map_err(map_error(name))
     }
 
     /// `FP_CT_STATS` summed over CPUs.
@@ -1937,6 +1937,81 @@ fn umount(path: &Path) -> std::io::Result<()> {
     }
 }
 
+/// `CtEntry`'s size before entries kept their next hops (`CtEntry::hops`): the table of an
+/// earlier build the benchmark times beside this tree's. The layout is append-only, so such
+/// an entry is the first bytes of this tree's.
+const CT_ENTRY_BEFORE_HOPS: usize = 104;
+
+/// `FP_CT` with the entry layout of the object loaded.
+enum CtView<M> {
+    Now(BpfHashMap<M, CtKey, CtEntry>),
+    BeforeHops(BpfHashMap<M, CtKey, [u8; CT_ENTRY_BEFORE_HOPS]>),
+}
+
+/// This tree's entry as an earlier layout's (its first bytes).
+fn entry_prefix(e: &CtEntry) -> [u8; CT_ENTRY_BEFORE_HOPS] {
+    let mut out = [0; CT_ENTRY_BEFORE_HOPS];
+    // SAFETY: CtEntry is plain old data (#[repr(C)], integers) longer than the prefix.
+    let bytes = unsafe {
+        std::slice::from_raw_parts((e as *const CtEntry).cast::<u8>(), size_of::<CtEntry>())
+    };
+    out.copy_from_slice(&bytes[..CT_ENTRY_BEFORE_HOPS]);
+    out
+}
+
+/// An earlier layout's entry as this tree's (the fields it lacks zero).
+fn entry_from_prefix(prefix: &[u8; CT_ENTRY_BEFORE_HOPS]) -> CtEntry {
+    let mut e = CtEntry::default();
+    // SAFETY: as in `entry_prefix`; any bytes are a valid CtEntry.
+    let bytes = unsafe {
+        std::slice::from_raw_parts_mut((&mut e as *mut CtEntry).cast::<u8>(), size_of::<CtEntry>())
+    };
+    bytes[..CT_ENTRY_BEFORE_HOPS].copy_from_slice(prefix);
+    e
+}
+
+impl<M: std::borrow::Borrow<MapData>> CtView<M> {
+    fn entries(&self) -> Result<BTreeMap<CtKey, CtEntry>, MapError> {
+        match self {
+            CtView::Now(t) => t.iter().collect(),
+            CtView::BeforeHops(t) => t
+                .iter()
+                .map(|r| r.map(|(k, v)| (k, entry_from_prefix(&v))))
+                .collect(),
+        }
+    }
+
+    fn get(&self, key: &CtKey) -> Result<CtEntry, MapError> {
+        match self {
+            CtView::Now(t) => t.get(key, 0),
+            CtView::BeforeHops(t) => t.get(key, 0).map(|v| entry_from_prefix(&v)),
+        }
+    }
+
+    fn keys(&self) -> Result<Vec<CtKey>, MapError> {
+        match self {
+            CtView::Now(t) => t.keys().collect(),
+            CtView::BeforeHops(t) => t.keys().collect(),
+        }
+    }
+}
+
+impl<M: std::borrow::BorrowMut<MapData>> CtView<M> {
+    fn insert(&mut self, key: &CtKey, entry: &CtEntry) -> Result<(), MapError> {
+        match self {
+            CtView::Now(t) => t.insert(key, entry, 0),
+            CtView::BeforeHops(t) => t.insert(key, &entry_prefix(entry), 0),
+        }
+    }
+
+    fn remove(&mut self, key: &CtKey) -> Result<(), MapError> {
+        match self {
+            CtView::Now(t) => t.remove(key),
+            CtView::BeforeHops(t) => t.remove(key),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1965,6 +2040,29 @@ mod tests {
         assert_eq!(
             raw_verdict(Hook::TcIngress, Verdict::Forward),
             TC_ACT_REDIRECT
+        );
+    }
+
+    #[test]
+    fn an_entry_keeps_its_fields_through_the_layout_before_hops() {
+        let mut e = CtEntry {
+            created_ns: 7,
+            last_seen_ns: 9,
+            state: 3,
+            flags: 0x41,
+            origin: 2,
+            ..CtEntry::default()
+        };
+        e.nat.port = 8080;
+        e.hops[1].out_ifindex = 5;
+        let back = entry_from_prefix(&entry_prefix(&e));
+        assert_eq!(
+            back,
+            CtEntry {
+                hops: Default::default(),
+                ..e
+            },
+            "every field but the hops survives the earlier layout; the hops come back zero"
         );
     }
 }
