@@ -349,7 +349,9 @@ pub const CT_F_ORIG_IS_LO: u8 = 1 << 0;
 pub const CT_F_SEEN_REPLY: u8 = 1 << 1;
 /// Assured (Linux's IPS_ASSURED): TCP established after a reply, UDP replied and still active
 /// after 2 s; never ICMP. When the table is full, unassured entries are dropped to make room
-/// (early drop), assured ones never are.
+/// (early drop), assured ones never are. On an alias (`CT_F_LB_ALIAS`): its connection is
+/// assured and (TCP) established, so the backend's plain packets change nothing in it and are
+/// counted in the alias alone, on one lookup (see [`with_alias`]).
 pub const CT_F_ASSURED: u8 = 1 << 2;
 /// A load-balanced connection's entry (client ↔ VIP): client packets are translated to the
 /// backend in `nat`.
@@ -435,6 +437,20 @@ impl CtEntry {
             DIR_REPLY
         }
     }
+}
+
+/// A load-balanced connection's entry `conn` with what its alias `alias` counted: the
+/// backend's packets the datapath counted in the alias alone (see `CT_F_ASSURED`), added to
+/// the reply direction, and the later of the two last-seen times — the connection as the
+/// daemon shows and expires it.
+pub fn with_alias(conn: &CtEntry, alias: &CtEntry) -> CtEntry {
+    let mut e = *conn;
+    e.packets[DIR_REPLY] = e.packets[DIR_REPLY].wrapping_add(alias.packets[DIR_REPLY]);
+    e.bytes[DIR_REPLY] = e.bytes[DIR_REPLY].wrapping_add(alias.bytes[DIR_REPLY]);
+    if alias.last_seen_ns > e.last_seen_ns {
+        e.last_seen_ns = alias.last_seen_ns;
+    }
+    e
 }
 
 /// Conntrack counters (index of the per-CPU `FP_CT_STATS` array). Codes are an ABI.

@@ -230,9 +230,19 @@ pub fn track(
                 hop.in_entry = true;
                 return lb_reply(pkt, p, e, firewall, len, now);
             }
+            let was = e.state;
             let refused = update(key, e, src_is_lo, p, len, now);
             hop.hop = &raw mut e.hops[e.dir(src_is_lo) & 1];
             hop.in_entry = true;
+            if lb_here
+                && e.flags & CT_F_LB != 0
+                && was == tcp_state::ESTABLISHED
+                && e.state != tcp_state::ESTABLISHED
+            {
+                // The connection starts to close (or re-opens): the backend's packets step it
+                // again (see `lb_reply`).
+                unsteady(pkt, p, e);
+            }
             if lb_here && e.flags & CT_F_LB != 0 && e.dir(src_is_lo) == DIR_ORIGINAL {
                 if let Some(code) = refused
                     && firewall
@@ -394,39 +404,49 @@ fn towards_backend(e: &CtEntry, key: &CtKey, src_is_lo: bool) -> bool {
         && src_is_lo != nat_alias_backend_is_lo(key, e)
 }
 
-/// Removes a load-balanced connection's entry and its alias (NAT: client ↔ backend, the
-/// client being this packet's source; full-NAT: the allocated source ↔ backend).
+/// Removes a load-balanced connection's entry and its alias.
 #[inline(always)]
 fn forget_lb(pkt: &Packet, p: &Parsed, key: &CtKey, e: &CtEntry) {
-    if e.flags & CT_F_DSR == 0
-        && let Some(alias) = FP_CT_KEY2.get_ptr_mut(0)
-    {
-        // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
-        let alias = unsafe { &mut *alias };
-        let (sport, loaded) = if e.flags & CT_F_FULL_NAT != 0 {
-            (e.nat.port2, true)
-        } else {
-            (p.src_port, false)
-        };
-        if load_key(
-            pkt,
-            p.family,
-            p.l3_off as usize,
-            p.l4_proto,
-            sport,
-            e.nat.port,
-            alias,
-        ) {
-            if loaded {
-                copy16(&mut alias.addr_lo, &e.nat.addr2);
-            }
-            copy16(&mut alias.addr_hi, &e.nat.addr);
-            alias.normalize();
-            let alias: &CtKey = alias;
-            let _ = FP_CT.remove(alias);
-        }
+    if let Some(alias) = alias_key(pkt, p, e) {
+        let _ = FP_CT.remove(alias);
     }
     let _ = FP_CT.remove(key);
+}
+
+/// The alias key of load-balanced connection `e`, from a packet of its original direction
+/// (NAT: client ↔ backend, the client being this packet's source; full-NAT: the allocated
+/// source ↔ backend), in this CPU's `FP_CT_KEY2`. `None` for direct server return (no
+/// alias).
+#[inline(always)]
+fn alias_key(pkt: &Packet, p: &Parsed, e: &CtEntry) -> Option<&'static CtKey> {
+    if e.flags & CT_F_DSR != 0 {
+        return None;
+    }
+    let alias = FP_CT_KEY2.get_ptr_mut(0)?;
+    // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
+    let alias = unsafe { &mut *alias };
+    let (sport, loaded) = if e.flags & CT_F_FULL_NAT != 0 {
+        (e.nat.port2, true)
+    } else {
+        (p.src_port, false)
+    };
+    if !load_key(
+        pkt,
+        p.family,
+        p.l3_off as usize,
+        p.l4_proto,
+        sport,
+        e.nat.port,
+        alias,
+    ) {
+        return None;
+    }
+    if loaded {
+        copy16(&mut alias.addr_lo, &e.nat.addr2);
+    }
+    copy16(&mut alias.addr_hi, &e.nat.addr);
+    alias.normalize();
+    Some(alias)
 }
 
 /// `CT_F_SNAT` for a gateway connection's entries.
@@ -798,7 +818,7 @@ fn insert(key: &CtKey, entry: &CtEntry) -> bool {
 fn lb_reply(
     pkt: &Packet,
     p: &Parsed,
-    alias: &'static CtEntry,
+    alias: &'static mut CtEntry,
     firewall: bool,
     len: usize,
     now: u64,
@@ -812,6 +832,17 @@ fn lb_reply(
         NAT_SRC | full_nat(alias.flags, NAT_DST),
         reason::LB_FROM_BACKEND,
     );
+    if alias.flags & CT_F_ASSURED != 0 && steady(p) {
+        // perf: one lookup. A plain segment of an established connection (or any datagram
+        // of an assured UDP one) changes nothing in the connection's state: it is counted
+        // in the alias (the daemon adds the alias's counts and last-seen time to its
+        // connection's), not looked up again under the connection's key.
+        alias.packets[DIR_REPLY] += 1;
+        alias.bytes[DIR_REPLY] += len as u64;
+        alias.last_seen_ns = now;
+        stats::service(alias.nat.service, alias.nat.backend, len, false);
+        return action;
+    }
     let Some(k) = FP_CT_KEY2.get_ptr_mut(0) else {
         return action;
     };
@@ -840,7 +871,16 @@ fn lb_reply(
     if let Some(e) = FP_CT.get_ptr_mut(k) {
         // SAFETY: as in `track`.
         let e = unsafe { &mut *e };
-        if let Some(code) = update(k, e, src_is_lo, p, len, now)
+        let refused = update(k, e, src_is_lo, p, len, now);
+        // The alias says whether the backend's next plain packets may skip this lookup.
+        let steady_now = e.flags & CT_F_ASSURED != 0
+            && (k.proto != IPPROTO_TCP || e.state == tcp_state::ESTABLISHED);
+        if steady_now {
+            set_flag(alias, CT_F_ASSURED);
+        } else if alias.flags & CT_F_ASSURED != 0 {
+            clear_flag(alias, CT_F_ASSURED);
+        }
+        if let Some(code) = refused
             && firewall
         {
             count(ct_stat::FW_DROPPED);
@@ -849,6 +889,29 @@ fn lb_reply(
     }
     stats::service(alias.nat.service, alias.nat.backend, len, false);
     action
+}
+
+/// Whether packet `p` of an established TCP connection changes nothing in its state (an ACK
+/// without SYN, FIN or RST); any UDP datagram.
+#[inline(always)]
+fn steady(p: &Parsed) -> bool {
+    use fastpath_common::ct::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
+    p.l4_proto == IPPROTO_UDP
+        || (p.l4_proto == IPPROTO_TCP
+            && p.tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST | TCP_ACK) == TCP_ACK)
+}
+
+/// Load-balanced connection `e` left ESTABLISHED on a packet of its original direction: its
+/// alias stops taking the backend's packets on one lookup (`CT_F_ASSURED` on the alias, see
+/// `lb_reply`), so they step the connection again.
+#[inline(always)]
+fn unsteady(pkt: &Packet, p: &Parsed, e: &CtEntry) {
+    if let Some(alias) = alias_key(pkt, p, e)
+        && let Some(a) = FP_CT.get_ptr_mut(alias)
+    {
+        // SAFETY: a live entry of the table for this run.
+        clear_flag(unsafe { &mut *a }, CT_F_ASSURED);
+    }
 }
 
 #[inline(always)]
@@ -1355,6 +1418,19 @@ fn set_flag(e: &mut CtEntry, flag: u8) -> bool {
         )
     };
     (old >> 8) as u8 & flag == 0
+}
+
+/// Clears an entry flag atomically (BPF atomic and on the state word).
+#[inline(always)]
+fn clear_flag(e: &mut CtEntry, flag: u8) {
+    let word = state_word(e);
+    // SAFETY: an 8-aligned word of a map value (see `state_word`).
+    unsafe {
+        core::intrinsics::atomic_and::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+            word,
+            !(u64::from(flag) << 8),
+        );
+    }
 }
 
 /// An event's timestamp: the precise monotonic clock (events are rare beside packets, and

@@ -16,7 +16,7 @@ use std::{
 use fastpath_common::{
     ct::{
         CT_F_LB, CT_F_LB_ALIAS, CT_F_SNAT, CtEntry, CtEvent, CtKey, ct_event, tcp_state,
-        timeout_of, timeout_slot,
+        timeout_of, timeout_slot, with_alias,
     },
     lb::lb_peer_key,
 };
@@ -87,7 +87,14 @@ pub fn pass(table: &mut impl CtOps, t: &Timeouts, hub: &EventHub, stats: &GcStat
         let Some(entry) = table.get(key) else {
             continue;
         };
-        if expired(t, key, &entry, now_ns) && table.remove(key) {
+        // A load-balanced connection lives while its alias sees the backend's packets (the
+        // datapath counts an established connection's there alone: `ct::with_alias`).
+        let alias = lb_peer_key(key, &entry).and_then(|a| table.get(&a).map(|e| (a, e)));
+        let seen = match &alias {
+            Some((a, e)) if lb_peer_key(a, e).as_ref() == Some(key) => with_alias(&entry, e),
+            _ => entry,
+        };
+        if expired(t, key, &seen, now_ns) && table.remove(key) {
             removed += 1;
             expired_conns += 1;
             let ended = key.proto == 6
@@ -328,6 +335,29 @@ mod tests {
         assert_eq!(events.len(), 3, "one event per connection, none per alias");
         assert_eq!(stats.expired_total.load(Ordering::Relaxed), 3);
         assert_eq!(stats.occupancy.load(Ordering::Relaxed), 2);
+    }
+
+    /// A connection whose client has been quiet past the timeout stays while its alias (the
+    /// backend's packets, which the datapath counts there alone once established) is fresh.
+    #[test]
+    fn a_connection_lives_while_its_alias_sees_the_backends_packets() {
+        let mut answered = balanced(2010, tcp_state::ESTABLISHED, 1, 432_001);
+        answered[1].1.last_seen_ns = NOW - SEC;
+        let silent = balanced(2011, tcp_state::ESTABLISHED, 2, 432_001);
+        let mut ct = table(answered.into_iter().chain(silent));
+        let (events, _) = expire(&mut ct);
+        let left: Vec<CtKey> = ct.entries.keys().copied().collect();
+        let mut want = vec![answered[0].0, answered[1].0];
+        want.sort();
+        assert_eq!(
+            left, want,
+            "the connection whose alias saw a packet 1 s ago stays, with its alias"
+        );
+        assert_eq!(
+            events.iter().map(|e| e.key).collect::<Vec<_>>(),
+            [silent[0].0],
+            "only the connection silent both ways expires"
+        );
     }
 
     /// An alias whose connection is gone goes; an expired connection's alias tuple that now

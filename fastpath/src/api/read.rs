@@ -3,7 +3,10 @@
 
 use std::path::Path;
 
-use fastpath_common::ct::{CT_F_LB_ALIAS, CtKey};
+use fastpath_common::{
+    ct::{CT_F_LB, CT_F_LB_ALIAS, CtEntry, CtKey, with_alias},
+    lb::lb_peer_key,
+};
 
 use super::{convert, pb};
 use crate::{
@@ -11,16 +14,29 @@ use crate::{
     datapath::{self, DatapathError},
 };
 
-/// Every tracked connection, a load-balanced one once (its alias entry is shown through it),
-/// sorted by protocol, source and source port.
+/// Every tracked connection, a load-balanced one once (its alias entry is shown through it,
+/// with what the alias counted: `ct::with_alias`), sorted by protocol, source and source
+/// port.
 pub fn connections(pin_dir: &Path) -> Result<Vec<pb::Connection>, DatapathError> {
     let cfg = datapath::pinned_config(pin_dir)?;
     let entries = datapath::pinned_ct_entries(pin_dir)?;
     let now = conntrack::monotonic_ns();
+    // Each connection's alias, by the connection's key.
+    let aliases: std::collections::HashMap<CtKey, CtEntry> = entries
+        .iter()
+        .filter(|(_, e)| e.flags & CT_F_LB_ALIAS != 0)
+        .filter_map(|(k, e)| lb_peer_key(k, e).map(|conn| (conn, *e)))
+        .collect();
     let mut rows: Vec<conntrack::CtRow> = entries
         .iter()
         .filter(|(_, e)| e.flags & CT_F_LB_ALIAS == 0)
-        .map(|(k, e)| conntrack::row(k, e, now, &cfg.ct_timeouts_s))
+        .map(|(k, e)| {
+            let e = match aliases.get(k) {
+                Some(alias) => with_alias(e, alias),
+                None => *e,
+            };
+            conntrack::row(k, &e, now, &cfg.ct_timeouts_s)
+        })
         .collect();
     rows.sort_by(|a, b| {
         (&a.proto, &a.original.src, a.original.sport).cmp(&(
@@ -37,11 +53,21 @@ pub fn connections(pin_dir: &Path) -> Result<Vec<pb::Connection>, DatapathError>
 pub fn connection(pin_dir: &Path, key: &CtKey) -> Result<Option<pb::Connection>, DatapathError> {
     let cfg = datapath::pinned_config(pin_dir)?;
     let found = datapath::pinned_ct_get(pin_dir, key)?;
-    let found = match found.and_then(|e| {
-        fastpath_common::lb::lb_peer_key(key, &e).filter(|_| e.flags & CT_F_LB_ALIAS != 0)
-    }) {
-        Some(peer) => datapath::pinned_ct_get(pin_dir, &peer)?.map(|e| (peer, e)),
-        None => found.map(|e| (*key, e)),
+    let found =
+        match found.and_then(|e| lb_peer_key(key, &e).filter(|_| e.flags & CT_F_LB_ALIAS != 0)) {
+            Some(peer) => datapath::pinned_ct_get(pin_dir, &peer)?.map(|e| (peer, e)),
+            None => found.map(|e| (*key, e)),
+        };
+    // A load-balanced connection with what its alias counted.
+    let found = match found {
+        Some((k, e)) if e.flags & CT_F_LB != 0 => {
+            let alias = match lb_peer_key(&k, &e) {
+                Some(a) => datapath::pinned_ct_get(pin_dir, &a)?,
+                None => None,
+            };
+            Some((k, alias.map_or(e, |a| with_alias(&e, &a))))
+        }
+        other => other,
     };
     Ok(found.map(|(k, e)| {
         convert::connection(&conntrack::row(
