@@ -120,6 +120,10 @@ fn run() -> Result<()> {
     step(
         "fastpath daemon on fp (XDP + TCX ingress/egress on every interface, routing at XDP as an appliance does, a service on a VIP)",
     )?;
+    // Routed at XDP, a frame keeps no checksum offload state: the hosts send full checksums
+    // (as from a wire), and take the frames fp redirects into their veths.
+    lb.checksum_offloads_off()
+        .context("turning checksum offloads off on the client and the backends")?;
     lb.take_xdp_redirects()
         .context("turning GRO on where fp's routed frames arrive")?;
     let config = lb
