@@ -2236,7 +2236,7 @@ fn katran_markdown(r: &Report) -> String {
     );
     let _ = write!(
         md,
-        "\nVersions: Katran {} (balancer.bpf.c, IPIP encapsulation, fallback LRU); timed in the same rounds as the rows \"among 1000 / 1000000 conntrack entries\" above, floor = the same empty XDP program.\n",
+        "\nVersions: Katran {} (balancer.bpf.c and its consts and maps at that commit, the other headers as the build notes say; IPIP encapsulation, fallback LRU); timed in the same rounds as the rows \"among 1000 / 1000000 conntrack entries\" above, floor = the same empty XDP program.\n",
         r.katran_source
     );
     md
