@@ -2,8 +2,9 @@
 //! (`verified_insns`, against its limit of 1,000,000) and the size of the program it accepted,
 //! for this tree's object or the objects named, side by side. Root (loads programs).
 //!
-//! `cargo run --release -p fastpath --example verifier [-- OBJECT...]`; with no object, this
-//! tree's daemon object (`fastpath::EBPF_OBJECT`) and its benchmark build.
+//! `cargo run --release -p fastpath --example verifier [-- OBJECT...]`: this tree's daemon
+//! object (`fastpath::EBPF_OBJECT`), then each object named (e.g. an earlier build from
+//! `target/bench-old/`), or this tree's benchmark build when none is.
 
 use std::collections::BTreeMap;
 
@@ -19,9 +20,9 @@ type Counts = BTreeMap<String, Result<(u32, u32), String>>;
 
 fn main() -> Result<()> {
     let paths: Vec<String> = std::env::args().skip(1).collect();
-    let mut objects: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut objects: Vec<(String, Vec<u8>)> =
+        vec![("this tree".into(), fastpath::EBPF_OBJECT.to_vec())];
     if paths.is_empty() {
-        objects.push(("this tree".into(), fastpath::EBPF_OBJECT.to_vec()));
         objects.push((
             "this tree (bench)".into(),
             fastpath::EBPF_BENCH_OBJECT.to_vec(),
