@@ -56,12 +56,10 @@ pub static FP_LOG_RATELIMIT: PerCpuArray<u64> = PerCpuArray::with_max_entries(1,
 /// (early drop, through `FP_CT_NEW`, counted, with an event); when every entry is assured the
 /// new connection is refused and counted as `insert_failed`. 1 Mi entries by default; the
 /// daemon sizes it at load. Not preallocated (BPF_F_NO_PREALLOC): memory follows the
-/// connections actually tracked, and a start does not spend seconds zeroing 200 MB. Measured
-/// (`cargo xtask bench`, docs/BENCHMARKS.md): hit ~120 ns over the floor at 1k and at 1M
-/// entries alike (half of it the clock read and the lookup call); miss + insert ~1 µs; a
-/// daemon expiry pass over 1M entries ~0.5 s, so the daemon spaces passes to stay under 10%
-/// of a CPU. The costs match an LRU's (same bucket lookup); what differs is who decides what
-/// goes when full.
+/// connections actually tracked, a start does not zero ~280 MB, and a new connection costs no
+/// more than in a preallocated hash or an LRU (less among 1M entries: docs/conntrack.md has
+/// the numbers). A daemon expiry pass over 1M entries takes ~0.5 s, so the daemon spaces
+/// passes to stay under 10% of a CPU.
 #[map(name = "FP_CT")]
 pub static FP_CT: HashMap<CtKey, CtEntry> = HashMap::pinned(1 << 20, BPF_F_NO_PREALLOC);
 
