@@ -2,21 +2,62 @@
 //! sent to its backend's MAC address, out of the interface the kernel's route to the backend
 //! names (`bpf_fib_lookup`, which also gives the MAC addresses; an unresolved neighbour is
 //! refused rather than guessed). The backend holds the VIP itself and replies to the client
-//! directly, so nothing needs translating back.
+//! directly, so nothing needs translating back. The answer is kept in the connection's entry
+//! (`CtEntry::hops`) for its next packets, under the route cache's rules.
 
-use crate::{fib, packet::Packet, parse::Parsed, route};
+use crate::{
+    clock,
+    ctx::HopRef,
+    fib,
+    packet::Packet,
+    parse::Parsed,
+    route::{self, Kept},
+};
 
 /// Rewrites the packet's MAC addresses for the backend in this CPU's NAT plan and records
-/// the interface to redirect it to (`route::redirect_to`). False (nothing written): no
-/// route or no resolved neighbour.
+/// the interface to redirect it to (`route::redirect_to`): from the connection's kept hop
+/// (`hop`) when it holds at `now` (`clock::now`; 0: not read yet), else from the FIB, then
+/// kept. False (nothing written): no route or no resolved neighbour.
 #[inline(always)]
-pub fn forward(pkt: &Packet, p: &Parsed, ifindex: u32) -> bool {
-    let Ok(route) = fib::lookup(pkt, p, ifindex, true, 0, 0) else {
+pub fn forward(pkt: &Packet, p: &Parsed, ifindex: u32, now: u64, hop: &HopRef) -> bool {
+    let now = if now == 0 { clock::now() } else { now };
+    // SAFETY: a live conntrack entry's hop (valid for this program run) or this CPU's
+    // scratch one (see `route::forward`).
+    let known = unsafe { &mut *hop.hop };
+    let generation = fib::generation() as u32;
+    if hop.in_entry
+        && known.until_ns > now
+        && known.generation == generation
+        && known.in_ifindex == ifindex
+    {
+        if !pkt.store(0, known.macs) {
+            return false;
+        }
+        route::redirect_to(known.out_ifindex);
+        return true;
+    }
+    let Ok(answer) = fib::lookup(pkt, p, ifindex, true, 0, 0) else {
         return false;
     };
-    if !pkt.store(0, route.macs()) {
+    let (out, macs) = (answer.ifindex, answer.macs());
+    if !pkt.store(0, macs) {
         return false;
     }
-    route::redirect_to(route.ifindex);
+    if hop.in_entry {
+        // No length was asked (the frame keeps its size): fits 0, so the L3 stage never
+        // takes this answer for a routed packet.
+        route::keep(
+            known,
+            Kept {
+                ifindex,
+                out,
+                fits: 0,
+                macs,
+                now,
+                generation,
+            },
+        );
+    }
+    route::redirect_to(out);
     true
 }

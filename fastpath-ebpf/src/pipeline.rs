@@ -130,7 +130,7 @@ fn act(
         // Translated by the tail program the entry point calls for this reason.
         Action::Nat(code) if nat::icmp_error_planned() => return (Verdict::Kernel, code),
         Action::Nat(code) if nat::dsr_planned() => {
-            return if dsr::forward(pkt, p, ifindex) {
+            return if dsr::forward(pkt, p, ifindex, now, hop) {
                 (Verdict::Forward, code)
             } else {
                 (Verdict::Drop, reason::LB_DSR_NO_NEIGHBOR)

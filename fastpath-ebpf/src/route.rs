@@ -189,10 +189,31 @@ pub fn forward(
         return Err(reason::ROUTE_OTHER);
     }
     if hop.in_entry {
-        keep(known, ifindex, out, fits, macs, now, generation);
+        keep(
+            known,
+            Kept {
+                ifindex,
+                out,
+                fits,
+                macs,
+                now,
+                generation,
+            },
+        );
     }
     redirect_to(out);
     Ok(())
+}
+
+/// A route to keep in a connection's entry (see [`keep`]): learned for packets arriving on
+/// `ifindex` at `now`, in route generation `generation`.
+pub struct Kept {
+    pub ifindex: u32,
+    pub out: u32,
+    pub fits: u16,
+    pub macs: [u8; 12],
+    pub now: u64,
+    pub generation: u32,
 }
 
 /// Keeps a route in a connection's entry (`CtEntry::hops`) for the direction's next
@@ -200,22 +221,14 @@ pub fn forward(
 /// generation written last: a reader on another CPU that sees it sees the rest (x86 keeps
 /// stores in order; two CPUs keeping one direction's route write the same answer).
 #[inline(always)]
-fn keep(
-    known: &mut CtHop,
-    ifindex: u32,
-    out: u32,
-    fits: u16,
-    macs: [u8; 12],
-    now: u64,
-    generation: u32,
-) {
-    known.until_ns = now + ROUTE_CACHE_TTL_NS;
-    known.in_ifindex = ifindex;
-    known.out_ifindex = out;
-    known.fits = fits;
-    known.macs = macs;
+pub fn keep(known: &mut CtHop, k: Kept) {
+    known.until_ns = k.now + ROUTE_CACHE_TTL_NS;
+    known.in_ifindex = k.ifindex;
+    known.out_ifindex = k.out;
+    known.fits = k.fits;
+    known.macs = k.macs;
     // SAFETY: a volatile store keeps the compiler from moving it before the others.
-    unsafe { core::ptr::write_volatile(&raw mut known.generation, generation) };
+    unsafe { core::ptr::write_volatile(&raw mut known.generation, k.generation) };
 }
 
 /// This CPU's stand-in hop (`ctx::HopRef`) for a packet without a connection entry.
