@@ -468,7 +468,8 @@ fn full_nat(flags: u8, end: u8) -> u8 {
 /// A new connection (missed as `m`, starting in `state`) to service `svc`, given backend
 /// `backend` (index `idx`) by the LB stage: creates its entry (client ↔ VIP, holding the
 /// state and the binding) and the alias under client ↔ backend (how the backend's replies
-/// find it), and says to translate the packet to the backend.
+/// find it), and says to translate the packet to the backend; points `hop` at the entry's
+/// next hop for the packet's direction.
 #[expect(
     clippy::too_many_arguments,
     reason = "the stages' results, passed down once"
@@ -483,6 +484,7 @@ pub fn create_lb(
     pkt: &Packet,
     p: &Parsed,
     len: usize,
+    hop: &mut HopRef,
 ) -> Action {
     let (src_is_lo, now) = (m.src_is_lo, m.now);
     let (Some(key), Some(alias), Some(svc_key)) = (
@@ -587,6 +589,17 @@ pub fn create_lb(
         return Action::Drop(reason::LB_TABLE_FULL);
     }
     let _ = FP_CT_NEW.push(key, BPF_EXIST);
+    // The connection's first route goes straight into its entry (see `route::forward`).
+    if let Some(found) = FP_CT.get_ptr_mut(key) {
+        // verifier: read back through a volatile stack slot, so the field's address is
+        // computed after the null check (LLVM would otherwise compute it before, on a pointer
+        // that may be null, which is refused).
+        // SAFETY: a read of a local.
+        let e = unsafe { core::ptr::read_volatile(&found) };
+        // SAFETY: the live entry just inserted, valid for this program run.
+        hop.hop = unsafe { &raw mut (*e).hops[DIR_ORIGINAL] };
+        hop.in_entry = true;
+    }
     count(ct_stat::NEW);
     emit(key, ct_event::NEW, entry, event_ns());
     stats::service(svc.id, idx, len, true);

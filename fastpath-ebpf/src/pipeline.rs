@@ -67,7 +67,7 @@ pub fn process(
         // At XDP the rest is the tail program `fastpath_xdp_new_connection`'s (`missed`).
         Action::Miss if hook == Hook::Xdp => return (Verdict::Kernel, NEW_CONNECTION),
         Action::Miss => match conntrack::missed() {
-            Some(m) => new_connection(m, pkt, p, ifindex),
+            Some(m) => new_connection(m, pkt, p, ifindex, &mut hop),
             None => Action::Pass,
         },
         tracked => tracked,
@@ -84,14 +84,13 @@ pub const NEW_CONNECTION: u32 = u32::MAX - 1;
 /// the LB stage, the connection's creation, then as [`process`].
 #[inline(always)]
 pub fn missed(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> (Verdict, u32) {
-    let (action, now) = match conntrack::missed() {
-        Some(m) => (new_connection(m, pkt, p, ifindex), m.now),
-        None => (Action::Pass, 0),
-    };
-    // A new connection's first packet takes the route cache's or the FIB's answer; its entry
-    // keeps it from the next packet on.
-    let Some(hop) = route::scratch_hop() else {
+    // A load-balanced connection's first packet has the FIB's answer kept in its entry.
+    let Some(mut hop) = route::scratch_hop() else {
         return (Verdict::Kernel, reason::NONE);
+    };
+    let (action, now) = match conntrack::missed() {
+        Some(m) => (new_connection(m, pkt, p, ifindex, &mut hop), m.now),
+        None => (Action::Pass, 0),
     };
     act(action, pkt, p, hook, ifindex, now, &hop)
 }
@@ -171,7 +170,7 @@ fn act(
 /// it; then conntrack creates the connection with its binding. Without a service, a plain
 /// connection.
 #[inline(always)]
-fn new_connection(m: &Miss, pkt: &Packet, p: &Parsed, ifindex: u32) -> Action {
+fn new_connection(m: &Miss, pkt: &Packet, p: &Parsed, ifindex: u32, hop: &mut HopRef) -> Action {
     // perf: a `match`, not `or_else`: a closure is a function LLVM may leave out of line (a
     // BPF-to-BPF call, and the caller's registers spilled around it).
     let svc = match lb::service(pkt, p) {
@@ -198,7 +197,7 @@ fn new_connection(m: &Miss, pkt: &Packet, p: &Parsed, ifindex: u32) -> Action {
             Action::Kernel(reason::LB_NO_BACKEND)
         };
     };
-    conntrack::create_lb(m, state, svc, idx, backend, pkt, p, pkt.len)
+    conntrack::create_lb(m, state, svc, idx, backend, pkt, p, pkt.len, hop)
 }
 
 /// Whether this CPU's parsed packet is IPv4.

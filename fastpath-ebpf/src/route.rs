@@ -137,9 +137,13 @@ pub fn forward(
         return Ok(());
     }
     let f = fib::question(pkt, p, ifindex, false).ok_or(reason::ROUTE_OTHER)?;
+    // A connection's direction keeps its route in its entry: the route cache serves the
+    // packets that have none (untracked, or a GRO aggregate, whose segments the cache's
+    // check covers).
+    let via_cache = !hop.in_entry || gso_size != 0;
     // verifier: a hit writes its answer where the FIB writes its own, so both ways join with
     // the same state below.
-    let fits = if let Some(fits) = cached(f, pkt, p, gso_size, tot_len, now) {
+    let fits = if via_cache && let Some(fits) = cached(f, pkt, p, gso_size, tot_len, now) {
         fits
     } else {
         // The answer overwrites parts of the question (the next hop's address replaces the
@@ -168,7 +172,11 @@ pub fn forward(
         if gso_size != 0 && !segments_fit(pkt, p, gso_size, fits) {
             return Err(reason::ROUTE_MTU);
         }
-        learn(learning, f, fits, now);
+        if via_cache {
+            learn(learning, f, fits, now);
+        } else {
+            count(route_stat::MISS);
+        }
         fits
     };
     let out = f.ifindex;
