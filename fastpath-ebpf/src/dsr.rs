@@ -24,12 +24,8 @@ pub fn forward(pkt: &Packet, p: &Parsed, ifindex: u32, now: u64, hop: &HopRef) -
     // SAFETY: a live conntrack entry's hop (valid for this program run) or this CPU's
     // scratch one (see `route::forward`).
     let known = unsafe { &mut *hop.hop };
-    let generation = fib::generation() as u32;
-    if hop.in_entry
-        && known.until_ns > now
-        && known.generation == generation
-        && known.in_ifindex == ifindex
-    {
+    let generation = fib::generation();
+    if route::holds(hop, known, ifindex, now, generation) {
         if !pkt.store(0, known.macs) {
             return false;
         }

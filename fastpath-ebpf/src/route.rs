@@ -121,14 +121,8 @@ pub fn forward(
     // SAFETY: a live conntrack entry's hop (valid for this program run) or this CPU's
     // scratch one; racing writers store whole answers of the same flow (see `keep`).
     let known = unsafe { &mut *hop.hop };
-    let generation = fib::generation() as u32;
-    if hop.in_entry
-        && gso_size == 0
-        && known.until_ns > now
-        && known.generation == generation
-        && known.in_ifindex == ifindex
-        && tot_len <= known.fits
-    {
+    let generation = fib::generation();
+    if gso_size == 0 && holds(hop, known, ifindex, now, generation) && tot_len <= known.fits {
         if !rewrite(pkt, l3, v4, hdr, known.macs) {
             return Err(reason::ROUTE_OTHER);
         }
@@ -143,42 +137,43 @@ pub fn forward(
     let via_cache = !hop.in_entry || gso_size != 0;
     // verifier: a hit writes its answer where the FIB writes its own, so both ways join with
     // the same state below.
-    let fits = if via_cache && let Some(fits) = cached(f, pkt, p, gso_size, tot_len, now) {
-        fits
-    } else {
-        // The answer overwrites parts of the question (the next hop's address replaces the
-        // destination): the key is kept first.
-        let Some(learning) = FP_ROUTE_LEARN.get_ptr_mut(0) else {
-            return Err(reason::ROUTE_OTHER);
-        };
-        // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
-        let learning = unsafe { &mut *learning };
-        learning.key = *f.key();
-        f.set_len(tot_len);
-        match fib::answer(pkt, f, 0) {
-            Ok(()) => {}
-            Err(FIB_NOT_FWDED) => return Err(reason::ROUTE_NOT_FORWARDED),
-            Err(FIB_NO_NEIGH) => return Err(reason::ROUTE_NO_NEIGHBOR),
-            Err(FIB_FRAG_NEEDED) => return Err(reason::ROUTE_MTU),
-            Err(FIB_BLACKHOLE | FIB_UNREACHABLE | FIB_PROHIBIT) => {
-                return Err(reason::ROUTE_UNREACHABLE);
-            }
-            Err(FIB_FWD_DISABLED) => return Err(reason::ROUTE_FORWARDING_OFF),
-            Err(_) => return Err(reason::ROUTE_OTHER),
-        }
-        // The longest packet known to fit: the route's MTU when the answer has it (TC asked
-        // with no length), else this packet's length.
-        let fits = if f.mtu() > tot_len { f.mtu() } else { tot_len };
-        if gso_size != 0 && !segments_fit(pkt, p, gso_size, fits) {
-            return Err(reason::ROUTE_MTU);
-        }
-        if via_cache {
-            learn(learning, f, fits, now);
+    let fits =
+        if via_cache && let Some(fits) = cached(f, pkt, p, gso_size, tot_len, now, generation) {
+            fits
         } else {
-            count(route_stat::MISS);
-        }
-        fits
-    };
+            // The answer overwrites parts of the question (the next hop's address replaces the
+            // destination): the key is kept first.
+            let Some(learning) = FP_ROUTE_LEARN.get_ptr_mut(0) else {
+                return Err(reason::ROUTE_OTHER);
+            };
+            // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
+            let learning = unsafe { &mut *learning };
+            learning.key = *f.key();
+            f.set_len(tot_len);
+            match fib::answer(pkt, f, 0) {
+                Ok(()) => {}
+                Err(FIB_NOT_FWDED) => return Err(reason::ROUTE_NOT_FORWARDED),
+                Err(FIB_NO_NEIGH) => return Err(reason::ROUTE_NO_NEIGHBOR),
+                Err(FIB_FRAG_NEEDED) => return Err(reason::ROUTE_MTU),
+                Err(FIB_BLACKHOLE | FIB_UNREACHABLE | FIB_PROHIBIT) => {
+                    return Err(reason::ROUTE_UNREACHABLE);
+                }
+                Err(FIB_FWD_DISABLED) => return Err(reason::ROUTE_FORWARDING_OFF),
+                Err(_) => return Err(reason::ROUTE_OTHER),
+            }
+            // The longest packet known to fit: the route's MTU when the answer has it (TC asked
+            // with no length), else this packet's length.
+            let fits = if f.mtu() > tot_len { f.mtu() } else { tot_len };
+            if gso_size != 0 && !segments_fit(pkt, p, gso_size, fits) {
+                return Err(reason::ROUTE_MTU);
+            }
+            if via_cache {
+                learn(learning, f, fits, now, generation);
+            } else {
+                count(route_stat::MISS);
+            }
+            fits
+        };
     let out = f.ifindex;
     match FP_IFACE.get(out) {
         // A VXLAN network's device: encapsulated by a tail program (the entry point's), when
@@ -213,6 +208,18 @@ pub fn forward(
     Ok(())
 }
 
+/// Whether `known`, the next hop `hop` points at, holds for a packet that arrived on
+/// `ifindex` at `now` in route `generation`: a connection's (not the scratch), learned for
+/// that interface in that generation (its low 32 bits), not expired. The route cache's
+/// rules; the length check is the caller's.
+#[inline(always)]
+pub fn holds(hop: &HopRef, known: &CtHop, ifindex: u32, now: u64, generation: u64) -> bool {
+    hop.in_entry
+        && known.until_ns > now
+        && known.generation == generation as u32
+        && known.in_ifindex == ifindex
+}
+
 /// A route to keep in a connection's entry (see [`keep`]): learned for packets arriving on
 /// `ifindex` at `now`, in route generation `generation`.
 pub struct Kept {
@@ -221,7 +228,7 @@ pub struct Kept {
     pub fits: u16,
     pub macs: [u8; 12],
     pub now: u64,
-    pub generation: u32,
+    pub generation: u64,
 }
 
 /// Keeps a route in a connection's entry (`CtEntry::hops`) for the direction's next
@@ -236,7 +243,8 @@ pub fn keep(known: &mut CtHop, k: Kept) {
     known.fits = k.fits;
     known.macs = k.macs;
     // SAFETY: a volatile store keeps the compiler from moving it before the others.
-    unsafe { core::ptr::write_volatile(&raw mut known.generation, k.generation) };
+    // The entry keeps the generation's low 32 bits (see `holds`).
+    unsafe { core::ptr::write_volatile(&raw mut known.generation, k.generation as u32) };
 }
 
 /// This CPU's stand-in hop (`ctx::HopRef`) for a packet without a connection entry.
@@ -256,7 +264,7 @@ fn count(outcome: u32) {
     }
 }
 
-/// Whether the route cache answers the FIB question in `f` — an answer of this generation,
+/// Whether the route cache answers the FIB question in `f` — an answer of `generation`,
 /// not expired, for which the packet (`tot_len` bytes, or a GRO aggregate of `gso_size`
 /// segments) is known to fit — and then writes it into `f` as the FIB would, and gives the
 /// longest packet known to fit. Counted.
@@ -268,6 +276,7 @@ fn cached(
     gso_size: u32,
     tot_len: u16,
     now: u64,
+    generation: u64,
 ) -> Option<u16> {
     let (outcome, fits) = match FP_ROUTE_CACHE.get_ptr(f.key()) {
         None => (route_stat::MISS, 0),
@@ -275,7 +284,7 @@ fn cached(
             // SAFETY: a live entry; `learn` replaces entries whole (a racing reader may mix
             // fields of two answers for one flow, both the FIB's within a generation).
             let hop = unsafe { &*hop };
-            if hop.generation != fib::generation() || now > hop.expires_ns {
+            if hop.generation != generation || now > hop.expires_ns {
                 (route_stat::STALE, 0)
             } else if !(if gso_size == 0 {
                 tot_len <= hop.fits
@@ -296,9 +305,9 @@ fn cached(
 /// Caches the FIB's answer in `f` (packets up to `fits` bytes fit) under the question's key
 /// `learning` kept, for the flow's next packets.
 #[inline(always)]
-fn learn(learning: &mut RouteLearning, f: &FibParams, fits: u16, now: u64) {
+fn learn(learning: &mut RouteLearning, f: &FibParams, fits: u16, now: u64, generation: u64) {
     let hop = &mut learning.hop;
-    hop.generation = fib::generation();
+    hop.generation = generation;
     hop.expires_ns = now + ROUTE_CACHE_TTL_NS;
     (hop.out, hop.tail) = f.answer();
     hop.fits = fits;

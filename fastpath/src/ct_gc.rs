@@ -89,10 +89,18 @@ pub fn pass(table: &mut impl CtOps, t: &Timeouts, hub: &EventHub, stats: &GcStat
         };
         // A load-balanced connection lives while its alias sees the backend's packets (the
         // datapath counts an established connection's there alone: `ct::with_alias`).
-        let alias = lb_peer_key(key, &entry).and_then(|a| table.get(&a).map(|e| (a, e)));
+        // Its alias, if the entry under that tuple still is: once the connection ended, the
+        // tuple may have gone to a connection of its own (a direct one from the client's port,
+        // or another VIP's to the same backend), which is not this connection's.
+        let alias = lb_peer_key(key, &entry).and_then(|a| {
+            table
+                .get(&a)
+                .filter(|e| lb_peer_key(&a, e).as_ref() == Some(key))
+                .map(|e| (a, e))
+        });
         let seen = match &alias {
-            Some((a, e)) if lb_peer_key(a, e).as_ref() == Some(key) => with_alias(&entry, e),
-            _ => entry,
+            Some((_, e)) => with_alias(&entry, e),
+            None => entry,
         };
         if expired(t, key, &seen, now_ns) && table.remove(key) {
             removed += 1;
@@ -103,14 +111,10 @@ pub fn pass(table: &mut impl CtOps, t: &Timeouts, hub: &EventHub, stats: &GcStat
                 // It never closed: least-connections stops counting it now.
                 table.backend_gone(entry.nat.backend);
             }
-            // Its alias, if the entry under that tuple still is: once the connection ended,
-            // the tuple may have gone to a connection of its own (a direct one from the
-            // client's port, or another VIP's to the same backend), which stays.
-            if let Some(alias) = lb_peer_key(key, &entry)
-                && table
-                    .get(&alias)
-                    .is_some_and(|a| lb_peer_key(&alias, &a).as_ref() == Some(key))
-                && table.remove(&alias)
+            // Its alias goes with it (read above; another connection's entry under that tuple
+            // stays).
+            if let Some((a, _)) = &alias
+                && table.remove(a)
             {
                 removed += 1;
             }

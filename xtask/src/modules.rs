@@ -29,8 +29,13 @@ pub fn graph(src: &Path) -> Result<Graph> {
             texts.insert(name.to_string(), text);
         }
     }
-    let modules: BTreeSet<String> = texts.keys().cloned().collect();
-    Ok(texts
+    Ok(graph_of(&texts))
+}
+
+/// The graph of modules given by name and source text.
+fn graph_of(texts: &BTreeMap<String, String>) -> Graph {
+    let modules: BTreeSet<&String> = texts.keys().collect();
+    texts
         .iter()
         .map(|(m, text)| {
             let deps = named(text)
@@ -39,7 +44,7 @@ pub fn graph(src: &Path) -> Result<Graph> {
                 .collect();
             (m.clone(), deps)
         })
-        .collect())
+        .collect()
 }
 
 /// The first path segment after every `crate::` in `text`, and the first segment of each
@@ -110,18 +115,13 @@ pub fn in_cycles(g: &Graph) -> Vec<String> {
 mod tests {
     use super::*;
 
-    fn graph_of(files: &[(&str, &str)]) -> Graph {
-        let modules: BTreeSet<String> = files.iter().map(|(m, _)| m.to_string()).collect();
-        files
-            .iter()
-            .map(|(m, t)| {
-                let deps = named(t)
-                    .into_iter()
-                    .filter(|d| d != m && modules.contains(d))
-                    .collect();
-                (m.to_string(), deps)
-            })
-            .collect()
+    fn graph_from(files: &[(&str, &str)]) -> Graph {
+        graph_of(
+            &files
+                .iter()
+                .map(|(m, text)| (m.to_string(), text.to_string()))
+                .collect(),
+        )
     }
 
     #[test]
@@ -137,7 +137,7 @@ mod tests {
 
     #[test]
     fn a_cycle_through_a_third_module_is_found() {
-        let g = graph_of(&[
+        let g = graph_from(&[
             ("a", "use crate::b::X;"),
             ("b", "use crate::{c::Y};"),
             ("c", "// see crate::a::f"),
@@ -148,7 +148,7 @@ mod tests {
             ["a", "b", "c"],
             "d only depends on the cycle"
         );
-        let acyclic = graph_of(&[("a", "use crate::b;"), ("b", "")]);
+        let acyclic = graph_from(&[("a", "use crate::b;"), ("b", "")]);
         assert!(in_cycles(&acyclic).is_empty(), "no cycle in a → b");
     }
 }
