@@ -313,7 +313,7 @@ impl CtKey {
     /// (the datapath builds keys in map memory: no stack copies).
     #[inline(always)]
     pub fn normalize(&mut self) -> bool {
-        let src_is_lo = match cmp_addr(&self.addr_lo, &self.addr_hi) {
+        let src_is_lo = match self.cmp_addrs() {
             core::cmp::Ordering::Less => true,
             core::cmp::Ordering::Greater => false,
             core::cmp::Ordering::Equal => self.port_lo <= self.port_hi,
@@ -324,23 +324,18 @@ impl CtKey {
         }
         src_is_lo
     }
-}
 
-/// Byte-wise address order (bounded, verifier-friendly).
-#[inline(always)]
-fn cmp_addr(a: &[u8; 16], b: &[u8; 16]) -> core::cmp::Ordering {
-    let mut i = 0;
-    while i < 16 {
-        if a[i] != b[i] {
-            return if a[i] < b[i] {
-                core::cmp::Ordering::Less
-            } else {
-                core::cmp::Ordering::Greater
-            };
-        }
-        i += 1;
+    /// `addr_lo` against `addr_hi` in byte order. perf: as two big-endian words each (a
+    /// byte loop walked the twelve equal bytes of every pair of IPv4-mapped addresses).
+    #[inline(always)]
+    fn cmp_addrs(&self) -> core::cmp::Ordering {
+        let w = (self as *const CtKey).cast::<u64>();
+        // SAFETY: CtKey is 8-aligned (asserted below its definition) and starts with the two
+        // 16-byte addresses: words 0-1 are `addr_lo`, 2-3 `addr_hi`.
+        let [a0, a1, b0, b1] =
+            unsafe { [w.read(), w.add(1).read(), w.add(2).read(), w.add(3).read()] };
+        (u64::from_be(a0), u64::from_be(a1)).cmp(&(u64::from_be(b0), u64::from_be(b1)))
     }
-    core::cmp::Ordering::Equal
 }
 
 /// Entry flags.
@@ -400,18 +395,24 @@ pub struct CtEntry {
     /// zero in entries the daemon writes (HA, restores).
     pub hops: [CtHop; 2],
 }
-const _: () = assert!(core::mem::size_of::<CtEntry>() == 184);
+// 48 bytes of the kernel's hash element header + 40 of key + 168: 256, an allocation class of
+// its own (one more byte would take 512 per entry, twice the memory per connection).
+const _: () = assert!(core::mem::size_of::<CtEntry>() == 168);
 
-/// The FIB's answer for one direction of a connection (`CtEntry::hops`), used while
-/// `until_ns` has not passed, the route generation (`FP_VXLAN_GEN`, its low 32 bits) is the
-/// one it was learned in, the packet arrives on `in_ifindex`, and its IP length is at most
-/// `fits`: the route cache's rules (`route::ROUTE_CACHE_TTL_NS`).
+/// The FIB's answer for one direction of a connection (`CtEntry::hops`), used while `until`
+/// has not passed, the route generation (`FP_VXLAN_GEN`, its low 32 bits) is the one it was
+/// learned in, the packet arrives on `in_ifindex`, and its IP length is at most `fits`: the
+/// route cache's rules (`route::ROUTE_CACHE_TTL_NS`). 32 bytes, so that an entry with its
+/// key fits the kernel's 256-byte allocation class (see [`CtEntry`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(C)]
 pub struct CtHop {
-    /// Coarse-clock time it holds until (0: nothing learned).
-    pub until_ns: u64,
+    /// The coarse clock's time it holds until, in units of 2^[`HOP_CLOCK_SHIFT`] ns (about a
+    /// millisecond), wrapping; compared by [`hop_holds_at`].
+    pub until: u32,
     pub generation: u32,
+    /// The interface the direction's packets arrive on (0: nothing learned; no interface has
+    /// ifindex 0).
     pub in_ifindex: u32,
     /// The egress interface.
     pub out_ifindex: u32,
@@ -421,9 +422,30 @@ pub struct CtHop {
     /// The next hop's MAC address, then the egress interface's: an Ethernet header's first
     /// 12 bytes.
     pub macs: [u8; 12],
-    pub _pad2: u32,
 }
-const _: () = assert!(core::mem::size_of::<CtHop>() == 40);
+const _: () = assert!(core::mem::size_of::<CtHop>() == 32);
+
+/// [`CtHop::until`]'s unit: 2^20 ns (1.05 ms).
+pub const HOP_CLOCK_SHIFT: u32 = 20;
+
+/// The clock `now_ns` (ns) in [`CtHop::until`]'s unit, wrapping.
+#[inline(always)]
+pub const fn hop_clock(now_ns: u64) -> u32 {
+    (now_ns >> HOP_CLOCK_SHIFT) as u32
+}
+
+/// Whether a hop kept until `until` (for at most `ttl` units after it was learned) still
+/// holds at `now` (both [`hop_clock`] values). Wrapping: the clock wraps every 2^52 ns (52
+/// days); a hop is never kept longer than `ttl`, so one that is still valid is at most `ttl`
+/// ahead of `now`, and one that ran out is taken for valid again only if it sat unrefreshed
+/// for a whole multiple of 52 days to within `ttl`, longer than any conntrack timeout keeps
+/// an idle entry.
+#[inline(always)]
+pub const fn hop_holds_at(until: u32, now: u32, ttl: u32) -> bool {
+    let ahead = until.wrapping_sub(now);
+    ahead != 0 && ahead <= ttl
+}
+
 const _: () = assert!(core::mem::offset_of!(CtEntry, state) == 48);
 
 impl CtEntry {
@@ -681,7 +703,7 @@ pub struct CtRecord {
     pub op: u32,
     pub _pad: u32,
 }
-const _: () = assert!(core::mem::size_of::<CtRecord>() == 232);
+const _: () = assert!(core::mem::size_of::<CtRecord>() == 216);
 
 /// [`CtRecord::op`]: create the entry if its key is free.
 pub const CT_RECORD_CREATE: u32 = 0;
@@ -690,7 +712,7 @@ pub const CT_RECORD_REMOVE: u32 = 1;
 
 /// Records one run of the installer takes at most: BPF_PROG_TEST_RUN gives an XDP program
 /// at most a page less its headroom and `skb_shared_info` (3520 bytes with 4 KiB pages).
-pub const CT_INSTALL_MAX: usize = 15;
+pub const CT_INSTALL_MAX: usize = 16;
 const _: () = assert!(CT_INSTALL_MAX * core::mem::size_of::<CtRecord>() <= 3520);
 
 #[cfg(feature = "user")]
@@ -733,6 +755,70 @@ mod tests {
                 state = s;
             }
         }
+    }
+
+    #[test]
+    fn keys_order_their_ends_by_address_bytes_then_port() {
+        // Addresses whose first differing byte is `i` and which differ the other way at a
+        // later byte `j` (within a word and across the two), both orders; equal addresses.
+        let check = |a: [u8; 16], b: [u8; 16]| {
+            for (pa, pb) in [(1u16, 2u16), (2, 1)] {
+                let mut key = CtKey {
+                    addr_lo: a,
+                    addr_hi: b,
+                    port_lo: pa,
+                    port_hi: pb,
+                    ..CtKey::default()
+                };
+                let want = (a, pa) <= (b, pb);
+                let got = key.normalize();
+                assert_eq!(
+                    got, want,
+                    "{a:?}:{pa} vs {b:?}:{pb}: expected source-is-lo {want}, got {got}"
+                );
+                let lo = if want { (a, pa) } else { (b, pb) };
+                assert_eq!((key.addr_lo, key.port_lo), lo, "lower end first");
+            }
+        };
+        for i in 0..16 {
+            for j in i + 1..=16 {
+                let (mut a, mut b) = ([0x80u8; 16], [0x80u8; 16]);
+                a[i] = 0x7f;
+                b[i] = 0x81;
+                if j < 16 {
+                    a[j] = 0xff;
+                    b[j] = 0x00;
+                }
+                check(a, b);
+                check(b, a);
+            }
+        }
+        check([9; 16], [9; 16]);
+    }
+
+    #[test]
+    fn a_kept_hop_holds_for_its_ttl_across_the_clocks_wrap() {
+        let ttl = hop_clock(1_000_000_000);
+        assert_eq!(ttl, 953, "1 s in 2^20 ns units");
+        for learned in [0u32, 12_345, u32::MAX - 10, u32::MAX] {
+            let until = learned.wrapping_add(ttl);
+            for (age, holds) in [
+                (0, true),
+                (ttl - 1, true),
+                (ttl, false),
+                (ttl + 1, false),
+                (1 << 31, false),
+            ] {
+                let now = learned.wrapping_add(age);
+                assert_eq!(
+                    hop_holds_at(until, now, ttl),
+                    holds,
+                    "learned at {learned}, {age} units later: expected holds = {holds}"
+                );
+            }
+        }
+        // Nothing learned (until 0) at clock 0 does not hold.
+        assert!(!hop_holds_at(0, 0, ttl), "an empty hop at clock 0");
     }
 
     #[test]

@@ -1274,9 +1274,12 @@ fn update(
                 }
                 // Assured, as in Linux: a valid ACK in ESTABLISHED after SYN_RECV, or an
                 // answer to a connection picked up mid-stream — only once a reply was seen.
+                // perf: a plain read first, the atomic only while not assured (an atomic or
+                // per established packet cost a locked compare-and-swap loop).
                 if seen_reply
                     && s == tcp_state::ESTABLISHED
                     && (was == tcp_state::SYN_RECV || was == tcp_state::ESTABLISHED)
+                    && e.flags & CT_F_ASSURED == 0
                     && set_flag(e, CT_F_ASSURED)
                 {
                     count(ct_stat::ASSURED);

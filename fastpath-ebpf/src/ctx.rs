@@ -105,14 +105,9 @@ impl FibParams {
         self.tot_len = tot_len;
     }
 
-    /// The answer's egress interface and its last 16 bytes (VLAN fields, MAC addresses).
-    #[inline(always)]
-    pub fn answer(&self) -> (u32, [u64; 2]) {
-        (self.ifindex, self.tail)
-    }
-
-    /// Writes an answer as [`FibParams::answer`] gave it: a route cache hit stands in for the
-    /// lookup for the code that reads the answer from here.
+    /// Writes an answer as the lookup leaves it (the egress interface and the last 16 bytes:
+    /// VLAN fields, MAC addresses): a route cache hit stands in for the lookup for the code
+    /// that reads the answer from here.
     #[inline(always)]
     pub fn set_answer(&mut self, out: u32, tail: [u64; 2]) {
         self.ifindex = out;
@@ -166,9 +161,22 @@ pub struct RouteLearning {
     pub(crate) hop: RouteHop,
 }
 
-/// Copies 16 address bytes with two word loads and stores (no memcpy call). Both must be
-/// 8-aligned: key fields, `CtNat`/`Backend` addresses, all at multiples of 8 in 8-aligned
-/// structs.
+/// Copies `N` words with word loads and stores. perf: a plain copy of 16 bytes or more
+/// compiles to a call of an out-of-line byte loop (`memmove`) on this target; volatile
+/// accesses keep LLVM from turning this loop back into one.
+#[inline(always)]
+pub fn copy_words<const N: usize>(dst: &mut [u64; N], src: &[u64; N]) {
+    let (d, s) = (dst.as_mut_ptr(), src.as_ptr());
+    let mut i = 0;
+    while i < N {
+        // SAFETY: i < N: within both arrays.
+        unsafe { core::ptr::write_volatile(d.add(i), core::ptr::read_volatile(s.add(i))) };
+        i += 1;
+    }
+}
+
+/// Copies 16 address bytes as two words (see [`copy_words`]). Both must be 8-aligned: key
+/// fields, `CtNat`/`Backend` addresses, all at multiples of 8 in 8-aligned structs.
 #[inline(always)]
 pub fn copy16(dst: &mut [u8; 16], src: &[u8; 16]) {
     let d = (dst as *mut [u8; 16]).cast::<u64>();

@@ -26,7 +26,7 @@ pub fn forward(pkt: &Packet, p: &Parsed, ifindex: u32, now: u64, hop: &HopRef) -
     let known = unsafe { &mut *hop.hop };
     let generation = fib::generation();
     if route::holds(hop, known, ifindex, now, generation) {
-        if !pkt.store(0, known.macs) {
+        if !route::store_macs(pkt, known.macs) {
             return false;
         }
         route::redirect_to(known.out_ifindex);
@@ -36,7 +36,7 @@ pub fn forward(pkt: &Packet, p: &Parsed, ifindex: u32, now: u64, hop: &HopRef) -
         return false;
     };
     let (out, macs) = (answer.ifindex, answer.macs());
-    if !pkt.store(0, macs) {
+    if !route::store_macs(pkt, macs) {
         return false;
     }
     if hop.in_entry {

@@ -20,6 +20,7 @@ use fastpath_common::{
     Hook, TAIL_VLAN_FORWARD, TAIL_VXLAN_ENCAP, csum,
     ct::{
         CtHop, IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_F_VXLAN,
+        hop_clock, hop_holds_at,
     },
     reason,
     route::{ROUTE_CACHE_TTL_NS, route_stat},
@@ -32,7 +33,7 @@ use aya_ebpf::{
 
 use crate::{
     clock,
-    ctx::{FibParams, HopRef, RouteLearning},
+    ctx::{FibParams, HopRef, RouteLearning, copy_words},
     fib,
     maps::{
         FP_HOP, FP_IFACE, FP_NAT, FP_PEER, FP_ROUTE_CACHE, FP_ROUTE_LEARN, FP_ROUTE_STATS,
@@ -41,6 +42,9 @@ use crate::{
     packet::Packet,
     parse::{FAMILY_IPV4, IPPROTO_TCP, Parsed},
 };
+
+/// `ROUTE_CACHE_TTL_NS` in a kept hop's clock unit (`CtHop::until`), rounded down.
+const HOP_TTL: u32 = hop_clock(ROUTE_CACHE_TTL_NS);
 
 /// `bpf_fib_lookup` results (`BPF_FIB_LKUP_RET_*`).
 const FIB_BLACKHOLE: i64 = 1;
@@ -148,7 +152,9 @@ pub fn forward(
             };
             // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
             let learning = unsafe { &mut *learning };
-            learning.key = *f.key();
+            if via_cache {
+                copy_words(&mut learning.key, f.key());
+            }
             f.set_len(tot_len);
             match fib::answer(pkt, f, 0) {
                 Ok(()) => {}
@@ -215,7 +221,7 @@ pub fn forward(
 #[inline(always)]
 pub fn holds(hop: &HopRef, known: &CtHop, ifindex: u32, now: u64, generation: u64) -> bool {
     hop.in_entry
-        && known.until_ns > now
+        && hop_holds_at(known.until, hop_clock(now), HOP_TTL)
         && known.generation == generation as u32
         && known.in_ifindex == ifindex
 }
@@ -237,7 +243,7 @@ pub struct Kept {
 /// stores in order; two CPUs keeping one direction's route write the same answer).
 #[inline(always)]
 pub fn keep(known: &mut CtHop, k: Kept) {
-    known.until_ns = k.now + ROUTE_CACHE_TTL_NS;
+    known.until = hop_clock(k.now).wrapping_add(HOP_TTL);
     known.in_ifindex = k.ifindex;
     known.out_ifindex = k.out;
     known.fits = k.fits;
@@ -309,7 +315,8 @@ fn learn(learning: &mut RouteLearning, f: &FibParams, fits: u16, now: u64, gener
     let hop = &mut learning.hop;
     hop.generation = generation;
     hop.expires_ns = now + ROUTE_CACHE_TTL_NS;
-    (hop.out, hop.tail) = f.answer();
+    hop.out = f.ifindex;
+    copy_words(&mut hop.tail, &f.tail);
     hop.fits = fits;
     // perf: an entry of an earlier generation is written in place (an insert allocates an
     // element and frees the old one: ~4× the lookup's cost), its generation last, so a
@@ -321,7 +328,7 @@ fn learn(learning: &mut RouteLearning, f: &FibParams, fits: u16, now: u64, gener
         e.expires_ns = hop.expires_ns;
         e.out = hop.out;
         e.fits = hop.fits;
-        e.tail = hop.tail;
+        copy_words(&mut e.tail, &hop.tail);
         // SAFETY: a volatile store keeps the compiler from moving it before the others.
         unsafe { core::ptr::write_volatile(&raw mut e.generation, hop.generation) };
         return;
@@ -372,7 +379,15 @@ pub fn rewrite(pkt: &Packet, l3: usize, v4: bool, hdr: [u8; 4], macs: [u8; 12]) 
     } else {
         pkt.store(l3 + 6, [hdr[1], ttl - 1])
     };
-    written && pkt.store(0, macs)
+    written && store_macs(pkt, macs)
+}
+
+/// Writes an Ethernet header's first 12 bytes (`macs`: destination, source). perf: as an 8-
+/// and a 4-byte store (a 12-byte array store compiles to an out-of-line byte loop).
+#[inline(always)]
+pub fn store_macs(pkt: &Packet, m: [u8; 12]) -> bool {
+    pkt.store(0, [m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7]])
+        && pkt.store(8, [m[8], m[9], m[10], m[11]])
 }
 
 /// Whether the packet has an address the kernel never forwards (the FIB lookup does not

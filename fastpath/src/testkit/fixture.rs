@@ -1044,27 +1044,30 @@ impl Fixture {
     fn ct_table(&self) -> Result<CtView<&MapData>, FixtureError> {
         let name = map_names::CT;
         let map = || self.ebpf.map(name).ok_or(FixtureError::MissingMap { name });
-        match BpfHashMap::try_from(map()?) {
-            Ok(t) => Ok(CtView::Now(t)),
-            Err(MapError::InvalidValueSize { .. }) => BpfHashMap::try_from(map()?)
-                .map(CtView::BeforeHops)
-                .map_err(map_error(name)),
-            Err(e) => Err(map_error(name)(e)),
-        }
+        let view = match CtLayout::of(map()?)? {
+            CtLayout::Now => BpfHashMap::try_from(map()?).map(CtView::Now),
+            CtLayout::BeforeHops => BpfHashMap::try_from(map()?).map(CtView::BeforeHops),
+            CtLayout::WideHops => BpfHashMap::try_from(map()?).map(CtView::WideHops),
+        };
+        view.map_err(map_error(name))
     }
 
     /// `FP_CT`, writable.
     fn ct_table_mut(&mut self) -> Result<CtView<&mut MapData>, FixtureError> {
         let name = map_names::CT;
-        let now = matches!(self.ct_table()?, CtView::Now(_));
+        let layout = CtLayout::of(
+            self.ebpf
+                .map(name)
+                .ok_or(FixtureError::MissingMap { name })?,
+        )?;
         let map = self
             .ebpf
             .map_mut(name)
             .ok_or(FixtureError::MissingMap { name })?;
-        if now {
-            BpfHashMap::try_from(map).map(CtView::Now)
-        } else {
-            BpfHashMap::try_from(map).map(CtView::BeforeHops)
+        match layout {
+            CtLayout::Now => BpfHashMap::try_from(map).map(CtView::Now),
+            CtLayout::BeforeHops => BpfHashMap::try_from(map).map(CtView::BeforeHops),
+            CtLayout::WideHops => BpfHashMap::try_from(map).map(CtView::WideHops),
         }
         .map_err(map_error(name))
     }
@@ -1937,36 +1940,67 @@ fn umount(path: &Path) -> std::io::Result<()> {
     }
 }
 
-/// `CtEntry`'s size before entries kept their next hops (`CtEntry::hops`): the table of an
-/// earlier build the benchmark times beside this tree's. The layout is append-only, so such
-/// an entry is the first bytes of this tree's.
-const CT_ENTRY_BEFORE_HOPS: usize = 104;
+/// The first bytes of a conntrack entry, the same in every layout the benchmark may time
+/// beside this tree's (an earlier build's table): the fields before `CtEntry::hops`. The hops
+/// are the node's own routing state; an entry moved between layouts has none learned (zero).
+const CT_ENTRY_SHARED: usize = 104;
+/// Entry sizes of earlier builds: before entries kept their next hops, and with 40-byte hops.
+const CT_ENTRY_BEFORE_HOPS: usize = CT_ENTRY_SHARED;
+const CT_ENTRY_WIDE_HOPS: usize = 184;
+
+/// Which entry layout the loaded object's `FP_CT` has (by its value size).
+enum CtLayout {
+    Now,
+    BeforeHops,
+    WideHops,
+}
+
+impl CtLayout {
+    fn of(map: &aya::maps::Map) -> Result<CtLayout, FixtureError> {
+        let name = map_names::CT;
+        let data = match map {
+            aya::maps::Map::HashMap(data) => data,
+            _ => return Err(map_error(name)(MapError::InvalidMapType { map_type: 0 })),
+        };
+        let size = data.info().map_err(map_error(name))?.value_size() as usize;
+        match size {
+            s if s == size_of::<CtEntry>() => Ok(CtLayout::Now),
+            CT_ENTRY_BEFORE_HOPS => Ok(CtLayout::BeforeHops),
+            CT_ENTRY_WIDE_HOPS => Ok(CtLayout::WideHops),
+            size => Err(map_error(name)(MapError::InvalidValueSize {
+                size,
+                expected: size_of::<CtEntry>(),
+            })),
+        }
+    }
+}
 
 /// `FP_CT` with the entry layout of the object loaded.
 enum CtView<M> {
     Now(BpfHashMap<M, CtKey, CtEntry>),
     BeforeHops(BpfHashMap<M, CtKey, [u8; CT_ENTRY_BEFORE_HOPS]>),
+    WideHops(BpfHashMap<M, CtKey, [u8; CT_ENTRY_WIDE_HOPS]>),
 }
 
-/// This tree's entry as an earlier layout's (its first bytes).
-fn entry_prefix(e: &CtEntry) -> [u8; CT_ENTRY_BEFORE_HOPS] {
-    let mut out = [0; CT_ENTRY_BEFORE_HOPS];
-    // SAFETY: CtEntry is plain old data (#[repr(C)], integers) longer than the prefix.
+/// This tree's entry in an earlier layout of `N` bytes: the shared fields, no hops.
+fn entry_as<const N: usize>(e: &CtEntry) -> [u8; N] {
+    let mut out = [0; N];
+    // SAFETY: CtEntry is plain old data (#[repr(C)], integers) longer than the shared part.
     let bytes = unsafe {
         std::slice::from_raw_parts((e as *const CtEntry).cast::<u8>(), size_of::<CtEntry>())
     };
-    out.copy_from_slice(&bytes[..CT_ENTRY_BEFORE_HOPS]);
+    out[..CT_ENTRY_SHARED].copy_from_slice(&bytes[..CT_ENTRY_SHARED]);
     out
 }
 
-/// An earlier layout's entry as this tree's (the fields it lacks zero).
-fn entry_from_prefix(prefix: &[u8; CT_ENTRY_BEFORE_HOPS]) -> CtEntry {
+/// An earlier layout's entry as this tree's: the shared fields, no hops.
+fn entry_from<const N: usize>(v: &[u8; N]) -> CtEntry {
     let mut e = CtEntry::default();
-    // SAFETY: as in `entry_prefix`; any bytes are a valid CtEntry.
+    // SAFETY: as in `entry_as`; any bytes are a valid CtEntry.
     let bytes = unsafe {
         std::slice::from_raw_parts_mut((&mut e as *mut CtEntry).cast::<u8>(), size_of::<CtEntry>())
     };
-    bytes[..CT_ENTRY_BEFORE_HOPS].copy_from_slice(prefix);
+    bytes[..CT_ENTRY_SHARED].copy_from_slice(&v[..CT_ENTRY_SHARED]);
     e
 }
 
@@ -1976,7 +2010,11 @@ impl<M: std::borrow::Borrow<MapData>> CtView<M> {
             CtView::Now(t) => t.iter().collect(),
             CtView::BeforeHops(t) => t
                 .iter()
-                .map(|r| r.map(|(k, v)| (k, entry_from_prefix(&v))))
+                .map(|r| r.map(|(k, v)| (k, entry_from(&v))))
+                .collect(),
+            CtView::WideHops(t) => t
+                .iter()
+                .map(|r| r.map(|(k, v)| (k, entry_from(&v))))
                 .collect(),
         }
     }
@@ -1984,7 +2022,8 @@ impl<M: std::borrow::Borrow<MapData>> CtView<M> {
     fn get(&self, key: &CtKey) -> Result<CtEntry, MapError> {
         match self {
             CtView::Now(t) => t.get(key, 0),
-            CtView::BeforeHops(t) => t.get(key, 0).map(|v| entry_from_prefix(&v)),
+            CtView::BeforeHops(t) => t.get(key, 0).map(|v| entry_from(&v)),
+            CtView::WideHops(t) => t.get(key, 0).map(|v| entry_from(&v)),
         }
     }
 
@@ -1992,6 +2031,7 @@ impl<M: std::borrow::Borrow<MapData>> CtView<M> {
         match self {
             CtView::Now(t) => t.keys().collect(),
             CtView::BeforeHops(t) => t.keys().collect(),
+            CtView::WideHops(t) => t.keys().collect(),
         }
     }
 }
@@ -2000,7 +2040,8 @@ impl<M: std::borrow::BorrowMut<MapData>> CtView<M> {
     fn insert(&mut self, key: &CtKey, entry: &CtEntry) -> Result<(), MapError> {
         match self {
             CtView::Now(t) => t.insert(key, entry, 0),
-            CtView::BeforeHops(t) => t.insert(key, &entry_prefix(entry), 0),
+            CtView::BeforeHops(t) => t.insert(key, &entry_as(entry), 0),
+            CtView::WideHops(t) => t.insert(key, &entry_as(entry), 0),
         }
     }
 
@@ -2008,6 +2049,7 @@ impl<M: std::borrow::BorrowMut<MapData>> CtView<M> {
         match self {
             CtView::Now(t) => t.remove(key),
             CtView::BeforeHops(t) => t.remove(key),
+            CtView::WideHops(t) => t.remove(key),
         }
     }
 }
@@ -2044,7 +2086,7 @@ mod tests {
     }
 
     #[test]
-    fn an_entry_keeps_its_fields_through_the_layout_before_hops() {
+    fn an_entry_keeps_its_fields_through_the_earlier_layouts() {
         let mut e = CtEntry {
             created_ns: 7,
             last_seen_ns: 9,
@@ -2055,14 +2097,22 @@ mod tests {
         };
         e.nat.port = 8080;
         e.hops[1].out_ifindex = 5;
-        let back = entry_from_prefix(&entry_prefix(&e));
+        let want = CtEntry {
+            hops: Default::default(),
+            ..e
+        };
+        let before_hops = entry_from(&entry_as::<CT_ENTRY_BEFORE_HOPS>(&e));
+        let wide_hops = entry_from(&entry_as::<CT_ENTRY_WIDE_HOPS>(&e));
+        for (layout, back) in [("before hops", before_hops), ("wide hops", wide_hops)] {
+            assert_eq!(
+                back, want,
+                "{layout}: every field but the hops survives; the hops come back zero"
+            );
+        }
         assert_eq!(
-            back,
-            CtEntry {
-                hops: Default::default(),
-                ..e
-            },
-            "every field but the hops survives the earlier layout; the hops come back zero"
+            entry_as::<CT_ENTRY_WIDE_HOPS>(&e)[CT_ENTRY_SHARED..],
+            [0; CT_ENTRY_WIDE_HOPS - CT_ENTRY_SHARED],
+            "an earlier layout's hops are written as nothing learned"
         );
     }
 }
