@@ -261,6 +261,19 @@ pub const TCP_UNACKNOWLEDGED_TIMEOUT_S: u32 = 300;
 /// than this long after its first one, as in Linux since 5.16.
 pub const UDP_STREAM_AFTER_NS: u64 = 2_000_000_000;
 
+/// The datapath moves an entry's `last_seen_ns` only once the clock is this far past it
+/// (2^28 ns, 268 ms), as Cilium refreshes its entries' lifetime: most packets of a busy
+/// connection leave the stamp as it is. Expiry allows for it (an entry is idle at most this
+/// much longer than its stamp says), so no connection expires early.
+pub const LAST_SEEN_STEP_NS: u64 = 1 << 28;
+
+/// Whether a packet at `now` moves a `last_seen_ns` stamp (see [`LAST_SEEN_STEP_NS`]); a
+/// stamp ahead of `now` (an entry installed from a peer's precise clock) stays.
+#[inline(always)]
+pub const fn last_seen_moves(last_seen_ns: u64, now: u64) -> bool {
+    now.saturating_sub(last_seen_ns) >= LAST_SEEN_STEP_NS
+}
+
 /// A connection key that is the same for both directions: the (address, port) pairs are
 /// ordered, lower first. Addresses as on the wire; IPv4 uses the first 4 bytes. For ICMP echo
 /// both ports hold the echo identifier. 8-aligned so the datapath can fill it with word

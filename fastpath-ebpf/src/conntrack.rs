@@ -25,8 +25,8 @@ use fastpath_common::{
         CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CT_F_SNAT, CT_INSTALL_MAX,
         CT_RECORD_CREATE, CT_RECORD_REMOVE, CtEntry, CtEvent, CtKey, CtRecord, DIR_ORIGINAL,
         DIR_REPLY, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL,
-        IFACE_F_LOOPBACK, TcpStep, UDP_STREAM_AFTER_NS, ct_event, ct_stat, martian_source,
-        tcp_class, tcp_classify, tcp_flags_valid, tcp_state, tcp_step,
+        IFACE_F_LOOPBACK, TcpStep, UDP_STREAM_AFTER_NS, ct_event, ct_stat, last_seen_moves,
+        martian_source, tcp_class, tcp_classify, tcp_flags_valid, tcp_state, tcp_step,
     },
     lb::{
         Backend, CtNat, SNAT_TRIES, SVC_F_DSR, SVC_F_FULL_NAT, SVC_F_GATEWAY, Service, flow_hash,
@@ -852,7 +852,9 @@ fn lb_reply(
         // connection's), not looked up again under the connection's key.
         alias.packets[DIR_REPLY] += 1;
         alias.bytes[DIR_REPLY] += len as u64;
-        alias.last_seen_ns = now;
+        if last_seen_moves(alias.last_seen_ns, now) {
+            alias.last_seen_ns = now;
+        }
         stats::service(alias.nat.service, alias.nat.backend, len, false);
         return action;
     }
@@ -1322,7 +1324,9 @@ fn update(
     let d = dir & 1;
     e.packets[d] += 1;
     e.bytes[d] += len as u64;
-    e.last_seen_ns = now;
+    if last_seen_moves(e.last_seen_ns, now) {
+        e.last_seen_ns = now;
+    }
     None
 }
 

@@ -15,8 +15,8 @@ use std::{
 
 use fastpath_common::{
     ct::{
-        CT_F_LB, CT_F_LB_ALIAS, CT_F_SNAT, CtEntry, CtEvent, CtKey, ct_event, tcp_state,
-        timeout_of, timeout_slot, with_alias,
+        CT_F_LB, CT_F_LB_ALIAS, CT_F_SNAT, CtEntry, CtEvent, CtKey, LAST_SEEN_STEP_NS, ct_event,
+        tcp_state, timeout_of, timeout_slot, with_alias,
     },
     lb::lb_peer_key,
 };
@@ -38,10 +38,12 @@ pub struct GcStats {
     pub last_pass_us: AtomicU64,
 }
 
-/// Whether `e` has been idle longer than its timeout at `now_ns` (the datapath's clock).
+/// Whether `e` has been idle longer than its timeout at `now_ns` (the datapath's clock). The
+/// datapath moves the stamp in steps (`LAST_SEEN_STEP_NS`): an entry whose stamp is that much
+/// older than its last packet is not expired early.
 pub fn expired(t: &Timeouts, key: &CtKey, e: &CtEntry, now_ns: u64) -> bool {
     let idle = now_ns.saturating_sub(e.last_seen_ns);
-    idle > u64::from(timeout_of(t, key, e)) * 1_000_000_000
+    idle > u64::from(timeout_of(t, key, e)) * 1_000_000_000 + LAST_SEEN_STEP_NS
 }
 
 /// Timeouts in seconds, in the `DatapathConfig::ct_timeouts_s` layout.
@@ -210,8 +212,11 @@ mod tests {
             last_seen_ns: 10_000_000_000,
             ..CtEntry::default()
         };
-        assert!(!expired(&t, &udp, &e, 12_000_000_000));
-        assert!(expired(&t, &udp, &e, 12_000_000_001));
+        // The timeout plus the datapath's stamp step (its last packet may have come that
+        // much after the stamp).
+        let end = 12_000_000_000 + LAST_SEEN_STEP_NS;
+        assert!(!expired(&t, &udp, &e, end), "not expired at timeout + step");
+        assert!(expired(&t, &udp, &e, end + 1), "expired just after");
         // A clock before last_seen (entry refreshed after `now` was taken) is not expired.
         assert!(!expired(&t, &udp, &e, 1));
     }
