@@ -1350,7 +1350,7 @@ fn bench_lb(objects: &Objects) -> Result<PerObject> {
                 }
                 // NAT and full-NAT among many connections: the table pre-filled as the load
                 // balancer fills it (connections and their aliases).
-                for mode in [LbMode::Nat, LbMode::FullNat] {
+                for mode in [LbMode::Nat, LbMode::FullNat, LbMode::Dsr] {
                     for size in CT_SIZES {
                         // Fresh maps for each: after a table of a million entries was cleared,
                         // the next 2000 inserts took 6.2 µs each instead of 0.9 (whichever mode
@@ -1400,6 +1400,9 @@ enum LbMode {
     Nat,
     /// Source and destination translated: backends answer [`LB_SNAT`].
     FullNat,
+    /// Nothing translated: the client's packets go to the backend's MAC address (direct
+    /// server return, Katran's mode at L2); the backends answer the client directly.
+    Dsr,
 }
 
 /// Backends of the service measured among many conntrack entries.
@@ -1416,7 +1419,10 @@ const LB_SNAT: [u8; 4] = [10, 254, 0, 200];
 /// Maglev picked, and back from the VIP) and routed (TTL, the next hop's and the egress
 /// link's MAC addresses), byte for byte, and every timed hit to have found the route cache.
 /// The new-connection row: `LB_RUNS` SYNs from new source ports, each run once: service
-/// lookup, Maglev pick, conntrack insert, translation, FIB lookup, redirect.
+/// lookup, Maglev pick, conntrack insert, translation, FIB lookup, redirect. Direct server
+/// return has the client → VIP rows only, each packet checked to come out unchanged but for
+/// its MAC addresses (the backend's, from `lbb`'s); its next hop is kept in the connection's
+/// entry, which no counter shows (the DSR fixture checks it).
 fn bench_lb_service(
     fxs: &mut [Fixture],
     rows: &mut PerObject,
@@ -1439,12 +1445,16 @@ fn bench_lb_service(
             "mode = \"full_nat\"\nsnat_address = \"{}\"",
             std::net::Ipv4Addr::from(LB_SNAT)
         );
+    } else if mode == LbMode::Dsr {
+        let _ = writeln!(toml, "mode = \"dsr\"");
     }
     for i in 0..n {
         let _ = write!(
             toml,
-            "[[service.backend]]\naddress = \"{}\"\nport = 8080\n",
-            std::net::Ipv4Addr::from(lb_backend(i))
+            "[[service.backend]]\naddress = \"{}\"\nport = {}\n",
+            std::net::Ipv4Addr::from(lb_backend(i)),
+            // Direct server return leaves the port as it is: backends listen on the VIP's.
+            if mode == LbMode::Dsr { 80 } else { 8080 }
         );
     }
     let seed = links.seed(&toml);
@@ -1491,6 +1501,14 @@ fn bench_lb_service(
             .tcp(sport, 8080, flags)
             .build()
     };
+    // Direct server return: the client's packet as it came, to backend `b`'s MAC address.
+    let dsr_out = |b: usize, flags| {
+        Pkt::eth()
+            .macs(lb_backend_mac(b), LB_BACKEND_LINK_MAC)
+            .ipv4(LB_CLIENT, LB_VIP)
+            .tcp(40000, 80, flags)
+            .build()
+    };
     // ... and to the client from the VIP.
     let to_client_out = |flags| {
         Pkt::eth()
@@ -1502,10 +1520,10 @@ fn bench_lb_service(
     };
     let what = format!(
         "{}{n} backend{}, Maglev {} slots{}",
-        if mode == LbMode::FullNat {
-            "full-NAT, "
-        } else {
-            ""
+        match mode {
+            LbMode::Nat => "",
+            LbMode::FullNat => "full-NAT, ",
+            LbMode::Dsr => "DSR, ",
         },
         if n == 1 { "" } else { "s" },
         fastpath::maglev::auto_size(n),
@@ -1537,6 +1555,27 @@ fn bench_lb_service(
         // `Fixture::rerun`), as re-seeding a thousand backends between them would evict the
         // caches the datapath runs from, and would empty the route cache.
         let syn = fx.run(&to_vip(40000, tcp_flags::SYN))?;
+        if mode == LbMode::Dsr {
+            // The backend is the one whose MAC address the SYN went to.
+            let Some(b) = field(&syn.output, 0, 6)
+                .and_then(|m| (0..n).position(|i| lb_backend_mac(i)[..] == m[..]))
+            else {
+                bail!(
+                    "LB benchmark ({what}): the SYN to the VIP did not come out to a backend's MAC address; verdict {}, output {:02x?}",
+                    verdict_name(Hook::Xdp, syn.verdict),
+                    syn.output
+                );
+            };
+            routed("the SYN to the VIP", &syn, &dsr_out(b, tcp_flags::SYN))?;
+            let ack = to_vip(40000, tcp_flags::ACK);
+            routed(
+                "an established connection's packet to the VIP",
+                &fx.rerun(&ack)?,
+                &dsr_out(b, tcp_flags::ACK),
+            )?;
+            hits.push([ack.clone(), ack]);
+            continue;
+        }
         let Some(b) = field(&syn.output, IP4_DST, 4)
             .and_then(|a| (0..n).position(|i| lb_backend(i)[..] == a[..]))
         else {
@@ -1549,7 +1588,7 @@ fn bench_lb_service(
         // Where the backend's replies go: the client, or the address and port full-NAT chose
         // (the source of what reaches the backend either way).
         let reply_to = match mode {
-            LbMode::Nat => (LB_CLIENT, 40000),
+            LbMode::Nat | LbMode::Dsr => (LB_CLIENT, 40000),
             LbMode::FullNat => {
                 let src = field(&syn.output, IP4_SRC, 4).and_then(|a| <[u8; 4]>::try_from(a).ok());
                 let sport = field(&syn.output, L4_SPORT, 2)
@@ -1602,13 +1641,16 @@ fn bench_lb_service(
             .copied()
             .unwrap_or_default())
     };
-    for (dir, path) in [
-        "LB hit: client → VIP, translated to the backend, routed at XDP",
-        "LB hit: backend → client, translated back to the VIP, routed at XDP",
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    let dsr = mode == LbMode::Dsr;
+    let hit_paths: &[&str] = if dsr {
+        &["LB hit: client → VIP, direct server return (the backend's MAC address) at XDP"]
+    } else {
+        &[
+            "LB hit: client → VIP, translated to the backend, routed at XDP",
+            "LB hit: backend → client, translated back to the VIP, routed at XDP",
+        ]
+    };
+    for (dir, path) in hit_paths.iter().enumerate() {
         let path = format!("{path} ({what}, repeat = 1)");
         // The flow's route learned afresh (a new generation, then one run) so that no timed
         // run finds it expired: a flow's later packets take the route cache's answer.
@@ -1629,7 +1671,7 @@ fn bench_lb_service(
         )?;
         for (fx, before) in fxs.iter().zip(hits_before) {
             let cached = route_stat(fx, route_stat::HIT)? - before;
-            if cached != LB_RUNS as u64 {
+            if !dsr && cached != LB_RUNS as u64 {
                 bail!(
                     "{path}: expected all {LB_RUNS} runs to take the route cache's answer, {cached} did"
                 );
@@ -1640,9 +1682,15 @@ fn bench_lb_service(
 
     // New connections: one SYN per source port, each picked by Maglev, inserted, and routed
     // after a FIB lookup (a new flow, not in the route cache).
-    let path = format!(
-        "LB new connection: SYN → VIP, Maglev pick + conntrack insert + translation + FIB lookup, routed at XDP ({what}, {LB_RUNS} connections, repeat = 1)"
-    );
+    let path = if dsr {
+        format!(
+            "LB new connection: SYN → VIP, Maglev pick + conntrack insert + FIB lookup, direct server return at XDP ({what}, {LB_RUNS} connections, repeat = 1)"
+        )
+    } else {
+        format!(
+            "LB new connection: SYN → VIP, Maglev pick + conntrack insert + translation + FIB lookup, routed at XDP ({what}, {LB_RUNS} connections, repeat = 1)"
+        )
+    };
     let syns: Vec<Case> = (0..LB_RUNS as u16)
         .map(|i| to_vip(20_000 + i, tcp_flags::SYN))
         .collect();
@@ -1661,7 +1709,8 @@ fn bench_lb_service(
     for (fx, (entries, misses)) in fxs.iter().zip(&before) {
         let added = fx.ct_entries()?.len() - entries;
         let looked_up = route_stat(fx, route_stat::MISS)? - misses;
-        if added < LB_RUNS || looked_up != LB_RUNS as u64 {
+        // Direct server return asks the FIB itself (no route counter).
+        if added < LB_RUNS || (!dsr && looked_up != LB_RUNS as u64) {
             bail!(
                 "{path}: expected {LB_RUNS} conntrack entries added and {LB_RUNS} FIB lookups for {LB_RUNS} new connections, got {added} entries and {looked_up} lookups"
             );
