@@ -156,6 +156,7 @@ pub struct AffinityKey {
     pub _pad: [u8; 3],
 }
 const _: () = assert!(core::mem::size_of::<AffinityKey>() == 24);
+const _: () = assert!(core::mem::offset_of!(AffinityKey, family) == 20);
 
 /// `FP_AFFINITY` value: the backend the client's last new connection got, and when.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -292,19 +293,19 @@ pub fn lb_peer_key_into(
     };
     match keep_lo {
         Some(true) => {
-            out.addr_lo = key.addr_lo;
+            crate::copy16(&mut out.addr_lo, &key.addr_lo);
             out.port_lo = key.port_lo;
         }
         Some(false) => {
-            out.addr_lo = key.addr_hi;
+            crate::copy16(&mut out.addr_lo, &key.addr_hi);
             out.port_lo = key.port_hi;
         }
         None => {
-            out.addr_lo = e.nat.addr2;
+            crate::copy16(&mut out.addr_lo, &e.nat.addr2);
             out.port_lo = e.nat.port2;
         }
     }
-    out.addr_hi = e.nat.addr;
+    crate::copy16(&mut out.addr_hi, &e.nat.addr);
     out.port_hi = e.nat.port;
     out.family = key.family;
     out.proto = key.proto;

@@ -1247,14 +1247,28 @@ fn update(
             TcpStep::To(tcp_state::SYN_SENT) if closed(claim.was) => {
                 // A new connection on the same tuple: start over, its SYN sender as originator.
                 // A load-balanced connection keeps its backend (and its alias).
-                let nat = e.nat;
-                let lb_flag = e.flags & CT_F_LB;
-                *e = CtEntry {
-                    created_ns: now,
-                    flags: lb_flag | if src_is_lo { CT_F_ORIG_IS_LO } else { 0 },
-                    nat,
-                    ..CtEntry::default()
-                };
+                // perf: field by field, the binding left in place (a struct write zeroes the
+                // entry with an out-of-line byte loop, `memset`). The kept hops are dropped:
+                // ifindex 0 matches no interface (see `route::holds`).
+                e.created_ns = now;
+                // SAFETY: fields of the live entry; volatile, so LLVM does not merge the
+                // zeroing into a `memset` call.
+                unsafe {
+                    for w in [
+                        &raw mut e.last_seen_ns,
+                        &raw mut e.packets[0],
+                        &raw mut e.packets[1],
+                        &raw mut e.bytes[0],
+                        &raw mut e.bytes[1],
+                    ] {
+                        core::ptr::write_volatile(w, 0);
+                    }
+                }
+                e.flags = (e.flags & CT_F_LB) | if src_is_lo { CT_F_ORIG_IS_LO } else { 0 };
+                e._pad = 0;
+                e.origin = 0;
+                e.hops[0].in_ifindex = 0;
+                e.hops[1].in_ifindex = 0;
                 e.state = tcp_state::SYN_SENT;
                 dir = DIR_ORIGINAL;
                 count(ct_stat::REOPENED);

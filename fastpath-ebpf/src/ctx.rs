@@ -175,15 +175,4 @@ pub fn copy_words<const N: usize>(dst: &mut [u64; N], src: &[u64; N]) {
     }
 }
 
-/// Copies 16 address bytes as two words (see [`copy_words`]). Both must be 8-aligned: key
-/// fields, `CtNat`/`Backend` addresses, all at multiples of 8 in 8-aligned structs.
-#[inline(always)]
-pub fn copy16(dst: &mut [u8; 16], src: &[u8; 16]) {
-    let d = (dst as *mut [u8; 16]).cast::<u64>();
-    let s = (src as *const [u8; 16]).cast::<u64>();
-    // SAFETY: both are 16 bytes and 8-aligned (see above); any bytes are valid.
-    unsafe {
-        core::ptr::write_volatile(d, core::ptr::read_volatile(s));
-        core::ptr::write_volatile(d.add(1), core::ptr::read_volatile(s.add(1)));
-    }
-}
+pub use fastpath_common::copy16;
