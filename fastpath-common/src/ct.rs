@@ -408,15 +408,16 @@ pub struct CtEntry {
     /// zero in entries the daemon writes (HA, restores).
     pub hops: [CtHop; 2],
 }
-// 48 bytes of the kernel's hash element header + 40 of key + 168: 256, an allocation class of
-// its own (one more byte would take 512 per entry, twice the memory per connection).
+// With the kernel's 48-byte hash element header, the 40-byte key and the allocator's 8-byte
+// free-list link, an entry of more than 160 bytes takes a 512-byte allocation, one of up to
+// 160 a 256-byte one (measured as slab growth per entry of a no-prealloc hash: 256 B for
+// 104- and 160-byte values, 512 B for 161-, 168- and 184-byte ones).
 const _: () = assert!(core::mem::size_of::<CtEntry>() == 168);
 
 /// The FIB's answer for one direction of a connection (`CtEntry::hops`), used while `until`
 /// has not passed, the route generation (`FP_VXLAN_GEN`, its low 32 bits) is the one it was
 /// learned in, the packet arrives on `in_ifindex`, and its IP length is at most `fits`: the
-/// route cache's rules (`route::ROUTE_CACHE_TTL_NS`). 32 bytes, so that an entry with its
-/// key fits the kernel's 256-byte allocation class (see [`CtEntry`]).
+/// route cache's rules (`route::ROUTE_CACHE_TTL_NS`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(C)]
 pub struct CtHop {
