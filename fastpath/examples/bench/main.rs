@@ -1555,17 +1555,23 @@ fn bench_lb_service(
         // `Fixture::rerun`), as re-seeding a thousand backends between them would evict the
         // caches the datapath runs from, and would empty the route cache.
         let syn = fx.run(&to_vip(40000, tcp_flags::SYN))?;
-        if mode == LbMode::Dsr {
-            // The backend is the one whose MAC address the SYN went to.
-            let Some(b) = field(&syn.output, 0, 6)
+        // The backend Maglev picked: the one the SYN is addressed to, or (direct server
+        // return) the one whose MAC address it went to.
+        let picked = if mode == LbMode::Dsr {
+            field(&syn.output, 0, 6)
                 .and_then(|m| (0..n).position(|i| lb_backend_mac(i)[..] == m[..]))
-            else {
-                bail!(
-                    "LB benchmark ({what}): the SYN to the VIP did not come out to a backend's MAC address; verdict {}, output {:02x?}",
-                    verdict_name(Hook::Xdp, syn.verdict),
-                    syn.output
-                );
-            };
+        } else {
+            field(&syn.output, IP4_DST, 4)
+                .and_then(|a| (0..n).position(|i| lb_backend(i)[..] == a[..]))
+        };
+        let Some(b) = picked else {
+            bail!(
+                "LB benchmark ({what}): the SYN to the VIP did not come out to a backend (its address; its MAC address for DSR); verdict {}, output {:02x?}",
+                verdict_name(Hook::Xdp, syn.verdict),
+                syn.output
+            );
+        };
+        if mode == LbMode::Dsr {
             routed("the SYN to the VIP", &syn, &dsr_out(b, tcp_flags::SYN))?;
             let ack = to_vip(40000, tcp_flags::ACK);
             routed(
@@ -1576,15 +1582,6 @@ fn bench_lb_service(
             hits.push([ack.clone(), ack]);
             continue;
         }
-        let Some(b) = field(&syn.output, IP4_DST, 4)
-            .and_then(|a| (0..n).position(|i| lb_backend(i)[..] == a[..]))
-        else {
-            bail!(
-                "LB benchmark ({what}): the SYN to the VIP did not come out addressed to a backend; verdict {}, output {:02x?}",
-                verdict_name(Hook::Xdp, syn.verdict),
-                syn.output
-            );
-        };
         // Where the backend's replies go: the client, or the address and port full-NAT chose
         // (the source of what reaches the backend either way).
         let reply_to = match mode {
