@@ -14,9 +14,22 @@ pub mod vxlan;
 
 pub use stats::{Counter, DatapathConfig, Hook, Verdict};
 
-/// Copies 16 address bytes as two word loads and stores. perf: on the BPF target a plain copy
-/// of 16 bytes or more compiles to a call of an out-of-line byte loop (`memmove`); volatile
-/// accesses keep LLVM from turning these back into one. Both must be 8-aligned: key fields,
+/// Copies `N` words with word loads and stores. perf: on the BPF target a plain copy of 16
+/// bytes or more compiles to a call of an out-of-line byte loop (`memmove`); volatile
+/// accesses keep LLVM from turning these back into one.
+#[inline(always)]
+pub fn copy_words<const N: usize>(dst: &mut [u64; N], src: &[u64; N]) {
+    let (d, s) = (dst.as_mut_ptr(), src.as_ptr());
+    let mut i = 0;
+    while i < N {
+        // SAFETY: i < N: within both arrays.
+        unsafe { core::ptr::write_volatile(d.add(i), core::ptr::read_volatile(s.add(i))) };
+        i += 1;
+    }
+}
+
+/// Copies 16 address bytes as two words, as [`copy_words`] does (written out: built on it, the
+/// TC load-balancing program's stack overflows). Both must be 8-aligned: key fields,
 /// `CtNat`/`Backend` addresses, all at multiples of 8 in 8-aligned structs.
 #[inline(always)]
 pub fn copy16(dst: &mut [u8; 16], src: &[u8; 16]) {

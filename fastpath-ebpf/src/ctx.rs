@@ -161,18 +161,4 @@ pub struct RouteLearning {
     pub(crate) hop: RouteHop,
 }
 
-/// Copies `N` words with word loads and stores. perf: a plain copy of 16 bytes or more
-/// compiles to a call of an out-of-line byte loop (`memmove`) on this target; volatile
-/// accesses keep LLVM from turning this loop back into one.
-#[inline(always)]
-pub fn copy_words<const N: usize>(dst: &mut [u64; N], src: &[u64; N]) {
-    let (d, s) = (dst.as_mut_ptr(), src.as_ptr());
-    let mut i = 0;
-    while i < N {
-        // SAFETY: i < N: within both arrays.
-        unsafe { core::ptr::write_volatile(d.add(i), core::ptr::read_volatile(s.add(i))) };
-        i += 1;
-    }
-}
-
-pub use fastpath_common::copy16;
+pub use fastpath_common::{copy_words, copy16};

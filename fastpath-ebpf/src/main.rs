@@ -8,7 +8,6 @@
               `core::sync::atomic`"
 )]
 #![feature(core_intrinsics)]
-#![feature(asm_experimental_arch)]
 #![allow(
     clippy::not_unsafe_ptr_arg_deref,
     reason = "aya's program macros expand each entry point into a pub extern fn over the \
@@ -78,29 +77,6 @@ pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
         Ok(p) => pipeline::process(&pkt, p, Hook::Xdp, true, ifindex, false),
         Err(code) => pipeline::unparsed(code),
     };
-    let (verdict, reason) = if reason == pipeline::NEW_CONNECTION {
-        // perf: a call site of its own, with a constant index, which the JIT makes a direct
-        // jump; `xdp_finish`'s computed index is an indirect jump (a retpoline here). The
-        // helper call is written out: LLVM would merge two calls of it into one with a
-        // computed index.
-        // SAFETY: bpf_tail_call (helper 12) with the context, the program array and an
-        // index; on success it does not return, on failure it clobbers r0-r5 as any call.
-        unsafe {
-            core::arch::asm!(
-                "call 12",
-                inout("r1") ctx.as_ptr() => _,
-                inout("r2") &raw const maps::FP_TAILS => _,
-                inout("r3") u64::from(fastpath_common::TAIL_NEW_CONNECTION) => _,
-                lateout("r0") _,
-                lateout("r4") _,
-                lateout("r5") _,
-            );
-        }
-        // The tail program is missing: the packet goes on as it is.
-        (Verdict::Kernel, fastpath_common::reason::LB_REWRITE_FAILED)
-    } else {
-        (verdict, reason)
-    };
     xdp_finish(&ctx, verdict, reason, len)
 }
 
@@ -130,6 +106,7 @@ fn xdp_finish(ctx: &XdpContext, mut verdict: Verdict, mut reason: u32, len: usiz
     // read uninitialised on the `None` path, which the verifier refuses).
     let family_tail = |v4: u32, v6: u32| if pipeline::is_ipv4() { v4 } else { v6 };
     let mut tail = match reason {
+        pipeline::NEW_CONNECTION => fastpath_common::TAIL_NEW_CONNECTION,
         fastpath_common::reason::LB_ICMP_ERROR => family_tail(
             fastpath_common::TAIL_ICMP_ERROR,
             fastpath_common::TAIL_ICMP6_ERROR,

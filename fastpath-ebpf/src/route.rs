@@ -146,15 +146,18 @@ pub fn forward(
             fits
         } else {
             // The answer overwrites parts of the question (the next hop's address replaces the
-            // destination): the key is kept first.
-            let Some(learning) = FP_ROUTE_LEARN.get_ptr_mut(0) else {
-                return Err(reason::ROUTE_OTHER);
+            // destination): a route the cache learns has its key kept first.
+            let learning = if via_cache {
+                let Some(l) = FP_ROUTE_LEARN.get_ptr_mut(0) else {
+                    return Err(reason::ROUTE_OTHER);
+                };
+                // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
+                let l = unsafe { &mut *l };
+                copy_words(&mut l.key, f.key());
+                Some(l)
+            } else {
+                None
             };
-            // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
-            let learning = unsafe { &mut *learning };
-            if via_cache {
-                copy_words(&mut learning.key, f.key());
-            }
             f.set_len(tot_len);
             match fib::answer(pkt, f, 0) {
                 Ok(()) => {}
@@ -173,10 +176,9 @@ pub fn forward(
             if gso_size != 0 && !segments_fit(pkt, p, gso_size, fits) {
                 return Err(reason::ROUTE_MTU);
             }
-            if via_cache {
-                learn(learning, f, fits, now, generation);
-            } else {
-                count(route_stat::MISS);
+            match learning {
+                Some(l) => learn(l, f, fits, now, generation),
+                None => count(route_stat::MISS),
             }
             fits
         };
