@@ -409,35 +409,40 @@ pub struct CtEntry {
     pub hops: [CtHop; 2],
 }
 // With the kernel's 48-byte hash element header, the 40-byte key and the allocator's 8-byte
-// free-list link, an entry of more than 160 bytes takes a 512-byte allocation, one of up to
-// 160 a 256-byte one (measured as slab growth per entry of a no-prealloc hash: 256 B for
-// 104- and 160-byte values, 512 B for 161-, 168- and 184-byte ones).
-const _: () = assert!(core::mem::size_of::<CtEntry>() == 168);
+// free-list link, an entry of up to 160 bytes takes a 256-byte allocation, a longer one a
+// 512-byte one (measured as slab growth per entry of a no-prealloc hash: 256 B for 104-,
+// 152- and 160-byte values, 512 B for 161-, 168- and 184-byte ones).
+const _: () = assert!(core::mem::size_of::<CtEntry>() == 152);
 
 /// The FIB's answer for one direction of a connection (`CtEntry::hops`), used while `until`
-/// has not passed, the route generation (`FP_VXLAN_GEN`, its low 32 bits) is the one it was
-/// learned in, the packet arrives on `in_ifindex`, and its IP length is at most `fits`: the
-/// route cache's rules (`route::ROUTE_CACHE_TTL_NS`).
+/// has not passed, the route generation (`FP_VXLAN_GEN`) is the one it was learned in, the
+/// packet arrives on `in_ifindex`, and its IP length is at most `fits`: the route cache's
+/// rules (`route::ROUTE_CACHE_TTL_NS`). Narrow fields keep the entry in the 256-byte
+/// allocation: an interface the fast path routes from or to has an ifindex below
+/// [`IFACE_SLOTS`] (2^16; an egress beyond it is not kept), and the generation's low 16 bits
+/// tell generations apart within the hop's lifetime (`ttl`, a second: the daemon would have
+/// to change routes 65,536 times in it to alias one).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(C)]
 pub struct CtHop {
     /// The coarse clock's time it holds until, in units of 2^[`HOP_CLOCK_SHIFT`] ns (about a
     /// millisecond), wrapping; compared by [`hop_holds_at`].
     pub until: u32,
-    pub generation: u32,
+    /// The route generation's low 16 bits.
+    pub generation: u16,
     /// The interface the direction's packets arrive on (0: nothing learned; no interface has
     /// ifindex 0).
-    pub in_ifindex: u32,
+    pub in_ifindex: u16,
     /// The egress interface.
-    pub out_ifindex: u32,
+    pub out_ifindex: u16,
     /// The longest IP packet known to fit the route.
     pub fits: u16,
-    pub _pad: u16,
     /// The next hop's MAC address, then the egress interface's: an Ethernet header's first
     /// 12 bytes.
     pub macs: [u8; 12],
 }
-const _: () = assert!(core::mem::size_of::<CtHop>() == 32);
+const _: () = assert!(core::mem::size_of::<CtHop>() == 24);
+const _: () = assert!(IFACE_SLOTS - 1 == u16::MAX as u32);
 
 /// [`CtHop::until`]'s unit: 2^20 ns (1.05 ms).
 pub const HOP_CLOCK_SHIFT: u32 = 20;
@@ -717,7 +722,7 @@ pub struct CtRecord {
     pub op: u32,
     pub _pad: u32,
 }
-const _: () = assert!(core::mem::size_of::<CtRecord>() == 216);
+const _: () = assert!(core::mem::size_of::<CtRecord>() == 200);
 
 /// [`CtRecord::op`]: create the entry if its key is free.
 pub const CT_RECORD_CREATE: u32 = 0;

@@ -29,7 +29,7 @@ pub fn forward(pkt: &Packet, p: &Parsed, ifindex: u32, now: u64, hop: &HopRef) -
         if !route::store_macs(pkt, known.macs) {
             return false;
         }
-        route::redirect_to(known.out_ifindex);
+        route::redirect_to(u32::from(known.out_ifindex));
         return true;
     }
     let Ok(answer) = fib::lookup(pkt, p, ifindex, true, 0, 0) else {

@@ -131,7 +131,7 @@ pub fn forward(
             return Err(reason::ROUTE_OTHER);
         }
         count(route_stat::HIT);
-        redirect_to(known.out_ifindex);
+        redirect_to(u32::from(known.out_ifindex));
         return Ok(());
     }
     let f = fib::question(pkt, p, ifindex, false).ok_or(reason::ROUTE_OTHER)?;
@@ -218,14 +218,14 @@ pub fn forward(
 
 /// Whether `known`, the next hop `hop` points at, holds for a packet that arrived on
 /// `ifindex` at `now` in route `generation`: a connection's (not the scratch), learned for
-/// that interface in that generation (its low 32 bits), not expired. The route cache's
+/// that interface in that generation (its low 16 bits), not expired. The route cache's
 /// rules; the length check is the caller's.
 #[inline(always)]
 pub fn holds(hop: &HopRef, known: &CtHop, ifindex: u32, now: u64, generation: u64) -> bool {
     hop.in_entry
         && hop_holds_at(known.until, hop_clock(now), HOP_TTL)
-        && known.generation == generation as u32
-        && known.in_ifindex == ifindex
+        && known.generation == generation as u16
+        && u32::from(known.in_ifindex) == ifindex
 }
 
 /// A route to keep in a connection's entry (see [`keep`]): learned for packets arriving on
@@ -242,17 +242,22 @@ pub struct Kept {
 /// Keeps a route in a connection's entry (`CtEntry::hops`) for the direction's next
 /// packets, under the route cache's rules (`ROUTE_CACHE_TTL_NS`, the generation), its
 /// generation written last: a reader on another CPU that sees it sees the rest (x86 keeps
-/// stores in order; two CPUs keeping one direction's route write the same answer).
+/// stores in order; two CPUs keeping one direction's route write the same answer). An
+/// interface whose ifindex does not fit the hop (see `CtHop`) is not kept: the direction
+/// asks the FIB again.
 #[inline(always)]
 pub fn keep(known: &mut CtHop, k: Kept) {
+    let (Ok(ifindex), Ok(out)) = (u16::try_from(k.ifindex), u16::try_from(k.out)) else {
+        return;
+    };
     known.until = hop_clock(k.now).wrapping_add(HOP_TTL);
-    known.in_ifindex = k.ifindex;
-    known.out_ifindex = k.out;
+    known.in_ifindex = ifindex;
+    known.out_ifindex = out;
     known.fits = k.fits;
     known.macs = k.macs;
     // SAFETY: a volatile store keeps the compiler from moving it before the others.
-    // The entry keeps the generation's low 32 bits (see `holds`).
-    unsafe { core::ptr::write_volatile(&raw mut known.generation, k.generation as u32) };
+    // The entry keeps the generation's low 16 bits (see `holds`).
+    unsafe { core::ptr::write_volatile(&raw mut known.generation, k.generation as u16) };
 }
 
 /// This CPU's stand-in hop (`ctx::HopRef`) for a packet without a connection entry.

@@ -1944,9 +1944,9 @@ fn umount(path: &Path) -> std::io::Result<()> {
 /// beside this tree's (an earlier build's table): the fields before `CtEntry::hops`. The hops
 /// are the node's own routing state; an entry moved between layouts has none learned (zero).
 const CT_ENTRY_SHARED: usize = 104;
-/// Entry sizes of earlier builds: before entries kept their next hops, and with 40-byte hops.
+/// Entry sizes of earlier builds: before entries kept their next hops, and with 32-byte hops.
 const CT_ENTRY_BEFORE_HOPS: usize = CT_ENTRY_SHARED;
-const CT_ENTRY_WIDE_HOPS: usize = 184;
+const CT_ENTRY_WIDE_HOPS: usize = 168;
 
 /// Which entry layout the loaded object's `FP_CT` has (by its value size).
 enum CtLayout {
