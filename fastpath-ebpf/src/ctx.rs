@@ -56,9 +56,11 @@ pub struct Miss {
     pub firewall: bool,
 }
 
-/// Where the L3 stage finds, and keeps, the next hop of the packet's connection direction:
-/// the entry's (`CtEntry::hops`, set by conntrack on a hit: `in_entry`), else this CPU's
-/// scratch hop, never read. verifier: never null, so no "a pointer or none".
+/// Where the L3 stage finds, and keeps, the next hop of the packet's connection direction
+/// (`in_entry`): the entry's (`CtEntry::hops`), set by conntrack on a hit or, for a new
+/// load-balanced connection, in the entry it built and inserts after the L3 stage
+/// (`conntrack::commit`); else this CPU's scratch hop, never read. verifier: never null, so
+/// no "a pointer or none".
 pub struct HopRef {
     pub hop: *mut CtHop,
     pub in_entry: bool,
