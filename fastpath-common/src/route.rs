@@ -8,6 +8,13 @@
 //! it was learned (bounding staleness while no daemon watches, and for what netlink does
 //! not announce, such as a forwarding sysctl).
 
+/// In `FP_VXLAN_GEN` (the route generation), set by the daemon while the kernel's FIB
+/// answers a forwarded packet by its arriving interface and destination alone: no policy rule
+/// selects by source, ports, protocol or TOS, and no route is multipath. Then new
+/// load-balanced connections to one backend share the route the first was told, and the flag
+/// changes only with a new generation (one write), so no shared route outlives it.
+pub const GEN_F_FIB_PER_DST: u64 = 1 << 63;
+
 /// Entries of `FP_ROUTE_CACHE` (LRU: the least recently used flow goes first).
 pub const ROUTE_CACHE_ENTRIES: u32 = 65_536;
 /// How long a learned answer is used at most (coarse monotonic clock).

@@ -584,6 +584,11 @@ pub fn create_lb(
     // The first route goes into the entry before it is inserted.
     hop.hop = &raw mut entry.hops[DIR_ORIGINAL];
     hop.in_entry = true;
+    // Translated to the backend, the packet is routed by the backend's address (a gateway
+    // connection's by its own destination, which no other connection shares).
+    if svc.flags & SVC_F_GATEWAY == 0 {
+        hop.backend = idx;
+    }
     (
         nat(
             (&backend.addr, backend.port),

@@ -3,7 +3,7 @@
 //! plain helpers on them: this module imports no stage and no map, so every stage and
 //! `maps` can depend on it without a cycle.
 
-use fastpath_common::ct::CtHop;
+use fastpath_common::{ct::CtHop, lb::Backend};
 
 /// What to rewrite: the destination (`ends & NAT_DST`) and/or the source (`ends &
 /// NAT_SRC`) to these addresses (IPv4: the first 4 bytes) and ports.
@@ -60,11 +60,60 @@ pub struct Miss {
 /// (`in_entry`): the entry's (`CtEntry::hops`), set by conntrack on a hit or, for a new
 /// load-balanced connection, in the entry it built and inserts after the L3 stage
 /// (`conntrack::commit`); else this CPU's scratch hop, never read. verifier: never null, so
-/// no "a pointer or none".
+/// no "a pointer or none". `backend`: for a new load-balanced connection's first packet, the
+/// backend (its index) the packet is translated to, whose route new connections share where
+/// the FIB answers by destination alone (see `route::shared`); else [`NO_BACKEND`].
 pub struct HopRef {
     pub hop: *mut CtHop,
     pub in_entry: bool,
+    pub backend: u32,
 }
+
+/// `HopRef::backend` of a packet that shares no backend's route.
+pub const NO_BACKEND: u32 = u32::MAX;
+
+/// The route a backend's new connections share on this CPU (`FP_BACKEND_HOP`, a
+/// direct-mapped cache: slot `index % BACKEND_HOP_SLOTS`), for the backend address and family
+/// it holds — an index reused for another address, or two sharing a slot, miss.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct BackendHop {
+    addr: [u64; 2],
+    family: u8,
+    pub hop: CtHop,
+}
+
+impl BackendHop {
+    /// Whether this is the route of `b`'s address.
+    #[inline(always)]
+    pub fn is_of(&self, b: &Backend) -> bool {
+        self.addr == words(&b.addr) && self.family == b.family
+    }
+
+    /// Keeps `hop` as the route of `b`'s address.
+    #[inline(always)]
+    pub fn keep(&mut self, b: &Backend, hop: &CtHop) {
+        self.addr = words(&b.addr);
+        self.family = b.family;
+        self.hop = *hop;
+    }
+}
+
+/// 16 address bytes of 8-aligned map memory as two words (as they lie in memory).
+#[inline(always)]
+pub fn words(addr: &[u8; 16]) -> [u64; 2] {
+    let w = (addr as *const [u8; 16]).cast::<u64>();
+    // SAFETY: 16 bytes of 8-aligned map memory.
+    unsafe {
+        [
+            core::ptr::read_volatile(w),
+            core::ptr::read_volatile(w.add(1)),
+        ]
+    }
+}
+
+/// Slots of `FP_BACKEND_HOP` per CPU (a power of two).
+pub const BACKEND_HOP_SLOTS: u32 = 4096;
 
 /// Which end of the packet an address belongs to.
 #[derive(Clone, Copy, PartialEq, Eq)]

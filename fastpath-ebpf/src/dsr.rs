@@ -25,7 +25,8 @@ pub fn forward(pkt: &Packet, p: &Parsed, ifindex: u32, now: u64, hop: &HopRef) -
     // scratch one (see `route::forward`).
     let known = unsafe { &mut *hop.hop };
     let generation = fib::generation();
-    if route::holds(hop, known, ifindex, now, generation) {
+    // No length: the frame keeps its size.
+    if route::holds_or_shared(hop, known, ifindex, now, generation, 0) {
         if !route::store_macs(pkt, known.macs) {
             return false;
         }
@@ -43,6 +44,7 @@ pub fn forward(pkt: &Packet, p: &Parsed, ifindex: u32, now: u64, hop: &HopRef) -
         // No length was asked (the frame keeps its size): fits 0, so the L3 stage never
         // takes this answer for a routed packet.
         route::keep(
+            hop,
             known,
             Kept {
                 ifindex,

@@ -2,7 +2,9 @@
 //! daemon, so a daemon restart or crash keeps both the counters and the attached programs.
 
 use crate::{
-    ctx::{FibParams, Miss, NatPlan, RouteHop, RouteKey, RouteLearning},
+    ctx::{
+        BACKEND_HOP_SLOTS, BackendHop, FibParams, Miss, NatPlan, RouteHop, RouteKey, RouteLearning,
+    },
     parse::Parsed,
 };
 use aya_ebpf::{
@@ -206,6 +208,12 @@ pub static FP_MISS: PerCpuArray<Miss> = PerCpuArray::with_max_entries(1, 0);
 /// entry: written, never read.
 #[map(name = "FP_HOP")]
 pub static FP_HOP: PerCpuArray<CtHop> = PerCpuArray::with_max_entries(1, 0);
+
+/// This CPU's routes of backends, shared by their new connections (see `ctx::BackendHop`,
+/// `route::shared`). A cache: not pinned, refilled from the FIB.
+#[map(name = "FP_BACKEND_HOP")]
+pub static FP_BACKEND_HOP: PerCpuArray<BackendHop> =
+    PerCpuArray::with_max_entries(BACKEND_HOP_SLOTS, 0);
 
 /// This CPU's planned rewrite of the packet being processed (see `ctx::NatPlan`).
 #[map(name = "FP_NAT")]

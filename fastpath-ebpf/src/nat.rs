@@ -14,7 +14,7 @@ use aya_ebpf::helpers::bpf_l4_csum_replace;
 use fastpath_common::csum;
 
 use crate::{
-    ctx::{NAT_DSR, NAT_DST, NAT_ICMP_ERROR, NAT_ICMP_KEEP_SOURCE, NAT_SRC, NatPlan},
+    ctx::{NAT_DSR, NAT_DST, NAT_ICMP_ERROR, NAT_ICMP_KEEP_SOURCE, NAT_SRC, NatPlan, words},
     maps::FP_NAT,
     packet::{Packet, be16},
     parse::{FAMILY_IPV4, IPPROTO_TCP, IPPROTO_UDP, Parsed},
@@ -402,19 +402,6 @@ fn opaque(x: usize) -> usize {
     let slot = x;
     // SAFETY: a read of a local.
     unsafe { core::ptr::read_volatile(&slot) }
-}
-
-/// 16 address bytes of 8-aligned map memory as two words (as they lie in memory).
-#[inline(always)]
-fn words(addr: &[u8; 16]) -> [u64; 2] {
-    let w = (addr as *const [u8; 16]).cast::<u64>();
-    // SAFETY: 16 bytes of 8-aligned map memory.
-    unsafe {
-        [
-            core::ptr::read_volatile(w),
-            core::ptr::read_volatile(w.add(1)),
-        ]
-    }
 }
 
 /// The first 4 bytes (an IPv4 address) of 8-aligned map memory, from one word load: no

@@ -22,8 +22,9 @@ use fastpath_common::{
         CtHop, IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_F_VXLAN,
         hop_clock, hop_holds_at,
     },
+    lb::Backend,
     reason,
-    route::{ROUTE_CACHE_TTL_NS, route_stat},
+    route::{GEN_F_FIB_PER_DST, ROUTE_CACHE_TTL_NS, route_stat},
 };
 
 use aya_ebpf::{
@@ -33,11 +34,13 @@ use aya_ebpf::{
 
 use crate::{
     clock,
-    ctx::{FibParams, HopRef, RouteLearning, copy_words},
+    ctx::{
+        BACKEND_HOP_SLOTS, BackendHop, FibParams, HopRef, NO_BACKEND, RouteLearning, copy_words,
+    },
     fib,
     maps::{
-        FP_HOP, FP_IFACE, FP_NAT, FP_PEER, FP_ROUTE_CACHE, FP_ROUTE_LEARN, FP_ROUTE_STATS,
-        FP_TX_PORTS,
+        FP_BACKEND_HOP, FP_BACKENDS, FP_HOP, FP_IFACE, FP_NAT, FP_PEER, FP_ROUTE_CACHE,
+        FP_ROUTE_LEARN, FP_ROUTE_STATS, FP_TX_PORTS,
     },
     packet::Packet,
     parse::{FAMILY_IPV4, IPPROTO_TCP, Parsed},
@@ -126,7 +129,7 @@ pub fn forward(
     // scratch one; racing writers store whole answers of the same flow (see `keep`).
     let known = unsafe { &mut *hop.hop };
     let generation = fib::generation();
-    if gso_size == 0 && holds(hop, known, ifindex, now, generation) && tot_len <= known.fits {
+    if gso_size == 0 && holds_or_shared(hop, known, ifindex, now, generation, tot_len) {
         if !rewrite(pkt, l3, v4, hdr, known.macs) {
             return Err(reason::ROUTE_OTHER);
         }
@@ -201,6 +204,7 @@ pub fn forward(
     }
     if hop.in_entry {
         keep(
+            hop,
             known,
             Kept {
                 ifindex,
@@ -228,6 +232,50 @@ pub fn holds(hop: &HopRef, known: &CtHop, ifindex: u32, now: u64, generation: u6
         && u32::from(known.in_ifindex) == ifindex
 }
 
+/// Whether the next hop `known` (which `hop` points at) holds for a packet that arrived on
+/// `ifindex` at `now` in route `generation` and is `len` bytes long (IP; 0 for direct server
+/// return, which keeps the frame's size) — or, for a new load-balanced connection's first
+/// packet, whether the route its backend's earlier new connections were told holds
+/// ([`shared`]): copied into `known` then, as if this connection had asked the FIB.
+#[inline(always)]
+pub fn holds_or_shared(
+    hop: &HopRef,
+    known: &mut CtHop,
+    ifindex: u32,
+    now: u64,
+    generation: u64,
+    len: u16,
+) -> bool {
+    if holds(hop, known, ifindex, now, generation) && len <= known.fits {
+        return true;
+    }
+    let Some((s, backend)) = shared(hop, generation) else {
+        return false;
+    };
+    if !s.is_of(backend) || !holds(hop, &s.hop, ifindex, now, generation) || len > s.hop.fits {
+        return false;
+    }
+    *known = s.hop;
+    true
+}
+
+/// This CPU's slot for the route of `hop`'s backend (`FP_BACKEND_HOP`) and the backend, when
+/// the daemon says the FIB answers a forwarded packet by its arriving interface and
+/// destination alone ([`GEN_F_FIB_PER_DST`] in `generation`: no policy rule selects by
+/// source, ports, protocol or TOS, and no route is multipath). Then what one new connection
+/// to a backend's address was told holds for the next, under a kept hop's rules (interface,
+/// generation, a second); without it, every new connection asks the FIB.
+#[inline(always)]
+fn shared(hop: &HopRef, generation: u64) -> Option<(&'static mut BackendHop, &'static Backend)> {
+    if hop.backend == NO_BACKEND || generation & GEN_F_FIB_PER_DST == 0 {
+        return None;
+    }
+    let backend = FP_BACKENDS.get(hop.backend)?;
+    let s = FP_BACKEND_HOP.get_ptr_mut(hop.backend & (BACKEND_HOP_SLOTS - 1))?;
+    // SAFETY: this CPU's slot of a per-CPU array; programs do not preempt each other on a CPU.
+    Some((unsafe { &mut *s }, backend))
+}
+
 /// A route to keep in a connection's entry (see [`keep`]): learned for packets arriving on
 /// `ifindex` at `now`, in route generation `generation`.
 pub struct Kept {
@@ -245,8 +293,10 @@ pub struct Kept {
 /// stores in order; two CPUs keeping one direction's route write the same answer). An
 /// interface whose ifindex does not fit the hop (see `CtHop`) is not kept: the direction
 /// asks the FIB again.
+/// A new connection's first packet (`hop`) shares it with its backend's next new connections
+/// ([`shared`]).
 #[inline(always)]
-pub fn keep(known: &mut CtHop, k: Kept) {
+pub fn keep(hop: &HopRef, known: &mut CtHop, k: Kept) {
     let (Ok(ifindex), Ok(out)) = (u16::try_from(k.ifindex), u16::try_from(k.out)) else {
         return;
     };
@@ -258,6 +308,9 @@ pub fn keep(known: &mut CtHop, k: Kept) {
     // SAFETY: a volatile store keeps the compiler from moving it before the others.
     // The entry keeps the generation's low 16 bits (see `holds`).
     unsafe { core::ptr::write_volatile(&raw mut known.generation, k.generation as u16) };
+    if let Some((s, backend)) = shared(hop, k.generation) {
+        s.keep(backend, known);
+    }
 }
 
 /// This CPU's stand-in hop (`ctx::HopRef`) for a packet without a connection entry.
@@ -266,6 +319,7 @@ pub fn scratch_hop() -> Option<HopRef> {
     Some(HopRef {
         hop: FP_HOP.get_ptr_mut(0)?,
         in_entry: false,
+        backend: NO_BACKEND,
     })
 }
 

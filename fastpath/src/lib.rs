@@ -8,6 +8,7 @@ pub mod ct_events;
 pub mod ct_gc;
 pub mod daemon;
 pub mod datapath;
+pub mod fibshape;
 pub mod ha;
 pub mod health;
 pub mod ifaces;

@@ -1,12 +1,13 @@
-//! Route, neighbour (and VXLAN FDB) and link changes end the generation of learned VXLAN
-//! headers: the outer headers the datapath learned from the kernel's vxlan devices depend on
-//! the FDB, the underlay's route and its neighbour, so after any such change each overlay
-//! next hop's next packet takes the kernel's path once and teaches them again. No flush: the
-//! datapath compares generations per packet.
+//! Route, rule, nexthop, neighbour (and VXLAN FDB) and link changes end the generation of
+//! learned VXLAN headers and cached routes: the outer headers the datapath learned from the
+//! kernel's vxlan devices depend on the FDB, the underlay's route and its neighbour, so after
+//! any such change each overlay next hop's next packet takes the kernel's path once and
+//! teaches them again. No flush: the datapath compares generations per packet.
 //!
-//! The daemon listens on a netlink route socket (the multicast groups of links, neighbours
-//! and IPv4/IPv6 routes), drains what arrived, and bumps `FP_VXLAN_GEN` once per burst, at
-//! most every `COALESCE`.
+//! The daemon listens on a netlink route socket (the multicast groups of links, neighbours,
+//! IPv4/IPv6 routes and rules, and nexthops), drains what arrived, and bumps `FP_VXLAN_GEN`
+//! once per burst, at most every `COALESCE`, saying in the same write whether the FIB answers
+//! by destination alone ([`FibShape`]).
 //!
 //! Link changes also refresh `FP_PEER`, the links whose peer is in another namespace (veth
 //! and netkit devices: pods' and containers' links), to which TC hands forwarded packets
@@ -19,26 +20,38 @@ use std::{
         Arc,
         atomic::{AtomicU64, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use tokio::{io::unix::AsyncFd, sync::watch};
 use tracing::warn;
 
-use crate::datapath::{self, DatapathError};
+use crate::{
+    datapath::{self, DatapathError},
+    fibshape::{FibShape, RTM_DELNEXTHOP, RTM_NEWNEXTHOP},
+};
 
 /// The least time between two generations (a burst of changes makes one).
 const COALESCE: Duration = Duration::from_millis(100);
 
 /// Netlink message types that change what learned headers depend on.
-const RELEVANT: [u16; 6] = [
+const RELEVANT: [u16; 10] = [
     libc::RTM_NEWLINK,
     libc::RTM_DELLINK,
     libc::RTM_NEWROUTE,
     libc::RTM_DELROUTE,
     libc::RTM_NEWNEIGH,
     libc::RTM_DELNEIGH,
+    libc::RTM_NEWRULE,
+    libc::RTM_DELRULE,
+    RTM_NEWNEXTHOP,
+    RTM_DELNEXTHOP,
 ];
+
+/// Multicast groups (`1 << (RTNLGRP_* - 1)`) of IPv6 rules (19) and nexthops (32), which
+/// `libc` has no `RTMGRP_*` for.
+const GROUP_IPV6_RULE: u32 = 1 << 18;
+const GROUP_NEXTHOP: u32 = 1 << 31;
 
 /// A netlink route socket (`flags`: SOCK_NONBLOCK or 0).
 fn route_socket(flags: i32) -> io::Result<OwnedFd> {
@@ -57,7 +70,8 @@ fn route_socket(flags: i32) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// A netlink route socket subscribed to link, neighbour and route changes, non-blocking.
+/// A netlink route socket subscribed to link, neighbour, route, rule and nexthop changes,
+/// non-blocking.
 pub fn subscribe() -> io::Result<OwnedFd> {
     let fd = route_socket(libc::SOCK_NONBLOCK)?;
     // SAFETY: sockaddr_nl is plain old data; all zeroes is valid.
@@ -66,7 +80,10 @@ pub fn subscribe() -> io::Result<OwnedFd> {
     sa.nl_groups = (libc::RTMGRP_LINK
         | libc::RTMGRP_NEIGH
         | libc::RTMGRP_IPV4_ROUTE
-        | libc::RTMGRP_IPV6_ROUTE) as u32;
+        | libc::RTMGRP_IPV6_ROUTE
+        | libc::RTMGRP_IPV4_RULE) as u32
+        | GROUP_IPV6_RULE
+        | GROUP_NEXTHOP;
     // SAFETY: `sa` is a valid sockaddr_nl of the size given.
     let rc = unsafe {
         libc::bind(
@@ -90,9 +107,9 @@ pub struct Changes {
     pub links: usize,
 }
 
-/// Reads everything queued on `fd`. A lost burst (the socket's buffer overran) counts as a
-/// link change: anything may have changed.
-pub fn drain(fd: &OwnedFd) -> io::Result<Changes> {
+/// Reads everything queued on `fd`, each message shown to `shape` too. A lost burst (the
+/// socket's buffer overran) counts as a link change: anything may have changed.
+pub fn drain(fd: &OwnedFd, shape: &mut FibShape) -> io::Result<Changes> {
     let mut buf = vec![0u8; 64 * 1024];
     let mut seen = Changes::default();
     loop {
@@ -112,13 +129,15 @@ pub fn drain(fd: &OwnedFd) -> io::Result<Changes> {
                 Some(libc::ENOBUFS) => {
                     seen.relevant += 1;
                     seen.links += 1;
+                    shape.lost();
                 }
                 Some(libc::EINTR) => {}
                 _ => return Err(e),
             }
             continue;
         }
-        for (kind, _) in messages(&buf[..n as usize]) {
+        for (kind, payload) in messages(&buf[..n as usize]) {
+            shape.observe(kind, payload);
             seen.relevant += usize::from(RELEVANT.contains(&kind));
             seen.links += usize::from(matches!(kind, libc::RTM_NEWLINK | libc::RTM_DELLINK));
         }
@@ -127,7 +146,7 @@ pub fn drain(fd: &OwnedFd) -> io::Result<Changes> {
 
 /// The netlink messages of one datagram: (type, payload after the 16-byte header). The walk
 /// ends at a length that runs past the datagram.
-fn messages(mut data: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+pub(crate) fn messages(mut data: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
     std::iter::from_fn(move || {
         let len = u32::from_ne_bytes(data.get(..4)?.try_into().ok()?) as usize;
         let kind = u16::from_ne_bytes(data.get(4..6)?.try_into().ok()?);
@@ -139,7 +158,7 @@ fn messages(mut data: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
 }
 
 /// Routing attributes (`struct rtattr`) in `data`: (type, payload).
-fn attributes(data: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+pub(crate) fn attributes(data: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
     let mut data = data;
     std::iter::from_fn(move || {
         let len = usize::from(u16::from_ne_bytes(data.get(..2)?.try_into().ok()?));
@@ -156,7 +175,7 @@ const IFLA_LINKINFO: u16 = 18;
 const IFLA_INFO_KIND: u16 = 1;
 const IFLA_LINK_NETNSID: u16 = 37;
 /// The attribute type without its nested flag (`NLA_F_NESTED`).
-const NLA_TYPE_MASK: u16 = 0x3fff;
+pub(crate) const NLA_TYPE_MASK: u16 = 0x3fff;
 /// Kinds of link whose peer `bpf_redirect_peer` reaches.
 const PEER_KINDS: [&[u8]; 2] = [b"veth\0", b"netkit\0"];
 
@@ -181,20 +200,37 @@ fn foreign_peer(link: &[u8]) -> Option<u32> {
 /// The links of this namespace that are veth or netkit devices whose peer lives in another
 /// namespace (a netlink dump of every link).
 pub fn foreign_peer_links() -> io::Result<Vec<u32>> {
+    let mut links = Vec::new();
+    // struct ifinfomsg, all zero: every family, every link.
+    dump(libc::RTM_GETLINK, &[0; 16], |kind, payload| {
+        if kind == libc::RTM_NEWLINK {
+            links.extend(foreign_peer(payload));
+        }
+    })?;
+    Ok(links)
+}
+
+/// Asks the kernel for a dump of `request` (`RTM_GET*`, with `header`: the family's request
+/// struct) and hands each message (type, payload) to `each`, until the dump is done.
+pub(crate) fn dump(
+    request: u16,
+    header: &[u8],
+    mut each: impl FnMut(u16, &[u8]),
+) -> io::Result<()> {
     let fd = route_socket(0)?;
-    // struct nlmsghdr (length, type, flags, sequence, port id), struct ifinfomsg (all zero:
-    // every family, every link).
-    let mut req = [0u8; 32];
-    req[..4].copy_from_slice(&32u32.to_ne_bytes());
-    req[4..6].copy_from_slice(&libc::RTM_GETLINK.to_ne_bytes());
+    // struct nlmsghdr (length, type, flags, sequence, port id), then the request's header.
+    let len = 16 + header.len();
+    let mut req = vec![0u8; len];
+    req[..4].copy_from_slice(&(len as u32).to_ne_bytes());
+    req[4..6].copy_from_slice(&request.to_ne_bytes());
     req[6..8].copy_from_slice(&((libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16).to_ne_bytes());
     req[8..12].copy_from_slice(&1u32.to_ne_bytes());
+    req[16..].copy_from_slice(header);
     // SAFETY: the buffer is valid for its length; the kernel is the default destination.
     if unsafe { libc::send(fd.as_raw_fd(), req.as_ptr().cast(), req.len(), 0) } < 0 {
         return Err(io::Error::last_os_error());
     }
     let mut buf = vec![0u8; 64 * 1024];
-    let mut links = Vec::new();
     loop {
         // SAFETY: the buffer is valid for its length.
         let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
@@ -208,12 +244,12 @@ pub fn foreign_peer_links() -> io::Result<Vec<u32>> {
         if n == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
-                "netlink closed the link dump",
+                "netlink closed the dump",
             ));
         }
         for (kind, payload) in messages(&buf[..n as usize]) {
             match i32::from(kind) {
-                libc::NLMSG_DONE => return Ok(links),
+                libc::NLMSG_DONE => return Ok(()),
                 libc::NLMSG_ERROR => {
                     let code = payload
                         .get(..4)
@@ -222,8 +258,7 @@ pub fn foreign_peer_links() -> io::Result<Vec<u32>> {
                         return Err(io::Error::from_raw_os_error(-code));
                     }
                 }
-                _ if kind == libc::RTM_NEWLINK => links.extend(foreign_peer(payload)),
-                _ => {}
+                _ => each(kind, payload),
             }
         }
     }
@@ -246,16 +281,21 @@ pub async fn watch(
     // SAFETY: the AsyncFd owns the socket and keeps it open while registered.
     let fd = unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
         .map_err(|e| DatapathError::Config(format!("registering the netlink socket: {e}")))?;
-    // Subscribed first: a link that changes during the dump is in the next burst.
+    // Subscribed first: a link, rule or route that changes during the dumps is in the next
+    // burst.
     refresh_peers(&mut peers);
+    let mut shape = settled(None, None).await;
+    new_generation(&mut generation, &generations, shape.per_destination());
     loop {
+        let due = shape.due();
         tokio::select! {
             ready = fd.readable() => {
                 let Ok(mut guard) = ready else { continue };
-                let seen = match drain(guard.get_inner()) {
+                let seen = match drain(guard.get_inner(), &mut shape) {
                     Ok(seen) => seen,
                     Err(e) => {
                         warn!(error = %e, "Reading route, neighbour and link changes failed; learned VXLAN headers are invalidated");
+                        shape.lost();
                         Changes { relevant: 1, links: 1 }
                     }
                 };
@@ -264,17 +304,49 @@ pub async fn watch(
                     refresh_peers(&mut peers);
                 }
                 if seen.relevant > 0 {
-                    if let Err(e) = generation.bump() {
-                        warn!(error = %e, "Could not start a new generation of learned VXLAN headers");
-                    }
-                    generations.fetch_add(1, Ordering::Relaxed);
+                    shape = settled(Some(shape), Some(Instant::now())).await;
+                    new_generation(&mut generation, &generations, shape.per_destination());
                     // A burst makes one generation: what arrives meanwhile waits.
                     tokio::time::sleep(COALESCE).await;
+                }
+            }
+            () = tokio::time::sleep_until(due.unwrap_or_else(Instant::now).into()), if due.is_some() => {
+                let before = shape.per_destination();
+                shape = settled(Some(shape), Some(Instant::now())).await;
+                if shape.per_destination() != before {
+                    new_generation(&mut generation, &generations, shape.per_destination());
                 }
             }
             _ = stop.changed() => return Ok(()),
         }
     }
+}
+
+/// Starts a new generation (`per_dst`: see [`FibShape`]), counted in `generations`.
+fn new_generation(
+    generation: &mut datapath::VxlanGeneration,
+    generations: &AtomicU64,
+    per_dst: bool,
+) {
+    if let Err(e) = generation.bump(per_dst) {
+        warn!(error = %e, "Could not start a new generation of learned VXLAN headers and cached routes");
+    }
+    generations.fetch_add(1, Ordering::Relaxed);
+}
+
+/// `shape` with what changed dumped again at `at` (see `FibShape::settle`), or this
+/// namespace's shape from scratch: netlink dumps, off the runtime's threads (a table may
+/// hold a million routes).
+async fn settled(shape: Option<FibShape>, at: Option<Instant>) -> FibShape {
+    let dumped = tokio::task::spawn_blocking(move || match shape {
+        Some(mut s) => {
+            s.settle(at);
+            s
+        }
+        None => FibShape::now(),
+    });
+    // A dump that panicked leaves the shape unknown: every new connection asks the FIB.
+    dumped.await.unwrap_or_else(|_| FibShape::unknown())
 }
 
 /// `FP_PEER` from a fresh dump of the links; when the dump fails, empty (a plain redirect

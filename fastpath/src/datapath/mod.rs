@@ -1325,14 +1325,23 @@ pub fn bump_vxlan_generation(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
         what: "opening FP_VXLAN_GEN".into(),
         source,
     })?;
-    next_generation(&mut array).map(drop)
+    next_generation(&mut array, None).map(drop)
 }
 
-/// Bumps the generation in `array` (`FP_VXLAN_GEN`); returns the new one.
+/// Bumps the generation in `array` (`FP_VXLAN_GEN`) and, if `per_dst` says, sets or clears
+/// its `GEN_F_FIB_PER_DST` in the same write (else it is kept); returns the new one.
 fn next_generation<T: std::borrow::BorrowMut<MapData>>(
     array: &mut Array<T, u64>,
+    per_dst: Option<bool>,
 ) -> Result<u64, DatapathError> {
-    let next = array.get(&0, 0).unwrap_or(0).wrapping_add(1);
+    use fastpath_common::route::GEN_F_FIB_PER_DST;
+    let current = array.get(&0, 0).unwrap_or(0);
+    let flag = match per_dst {
+        Some(true) => GEN_F_FIB_PER_DST,
+        Some(false) => 0,
+        None => current & GEN_F_FIB_PER_DST,
+    };
+    let next = ((current & !GEN_F_FIB_PER_DST).wrapping_add(1) & !GEN_F_FIB_PER_DST) | flag;
     array
         .set(0, &next, 0)
         .map_err(|source| DatapathError::Map {
@@ -1361,9 +1370,10 @@ impl VxlanGeneration {
         self.0.get(&0, 0).unwrap_or(0)
     }
 
-    /// Starts a new generation; returns it.
-    pub fn bump(&mut self) -> Result<u64, DatapathError> {
-        next_generation(&mut self.0)
+    /// Starts a new generation, saying whether the FIB answers by destination alone
+    /// (`GEN_F_FIB_PER_DST`, see `netwatch::fib_per_destination`); returns it.
+    pub fn bump(&mut self, per_dst: bool) -> Result<u64, DatapathError> {
+        next_generation(&mut self.0, Some(per_dst))
     }
 }
 

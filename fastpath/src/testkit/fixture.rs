@@ -565,6 +565,17 @@ impl Fixture {
         crate::datapath::bump_vxlan_generation(&mut self.ebpf)
     }
 
+    /// Starts a new generation saying whether the FIB answers by destination alone, as the
+    /// daemon does from `netwatch::fib_per_destination` (see `GEN_F_FIB_PER_DST`).
+    pub fn set_fib_per_destination(
+        &mut self,
+        per_dst: bool,
+    ) -> Result<(), crate::datapath::DatapathError> {
+        crate::datapath::VxlanGeneration::open_pin(&self.pin_dir().join(map_names::VXLAN_GEN))?
+            .bump(per_dst)
+            .map(drop)
+    }
+
     /// Where this fixture's maps are pinned (removed on drop).
     pub fn pin_dir(&self) -> &Path {
         &self.pins.path
