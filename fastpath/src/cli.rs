@@ -387,7 +387,15 @@ fn print_stats(s: &pb::Stats, out: Output) -> Outcome {
             .iter()
             .map(|c| format!("{} {}", c.name, c.value))
             .collect();
-        outln!("route cache: {}", routes.join(", "));
+        outln!(
+            "route cache: {}; new connections {}",
+            routes.join(", "),
+            if s.route_shared {
+                "share their backend's route"
+            } else {
+                "ask the FIB each"
+            }
+        );
         Ok(())
     }
 }

@@ -180,6 +180,19 @@ impl FibShape {
         self.rules_ok && !self.multipath
     }
 
+    /// Why new connections ask the FIB each, when they do (for the log).
+    pub fn why_not(&self) -> Option<&'static str> {
+        if !self.rules_ok {
+            Some(
+                "a policy rule selects by more than destination and arriving interface (or the rules could not be read)",
+            )
+        } else if self.multipath {
+            Some("a route is multipath or its check is pending (or the routes could not be read)")
+        } else {
+            None
+        }
+    }
+
     /// Reads one change the kernel announced (message type, payload).
     pub fn observe(&mut self, kind: u16, payload: &[u8]) {
         match kind {

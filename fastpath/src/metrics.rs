@@ -353,6 +353,11 @@ fn datapath_families(f: &mut Families<'_>, s: &pb::Stats) -> fmt::Result {
         "fastpath_route_cache_total",
         "Route cache: routed packets that took their flow's cached FIB answer (hit), asked the FIB (miss), found an answer of an older generation or past its second (stale).",
         named(&s.route_cache),
+    )?;
+    f.gauge(
+        "fastpath_route_shared",
+        "1 while new load-balanced connections share their backend's route (the FIB answers by destination alone: no policy rule by source, ports, protocol or TOS, no multipath route); 0 while each asks the FIB.",
+        u64::from(s.route_shared),
     )
 }
 
@@ -785,6 +790,7 @@ mod tests {
                 vxlan: named(&[("learned", 4)]),
                 vxlan_generation: 7,
                 route_cache: named(&[("hit", 5)]),
+                route_shared: true,
                 ..Default::default()
             }),
             daemon: Some(DaemonState {
@@ -875,6 +881,7 @@ mod tests {
         ("fastpath_vxlan_learning_total", "counter"),
         ("fastpath_vxlan_generation", "gauge"),
         ("fastpath_route_cache_total", "counter"),
+        ("fastpath_route_shared", "gauge"),
         ("fastpath_conntrack_entries", "gauge"),
         ("fastpath_conntrack_capacity", "gauge"),
         ("fastpath_conntrack_pressure_ratio", "gauge"),
@@ -928,6 +935,7 @@ fastpath_conntrack_operations_total{counter="hits"} 9
 fastpath_vxlan_learning_total{counter="learned"} 4
 fastpath_vxlan_generation 7
 fastpath_route_cache_total{counter="hit"} 5
+fastpath_route_shared 1
 fastpath_conntrack_entries 250
 fastpath_conntrack_capacity 1000
 fastpath_conntrack_pressure_ratio 0.25

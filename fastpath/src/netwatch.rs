@@ -24,7 +24,7 @@ use std::{
 };
 
 use tokio::{io::unix::AsyncFd, sync::watch};
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::{
     datapath::{self, DatapathError},
@@ -285,7 +285,7 @@ pub async fn watch(
     // burst.
     refresh_peers(&mut peers);
     let mut shape = settled(None, None).await;
-    new_generation(&mut generation, &generations, shape.per_destination());
+    new_generation(&mut generation, &generations, &shape);
     loop {
         let due = shape.due();
         tokio::select! {
@@ -305,7 +305,7 @@ pub async fn watch(
                 }
                 if seen.relevant > 0 {
                     shape = settled(Some(shape), Some(Instant::now())).await;
-                    new_generation(&mut generation, &generations, shape.per_destination());
+                    new_generation(&mut generation, &generations, &shape);
                     // A burst makes one generation: what arrives meanwhile waits.
                     tokio::time::sleep(COALESCE).await;
                 }
@@ -314,7 +314,7 @@ pub async fn watch(
                 let before = shape.per_destination();
                 shape = settled(Some(shape), Some(Instant::now())).await;
                 if shape.per_destination() != before {
-                    new_generation(&mut generation, &generations, shape.per_destination());
+                    new_generation(&mut generation, &generations, &shape);
                 }
             }
             _ = stop.changed() => return Ok(()),
@@ -322,12 +322,22 @@ pub async fn watch(
     }
 }
 
-/// Starts a new generation (`per_dst`: see [`FibShape`]), counted in `generations`.
+/// Starts a new generation saying what `shape` says (see [`FibShape`]), counted in
+/// `generations`; logs when that changes.
 fn new_generation(
     generation: &mut datapath::VxlanGeneration,
     generations: &AtomicU64,
-    per_dst: bool,
+    shape: &FibShape,
 ) {
+    let per_dst = shape.per_destination();
+    if generations.load(Ordering::Relaxed) == 0 || per_dst != generation.per_destination() {
+        match shape.why_not() {
+            None => info!(
+                "The FIB answers by destination alone: new connections share their backend's route"
+            ),
+            Some(why) => info!(why, "New connections ask the FIB each"),
+        }
+    }
     if let Err(e) = generation.bump(per_dst) {
         warn!(error = %e, "Could not start a new generation of learned VXLAN headers and cached routes");
     }

@@ -95,6 +95,7 @@ pub fn stats(pin_dir: &Path, skip_entries: bool) -> Result<pb::Stats, DatapathEr
     let sums = datapath::pinned_ct_stats(pin_dir)?;
     let (vxlan, vxlan_generation) = datapath::pinned_vxlan_stats(pin_dir)?;
     let route_cache = datapath::pinned_route_stats(pin_dir)?;
+    let route_shared = datapath::pinned_route_shared(pin_dir)?;
     let named = |names: &[&str], sums: Vec<u64>| {
         names
             .iter()
@@ -115,6 +116,7 @@ pub fn stats(pin_dir: &Path, skip_entries: bool) -> Result<pb::Stats, DatapathEr
         vxlan: named(&fastpath_common::vxlan::vxlan_stat::NAMES, vxlan),
         vxlan_generation,
         route_cache: named(&fastpath_common::route::route_stat::NAMES, route_cache),
+        route_shared,
     })
 }
 

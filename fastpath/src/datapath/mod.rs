@@ -1366,7 +1366,17 @@ impl VxlanGeneration {
             })
     }
 
+    /// The generation's number (without its `GEN_F_FIB_PER_DST`).
     pub fn current(&self) -> u64 {
+        self.word() & !fastpath_common::route::GEN_F_FIB_PER_DST
+    }
+
+    /// Whether the generation says the FIB answers by destination alone.
+    pub fn per_destination(&self) -> bool {
+        self.word() & fastpath_common::route::GEN_F_FIB_PER_DST != 0
+    }
+
+    fn word(&self) -> u64 {
         self.0.get(&0, 0).unwrap_or(0)
     }
 
@@ -1673,6 +1683,16 @@ pub fn pinned_vxlan_stats(pin_dir: &Path) -> Result<(Vec<u64>, u64), DatapathErr
     let sums = pinned_counters(pin_dir, map_names::VXLAN_STATS, vxlan_stat::COUNT)?;
     let generation = VxlanGeneration::open_pin(&maps.join(map_names::VXLAN_GEN))?.current();
     Ok((sums, generation))
+}
+
+/// Whether a pinned datapath's new load-balanced connections share their backend's route (the
+/// daemon's `GEN_F_FIB_PER_DST`); false for a datapath without the map.
+pub fn pinned_route_shared(pin_dir: &Path) -> Result<bool, DatapathError> {
+    let path = pin_dir.join("maps").join(map_names::VXLAN_GEN);
+    if !path.exists() {
+        return Ok(false);
+    }
+    Ok(VxlanGeneration::open_pin(&path)?.per_destination())
 }
 
 /// Route cache counters of a pinned datapath, summed over CPUs, indexed by `route_stat::*`.

@@ -59,6 +59,25 @@ pub fn enter_fresh_netns(setup: &[&[&str]]) {
     run_commands(setup);
 }
 
+/// Points the neighbour entry of `addr` (IPv4 or IPv6) on `dev` at MAC 02:00:00:00:01:`last`
+/// (permanent): a next hop that moved, with no route change. Returns that MAC.
+pub fn move_neighbour(addr: &str, dev: &str, last: u8) -> [u8; 6] {
+    let mac = format!("02:00:00:00:01:{last:02x}");
+    run_commands(&[&[
+        "ip",
+        "neigh",
+        "replace",
+        addr,
+        "lladdr",
+        &mac,
+        "dev",
+        dev,
+        "nud",
+        "permanent",
+    ]]);
+    [0x02, 0, 0, 0, 1, last]
+}
+
 /// Runs each command (in this thread's namespace); panics on any failure.
 pub fn run_commands(cmds: &[&[&str]]) {
     for cmd in cmds {

@@ -208,6 +208,33 @@ fn routes_between_links(hook: Hook) {
     eprintln!(
         "route cache: hit {hits}, miss {misses}, stale {stale} ({data_packets} data packets)"
     );
+    // The daemon's watcher says whether new connections share their backend's route: yes
+    // with fp's default rules; no while a rule selects by source.
+    assert!(
+        printed.contains("new connections share their backend's route"),
+        "default rules, no multipath route:\n{printed}"
+    );
+    let rule = ["rule", "add", "from", "10.99.0.0/16", "lookup", "100"];
+    let shared_says = |want: &str| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+        loop {
+            let printed = daemon.cli_ok(&["stats"]);
+            if printed.contains(want) {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "expected `{want}`:\n{printed}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    };
+    topo.ns("fp").ip(&rule).unwrap_or_else(|e| panic!("{e}"));
+    shared_says("new connections ask the FIB each");
+    topo.ns("fp")
+        .ip(&["rule", "del", "from", "10.99.0.0/16", "lookup", "100"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    shared_says("new connections share their backend's route");
 
     // TTL 1: fp's kernel answers with the ICMP error.
     for (server, said) in [
