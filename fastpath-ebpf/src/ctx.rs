@@ -3,7 +3,7 @@
 //! plain helpers on them: this module imports no stage and no map, so every stage and
 //! `maps` can depend on it without a cycle.
 
-use fastpath_common::{ct::CtHop, lb::Backend};
+use fastpath_common::ct::CtHop;
 
 /// What to rewrite: the destination (`ends & NAT_DST`) and/or the source (`ends &
 /// NAT_SRC`) to these addresses (IPv4: the first 4 bytes) and ports.
@@ -73,8 +73,8 @@ pub struct HopRef {
 pub const NO_BACKEND: u32 = u32::MAX;
 
 /// The route a backend's new connections share on this CPU (`FP_BACKEND_HOP`, a
-/// direct-mapped cache: slot `index % BACKEND_HOP_SLOTS`), for the backend address and family
-/// it holds — an index reused for another address, or two sharing a slot, miss.
+/// direct-mapped cache: slot `index % BACKEND_HOP_SLOTS`), for the destination address and
+/// family it holds — an index reused for another address, or two sharing a slot, miss.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct BackendHop {
@@ -84,17 +84,17 @@ pub struct BackendHop {
 }
 
 impl BackendHop {
-    /// Whether this is the route of `b`'s address.
+    /// Whether this is the route of address `addr` (as [`words`]) of `family`.
     #[inline(always)]
-    pub fn is_of(&self, b: &Backend) -> bool {
-        self.addr == words(&b.addr) && self.family == b.family
+    pub fn is_of(&self, addr: [u64; 2], family: u8) -> bool {
+        self.addr == addr && self.family == family
     }
 
-    /// Keeps `hop` as the route of `b`'s address.
+    /// Keeps `hop` as the route of address `addr` (as [`words`]) of `family`.
     #[inline(always)]
-    pub fn keep(&mut self, b: &Backend, hop: &CtHop) {
-        self.addr = words(&b.addr);
-        self.family = b.family;
+    pub fn keep(&mut self, addr: [u64; 2], family: u8, hop: &CtHop) {
+        self.addr = addr;
+        self.family = family;
         self.hop = *hop;
     }
 }

@@ -26,7 +26,7 @@ pub fn forward(pkt: &Packet, p: &Parsed, ifindex: u32, now: u64, hop: &HopRef) -
     let known = unsafe { &mut *hop.hop };
     let generation = fib::generation();
     // No length: the frame keeps its size.
-    if route::holds_or_shared(hop, known, ifindex, now, generation, 0) {
+    if route::holds_or_shared(hop, known, ifindex, now, generation, 0, p.family) {
         if !route::store_macs(pkt, known.macs) {
             return false;
         }
@@ -53,6 +53,7 @@ pub fn forward(pkt: &Packet, p: &Parsed, ifindex: u32, now: u64, hop: &HopRef) -
                 macs,
                 now,
                 generation,
+                family: p.family,
             },
         );
     }

@@ -22,7 +22,6 @@ use fastpath_common::{
         CtHop, IFACE_F_ROUTE, IFACE_F_ROUTE_TC, IFACE_F_VLAN_TC, IFACE_F_VLAN_XDP, IFACE_F_VXLAN,
         hop_clock, hop_holds_at,
     },
-    lb::Backend,
     reason,
     route::{GEN_F_FIB_PER_DST, ROUTE_CACHE_TTL_NS, route_stat},
 };
@@ -36,11 +35,12 @@ use crate::{
     clock,
     ctx::{
         BACKEND_HOP_SLOTS, BackendHop, FibParams, HopRef, NO_BACKEND, RouteLearning, copy_words,
+        words,
     },
     fib,
     maps::{
-        FP_BACKEND_HOP, FP_BACKENDS, FP_HOP, FP_IFACE, FP_NAT, FP_PEER, FP_ROUTE_CACHE,
-        FP_ROUTE_LEARN, FP_ROUTE_STATS, FP_TX_PORTS,
+        FP_BACKEND_HOP, FP_HOP, FP_IFACE, FP_NAT, FP_PEER, FP_ROUTE_CACHE, FP_ROUTE_LEARN,
+        FP_ROUTE_STATS, FP_TX_PORTS,
     },
     packet::Packet,
     parse::{FAMILY_IPV4, IPPROTO_TCP, Parsed},
@@ -129,7 +129,7 @@ pub fn forward(
     // scratch one; racing writers store whole answers of the same flow (see `keep`).
     let known = unsafe { &mut *hop.hop };
     let generation = fib::generation();
-    if gso_size == 0 && holds_or_shared(hop, known, ifindex, now, generation, tot_len) {
+    if gso_size == 0 && holds_or_shared(hop, known, ifindex, now, generation, tot_len, p.family) {
         if !rewrite(pkt, l3, v4, hdr, known.macs) {
             return Err(reason::ROUTE_OTHER);
         }
@@ -213,6 +213,7 @@ pub fn forward(
                 macs,
                 now,
                 generation,
+                family: p.family,
             },
         );
     }
@@ -235,8 +236,8 @@ pub fn holds(hop: &HopRef, known: &CtHop, ifindex: u32, now: u64, generation: u6
 /// Whether the next hop `known` (which `hop` points at) holds for a packet that arrived on
 /// `ifindex` at `now` in route `generation` and is `len` bytes long (IP; 0 for direct server
 /// return, which keeps the frame's size) — or, for a new load-balanced connection's first
-/// packet, whether the route its backend's earlier new connections were told holds
-/// ([`shared`]): copied into `known` then, as if this connection had asked the FIB.
+/// packet (of `family`), whether the route its backend's earlier new connections were told
+/// holds ([`shared`]): copied into `known` then, as if this connection had asked the FIB.
 #[inline(always)]
 pub fn holds_or_shared(
     hop: &HopRef,
@@ -245,35 +246,37 @@ pub fn holds_or_shared(
     now: u64,
     generation: u64,
     len: u16,
+    family: u8,
 ) -> bool {
     if holds(hop, known, ifindex, now, generation) && len <= known.fits {
         return true;
     }
-    let Some((s, backend)) = shared(hop, generation) else {
+    let Some((s, to)) = shared(hop, generation) else {
         return false;
     };
-    if !s.is_of(backend) || !holds(hop, &s.hop, ifindex, now, generation) || len > s.hop.fits {
+    if !s.is_of(to, family) || !holds(hop, &s.hop, ifindex, now, generation) || len > s.hop.fits {
         return false;
     }
     *known = s.hop;
     true
 }
 
-/// This CPU's slot for the route of `hop`'s backend (`FP_BACKEND_HOP`) and the backend, when
-/// the daemon says the FIB answers a forwarded packet by its arriving interface and
+/// This CPU's slot for the route of `hop`'s backend (`FP_BACKEND_HOP`) and the address the
+/// packet is translated to (this CPU's NAT plan: the backend the LB stage picked, whatever the
+/// daemon writes to the backend's index meanwhile), when the daemon says the FIB answers a forwarded packet by its arriving interface and
 /// destination alone ([`GEN_F_FIB_PER_DST`] in `generation`: no policy rule selects by
 /// source, ports, protocol or TOS, and no route is multipath). Then what one new connection
 /// to a backend's address was told holds for the next, under a kept hop's rules (interface,
 /// generation, a second); without it, every new connection asks the FIB.
 #[inline(always)]
-fn shared(hop: &HopRef, generation: u64) -> Option<(&'static mut BackendHop, &'static Backend)> {
+fn shared(hop: &HopRef, generation: u64) -> Option<(&'static mut BackendHop, [u64; 2])> {
     if hop.backend == NO_BACKEND || generation & GEN_F_FIB_PER_DST == 0 {
         return None;
     }
-    let backend = FP_BACKENDS.get(hop.backend)?;
+    let plan = FP_NAT.get(0)?;
     let s = FP_BACKEND_HOP.get_ptr_mut(hop.backend & (BACKEND_HOP_SLOTS - 1))?;
     // SAFETY: this CPU's slot of a per-CPU array; programs do not preempt each other on a CPU.
-    Some((unsafe { &mut *s }, backend))
+    Some((unsafe { &mut *s }, words(&plan.dst_addr)))
 }
 
 /// A route to keep in a connection's entry (see [`keep`]): learned for packets arriving on
@@ -285,6 +288,8 @@ pub struct Kept {
     pub macs: [u8; 12],
     pub now: u64,
     pub generation: u64,
+    /// The packet's family (`parse::FAMILY_*`).
+    pub family: u8,
 }
 
 /// Keeps a route in a connection's entry (`CtEntry::hops`) for the direction's next
@@ -308,8 +313,8 @@ pub fn keep(hop: &HopRef, known: &mut CtHop, k: Kept) {
     // SAFETY: a volatile store keeps the compiler from moving it before the others.
     // The entry keeps the generation's low 16 bits (see `holds`).
     unsafe { core::ptr::write_volatile(&raw mut known.generation, k.generation as u16) };
-    if let Some((s, backend)) = shared(hop, k.generation) {
-        s.keep(backend, known);
+    if let Some((s, to)) = shared(hop, k.generation) {
+        s.keep(to, k.family, known);
     }
 }
 

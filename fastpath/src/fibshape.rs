@@ -3,7 +3,7 @@
 //! first of them was told (`GEN_F_FIB_PER_DST`, the datapath's `route::shared`) instead of
 //! each asking the FIB. It does unless a policy rule selects by source, ports, protocol, TOS
 //! or anything this code does not know, or a route is multipath (the kernel hashes each
-//! flow's addresses, or ports, onto one of its paths).
+//! flow's addresses, or ports, onto one of its paths) or from a source prefix (IPv6).
 //!
 //! `netwatch` keeps the answer: [`FibShape::now`] dumps rules, nexthop groups and routes at
 //! the start; then each change is read as it arrives ([`FibShape::observe`]). Rules and nexthop
@@ -63,9 +63,9 @@ fn rule_by_destination(rule: &[u8]) -> bool {
             .all(|(kind, _)| RULE_ATTRS_BY_DESTINATION.contains(&(kind & NLA_TYPE_MASK)))
 }
 
-/// The id of the nexthop object of an RTM_NEWNEXTHOP payload (`struct nhmsg`, 8 bytes, then
-/// attributes) when it is a group of more than one member.
-fn multipath_group(nh: &[u8]) -> Option<u32> {
+/// The id of the nexthop object of an RTM_NEWNEXTHOP or RTM_DELNEXTHOP payload (`struct
+/// nhmsg`, 8 bytes, then attributes) and its members if it is a group (0 if not).
+fn nexthop(nh: &[u8]) -> Option<(u32, usize)> {
     let (mut id, mut members) = (None, 0);
     for (kind, value) in attributes(nh.get(8..)?) {
         match kind & NLA_TYPE_MASK {
@@ -74,24 +74,37 @@ fn multipath_group(nh: &[u8]) -> Option<u32> {
             _ => {}
         }
     }
-    id.filter(|_| members > 1)
+    Some((id?, members))
 }
 
-/// Whether the route of an RTM_NEWROUTE or RTM_DELROUTE payload (`struct rtmsg`, 12 bytes,
-/// then attributes) has more than one path: a multipath attribute with more than one
-/// `struct rtnexthop`, or a nexthop object among `groups`.
-fn route_multipath(route: &[u8], groups: &HashSet<u32>) -> bool {
-    let Some(attrs) = route.get(12..) else {
+/// The id of a nexthop object that is a group of more than one member.
+fn multipath_group(nh: &[u8]) -> Option<u32> {
+    nexthop(nh).and_then(|(id, members)| (members > 1).then_some(id))
+}
+
+/// Whether the route of an RTM_NEWROUTE or RTM_DELROUTE payload (`struct rtmsg`: family,
+/// dst_len, src_len, ...; 12 bytes, then attributes) may send two flows to one destination
+/// different ways: an IPv6 route from a source prefix (`src_len`), a multipath attribute with
+/// more than one `struct rtnexthop`, or a nexthop object among `groups`. Only IPv4 and IPv6
+/// routes count (multicast routing has families of its own).
+fn route_splits(route: &[u8], groups: &HashSet<u32>) -> bool {
+    let (Some(&family), Some(&src_len), Some(attrs)) =
+        (route.first(), route.get(2), route.get(12..))
+    else {
         return false;
     };
-    attributes(attrs).any(|(kind, value)| match kind & NLA_TYPE_MASK {
-        RTA_MULTIPATH => paths(value) > 1,
-        RTA_NH_ID => value
-            .get(..4)
-            .and_then(|b| b.try_into().ok())
-            .is_some_and(|b| groups.contains(&u32::from_ne_bytes(b))),
-        _ => false,
-    })
+    if i32::from(family) != libc::AF_INET && i32::from(family) != libc::AF_INET6 {
+        return false;
+    }
+    src_len != 0
+        || attributes(attrs).any(|(kind, value)| match kind & NLA_TYPE_MASK {
+            RTA_MULTIPATH => paths(value) > 1,
+            RTA_NH_ID => value
+                .get(..4)
+                .and_then(|b| b.try_into().ok())
+                .is_some_and(|b| groups.contains(&u32::from_ne_bytes(b))),
+            _ => false,
+        })
 }
 
 /// The `struct rtnexthop`s (length, flags, hops, ifindex, then their own attributes) of a
@@ -111,33 +124,58 @@ fn paths(mut value: &[u8]) -> usize {
     n
 }
 
+/// A dump a change interrupted: it may have missed an object that did not change.
+fn interrupted(what: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::Interrupted,
+        format!("a change interrupted the {what} dump"),
+    )
+}
+
 /// Whether every policy rule of every family selects by destination at most.
 fn rules_by_destination() -> io::Result<bool> {
     let mut all = true;
-    dump(libc::RTM_GETRULE, &[0; 12], |kind, rule| {
+    let whole = dump(libc::RTM_GETRULE, &[0; 12], |kind, rule| {
         all &= kind != libc::RTM_NEWRULE || rule_by_destination(rule);
     })?;
-    Ok(all)
+    if whole {
+        Ok(all)
+    } else {
+        Err(interrupted("rule"))
+    }
 }
 
-/// The nexthop objects that are groups of more than one member.
+/// The nexthop objects that are groups of more than one member (none where the kernel has no
+/// nexthop objects).
 fn multipath_groups() -> io::Result<HashSet<u32>> {
     let mut groups = HashSet::new();
-    dump(RTM_GETNEXTHOP, &[0; 8], |kind, nh| {
+    let whole = match dump(RTM_GETNEXTHOP, &[0; 8], |kind, nh| {
         if kind == RTM_NEWNEXTHOP {
             groups.extend(multipath_group(nh));
         }
-    })?;
-    Ok(groups)
+    }) {
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EINVAL)) => true,
+        other => other?,
+    };
+    if whole {
+        Ok(groups)
+    } else {
+        Err(interrupted("nexthop"))
+    }
 }
 
-/// Whether some route of any table and family is multipath.
-fn any_multipath(groups: &HashSet<u32>) -> io::Result<bool> {
+/// Whether some route of any table may send two flows to one destination different ways
+/// (see [`route_splits`]).
+fn any_splits(groups: &HashSet<u32>) -> io::Result<bool> {
     let mut any = false;
-    dump(libc::RTM_GETROUTE, &[0; 12], |kind, route| {
-        any |= kind == libc::RTM_NEWROUTE && route_multipath(route, groups);
+    let whole = dump(libc::RTM_GETROUTE, &[0; 12], |kind, route| {
+        any |= kind == libc::RTM_NEWROUTE && route_splits(route, groups);
     })?;
-    Ok(any)
+    if whole {
+        Ok(any)
+    } else {
+        Err(interrupted("route"))
+    }
 }
 
 /// What decides whether the FIB answers by destination alone, as last seen.
@@ -145,12 +183,12 @@ fn any_multipath(groups: &HashSet<u32>) -> io::Result<bool> {
 pub struct FibShape {
     rules_ok: bool,
     groups: HashSet<u32>,
-    multipath: bool,
-    /// What the last changes need dumped again.
+    /// Some route may send two flows to one destination different ways ([`route_splits`]).
+    splits: bool,
+    /// What the last changes (or a failed dump) need dumped again.
     rules_changed: bool,
-    groups_changed: bool,
     routes_changed: bool,
-    last_route_dump: Instant,
+    last_dump: Instant,
 }
 
 impl FibShape {
@@ -166,28 +204,27 @@ impl FibShape {
         FibShape {
             rules_ok: false,
             groups: HashSet::new(),
-            multipath: true,
+            splits: true,
             rules_changed: true,
-            groups_changed: true,
             routes_changed: true,
-            last_route_dump: Instant::now(),
+            last_dump: Instant::now(),
         }
     }
 
     /// Whether the FIB answers a forwarded packet by its arriving interface and destination
     /// alone, as far as known.
     pub fn per_destination(&self) -> bool {
-        self.rules_ok && !self.multipath
+        self.rules_ok && !self.splits
     }
 
     /// Why new connections ask the FIB each, when they do (for the log).
     pub fn why_not(&self) -> Option<&'static str> {
         if !self.rules_ok {
             Some(
-                "a policy rule selects by more than destination and arriving interface (or the rules could not be read)",
+                "a policy rule selects by more than destination and arriving interface, or the rules are not read yet",
             )
-        } else if self.multipath {
-            Some("a route is multipath or its check is pending (or the routes could not be read)")
+        } else if self.splits {
+            Some("a route is multipath or from a source prefix, or the routes are not read yet")
         } else {
             None
         }
@@ -197,13 +234,25 @@ impl FibShape {
     pub fn observe(&mut self, kind: u16, payload: &[u8]) {
         match kind {
             libc::RTM_NEWRULE | libc::RTM_DELRULE => self.rules_changed = true,
-            RTM_NEWNEXTHOP | RTM_DELNEXTHOP => {
-                // A route of a group that gained a member is multipath before the dump says.
-                self.groups_changed = true;
-                self.multipath = true;
+            // A group of two or more: routes over it (an id replaced in place keeps its
+            // routes) split flows now, until the next dump says which routes use it. A group
+            // that shrank or went: its routes may not any more, which the next dump tells.
+            // Single nexthops change neither.
+            RTM_NEWNEXTHOP => match nexthop(payload) {
+                Some((id, members)) if members > 1 => {
+                    self.groups.insert(id);
+                    (self.splits, self.routes_changed) = (true, true);
+                }
+                Some((id, _)) if self.groups.remove(&id) => self.routes_changed = true,
+                _ => {}
+            },
+            RTM_DELNEXTHOP => {
+                if nexthop(payload).is_some_and(|(id, _)| self.groups.remove(&id)) {
+                    self.routes_changed = true;
+                }
             }
-            libc::RTM_NEWROUTE if route_multipath(payload, &self.groups) => self.multipath = true,
-            libc::RTM_DELROUTE if self.multipath && route_multipath(payload, &self.groups) => {
+            libc::RTM_NEWROUTE if route_splits(payload, &self.groups) => self.splits = true,
+            libc::RTM_DELROUTE if self.splits && route_splits(payload, &self.groups) => {
                 self.routes_changed = true;
             }
             _ => {}
@@ -212,34 +261,40 @@ impl FibShape {
 
     /// Changes were lost (the socket's buffer overran): everything is dumped again.
     pub fn lost(&mut self) {
-        (self.rules_changed, self.groups_changed, self.routes_changed) = (true, true, true);
-        self.multipath = true;
+        (self.rules_changed, self.routes_changed) = (true, true);
+        self.splits = true;
     }
 
-    /// When the routes are due to be dumped again, if they are.
+    /// When what changed (or failed to be read) is due to be dumped again, if anything is.
     pub fn due(&self) -> Option<Instant> {
-        (self.routes_changed || self.groups_changed).then_some(self.last_route_dump + ROUTE_RECHECK)
+        (self.routes_changed || self.rules_changed).then_some(self.last_dump + ROUTE_RECHECK)
     }
 
-    /// Dumps what changed (the routes only if `at` is `None` or at least [`ROUTE_RECHECK`]
-    /// after their last dump); returns [`per_destination`](Self::per_destination).
+    /// Dumps what changed — the routes and nexthop groups only if `at` is `None` or at least
+    /// [`ROUTE_RECHECK`] after the last dump; returns [`per_destination`](Self::per_destination).
+    /// What fails to be read counts against sharing and is read again when due.
     pub fn settle(&mut self, at: Option<Instant>) -> bool {
-        if std::mem::take(&mut self.rules_changed) {
-            self.rules_ok = rules_by_destination().unwrap_or_else(|e| {
-                warn!(error = %e, "Listing policy rules (netlink) failed; new connections ask the FIB each");
-                false
-            });
-        }
-        let due = at.is_none_or(|at| at >= self.last_route_dump + ROUTE_RECHECK);
-        if due && (self.routes_changed || self.groups_changed) {
-            let dumped = multipath_groups().and_then(|g| Ok((any_multipath(&g)?, g)));
-            self.last_route_dump = at.unwrap_or_else(Instant::now);
-            (self.routes_changed, self.groups_changed) = (false, false);
-            match dumped {
-                Ok((multipath, groups)) => (self.multipath, self.groups) = (multipath, groups),
+        let now = at.unwrap_or_else(Instant::now);
+        if self.rules_changed {
+            self.last_dump = now;
+            match rules_by_destination() {
+                Ok(ok) => (self.rules_ok, self.rules_changed) = (ok, false),
                 Err(e) => {
-                    warn!(error = %e, "Listing routes (netlink) failed; new connections ask the FIB each");
-                    self.multipath = true;
+                    warn!(error = %e, "Listing policy rules (netlink) failed; new connections ask the FIB each until they are read");
+                    self.rules_ok = false;
+                }
+            }
+        }
+        let due = at.is_none_or(|at| at >= self.last_dump + ROUTE_RECHECK);
+        if self.routes_changed && due {
+            self.last_dump = now;
+            match multipath_groups().and_then(|g| Ok((any_splits(&g)?, g))) {
+                Ok((splits, groups)) => {
+                    (self.splits, self.groups, self.routes_changed) = (splits, groups, false);
+                }
+                Err(e) => {
+                    warn!(error = %e, "Listing routes (netlink) failed; new connections ask the FIB each until they are read");
+                    self.splits = true;
                 }
             }
         }
@@ -317,22 +372,29 @@ mod tests {
     }
 
     #[test]
-    fn a_route_with_two_paths_or_a_group_of_two_is_multipath() {
+    fn a_route_with_two_paths_a_group_of_two_or_a_source_prefix_splits_flows() {
         let none = HashSet::new();
         let gw = attr(5, &[10, 0, 0, 1]);
-        assert!(!route_multipath(&route(&[gw]), &none));
+        assert!(!route_splits(&route(&[gw]), &none));
         let two = [rtnexthop(2), rtnexthop(3)].concat();
-        assert!(route_multipath(&route(&[attr(RTA_MULTIPATH, &two)]), &none));
+        assert!(route_splits(&route(&[attr(RTA_MULTIPATH, &two)]), &none));
         // One path in a multipath attribute is one path.
-        assert!(!route_multipath(
+        assert!(!route_splits(
             &route(&[attr(RTA_MULTIPATH, &rtnexthop(2))]),
             &none
         ));
         let nh = attr(RTA_NH_ID, &7u32.to_ne_bytes());
-        assert!(!route_multipath(&route(std::slice::from_ref(&nh)), &none));
-        assert!(route_multipath(&route(&[nh]), &HashSet::from([7])));
+        assert!(!route_splits(&route(std::slice::from_ref(&nh)), &none));
+        assert!(route_splits(&route(&[nh]), &HashSet::from([7])));
+        // An IPv6 route from a source prefix splits; multicast routing's families do not count.
+        let mut from = route(&[]);
+        (from[0], from[2]) = (10, 48);
+        assert!(route_splits(&from, &none));
+        let mut mroute = route(&[attr(RTA_MULTIPATH, &two)]);
+        mroute[0] = 128;
+        assert!(!route_splits(&mroute, &none));
         // A truncated message is none.
-        assert!(!route_multipath(&[2, 24], &none));
+        assert!(!route_splits(&[2, 24], &none));
     }
 
     #[test]
@@ -355,11 +417,10 @@ mod tests {
         let mut s = FibShape {
             rules_ok: true,
             groups: HashSet::new(),
-            multipath: false,
+            splits: false,
             rules_changed: false,
-            groups_changed: false,
             routes_changed: false,
-            last_route_dump: Instant::now(),
+            last_dump: Instant::now(),
         };
         let mp = route(&[attr(RTA_MULTIPATH, &[rtnexthop(2), rtnexthop(3)].concat())]);
         s.observe(libc::RTM_NEWROUTE, &route(&[]));
@@ -368,8 +429,37 @@ mod tests {
         assert!(!s.per_destination() && s.due().is_none());
         s.observe(libc::RTM_DELROUTE, &mp);
         assert!(!s.per_destination());
-        assert_eq!(s.due(), Some(s.last_route_dump + ROUTE_RECHECK));
+        assert_eq!(s.due(), Some(s.last_dump + ROUTE_RECHECK));
         s.lost();
-        assert!(s.rules_changed && s.groups_changed && !s.per_destination());
+        assert!(s.rules_changed && s.routes_changed && !s.per_destination());
+    }
+
+    #[test]
+    fn a_nexthop_group_of_two_says_no_at_once_and_a_single_nexthop_changes_nothing() {
+        let mut s = FibShape {
+            rules_ok: true,
+            groups: HashSet::new(),
+            splits: false,
+            rules_changed: false,
+            routes_changed: false,
+            last_dump: Instant::now(),
+        };
+        let nh = |id: u32, members: usize| {
+            let mut m = vec![0u8; 8];
+            m.extend(attr(NHA_ID, &id.to_ne_bytes()));
+            if members > 0 {
+                m.extend(attr(NHA_GROUP, &vec![0; NEXTHOP_GRP_LEN * members]));
+            }
+            m
+        };
+        s.observe(RTM_NEWNEXTHOP, &nh(1, 0));
+        s.observe(RTM_DELNEXTHOP, &nh(1, 0));
+        assert!(s.per_destination() && s.due().is_none());
+        s.observe(RTM_NEWNEXTHOP, &nh(10, 2));
+        assert!(!s.per_destination() && s.groups.contains(&10) && s.due().is_some());
+        s.routes_changed = false;
+        // The group shrinks to one member: the routes are read again when due.
+        s.observe(RTM_NEWNEXTHOP, &nh(10, 1));
+        assert!(!s.groups.contains(&10) && s.due().is_some());
     }
 }

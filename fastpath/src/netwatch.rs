@@ -136,7 +136,7 @@ pub fn drain(fd: &OwnedFd, shape: &mut FibShape) -> io::Result<Changes> {
             }
             continue;
         }
-        for (kind, payload) in messages(&buf[..n as usize]) {
+        for (kind, _, payload) in messages(&buf[..n as usize]) {
             shape.observe(kind, payload);
             seen.relevant += usize::from(RELEVANT.contains(&kind));
             seen.links += usize::from(matches!(kind, libc::RTM_NEWLINK | libc::RTM_DELLINK));
@@ -144,16 +144,17 @@ pub fn drain(fd: &OwnedFd, shape: &mut FibShape) -> io::Result<Changes> {
     }
 }
 
-/// The netlink messages of one datagram: (type, payload after the 16-byte header). The walk
-/// ends at a length that runs past the datagram.
-pub(crate) fn messages(mut data: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+/// The netlink messages of one datagram: (type, flags, payload after the 16-byte header).
+/// The walk ends at a length that runs past the datagram.
+pub(crate) fn messages(mut data: &[u8]) -> impl Iterator<Item = (u16, u16, &[u8])> {
     std::iter::from_fn(move || {
         let len = u32::from_ne_bytes(data.get(..4)?.try_into().ok()?) as usize;
         let kind = u16::from_ne_bytes(data.get(4..6)?.try_into().ok()?);
+        let flags = u16::from_ne_bytes(data.get(6..8)?.try_into().ok()?);
         let payload = data.get(16..len)?;
         // Messages are 4-byte aligned.
         data = data.get((len + 3) & !3..).unwrap_or(&[]);
-        Some((kind, payload))
+        Some((kind, flags, payload))
     })
 }
 
@@ -201,7 +202,8 @@ fn foreign_peer(link: &[u8]) -> Option<u32> {
 /// namespace (a netlink dump of every link).
 pub fn foreign_peer_links() -> io::Result<Vec<u32>> {
     let mut links = Vec::new();
-    // struct ifinfomsg, all zero: every family, every link.
+    // struct ifinfomsg, all zero: every family, every link. A dump a change interrupted
+    // still lists every link that stayed; the change is in the next burst.
     dump(libc::RTM_GETLINK, &[0; 16], |kind, payload| {
         if kind == libc::RTM_NEWLINK {
             links.extend(foreign_peer(payload));
@@ -211,12 +213,14 @@ pub fn foreign_peer_links() -> io::Result<Vec<u32>> {
 }
 
 /// Asks the kernel for a dump of `request` (`RTM_GET*`, with `header`: the family's request
-/// struct) and hands each message (type, payload) to `each`, until the dump is done.
+/// struct) and hands each message (type, payload) to `each`, until the dump is done. `Ok(false)`:
+/// a change interrupted it (`NLM_F_DUMP_INTR`), so it may have missed an object that did not
+/// change.
 pub(crate) fn dump(
     request: u16,
     header: &[u8],
     mut each: impl FnMut(u16, &[u8]),
-) -> io::Result<()> {
+) -> io::Result<bool> {
     let fd = route_socket(0)?;
     // struct nlmsghdr (length, type, flags, sequence, port id), then the request's header.
     let len = 16 + header.len();
@@ -231,6 +235,7 @@ pub(crate) fn dump(
         return Err(io::Error::last_os_error());
     }
     let mut buf = vec![0u8; 64 * 1024];
+    let mut whole = true;
     loop {
         // SAFETY: the buffer is valid for its length.
         let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
@@ -247,9 +252,10 @@ pub(crate) fn dump(
                 "netlink closed the dump",
             ));
         }
-        for (kind, payload) in messages(&buf[..n as usize]) {
+        for (kind, flags, payload) in messages(&buf[..n as usize]) {
+            whole &= i32::from(flags) & libc::NLM_F_DUMP_INTR == 0;
             match i32::from(kind) {
-                libc::NLMSG_DONE => return Ok(()),
+                libc::NLMSG_DONE => return Ok(whole),
                 libc::NLMSG_ERROR => {
                     let code = payload
                         .get(..4)
@@ -268,11 +274,19 @@ pub(crate) fn dump(
 /// bumps. Keeps `peers` (`FP_PEER`) to the links whose peer is in another namespace: at the
 /// start and after every burst with a link change.
 pub async fn watch(
-    mut generation: datapath::VxlanGeneration,
+    generation: datapath::VxlanGeneration,
     mut peers: datapath::PeerLinks,
     generations: Arc<AtomicU64>,
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), DatapathError> {
+    let mut generation = Generations {
+        generation,
+        count: generations,
+        said: None,
+    };
+    // Nobody follows the FIB's shape until the dumps below say it: new connections ask the
+    // FIB meanwhile (and for good if the watcher cannot start or stops).
+    generation.bump(None);
     let fd = subscribe().map_err(|e| {
         DatapathError::Config(format!(
             "subscribing to route, neighbour and link changes (netlink): {e}"
@@ -285,7 +299,7 @@ pub async fn watch(
     // burst.
     refresh_peers(&mut peers);
     let mut shape = settled(None, None).await;
-    new_generation(&mut generation, &generations, &shape);
+    generation.bump(Some(&shape));
     loop {
         let due = shape.due();
         tokio::select! {
@@ -305,7 +319,7 @@ pub async fn watch(
                 }
                 if seen.relevant > 0 {
                     shape = settled(Some(shape), Some(Instant::now())).await;
-                    new_generation(&mut generation, &generations, &shape);
+                    generation.bump(Some(&shape));
                     // A burst makes one generation: what arrives meanwhile waits.
                     tokio::time::sleep(COALESCE).await;
                 }
@@ -314,34 +328,46 @@ pub async fn watch(
                 let before = shape.per_destination();
                 shape = settled(Some(shape), Some(Instant::now())).await;
                 if shape.per_destination() != before {
-                    new_generation(&mut generation, &generations, &shape);
+                    generation.bump(Some(&shape));
                 }
             }
-            _ = stop.changed() => return Ok(()),
+            _ = stop.changed() => {
+                generation.bump(None);
+                return Ok(());
+            }
         }
     }
 }
 
-/// Starts a new generation saying what `shape` says (see [`FibShape`]), counted in
-/// `generations`; logs when that changes.
-fn new_generation(
-    generation: &mut datapath::VxlanGeneration,
-    generations: &AtomicU64,
-    shape: &FibShape,
-) {
-    let per_dst = shape.per_destination();
-    if generations.load(Ordering::Relaxed) == 0 || per_dst != generation.per_destination() {
-        match shape.why_not() {
-            None => info!(
-                "The FIB answers by destination alone: new connections share their backend's route"
-            ),
-            Some(why) => info!(why, "New connections ask the FIB each"),
+/// The route generation as the watcher keeps it (`count`: bumps made), saying whether the FIB
+/// answers by destination alone; `said`: what the log last said of that.
+struct Generations {
+    generation: datapath::VxlanGeneration,
+    count: Arc<AtomicU64>,
+    said: Option<bool>,
+}
+
+impl Generations {
+    /// Starts a new generation saying what `shape` says, or "no" where nobody knows (`None`);
+    /// logs a known answer when it changes.
+    fn bump(&mut self, shape: Option<&FibShape>) {
+        let per_dst = shape.is_some_and(FibShape::per_destination);
+        if let Some(shape) = shape
+            && self.said != Some(per_dst)
+        {
+            match shape.why_not() {
+                None => info!(
+                    "The FIB answers by destination alone: new connections share their backend's route"
+                ),
+                Some(why) => info!(why, "New connections ask the FIB each"),
+            }
+            self.said = Some(per_dst);
         }
+        if let Err(e) = self.generation.bump(per_dst) {
+            warn!(error = %e, "Could not start a new generation of learned VXLAN headers and cached routes");
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
     }
-    if let Err(e) = generation.bump(per_dst) {
-        warn!(error = %e, "Could not start a new generation of learned VXLAN headers and cached routes");
-    }
-    generations.fetch_add(1, Ordering::Relaxed);
 }
 
 /// `shape` with what changed dumped again at `at` (see `FibShape::settle`), or this
@@ -383,7 +409,7 @@ mod tests {
     }
 
     fn kinds(data: &[u8]) -> Vec<u16> {
-        messages(data).map(|(k, _)| k).collect()
+        messages(data).map(|(k, _, _)| k).collect()
     }
 
     #[test]

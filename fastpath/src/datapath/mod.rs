@@ -1328,6 +1328,11 @@ pub fn bump_vxlan_generation(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
     next_generation(&mut array, None).map(drop)
 }
 
+/// Serializes this process's read-modify-writes of `FP_VXLAN_GEN`: a configuration change and
+/// the route watcher both bump it, and the flag one writes must not be lost to the other's
+/// write of what it read before.
+static GENERATION_WRITES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Bumps the generation in `array` (`FP_VXLAN_GEN`) and, if `per_dst` says, sets or clears
 /// its `GEN_F_FIB_PER_DST` in the same write (else it is kept); returns the new one.
 fn next_generation<T: std::borrow::BorrowMut<MapData>>(
@@ -1335,6 +1340,9 @@ fn next_generation<T: std::borrow::BorrowMut<MapData>>(
     per_dst: Option<bool>,
 ) -> Result<u64, DatapathError> {
     use fastpath_common::route::GEN_F_FIB_PER_DST;
+    let _serial = GENERATION_WRITES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let current = array.get(&0, 0).unwrap_or(0);
     let flag = match per_dst {
         Some(true) => GEN_F_FIB_PER_DST,
