@@ -412,16 +412,21 @@ mod tests {
         assert_eq!(multipath_group(&plain), None);
     }
 
-    #[test]
-    fn a_multipath_route_added_says_no_at_once_and_one_removed_waits_for_the_dump() {
-        let mut s = FibShape {
+    /// A shape read a moment ago: per destination, nothing due.
+    fn per_destination_now() -> FibShape {
+        FibShape {
             rules_ok: true,
             groups: HashSet::new(),
             splits: false,
             rules_changed: false,
             routes_changed: false,
             last_dump: Instant::now(),
-        };
+        }
+    }
+
+    #[test]
+    fn a_multipath_route_added_says_no_at_once_and_one_removed_waits_for_the_dump() {
+        let mut s = per_destination_now();
         let mp = route(&[attr(RTA_MULTIPATH, &[rtnexthop(2), rtnexthop(3)].concat())]);
         s.observe(libc::RTM_NEWROUTE, &route(&[]));
         assert!(s.per_destination() && s.due().is_none());
@@ -436,14 +441,7 @@ mod tests {
 
     #[test]
     fn a_nexthop_group_of_two_says_no_at_once_and_a_single_nexthop_changes_nothing() {
-        let mut s = FibShape {
-            rules_ok: true,
-            groups: HashSet::new(),
-            splits: false,
-            rules_changed: false,
-            routes_changed: false,
-            last_dump: Instant::now(),
-        };
+        let mut s = per_destination_now();
         let nh = |id: u32, members: usize| {
             let mut m = vec![0u8; 8];
             m.extend(attr(NHA_ID, &id.to_ne_bytes()));
