@@ -1307,8 +1307,10 @@ impl Fixture {
     }
 }
 
-/// Keeps the calling thread on the CPU it runs on now.
-fn pin_to_current_cpu() {
+/// Keeps the calling thread on the CPU it runs on now: BPF_PROG_TEST_RUN runs on the calling
+/// CPU, so a test of per-CPU state (round-robin positions, a backend's shared route) runs
+/// every packet on one.
+pub fn pin_to_current_cpu() {
     // SAFETY: sched_getcpu has no preconditions; the cpu_set_t is zeroed, then one bit set,
     // and passed with its size for the calling thread (pid 0).
     unsafe {
