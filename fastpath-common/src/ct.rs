@@ -267,6 +267,68 @@ pub const UDP_STREAM_AFTER_NS: u64 = 2_000_000_000;
 /// much longer than its stamp says), so no connection expires early.
 pub const LAST_SEEN_STEP_NS: u64 = 1 << 28;
 
+/// Slots per CPU of the flow cache (`FP_FLOW`, a power of two): each holds one connection's
+/// entry for at most a lease of [`LAST_SEEN_STEP_NS`].
+pub const FLOW_SLOTS: u32 = 1 << 13;
+
+/// One slot of the XDP flow cache (`FP_FLOW`, per CPU): a copy of the entry of `key`, which
+/// serves that connection's steady packets (an ACK of an established TCP connection, a
+/// datagram of an assured UDP one) on this CPU without a hash lookup while
+/// - `epoch` equals `FP_FLOW_EPOCH[flow_slot(key)]`, which every removal or replacement of an
+///   entry and every move of a connection out of its steady state bumps (datapath and daemon
+///   alike), and
+/// - the lease, [`LAST_SEEN_STEP_NS`] from `filled_ns`, has not ended.
+///
+/// The copy's counters are the packets it served (zero at fill); they are added to the
+/// table's entry when the slot is next filled or taken (`created_ns` tells the connection
+/// from a later one on the same tuple), and readers of the table add them meanwhile
+/// ([`FlowSlot::deltas_for`]).
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
+pub struct FlowSlot {
+    pub key: CtKey,
+    pub entry: CtEntry,
+    /// The coarse clock's time the lease began (0: empty).
+    pub filled_ns: u64,
+    pub epoch: u64,
+}
+const _: () = assert!(core::mem::size_of::<FlowSlot>() == 208);
+
+/// The flow-cache slot of `key`, the same in the datapath and the daemon: a multiplicative
+/// hash of its five words (cheaper in BPF than the table's jhash; a collision only costs the
+/// table lookup).
+#[inline(always)]
+pub fn flow_slot(key: &CtKey) -> u32 {
+    const K: u64 = 0x9E37_79B9_7F4A_7C15;
+    let [a, b, c, d, e] = key.words();
+    let mut h = a.wrapping_mul(K);
+    h = (h ^ (h >> 32) ^ b).wrapping_mul(K);
+    h = (h ^ (h >> 32) ^ c).wrapping_mul(K);
+    h = (h ^ (h >> 32) ^ d).wrapping_mul(K);
+    h = (h ^ (h >> 32) ^ e).wrapping_mul(K);
+    ((h >> 32) as u32) & (FLOW_SLOTS - 1)
+}
+
+impl FlowSlot {
+    /// What this slot (one CPU's) has counted for the connection `e` of `key` that the
+    /// table does not have yet: packets and bytes per direction, and its last-seen stamp.
+    /// Whatever its epoch: a copy made stale by a change of its connection still holds that
+    /// connection's packets until they are folded in.
+    pub fn deltas_for(&self, key: &CtKey, e: &CtEntry) -> Option<([u64; 2], [u64; 2], u64)> {
+        (self.filled_ns != 0 && self.key == *key && self.entry.created_ns == e.created_ns)
+            .then_some((
+                self.entry.packets,
+                self.entry.bytes,
+                self.entry.last_seen_ns,
+            ))
+    }
+}
+
+/// How much older than a connection's last packet its entry's `last_seen_ns` in the table may
+/// be: one step of the stamp, plus one lease of the flow cache (`FlowSlot`), whose packets
+/// reach the table's stamp when the lease ends. Expiry waits this much past the timeout.
+pub const LAST_SEEN_SLACK_NS: u64 = 2 * LAST_SEEN_STEP_NS;
+
 /// Whether a packet at `now` moves a `last_seen_ns` stamp (see [`LAST_SEEN_STEP_NS`]); a
 /// stamp ahead of `now` (an entry installed from a peer's precise clock) stays.
 #[inline(always)]
@@ -336,6 +398,23 @@ impl CtKey {
             core::mem::swap(&mut self.port_lo, &mut self.port_hi);
         }
         src_is_lo
+    }
+
+    /// The key as five native-endian words (it is 8-aligned and has no implicit padding).
+    #[inline(always)]
+    pub fn words(&self) -> [u64; 5] {
+        let w = (self as *const CtKey).cast::<u64>();
+        // SAFETY: CtKey is 40 bytes, 8-aligned, every byte a declared field (asserted below
+        // its definition).
+        unsafe {
+            [
+                w.read(),
+                w.add(1).read(),
+                w.add(2).read(),
+                w.add(3).read(),
+                w.add(4).read(),
+            ]
+        }
     }
 
     /// `addr_lo` against `addr_hi` in byte order. perf: as two big-endian words each (a
@@ -538,7 +617,10 @@ pub mod ct_stat {
     /// client reaching the backend directly from the port its connection to the VIP uses:
     /// passed to the kernel untranslated and untracked (dropped by the stateful firewall).
     pub const ALIAS_CLASH: u32 = 18;
-    pub const COUNT: u32 = 19;
+    /// Packets served from the XDP flow cache's copy of their connection (`FlowSlot`): no
+    /// table lookup. Also counted under `LOOKUPS` and `HITS`.
+    pub const FLOW_HITS: u32 = 19;
+    pub const COUNT: u32 = 20;
     /// Slots in the map (room to append codes without resizing the pinned map).
     pub const SLOTS: u32 = 32;
 
@@ -562,6 +644,7 @@ pub mod ct_stat {
         "snat_retries",
         "snat_exhausted",
         "alias_clash",
+        "flow_hits",
     ];
 
     /// What each counter of [`NAMES`] counts, for `fastpath ct stats --help`.
@@ -586,6 +669,8 @@ pub mod ct_stat {
         "full-NAT/SNAT connections refused: all 16 candidate ports taken (widen the range)",
         "packets from a NAT connection's client to its backend on the connection's own tuple, \
          not translated (the client dialled the backend directly from its VIP connection's port)",
+        "packets of steady connections served from the XDP flow cache without a table lookup \
+         (also counted in hits)",
     ];
 }
 
@@ -740,6 +825,8 @@ mod pod {
     unsafe impl aya::Pod for super::CtKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::CtEntry {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::FlowSlot {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::CtEvent {}
     // SAFETY: as above.

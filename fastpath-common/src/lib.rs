@@ -55,6 +55,10 @@ pub mod map_names {
     pub const CT: &str = "FP_CT";
     /// Queue of [`crate::ct::CtKey`] in creation order: the early-drop candidates.
     pub const CT_NEW: &str = "FP_CT_NEW";
+    /// The XDP flow cache (`ct::FlowSlot`), per CPU.
+    pub const FLOW: &str = "FP_FLOW";
+    /// The flow cache's epoch per slot: bumped to invalidate every CPU's copy in that slot.
+    pub const FLOW_EPOCH: &str = "FP_FLOW_EPOCH";
     /// Per-CPU conntrack counters indexed by [`crate::ct::ct_stat`].
     pub const CT_STATS: &str = "FP_CT_STATS";
     /// Ring buffer of [`crate::ct::CtEvent`].

@@ -38,6 +38,7 @@ use fastpath_common::{
 use crate::{
     clock,
     ctx::{HopRef, Miss, NAT_DSR, NAT_DST, NAT_ICMP_ERROR, NAT_ICMP_KEEP_SOURCE, NAT_SRC, copy16},
+    flowcache,
     maps::{
         FP_CT, FP_CT_ENTRY, FP_CT_EVENTS, FP_CT_KEY, FP_CT_KEY2, FP_CT_KEY3, FP_CT_NEW,
         FP_CT_STATS, FP_IFACE, FP_MISS, FP_NAT, FP_SVC_KEY,
@@ -156,7 +157,14 @@ pub fn track(
     }
     let src_is_lo = key.normalize();
     let key: &CtKey = key;
-    let mut hit = FP_CT.get_ptr_mut(key);
+    // Only a steady packet may be served from a copy: the others (a SYN, FIN or RST, ICMP)
+    // go to the table without the probe.
+    let mut hit = if hook == Hook::Xdp && steady(p) {
+        *now = clock::now();
+        flowcache::lookup(key, src_is_lo, *now)
+    } else {
+        FP_CT.get_ptr_mut(key)
+    };
     // Hostile frames touch no entry and no conntrack counter: counted under their reason
     // only. A byte test on every TCP packet; the martian test only where an entry would be
     // created (arriving packets; a loopback device carries the node's own traffic).
@@ -173,7 +181,9 @@ pub fn track(
         return Action::Drop(reason::MARTIAN_SOURCE);
     }
     count(ct_stat::LOOKUPS);
-    *now = clock::now();
+    if *now == 0 {
+        *now = clock::now();
+    }
     let now = *now;
     let lb_here = lb && is_tcp_udp;
     if lb_here
@@ -228,7 +238,7 @@ pub fn track(
                 // The backend's packets leave as the alias's reply direction says.
                 hop.hop = &raw mut e.hops[DIR_REPLY];
                 hop.in_entry = true;
-                return lb_reply(pkt, p, e, firewall, len, now);
+                return lb_reply(pkt, p, key, e, firewall, len, now);
             }
             let was = e.state;
             let refused = update(key, e, src_is_lo, p, len, now);
@@ -408,9 +418,9 @@ fn towards_backend(e: &CtEntry, key: &CtKey, src_is_lo: bool) -> bool {
 #[inline(always)]
 fn forget_lb(pkt: &Packet, p: &Parsed, key: &CtKey, e: &CtEntry) {
     if let Some(alias) = alias_key(pkt, p, e) {
-        let _ = FP_CT.remove(alias);
+        remove(alias);
     }
-    let _ = FP_CT.remove(key);
+    remove(key);
 }
 
 /// The alias key of load-balanced connection `e`, from a packet of its original direction
@@ -626,7 +636,7 @@ pub fn commit(_: Unsaved, verdict: (Verdict, u32)) -> (Verdict, u32) {
     };
     if !insert(key, entry) {
         if entry.flags & CT_F_DSR == 0 {
-            let _ = FP_CT.remove(alias);
+            remove(alias);
         }
         count(ct_stat::INSERT_FAILED);
         return (Verdict::Drop, reason::LB_TABLE_FULL);
@@ -727,7 +737,7 @@ fn replace_ended(alias: &CtKey) -> bool {
                 Some(c) => ended(unsafe { (*c).state }),
             }
     };
-    if gives_way && FP_CT.remove(alias).is_ok() {
+    if gives_way && remove(alias) {
         count(ct_stat::REOPENED);
         return true;
     }
@@ -800,7 +810,11 @@ fn create_or_refresh(key: &CtKey, entry: &CtEntry) -> bool {
     if !untouched(e, entry.origin) || (e.flags ^ entry.flags) & CT_F_LB_ALIAS != 0 {
         return false;
     }
-    FP_CT.insert(key, entry, BPF_EXIST).is_ok()
+    let replaced = FP_CT.insert(key, entry, BPF_EXIST).is_ok();
+    if replaced {
+        flowcache::changed(key);
+    }
+    replaced
 }
 
 /// Whether a peer's entry is untouched by this node: replicated, and no packet since.
@@ -823,7 +837,7 @@ fn remove_replicated(key: &CtKey, origin: u32) -> bool {
     }
     let mut ak = CtKey::default();
     let alias = lb_peer_key_into(key, e, &mut ak);
-    if FP_CT.remove(key).is_err() {
+    if !remove(key) {
         return false;
     }
     if alias && let Some(a) = FP_CT.get_ptr(&ak) {
@@ -831,10 +845,20 @@ fn remove_replicated(key: &CtKey, origin: u32) -> bool {
         // this node's only if its own packet counts say so.
         let a = unsafe { &*a };
         if untouched(a, origin) {
-            let _ = FP_CT.remove(&ak);
+            remove(&ak);
         }
     }
     true
+}
+
+/// Removes the entry of `key`, then says so to the flow cache; true if it was there.
+#[inline(always)]
+fn remove(key: &CtKey) -> bool {
+    let removed = FP_CT.remove(key).is_ok();
+    if removed {
+        flowcache::changed(key);
+    }
+    removed
 }
 
 /// Inserts a new entry, making room by early drop when the table is full.
@@ -844,13 +868,14 @@ fn insert(key: &CtKey, entry: &CtEntry) -> bool {
         || (early_drop() && FP_CT.insert(key, entry, BPF_NOEXIST).is_ok())
 }
 
-/// A backend's reply, found through the alias: steps the connection's own entry (client ↔
+/// A backend's reply, found through the alias (`akey`): steps the connection's own entry (client ↔
 /// VIP) as a reply and says to translate the source back to the VIP. If the entry is gone
 /// (flushed, dropped early) the translation still happens: the alias alone knows the VIP.
 #[inline(always)]
 fn lb_reply(
     pkt: &Packet,
     p: &Parsed,
+    akey: &CtKey,
     alias: &'static mut CtEntry,
     firewall: bool,
     len: usize,
@@ -914,6 +939,7 @@ fn lb_reply(
             set_flag(alias, CT_F_ASSURED);
         } else if alias.flags & CT_F_ASSURED != 0 {
             clear_flag(alias, CT_F_ASSURED);
+            flowcache::changed(akey);
         }
         if let Some(code) = refused
             && firewall
@@ -946,6 +972,7 @@ fn unsteady(pkt: &Packet, p: &Parsed, e: &CtEntry) {
     {
         // SAFETY: a live entry of the table for this run.
         clear_flag(unsafe { &mut *a }, CT_F_ASSURED);
+        flowcache::changed(alias);
     }
 }
 
@@ -1220,7 +1247,7 @@ fn early_drop() -> bool {
         if e.flags & CT_F_ASSURED != 0 {
             continue;
         }
-        if FP_CT.remove(&victim).is_ok() {
+        if remove(&victim) {
             let ended = e.state == tcp_state::TIME_WAIT || e.state == tcp_state::CLOSE;
             if e.flags & CT_F_LB != 0 && !ended {
                 stats::backend_closed(e.nat.backend);
@@ -1297,6 +1324,10 @@ fn update(
             }
             TcpStep::To(s) => {
                 let was = claim.was;
+                if was == tcp_state::ESTABLISHED && s != was {
+                    // This CPU moved it (a move is swapped in): no copy may serve it now.
+                    flowcache::changed(key);
+                }
                 if !seen_reply && p.tcp_flags & fastpath_common::ct::TCP_RST != 0 {
                     // Linux: "if only reply is a RST, we can consider ourselves not to have an
                     // established connection" — the entry goes at once.
@@ -1305,7 +1336,7 @@ fn update(
                     if e.flags & CT_F_LB != 0 && !closed(was) {
                         stats::backend_closed(e.nat.backend);
                     }
-                    let _ = FP_CT.remove(key);
+                    remove(key);
                     return None;
                 }
                 // Assured, as in Linux: a valid ACK in ESTABLISHED after SYN_RECV, or an

@@ -21,6 +21,7 @@ mod conntrack;
 mod ctx;
 mod dsr;
 mod fib;
+mod flowcache;
 mod gateway;
 mod lb;
 mod maps;

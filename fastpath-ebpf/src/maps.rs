@@ -13,7 +13,10 @@ use aya_ebpf::{
 };
 use fastpath_common::{
     Counter, DatapathConfig,
-    ct::{CT_EVENTS_BYTES, CtEntry, CtHop, CtKey, IFACE_SLOTS, IfaceConfig, ct_stat},
+    ct::{
+        CT_EVENTS_BYTES, CtEntry, CtHop, CtKey, FLOW_SLOTS, FlowSlot, IFACE_SLOTS, IfaceConfig,
+        ct_stat,
+    },
     lb::{
         AFFINITY_ENTRIES, Affinity, AffinityKey, Backend, BackendCounters, BackendLoad, LB_SLOTS,
         MAX_BACKENDS, MAX_SERVICES, MAX_SNAT_RULES, Service, SnatRule, SvcCounters, SvcKey,
@@ -64,6 +67,20 @@ pub static FP_LOG_RATELIMIT: PerCpuArray<u64> = PerCpuArray::with_max_entries(1,
 /// passes to stay under 10% of a CPU.
 #[map(name = "FP_CT")]
 pub static FP_CT: HashMap<CtKey, CtEntry> = HashMap::pinned(1 << 20, BPF_F_NO_PREALLOC);
+
+/// The XDP flow cache (see `FlowSlot`, `flowcache.rs`): a direct-mapped copy of the entries
+/// of steady connections, probed before `FP_CT` (an array lookup the verifier inlines, no call
+/// and return). Per CPU, so no two writers share a slot (the daemon only reads it). Pinned:
+/// the copies' counts carry over a restart.
+#[map(name = "FP_FLOW")]
+pub static FP_FLOW: PerCpuArray<FlowSlot> = PerCpuArray::pinned(FLOW_SLOTS, 0);
+
+/// The flow cache's epoch per slot, shared by every CPU: bumped (atomically, by the
+/// datapath and by the daemon through its memory mapping) whenever an entry whose key maps
+/// to the slot is removed, replaced or leaves its steady state, so no CPU's copy outlives
+/// the entry as it was.
+#[map(name = "FP_FLOW_EPOCH")]
+pub static FP_FLOW_EPOCH: Array<u64> = Array::pinned(FLOW_SLOTS, BPF_F_MMAPABLE);
 
 /// Map flag: allocate hash entries on insert.
 const BPF_F_NO_PREALLOC: u32 = 1;

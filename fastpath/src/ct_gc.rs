@@ -15,7 +15,7 @@ use std::{
 
 use fastpath_common::{
     ct::{
-        CT_F_LB, CT_F_LB_ALIAS, CT_F_SNAT, CtEntry, CtEvent, CtKey, LAST_SEEN_STEP_NS, ct_event,
+        CT_F_LB, CT_F_LB_ALIAS, CT_F_SNAT, CtEntry, CtEvent, CtKey, LAST_SEEN_SLACK_NS, ct_event,
         tcp_state, timeout_of, timeout_slot, with_alias,
     },
     lb::lb_peer_key,
@@ -39,11 +39,11 @@ pub struct GcStats {
 }
 
 /// Whether `e` has been idle longer than its timeout at `now_ns` (the datapath's clock). The
-/// datapath moves the stamp in steps (`LAST_SEEN_STEP_NS`): an entry whose stamp is that much
-/// older than its last packet is not expired early.
+/// table's stamp may trail the last packet by `LAST_SEEN_SLACK_NS` (the datapath's steps and
+/// its flow cache's lease): an entry whose stamp is that much older is not expired early.
 pub fn expired(t: &Timeouts, key: &CtKey, e: &CtEntry, now_ns: u64) -> bool {
     let idle = now_ns.saturating_sub(e.last_seen_ns);
-    idle > u64::from(timeout_of(t, key, e)) * 1_000_000_000 + LAST_SEEN_STEP_NS
+    idle > u64::from(timeout_of(t, key, e)) * 1_000_000_000 + LAST_SEEN_SLACK_NS
 }
 
 /// Timeouts in seconds, in the `DatapathConfig::ct_timeouts_s` layout.
@@ -212,10 +212,13 @@ mod tests {
             last_seen_ns: 10_000_000_000,
             ..CtEntry::default()
         };
-        // The timeout plus the datapath's stamp step (its last packet may have come that
-        // much after the stamp).
-        let end = 12_000_000_000 + LAST_SEEN_STEP_NS;
-        assert!(!expired(&t, &udp, &e, end), "not expired at timeout + step");
+        // The timeout plus the stamp's slack (its last packet may have come that much after
+        // the stamp).
+        let end = 12_000_000_000 + LAST_SEEN_SLACK_NS;
+        assert!(
+            !expired(&t, &udp, &e, end),
+            "not expired at timeout + slack"
+        );
         assert!(expired(&t, &udp, &e, end + 1), "expired just after");
         // A clock before last_seen (entry refreshed after `now` was taken) is not expired.
         assert!(!expired(&t, &udp, &e, 1));

@@ -413,6 +413,21 @@ impl<T: Copy> SharedArray<T> {
     }
 }
 
+impl SharedArray<u64> {
+    /// Adds one to element `i` atomically (the datapath bumps the same words); false if `i`
+    /// is outside the mapping.
+    pub fn bump(&self, i: usize) -> bool {
+        if i >= self.len {
+            return false;
+        }
+        // SAFETY: `i` is inside the mapping, which is u64-aligned shared memory that outlives
+        // this call; every writer (here and in BPF) updates it atomically.
+        let word = unsafe { std::sync::atomic::AtomicU64::from_ptr(self.ptr.add(i)) };
+        word.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        true
+    }
+}
+
 impl<T> Drop for SharedArray<T> {
     fn drop(&mut self) {
         // SAFETY: unmaps exactly what `map` mapped.

@@ -1334,6 +1334,10 @@ fn bench_lb(objects: &Objects) -> Result<PerObject> {
         scope
             .spawn(|| -> Result<PerObject> {
                 enter_fresh_netns(LB_NETNS_SETUP);
+                // One CPU for every run, as a NIC's receive queue keeps a flow on one: the
+                // datapath's per-CPU state (flow cache, shared routes) is what a flow's packets
+                // meet there, and a run moved to the other CPU would time a cold copy.
+                fastpath::testkit::fixture::pin_to_current_cpu();
                 add_lb_neighbours()?;
                 let links = LbLinks::of_this_namespace()?;
                 let mut rows = objects.rows();

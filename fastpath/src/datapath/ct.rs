@@ -6,11 +6,13 @@ use std::{io, os::fd::AsFd as _, path::Path};
 
 use aya::{
     Ebpf,
-    maps::{Array, HashMap, IterableMap as _, MapData},
+    maps::{Array, HashMap, IterableMap as _, MapData, PerCpuArray},
     programs::{ProgramError, Xdp},
 };
 use fastpath_common::{
-    ct::{CT_INSTALL_MAX, CT_RECORD_CREATE, CtEntry, CtKey, CtRecord},
+    ct::{
+        CT_INSTALL_MAX, CT_RECORD_CREATE, CtEntry, CtKey, CtRecord, FLOW_SLOTS, FlowSlot, flow_slot,
+    },
     map_names, program_names,
 };
 use tracing::warn;
@@ -28,6 +30,82 @@ pub struct CtTable {
     installer: Option<CtInstaller>,
     /// Runs of it so far.
     installer_runs: u64,
+    /// The XDP flow cache, told of every entry removed or replaced here.
+    flow: Option<FlowCache>,
+}
+
+/// The datapath's flow cache (`FP_FLOW`, `FP_FLOW_EPOCH`; see `fastpath_common::ct::FlowSlot`)
+/// as the daemon sees it: it never writes a slot, it bumps a slot's epoch after changing an
+/// entry (so no CPU's copy of the old entry serves on), and it adds what the copies counted
+/// to the entries it shows.
+pub struct FlowCache {
+    slots: PerCpuArray<MapData, FlowSlot>,
+    epochs: sys::SharedArray<u64>,
+}
+
+impl FlowCache {
+    /// The flow cache pinned in `maps_dir`; `None` for a datapath without one (built before
+    /// it: nothing to tell).
+    pub fn open(maps_dir: &Path) -> Option<FlowCache> {
+        let slots = MapData::from_pin(maps_dir.join(map_names::FLOW)).ok()?;
+        let slots = PerCpuArray::try_from(aya::maps::Map::PerCpuArray(slots)).ok()?;
+        let epochs = MapData::from_pin(maps_dir.join(map_names::FLOW_EPOCH)).ok()?;
+        let bytes = FLOW_SLOTS as usize * size_of::<u64>();
+        let epochs = sys::SharedArray::map(epochs.fd().as_fd(), bytes.next_multiple_of(4096))
+            .inspect_err(|e| warn!(error = %e, "Cannot map FP_FLOW_EPOCH; entries the daemon removes may be served from the flow cache for up to a lease"))
+            .ok()?;
+        Some(FlowCache { slots, epochs })
+    }
+
+    /// Says that the entry of `key` was just removed or replaced.
+    pub fn changed(&self, key: &CtKey) {
+        self.epochs.bump(flow_slot(key) as usize);
+    }
+
+    /// Adds to `entries` what the copies of their connections counted and the table does not
+    /// have yet: one read (every CPU's copy) per slot their keys map to.
+    pub fn add_counts(&self, entries: &mut [(CtKey, CtEntry)]) {
+        let mut idxs: Vec<u32> = entries.iter().map(|(k, _)| flow_slot(k)).collect();
+        idxs.sort_unstable();
+        idxs.dedup();
+        let mut by_key: std::collections::HashMap<CtKey, Vec<FlowSlot>> =
+            std::collections::HashMap::new();
+        for i in idxs {
+            if let Ok(per_cpu) = self.slots.get(&i, 0) {
+                for s in per_cpu.iter().filter(|s| s.filled_ns != 0) {
+                    by_key.entry(s.key).or_default().push(*s);
+                }
+            }
+        }
+        if by_key.is_empty() {
+            return;
+        }
+        for (k, e) in entries.iter_mut() {
+            for s in by_key.get(k).into_iter().flatten() {
+                add_slot(s, k, e);
+            }
+        }
+    }
+
+    /// [`FlowCache::add_counts`] for one entry (the slot of its key only).
+    pub fn add_counts_one(&self, key: &CtKey, e: &mut CtEntry) {
+        if let Ok(per_cpu) = self.slots.get(&flow_slot(key), 0) {
+            for s in per_cpu.iter() {
+                add_slot(s, key, e);
+            }
+        }
+    }
+}
+
+/// Adds one slot's counts to `e`, the entry of `key`, if the slot holds that connection.
+fn add_slot(s: &FlowSlot, key: &CtKey, e: &mut CtEntry) {
+    if let Some((packets, bytes, seen)) = s.deltas_for(key, e) {
+        for d in 0..2 {
+            e.packets[d] += packets[d];
+            e.bytes[d] += bytes[d];
+        }
+        e.last_seen_ns = e.last_seen_ns.max(seen);
+    }
 }
 
 /// The loaded `fastpath_ct_install` program, run with BPF_PROG_TEST_RUN on batches of
@@ -84,6 +162,7 @@ impl CtTable {
             gone,
             installer: None,
             installer_runs: 0,
+            flow: None,
         }
     }
 
@@ -102,7 +181,14 @@ impl CtTable {
             .map(|dir| dir.join(map_names::BACKEND_GONE))
             .and_then(|p| MapData::from_pin(p).ok())
             .and_then(|d| Array::try_from(aya::maps::Map::Array(d)).ok());
-        Ok(CtTable::from_maps(table, gone))
+        let flow = map_path.parent().and_then(FlowCache::open);
+        Ok(CtTable::from_maps(table, gone).with_flow_cache(flow))
+    }
+
+    /// Tells `flow` of every entry removed or replaced through this table.
+    pub(super) fn with_flow_cache(mut self, flow: Option<FlowCache>) -> CtTable {
+        self.flow = flow;
+        self
     }
 
     /// Creates entries with `installer` ([`ct_installer`] of the object whose `FP_CT` this
@@ -136,7 +222,11 @@ impl CtTable {
     }
 
     pub fn remove(&mut self, key: &CtKey) -> bool {
-        self.table.remove(key).is_ok()
+        let removed = self.table.remove(key).is_ok();
+        if removed && let Some(flow) = &self.flow {
+            flow.changed(key);
+        }
+        removed
     }
 
     /// Creates or replaces the entry of `key` (a connection replicated from a peer).
@@ -146,7 +236,11 @@ impl CtTable {
             .map_err(|source| DatapathError::Map {
                 what: "writing an FP_CT entry".into(),
                 source,
-            })
+            })?;
+        if let Some(flow) = &self.flow {
+            flow.changed(key);
+        }
+        Ok(())
     }
 
     /// Creates the entry of `key` unless one exists: `Ok(false)` when it does (untouched).
@@ -240,12 +334,21 @@ pub fn pinned_ct_entries(pin_dir: &Path) -> Result<Vec<(CtKey, CtEntry)>, Datapa
             what: "walking FP_CT".into(),
             source: e,
         })?;
+    if let Some(flow) = FlowCache::open(&pin_dir.join("maps")) {
+        flow.add_counts(&mut out);
+    }
     Ok(out)
 }
 
 /// The connection of `key` in a pinned datapath (`fastpath ct get`), if tracked.
 pub fn pinned_ct_get(pin_dir: &Path, key: &CtKey) -> Result<Option<CtEntry>, DatapathError> {
-    Ok(pinned_ct_table(pin_dir)?.get(key))
+    let Some(mut e) = pinned_ct_table(pin_dir)?.get(key) else {
+        return Ok(None);
+    };
+    if let Some(flow) = FlowCache::open(&pin_dir.join("maps")) {
+        flow.add_counts_one(key, &mut e);
+    }
+    Ok(Some(e))
 }
 
 /// Exact occupancy of a pinned datapath's conntrack table: (entries, capacity). Entries are
@@ -279,10 +382,14 @@ pub fn flush_pinned_ct(pin_dir: &Path) -> Result<usize, DatapathError> {
             what: "walking FP_CT".into(),
             source: e,
         })?;
+    let flow = FlowCache::open(&pin_dir.join("maps"));
     let mut removed = 0;
     for k in &keys {
         if table.remove(k).is_ok() {
             removed += 1;
+            if let Some(flow) = &flow {
+                flow.changed(k);
+            }
         }
     }
     Ok(removed)

@@ -54,8 +54,8 @@ pub mod fake;
 mod ops;
 
 pub use ct::{
-    CtInstaller, CtTable, ct_installer, flush_pinned_ct, pinned_ct_entries, pinned_ct_get,
-    pinned_ct_occupancy,
+    CtInstaller, CtTable, FlowCache, ct_installer, flush_pinned_ct, pinned_ct_entries,
+    pinned_ct_get, pinned_ct_occupancy,
 };
 pub use ops::{CtOps, DatapathOps, InterfacePlan, ServiceMaps};
 
@@ -287,7 +287,8 @@ impl Datapath {
         let gone = MapData::from_pin(self.pin_dir.join("maps").join(map_names::BACKEND_GONE))
             .ok()
             .and_then(|d| Array::try_from(aya::maps::Map::Array(d)).ok());
-        Ok(CtTable::from_maps(table, gone))
+        let flow = ct::FlowCache::open(&self.pin_dir.join("maps"));
+        Ok(CtTable::from_maps(table, gone).with_flow_cache(flow))
     }
 
     /// The conntrack installer program (see [`CtTable::with_installer`]).

@@ -1036,19 +1036,40 @@ impl CtStats {
 
 /// Conntrack state: the table, its counters and its event ring.
 impl Fixture {
-    /// Every entry of `FP_CT`, in key order.
+    /// Every entry of `FP_CT`, in key order, with what the flow cache's copies counted (as
+    /// the daemon shows them).
     pub fn ct_entries(&self) -> Result<BTreeMap<CtKey, CtEntry>, FixtureError> {
-        self.ct_table()?.entries().map_err(map_error(map_names::CT))
+        let entries = self
+            .ct_table()?
+            .entries()
+            .map_err(map_error(map_names::CT))?;
+        let Some(flow) = self.flow_cache() else {
+            return Ok(entries);
+        };
+        let mut list: Vec<(CtKey, CtEntry)> = entries.into_iter().collect();
+        flow.add_counts(&mut list);
+        Ok(list.into_iter().collect())
     }
 
-    /// The entry of one connection, if there is one.
+    /// The entry of one connection, if there is one, with what the flow cache's copies
+    /// counted.
     pub fn ct_entry(&self, key: &CtKey) -> Result<Option<CtEntry>, FixtureError> {
         let name = map_names::CT;
         match self.ct_table()?.get(key) {
-            Ok(entry) => Ok(Some(entry)),
+            Ok(mut entry) => {
+                if let Some(flow) = self.flow_cache() {
+                    flow.add_counts_one(key, &mut entry);
+                }
+                Ok(Some(entry))
+            }
             Err(MapError::KeyNotFound) => Ok(None),
             Err(source) => Err(FixtureError::Map { name, source }),
         }
+    }
+
+    /// The datapath's flow cache, if the object has one (older objects do not).
+    fn flow_cache(&self) -> Option<crate::datapath::FlowCache> {
+        crate::datapath::FlowCache::open(self.pin_dir())
     }
 
     /// `FP_CT`, read-only.
@@ -1088,7 +1109,11 @@ impl Fixture {
         let name = map_names::CT;
         self.ct_table_mut()?
             .insert(key, entry)
-            .map_err(map_error(name))
+            .map_err(map_error(name))?;
+        if let Some(flow) = self.flow_cache() {
+            flow.changed(key);
+        }
+        Ok(())
     }
 
     /// Deletes every entry of `FP_CT`; returns how many there were.
@@ -1099,6 +1124,11 @@ impl Fixture {
         let keys = table.keys().map_err(map_error(name))?;
         for key in &keys {
             table.remove(key).map_err(map_error(name))?;
+        }
+        if let Some(flow) = self.flow_cache() {
+            for key in &keys {
+                flow.changed(key);
+            }
         }
         // So do the backends' connection counts (least-connections) and the early-drop
         // candidates: the next sequence starts from nothing.
