@@ -185,8 +185,9 @@ fn fill(s: &mut FlowSlot, key: &CtKey, e: &CtEntry, epoch: u64, now: u64) {
     s.entry.bytes = [0; 2];
     s.key = *key;
     s.epoch = epoch;
-    // 0 means empty; the coarse clock is never 0 after boot, but keep the rule exact.
-    s.filled_ns = now | 1;
+    // 0 means empty (the coarse clock is not 0 after boot). Never later than `now`: a packet
+    // in the same tick reads the same time, and must find the lease live.
+    s.filled_ns = now.max(1);
 }
 
 /// Says that the entry of `key` was just removed, replaced, or left its steady state: every
