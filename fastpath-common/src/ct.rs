@@ -279,6 +279,9 @@ pub const FLOW_SLOTS: u32 = 1 << 13;
 ///   alike), and
 /// - the lease, [`LAST_SEEN_STEP_NS`] from `filled_ns`, has not ended.
 ///
+/// The key and the lease come first: a probe that is not this slot's connection reads only
+/// the slot's tag (`FP_FLOW_TAG`), one that is reads the first cache line or two.
+///
 /// The copy's counters are the packets it served (zero at fill); they are added to the
 /// table's entry when the slot is next filled or taken (`created_ns` tells the connection
 /// from a later one on the same tuple), and readers of the table add them meanwhile
@@ -287,26 +290,45 @@ pub const FLOW_SLOTS: u32 = 1 << 13;
 #[repr(C)]
 pub struct FlowSlot {
     pub key: CtKey,
-    pub entry: CtEntry,
     /// The coarse clock's time the lease began (0: empty).
     pub filled_ns: u64,
     pub epoch: u64,
+    pub entry: CtEntry,
 }
 const _: () = assert!(core::mem::size_of::<FlowSlot>() == 208);
 
-/// The flow-cache slot of `key`, the same in the datapath and the daemon: a multiplicative
+/// The flow-cache hash of `key`, the same in the datapath and the daemon: a multiplicative
 /// hash of its five words (cheaper in BPF than the table's jhash; a collision only costs the
-/// table lookup).
+/// table lookup). Its high half picks the slot ([`flow_slot`]), its low half is the slot's tag
+/// ([`flow_tag`]).
 #[inline(always)]
-pub fn flow_slot(key: &CtKey) -> u32 {
+pub fn flow_hash(key: &CtKey) -> u64 {
     const K: u64 = 0x9E37_79B9_7F4A_7C15;
     let [a, b, c, d, e] = key.words();
     let mut h = a.wrapping_mul(K);
     h = (h ^ (h >> 32) ^ b).wrapping_mul(K);
     h = (h ^ (h >> 32) ^ c).wrapping_mul(K);
     h = (h ^ (h >> 32) ^ d).wrapping_mul(K);
-    h = (h ^ (h >> 32) ^ e).wrapping_mul(K);
+    (h ^ (h >> 32) ^ e).wrapping_mul(K)
+}
+
+/// The flow-cache slot of `key` (see [`flow_hash`]).
+#[inline(always)]
+pub fn flow_slot(key: &CtKey) -> u32 {
+    slot_of(flow_hash(key))
+}
+
+/// The slot of hash `h`.
+#[inline(always)]
+pub const fn slot_of(h: u64) -> u32 {
     ((h >> 32) as u32) & (FLOW_SLOTS - 1)
+}
+
+/// The tag of hash `h` in its slot's entry of `FP_FLOW_TAG` (never 0, which marks an empty
+/// slot).
+#[inline(always)]
+pub const fn flow_tag(h: u64) -> u32 {
+    h as u32 | 1
 }
 
 impl FlowSlot {

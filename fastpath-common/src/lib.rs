@@ -57,6 +57,8 @@ pub mod map_names {
     pub const CT_NEW: &str = "FP_CT_NEW";
     /// The XDP flow cache (`ct::FlowSlot`), per CPU.
     pub const FLOW: &str = "FP_FLOW";
+    /// The tags of the flow cache's slots, per CPU.
+    pub const FLOW_TAG: &str = "FP_FLOW_TAG";
     /// The flow cache's epoch per slot: bumped to invalidate every CPU's copy in that slot.
     pub const FLOW_EPOCH: &str = "FP_FLOW_EPOCH";
     /// Per-CPU conntrack counters indexed by [`crate::ct::ct_stat`].

@@ -26,14 +26,15 @@
 //!   (the expiry allows for that).
 
 use fastpath_common::ct::{
-    CT_F_ASSURED, CT_F_LB_ALIAS, CT_F_SEEN_REPLY, CtEntry, CtKey, DIR_REPLY, FlowSlot,
-    LAST_SEEN_STEP_NS, ct_stat, flow_slot, hop_clock, hop_holds_at, tcp_state,
+    CT_F_ASSURED, CT_F_LB_ALIAS, CT_F_SEEN_REPLY, CtEntry, CtKey, DIR_REPLY, FLOW_SLOTS, FlowSlot,
+    LAST_SEEN_STEP_NS, ct_stat, flow_hash, flow_slot, flow_tag, hop_clock, hop_holds_at, slot_of,
+    tcp_state,
 };
 use fastpath_common::route::ROUTE_CACHE_TTL_NS;
 
 use crate::{
     fib,
-    maps::{FP_CT, FP_CT_STATS, FP_FLOW, FP_FLOW_EPOCH},
+    maps::{FP_CT, FP_CT_STATS, FP_FLOW, FP_FLOW_EPOCH, FP_FLOW_TAG},
     parse::{IPPROTO_TCP, IPPROTO_UDP},
 };
 
@@ -45,20 +46,25 @@ use crate::{
 /// over).
 #[inline(always)]
 pub fn lookup(key: &CtKey, src_is_lo: bool, now: u64) -> Option<*mut CtEntry> {
-    let idx = flow_slot(key);
-    let (Some(slot), Some(epoch)) = (FP_FLOW.get_ptr_mut(idx), FP_FLOW_EPOCH.get_ptr(idx)) else {
+    let h = flow_hash(key);
+    let (idx, tag) = (slot_of(h), flow_tag(h));
+    let (Some(tags), Some(epoch)) = (FP_FLOW_TAG.get_ptr_mut(0), FP_FLOW_EPOCH.get_ptr(idx)) else {
         return FP_CT.get_ptr_mut(key);
     };
-    // SAFETY: this CPU's slot of a per-CPU array, written by this program run only (XDP runs
-    // one packet at a time per CPU; the daemon only reads it).
-    let s = unsafe { &mut *slot };
+    // SAFETY: this CPU's value of a per-CPU array, written by this program run only (XDP runs
+    // one packet at a time per CPU); `idx` is masked to the array's length.
+    let tagged = unsafe { &mut (*tags)[idx as usize & (FLOW_SLOTS as usize - 1)] };
     // Read before the table (see the module's invariants).
     // SAFETY: a valid, aligned array value pointer.
     let epoch = unsafe { core::ptr::read_volatile(epoch) };
-    let same = s.key.words() == key.words();
-    let leased =
-        s.filled_ns != 0 && s.epoch == epoch && now.wrapping_sub(s.filled_ns) < LAST_SEEN_STEP_NS;
-    if same && leased {
+    let mine = *tagged == tag;
+    if mine
+        && let Some(slot) = FP_FLOW.get_ptr_mut(idx)
+        // SAFETY: this CPU's slot, as the tags (the daemon only reads it).
+        && let s = unsafe { &mut *slot }
+        && s.key.words() == key.words()
+        && leased(s, epoch, now)
+    {
         if let Some(c) = FP_CT_STATS.get_ptr_mut(ct_stat::FLOW_HITS) {
             // SAFETY: this CPU's slot of a per-CPU array.
             unsafe { *c += 1 };
@@ -66,7 +72,23 @@ pub fn lookup(key: &CtKey, src_is_lo: bool, now: u64) -> Option<*mut CtEntry> {
         return Some(&raw mut s.entry);
     }
     let found = FP_CT.get_ptr_mut(key);
-    if leased && !same {
+    // The slot matters only if it may hold this connection (to fold its counts) or this
+    // packet's entry may take it; a new flow's probe ends here, having read the tag alone.
+    let steady = match found {
+        // SAFETY: a value pointer of the table, valid for this program run.
+        Some(e) => steady_entry(unsafe { &*e }, key, src_is_lo, now),
+        None => false,
+    };
+    if !mine && !steady {
+        return found;
+    }
+    let Some(slot) = FP_FLOW.get_ptr_mut(idx) else {
+        return found;
+    };
+    // SAFETY: as above.
+    let s = unsafe { &mut *slot };
+    let same = mine && s.key.words() == key.words();
+    if !same && leased(s, epoch, now) {
         // Another connection's lease: it keeps the slot until the lease ends (two busy
         // connections on one slot do not take it from each other at every packet).
         return found;
@@ -80,14 +102,20 @@ pub fn lookup(key: &CtKey, src_is_lo: bool, now: u64) -> Option<*mut CtEntry> {
             None
         };
         fold(s, into);
+        *tagged = 0;
     }
-    let e = found?;
-    // SAFETY: a value pointer of the table, valid for this program run.
-    if steady_entry(unsafe { &*e }, key, src_is_lo, now) {
+    if steady && let Some(e) = found {
         // SAFETY: as above.
         fill(s, key, unsafe { &*e }, epoch, now);
+        *tagged = tag;
     }
-    Some(e)
+    found
+}
+
+/// Whether slot `s` serves: filled under `epoch` (its slot's, read now) and within its lease.
+#[inline(always)]
+fn leased(s: &FlowSlot, epoch: u64, now: u64) -> bool {
+    s.filled_ns != 0 && s.epoch == epoch && now.wrapping_sub(s.filled_ns) < LAST_SEEN_STEP_NS
 }
 
 /// Whether entry `e` of `key` may be served from a copy to a steady packet (its source on the

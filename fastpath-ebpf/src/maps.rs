@@ -75,6 +75,12 @@ pub static FP_CT: HashMap<CtKey, CtEntry> = HashMap::pinned(1 << 20, BPF_F_NO_PR
 #[map(name = "FP_FLOW")]
 pub static FP_FLOW: PerCpuArray<FlowSlot> = PerCpuArray::pinned(FLOW_SLOTS, 0);
 
+/// The tag of each slot of this CPU's `FP_FLOW` (`ct::flow_tag` of its key; 0: empty), in one
+/// 32 KiB value: a probe for a connection the cache does not hold (every new flow's) reads
+/// this, which stays in the CPU's cache, not the 208-byte slot in a 1.7 MB array.
+#[map(name = "FP_FLOW_TAG")]
+pub static FP_FLOW_TAG: PerCpuArray<[u32; FLOW_SLOTS as usize]> = PerCpuArray::pinned(1, 0);
+
 /// The flow cache's epoch per slot, shared by every CPU: bumped (atomically, by the
 /// datapath and by the daemon through its memory mapping) whenever an entry whose key maps
 /// to the slot is removed, replaced or leaves its steady state, so no CPU's copy outlives
