@@ -1,8 +1,9 @@
 //! The flow cache at XDP (`FP_FLOW`, see `fastpath_common::ct::FlowSlot`): a per-CPU,
 //! direct-mapped copy of the entries of steady connections, probed before the conntrack
-//! table. perf: the probe is an array lookup the verifier inlines and a five-word compare; the
-//! table's lookup is a call into the kernel's hash (jhash of the 40-byte key, a bucket walk, a
-//! `memcmp`), about 30 ns more per packet here.
+//! table. perf: the probe reads the slot's tag (`FP_FLOW_TAG`, which stays in the CPU's cache),
+//! then, only where the tag matches, the slot and a five-word key compare: array lookups the
+//! verifier inlines. The table's lookup is a call into the kernel's hash (jhash of the 40-byte
+//! key, a bucket walk, a `memcmp`), about 30 ns more per packet here.
 //!
 //! Invariants:
 //! - A copy serves only *steady* packets of a *steady* entry (see [`lookup`]), which change
@@ -21,9 +22,9 @@
 //!   same connection (same `created_ns`) when a steady packet next finds the slot not serving
 //!   (lease over, epoch bumped) and refills it or takes it for another connection, with a next
 //!   hop the copy learned again; readers in the daemon add the counts meanwhile, whatever the
-//!   epoch (`FlowSlot::deltas_for`). The lease is the last-seen step,
-//!   so a busy connection's stamp in the table trails its last packet by at most two steps
-//!   (the expiry allows for that).
+//!   epoch (`FlowSlot::deltas_for`). The lease is the last-seen step, so a busy connection's
+//!   stamp in the table trails its last packet by at most two steps (`LAST_SEEN_SLACK_NS`, which
+//!   the expiry allows for).
 
 use fastpath_common::ct::{
     CT_F_ASSURED, CT_F_LB_ALIAS, CT_F_SEEN_REPLY, CtEntry, CtKey, DIR_REPLY, FLOW_SLOTS, FlowSlot,
