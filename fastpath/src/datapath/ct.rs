@@ -86,15 +86,6 @@ impl FlowCache {
             }
         }
     }
-
-    /// [`FlowCache::add_counts`] for one entry (the slot of its key only).
-    pub fn add_counts_one(&self, key: &CtKey, e: &mut CtEntry) {
-        if let Ok(per_cpu) = self.slots.get(&flow_slot(key), 0) {
-            for s in per_cpu.iter() {
-                add_slot(s, key, e);
-            }
-        }
-    }
 }
 
 /// Adds one slot's counts to `e`, the entry of `key`, if the slot holds that connection.
@@ -342,13 +333,14 @@ pub fn pinned_ct_entries(pin_dir: &Path) -> Result<Vec<(CtKey, CtEntry)>, Datapa
 
 /// The connection of `key` in a pinned datapath (`fastpath ct get`), if tracked.
 pub fn pinned_ct_get(pin_dir: &Path, key: &CtKey) -> Result<Option<CtEntry>, DatapathError> {
-    let Some(mut e) = pinned_ct_table(pin_dir)?.get(key) else {
+    let Some(e) = pinned_ct_table(pin_dir)?.get(key) else {
         return Ok(None);
     };
+    let mut one = [(*key, e)];
     if let Some(flow) = FlowCache::open(&pin_dir.join("maps")) {
-        flow.add_counts_one(key, &mut e);
+        flow.add_counts(&mut one);
     }
-    Ok(Some(e))
+    Ok(Some(one[0].1))
 }
 
 /// Exact occupancy of a pinned datapath's conntrack table: (entries, capacity). Entries are
@@ -369,28 +361,14 @@ pub fn pinned_ct_occupancy(pin_dir: &Path) -> Result<(u64, u32), DatapathError> 
 
 /// Deletes every tracked connection of a pinned datapath; returns how many went.
 pub fn flush_pinned_ct(pin_dir: &Path) -> Result<usize, DatapathError> {
-    let data = pinned_map(pin_dir, map_names::CT)?;
-    let mut table: HashMap<MapData, CtKey, CtEntry> =
-        HashMap::try_from(aya::maps::Map::HashMap(data)).map_err(|source| DatapathError::Map {
-            what: "opening FP_CT".into(),
-            source,
-        })?;
+    let mut table = pinned_ct_table(pin_dir)?;
     let mut keys: Vec<CtKey> = Vec::new();
-    pinned_ct_table(pin_dir)?
+    table
         .walk(|k, _| keys.extend_from_slice(k))
         .map_err(|e| DatapathError::Io {
             what: "walking FP_CT".into(),
             source: e,
         })?;
-    let flow = FlowCache::open(&pin_dir.join("maps"));
-    let mut removed = 0;
-    for k in &keys {
-        if table.remove(k).is_ok() {
-            removed += 1;
-            if let Some(flow) = &flow {
-                flow.changed(k);
-            }
-        }
-    }
-    Ok(removed)
+    // `CtTable::remove` also tells the flow cache.
+    Ok(keys.iter().filter(|k| table.remove(k)).count())
 }

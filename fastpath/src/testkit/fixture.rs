@@ -453,6 +453,9 @@ pub struct Fixture {
     lb_writer: Option<crate::datapath::LbWriter>,
     // Declared before `pins` so the program and map fds are closed before the pins go.
     ebpf: Ebpf,
+    /// The object's flow cache (`None` for an object built before it), told of the entries
+    /// this fixture writes and read for what its copies counted.
+    flow: Option<crate::datapath::FlowCache>,
     pins: PinDir,
 }
 
@@ -509,9 +512,11 @@ impl Fixture {
         }
         crate::datapath::install_tails(&mut ebpf, tails)
             .map_err(|source| FixtureError::Tails { source })?;
+        let flow = crate::datapath::FlowCache::open(&pins.path);
         Ok(Fixture {
             lb_writer: None,
             ebpf,
+            flow,
             pins,
         })
     }
@@ -1043,7 +1048,7 @@ impl Fixture {
             .ct_table()?
             .entries()
             .map_err(map_error(map_names::CT))?;
-        let Some(flow) = self.flow_cache() else {
+        let Some(flow) = &self.flow else {
             return Ok(entries);
         };
         let mut list: Vec<(CtKey, CtEntry)> = entries.into_iter().collect();
@@ -1056,20 +1061,16 @@ impl Fixture {
     pub fn ct_entry(&self, key: &CtKey) -> Result<Option<CtEntry>, FixtureError> {
         let name = map_names::CT;
         match self.ct_table()?.get(key) {
-            Ok(mut entry) => {
-                if let Some(flow) = self.flow_cache() {
-                    flow.add_counts_one(key, &mut entry);
+            Ok(entry) => {
+                let mut one = [(*key, entry)];
+                if let Some(flow) = &self.flow {
+                    flow.add_counts(&mut one);
                 }
-                Ok(Some(entry))
+                Ok(Some(one[0].1))
             }
             Err(MapError::KeyNotFound) => Ok(None),
             Err(source) => Err(FixtureError::Map { name, source }),
         }
-    }
-
-    /// The datapath's flow cache, if the object has one (older objects do not).
-    fn flow_cache(&self) -> Option<crate::datapath::FlowCache> {
-        crate::datapath::FlowCache::open(self.pin_dir())
     }
 
     /// `FP_CT`, read-only.
@@ -1110,7 +1111,7 @@ impl Fixture {
         self.ct_table_mut()?
             .insert(key, entry)
             .map_err(map_error(name))?;
-        if let Some(flow) = self.flow_cache() {
+        if let Some(flow) = &self.flow {
             flow.changed(key);
         }
         Ok(())
@@ -1125,7 +1126,7 @@ impl Fixture {
         for key in &keys {
             table.remove(key).map_err(map_error(name))?;
         }
-        if let Some(flow) = self.flow_cache() {
+        if let Some(flow) = &self.flow {
             for key in &keys {
                 flow.changed(key);
             }
