@@ -642,7 +642,10 @@ pub mod ct_stat {
     /// Packets served from the XDP flow cache's copy of their connection (`FlowSlot`): no
     /// table lookup. Also counted under `LOOKUPS` and `HITS`.
     pub const FLOW_HITS: u32 = 19;
-    pub const COUNT: u32 = 20;
+    /// Of `FLOW_HITS`, packets the express path served (`express.rs`: rewritten as the
+    /// pipeline did the connection's last served packet, without the pipeline's stages).
+    pub const EXPRESS_HITS: u32 = 20;
+    pub const COUNT: u32 = 21;
     /// Slots in the map (room to append codes without resizing the pinned map).
     pub const SLOTS: u32 = 32;
 
@@ -667,6 +670,7 @@ pub mod ct_stat {
         "snat_exhausted",
         "alias_clash",
         "flow_hits",
+        "express_hits",
     ];
 
     /// What each counter of [`NAMES`] counts, for `fastpath ct stats --help`.
@@ -693,6 +697,8 @@ pub mod ct_stat {
          not translated (the client dialled the backend directly from its VIP connection's port)",
         "packets of steady connections served from the XDP flow cache without a table lookup \
          (also counted in hits)",
+        "of flow_hits, packets the express path rewrote as the pipeline did their connection's \
+         last one, without running the pipeline's stages",
     ];
 }
 

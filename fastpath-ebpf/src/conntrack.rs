@@ -1570,7 +1570,7 @@ pub(crate) fn emit(key: &CtKey, kind: u8, e: &CtEntry, ts_ns: u64) {
 }
 
 #[inline(always)]
-fn count(code: u32) {
+pub fn count(code: u32) {
     if let Some(c) = FP_CT_STATS.get_ptr_mut(code) {
         // SAFETY: this CPU's slot of a per-CPU array.
         unsafe { *c += 1 };

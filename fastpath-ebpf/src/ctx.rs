@@ -213,3 +213,55 @@ pub struct RouteLearning {
 }
 
 pub use fastpath_common::{copy_words, copy16};
+
+/// What the XDP pipeline did to a steady packet that a flow-cache slot's copy served
+/// (`FP_EXPRESS`, one per slot, direction and CPU; see `express.rs`): enough to do it again to the
+/// connection's next packets of that direction without the pipeline. Learned from the packet
+/// as it left, so it holds whatever the stages decided (translation or none, routed or direct
+/// server return) without knowing why.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Express {
+    /// The slot's `filled_ns` when learned: the recipe holds only for that copy (0: none).
+    pub filled_ns: u64,
+    /// The next hop the packet left by (the copy's, for `dir`), checked as the L3 stage
+    /// checks it.
+    pub hop: CtHop,
+    /// The addresses as they left: IPv4 source and destination in word 0; IPv6 source in
+    /// words 0-1, destination in 2-3 (as they lie in the packet).
+    pub addrs: [u64; 4],
+    /// The ports as they left (as they lie in the packet).
+    pub ports: [u8; 4],
+    /// The reason the packet was counted under (forward verdict).
+    pub reason: u32,
+    /// The service and backend counted (`lb`).
+    pub service: u32,
+    pub backend: u32,
+    /// The checksums' changes (`csum::apply`'s delta, folded; 0: unchanged): IPv4 header, L4.
+    pub l3_delta: u16,
+    pub l4_delta: u16,
+    /// Routed by the L3 stage (TTL decremented, `route_stat::HIT` counted); else direct
+    /// server return (MAC addresses only).
+    pub routed: u8,
+    /// Counted for its service and backend.
+    pub lb: u8,
+    /// `parse::FAMILY_*` and the IP protocol.
+    pub family: u8,
+    pub proto: u8,
+    pub _pad: [u8; 4],
+}
+
+/// This CPU's note that the flow-cache slot `slot - 1` served the packet being processed
+/// (0: none), for the pipeline to learn its [`Express`] recipe once the packet is forwarded:
+/// set by `flowcache::lookup`, taken by `express::noted` in the same program run.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct FlowNote {
+    pub slot: u32,
+    /// The copy's direction the packet counts in.
+    pub dir: u32,
+    /// The packet's checksums before the stages rewrote it: IPv4 header (0 for IPv6), L4.
+    pub l3_check: u16,
+    pub l4_check: u16,
+    pub _pad: u32,
+}

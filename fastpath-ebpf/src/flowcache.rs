@@ -35,7 +35,7 @@ use fastpath_common::route::ROUTE_CACHE_TTL_NS;
 
 use crate::{
     fib,
-    maps::{FP_CT, FP_CT_STATS, FP_FLOW, FP_FLOW_EPOCH, FP_FLOW_TAG},
+    maps::{FP_CT, FP_CT_STATS, FP_FLOW, FP_FLOW_EPOCH, FP_FLOW_NOTE, FP_FLOW_TAG},
     parse::{IPPROTO_TCP, IPPROTO_UDP},
 };
 
@@ -69,6 +69,15 @@ pub fn lookup(key: &CtKey, src_is_lo: bool, now: u64) -> Option<*mut CtEntry> {
         if let Some(c) = FP_CT_STATS.get_ptr_mut(ct_stat::FLOW_HITS) {
             // SAFETY: this CPU's slot of a per-CPU array.
             unsafe { *c += 1 };
+        }
+        // The pipeline learns what it does to the packet (`express::noted`), for the
+        // connection's next packets.
+        if let Some(n) = FP_FLOW_NOTE.get_ptr_mut(0) {
+            // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
+            unsafe {
+                (*n).slot = idx + 1;
+                (*n).dir = served_dir(&s.entry, src_is_lo) as u32;
+            }
         }
         return Some(&raw mut s.entry);
     }
@@ -113,9 +122,21 @@ pub fn lookup(key: &CtKey, src_is_lo: bool, now: u64) -> Option<*mut CtEntry> {
     found
 }
 
+/// The direction of entry `e` a steady packet (its source on the key's `lo` side if
+/// `src_is_lo`) counts in: an alias's packets are its reply direction's (see
+/// `conntrack::lb_reply`).
+#[inline(always)]
+pub fn served_dir(e: &CtEntry, src_is_lo: bool) -> usize {
+    if e.flags & CT_F_LB_ALIAS != 0 {
+        DIR_REPLY
+    } else {
+        e.dir(src_is_lo)
+    }
+}
+
 /// Whether slot `s` serves: filled under `epoch` (its slot's, read now) and within its lease.
 #[inline(always)]
-fn leased(s: &FlowSlot, epoch: u64, now: u64) -> bool {
+pub fn leased(s: &FlowSlot, epoch: u64, now: u64) -> bool {
     s.filled_ns != 0 && s.epoch == epoch && now.wrapping_sub(s.filled_ns) < LAST_SEEN_STEP_NS
 }
 

@@ -20,6 +20,7 @@ mod clock;
 mod conntrack;
 mod ctx;
 mod dsr;
+mod express;
 mod fib;
 mod flowcache;
 mod gateway;
@@ -66,6 +67,14 @@ const PULL_LEN: u32 = 256;
 #[inline(always)]
 pub fn fastpath_xdp(ctx: XdpContext) -> u32 {
     let ifindex = ctx.ingress_ifindex() as u32;
+    // A steady packet of a connection this CPU's flow cache holds, as the pipeline treated
+    // the last one (an 802.1Q port's frames take the pipeline).
+    if let Some(iface) = maps::FP_IFACE.get(ifindex)
+        && iface.flags & IFACE_F_VLAN_XDP == 0
+        && let Some(action) = express::serve(&xdp_packet(&ctx), ifindex, iface)
+    {
+        return action;
+    }
     // An 802.1Q port's frames are untagged first (refused ones are counted with the
     // unparsable, from one place: this program's stack has no room for another).
     let popped = match vlan::port(ifindex, IFACE_F_VLAN_XDP) {

@@ -3,7 +3,8 @@
 
 use crate::{
     ctx::{
-        BACKEND_HOP_SLOTS, BackendHop, FibParams, Miss, NatPlan, RouteHop, RouteKey, RouteLearning,
+        BACKEND_HOP_SLOTS, BackendHop, Express, FibParams, FlowNote, Miss, NatPlan, RouteHop,
+        RouteKey, RouteLearning,
     },
     parse::Parsed,
 };
@@ -87,6 +88,16 @@ pub static FP_FLOW_TAG: PerCpuArray<[u32; FLOW_SLOTS as usize]> = PerCpuArray::p
 /// the entry as it was.
 #[map(name = "FP_FLOW_EPOCH")]
 pub static FP_FLOW_EPOCH: Array<u64> = Array::pinned(FLOW_SLOTS, BPF_F_MMAPABLE);
+
+/// What the pipeline did to a packet each slot of this CPU's `FP_FLOW` served, per direction
+/// (`ctx::Express`, see `express.rs`), for the connection's next packets. Not pinned: a recipe holds only for
+/// the copy it was learned from, and a restart learns it again from one packet.
+#[map(name = "FP_EXPRESS")]
+pub static FP_EXPRESS: PerCpuArray<[Express; 2]> = PerCpuArray::with_max_entries(FLOW_SLOTS, 0);
+
+/// This CPU's `ctx::FlowNote`: which slot served the packet in process.
+#[map(name = "FP_FLOW_NOTE")]
+pub static FP_FLOW_NOTE: PerCpuArray<FlowNote> = PerCpuArray::with_max_entries(1, 0);
 
 /// Map flag: allocate hash entries on insert.
 const BPF_F_NO_PREALLOC: u32 = 1;

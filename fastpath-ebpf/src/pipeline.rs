@@ -14,7 +14,7 @@ use fastpath_common::{
 use crate::{
     conntrack::{self, Action},
     ctx::{HopRef, Miss},
-    dsr, gateway, lb,
+    dsr, express, gateway, lb,
     maps::FP_PKT_CTX,
     nat,
     packet::Packet,
@@ -117,6 +117,8 @@ fn act(
     now: u64,
     hop: &HopRef,
 ) -> (Verdict, u32) {
+    // A packet a flow-cache copy served teaches the express path what to do with the next.
+    let learning = hook == Hook::Xdp && express::noted(pkt, p);
     // Where packets arrive, the L3 stage routes what the earlier stages let through (at
     // egress the kernel has routed them already). One call site per program: the stage is
     // inlined once.
@@ -140,6 +142,9 @@ fn act(
         Action::Nat(code) if nat::icmp_error_planned() => return (Verdict::Kernel, code),
         Action::Nat(code) if nat::dsr_planned() => {
             return if dsr::forward(pkt, p, ifindex, now, hop) {
+                if learning {
+                    express::learn(pkt, p, code, false);
+                }
                 (Verdict::Forward, code)
             } else {
                 (Verdict::Drop, reason::LB_DSR_NO_NEIGHBOR)
@@ -167,8 +172,17 @@ fn act(
     };
     // A translated packet keeps its translation's reason; the verdict says who routed it.
     match (routed, code) {
-        (Ok(()), reason::NONE) => (Verdict::Forward, reason::ROUTED),
-        (Ok(()), code) => (Verdict::Forward, code),
+        (Ok(()), code) => {
+            let code = if code == reason::NONE {
+                reason::ROUTED
+            } else {
+                code
+            };
+            if learning {
+                express::learn(pkt, p, code, true);
+            }
+            (Verdict::Forward, code)
+        }
         (Err(reason::NONE), reason::NONE) => (verdict, unhandled_reason(p)),
         (Err(why), reason::NONE) => (verdict, why),
         (Err(_), code) => (verdict, code),

@@ -227,8 +227,14 @@ pub fn forward(
 /// rules; the length check is the caller's.
 #[inline(always)]
 pub fn holds(hop: &HopRef, known: &CtHop, ifindex: u32, now: u64, generation: u64) -> bool {
-    hop.in_entry
-        && hop_holds_at(known.until, hop_clock(now), HOP_TTL)
+    hop.in_entry && kept_holds(known, ifindex, now, generation)
+}
+
+/// Whether a next hop kept for a connection's direction (`known`) holds for a packet that
+/// arrived on `ifindex` at `now` in route `generation` (see [`holds`]).
+#[inline(always)]
+pub fn kept_holds(known: &CtHop, ifindex: u32, now: u64, generation: u64) -> bool {
+    hop_holds_at(known.until, hop_clock(now), HOP_TTL)
         && known.generation == generation as u16
         && u32::from(known.in_ifindex) == ifindex
 }
@@ -329,7 +335,7 @@ pub fn scratch_hop() -> Option<HopRef> {
 }
 
 #[inline(always)]
-fn count(outcome: u32) {
+pub fn count(outcome: u32) {
     if let Some(c) = FP_ROUTE_STATS.get_ptr_mut(outcome) {
         // SAFETY: this CPU's slot of a per-CPU array.
         unsafe { *c += 1 };

@@ -564,6 +564,28 @@ impl Fixture {
             .collect()
     }
 
+    /// Service `index`'s counters (`FP_SVC_STATS`), summed over CPUs.
+    pub fn service_counters(
+        &self,
+        index: u32,
+    ) -> Result<fastpath_common::lb::SvcCounters, FixtureError> {
+        let name = map_names::SVC_STATS;
+        let map = self
+            .ebpf
+            .map(name)
+            .ok_or(FixtureError::MissingMap { name })?;
+        let per_cpu: PerCpuArray<_, fastpath_common::lb::SvcCounters> =
+            PerCpuArray::try_from(map).map_err(map_error(name))?;
+        let values = per_cpu.get(&index, 0).map_err(map_error(name))?;
+        Ok(values.iter().fold(Default::default(), |mut a, c| {
+            a.packets += c.packets;
+            a.bytes += c.bytes;
+            a.connections += c.connections;
+            a.no_backend += c.no_backend;
+            a
+        }))
+    }
+
     /// Starts a new generation of learned VXLAN headers and cached routes, as the daemon
     /// does on a route, neighbour, link or configuration change.
     pub fn bump_generation(&mut self) -> Result<(), crate::datapath::DatapathError> {
