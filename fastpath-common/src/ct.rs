@@ -303,8 +303,13 @@ const _: () = assert!(core::mem::size_of::<FlowSlot>() == 208);
 /// ([`flow_tag`]).
 #[inline(always)]
 pub fn flow_hash(key: &CtKey) -> u64 {
+    flow_hash_words(key.words())
+}
+
+/// [`flow_hash`] of a key given as its five words ([`CtKey::words`]).
+#[inline(always)]
+pub fn flow_hash_words([a, b, c, d, e]: [u64; 5]) -> u64 {
     const K: u64 = 0x9E37_79B9_7F4A_7C15;
-    let [a, b, c, d, e] = key.words();
     let mut h = a.wrapping_mul(K);
     h = (h ^ (h >> 32) ^ b).wrapping_mul(K);
     h = (h ^ (h >> 32) ^ c).wrapping_mul(K);

@@ -22,8 +22,8 @@
 use fastpath_common::{
     Hook, Verdict, csum,
     ct::{
-        CT_F_LB, CT_F_LB_ALIAS, CtKey, DIR_ORIGINAL, FLOW_SLOTS, IFACE_F_CT_XDP, IFACE_F_ROUTE,
-        IfaceConfig, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, ct_stat, flow_hash, flow_tag,
+        CT_F_LB, CT_F_LB_ALIAS, DIR_ORIGINAL, FLOW_SLOTS, IFACE_F_CT_XDP, IFACE_F_ROUTE,
+        IfaceConfig, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, ct_stat, flow_hash_words, flow_tag,
         last_seen_moves, slot_of, tcp_flags_valid,
     },
     route::route_stat,
@@ -33,7 +33,7 @@ use crate::{
     clock, conntrack,
     ctx::Express,
     fib, flowcache,
-    maps::{FP_CT_KEY, FP_EXPRESS, FP_FLOW, FP_FLOW_EPOCH, FP_FLOW_NOTE, FP_FLOW_TAG},
+    maps::{FP_EXPRESS, FP_FLOW, FP_FLOW_EPOCH, FP_FLOW_NOTE, FP_FLOW_TAG},
     packet::{Packet, be16},
     parse::{ETH_HLEN, FAMILY_IPV4, FAMILY_IPV6, IPPROTO_TCP, IPPROTO_UDP, Parsed},
     route, stats,
@@ -51,37 +51,60 @@ pub fn serve(pkt: &Packet, ifindex: u32, iface: &IfaceConfig) -> Option<u32> {
     if iface.flags & IFACE_F_CT_XDP == 0 {
         return None;
     }
-    let eth: [u8; 14] = pkt.load_now(0)?;
-    // `hdr`: IPv4 TTL, protocol and header checksum; IPv6 next header and hop limit.
-    let (family, l4, proto, hdr, l3_end) = match (eth[12], eth[13]) {
-        (0x08, 0x00) => {
-            let h: [u8; IPV4_LEN] = pkt.load_now(ETH_HLEN)?;
-            // Version 4, no options; neither a fragment nor its first part (MF, offset).
-            if h[0] != 0x45 || h[6] & 0x3f != 0 || h[7] != 0 {
+    // perf: the headers as little-endian words at fixed offsets, one bounds check per
+    // family and protocol (byte-array reads become a load per byte), and the key in
+    // registers (no scratch, no narrow stores read back as words).
+    // `len` bytes from the frame's start are there to read.
+    let there = |len: usize| pkt.data + len <= pkt.data_end;
+    if !there(ETH_HLEN + IPV4_LEN + 8) {
+        return None;
+    }
+    // SAFETY (every call): an unaligned read of the 8 bytes at `off`, within the bytes the
+    // check before it covers (allowed: see build.rs).
+    let rd = |off: usize| unsafe { core::ptr::read_unaligned((pkt.data + off) as *const u64) };
+    let (w0, w1, w2) = (rd(0), rd(8), rd(16));
+    // Ethernet: destination (bytes 0-5), type (12-13).
+    let dst_mac = w0 & 0xffff_ffff_ffff;
+    let ethertype = ((w1 >> 32) as u16).swap_bytes();
+    // Per family: the L4 offset, protocol, IPv4 TTL/protocol/checksum or IPv6 next header
+    // and hop limit (`hdr`, as they lie), the IP packet's end, the addresses as key words.
+    let (family, l4, proto, hdr, l3_end, src, dst) = match ethertype {
+        0x0800 => {
+            let w3 = rd(24);
+            // Version 4, no options (byte 14); neither a fragment nor its first part (MF,
+            // offset: bytes 20-21 but DF).
+            if (w1 >> 48) as u8 != 0x45 || (w2 >> 32) as u16 & 0xff3f != 0 {
                 return None;
             }
-            let total = usize::from(be16([h[2], h[3]]));
+            let total = usize::from((w2 as u16).swap_bytes());
+            let addrs = rd(26);
             (
                 FAMILY_IPV4,
                 ETH_HLEN + IPV4_LEN,
-                h[9],
-                [h[8], h[9], h[10], h[11]],
+                (w2 >> 56) as u8,
+                (((w2 >> 48) & 0xffff) | ((w3 & 0xffff) << 16)) as u32,
                 ETH_HLEN + total,
+                [addrs & 0xffff_ffff, 0],
+                [addrs >> 32, 0],
             )
         }
-        (0x86, 0xdd) => {
-            let h: [u8; 8] = pkt.load_now(ETH_HLEN)?;
-            let payload = usize::from(be16([h[4], h[5]]));
-            // Not a jumbogram (payload 0: the parser's to judge).
-            if h[0] >> 4 != 6 || payload == 0 {
+        0x86dd => {
+            if !there(ETH_HLEN + IPV6_LEN + 8) {
+                return None;
+            }
+            let payload = usize::from(((w2 >> 16) as u16).swap_bytes());
+            // Version 6 (byte 14); not a jumbogram (payload 0: the parser's to judge).
+            if ((w1 >> 52) & 0xf) != 6 || payload == 0 {
                 return None;
             }
             (
                 FAMILY_IPV6,
                 ETH_HLEN + IPV6_LEN,
-                h[6],
-                [h[6], h[7], 0, 0],
+                (w2 >> 32) as u8,
+                ((w2 >> 32) & 0xffff) as u32,
                 ETH_HLEN + IPV6_LEN + payload,
+                [rd(22), rd(30)],
+                [rd(38), rd(46)],
             )
         }
         _ => return None,
@@ -90,11 +113,21 @@ pub fn serve(pkt: &Packet, ifindex: u32, iface: &IfaceConfig) -> Option<u32> {
     if l3_end > pkt.len || l3_end < l4 + 8 {
         return None;
     }
-    let (ports, check_at) = match proto {
+    let ports = rd(l4);
+    let (sport, dport) = (
+        (ports as u16).swap_bytes(),
+        ((ports >> 16) as u16).swap_bytes(),
+    );
+    let hdr = hdr.to_le_bytes();
+    let check_at = l4 + if proto == IPPROTO_TCP { 16 } else { 6 };
+    let check = match proto {
         IPPROTO_TCP => {
-            let t: [u8; 20] = pkt.load_now(l4)?;
-            let flags = t[13];
-            let doff = usize::from(t[12] >> 4) * 4;
+            if !there(l4 + 20) {
+                return None;
+            }
+            let t = rd(l4 + 12);
+            let flags = (t >> 8) as u8;
+            let doff = usize::from((t as u8) >> 4) * 4;
             if flags & (TCP_SYN | TCP_FIN | TCP_RST | TCP_ACK) != TCP_ACK
                 || !tcp_flags_valid(flags)
                 || doff < 20
@@ -102,21 +135,32 @@ pub fn serve(pkt: &Packet, ifindex: u32, iface: &IfaceConfig) -> Option<u32> {
             {
                 return None;
             }
-            ([t[0], t[1], t[2], t[3]], l4 + 16)
+            ((t >> 32) as u16).swap_bytes()
         }
-        IPPROTO_UDP => (pkt.load_now(l4)?, l4 + 6),
+        IPPROTO_UDP => ((ports >> 48) as u16).swap_bytes(),
         _ => return None,
     };
-    // The connection's key, built in this CPU's key scratch (the pipeline builds it again
-    // if the path declines).
-    let key = FP_CT_KEY.get_ptr_mut(0)?;
-    // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
-    let key = unsafe { &mut *key };
-    if !load_key(pkt, family, proto, ports, key) {
-        return None;
-    }
-    let src_is_lo = key.normalize();
-    let h = flow_hash(key);
+    // The connection's key (`CtKey::normalize`'s order: addresses as big-endian words, then
+    // ports), as its five words.
+    let be = |w: [u64; 2]| (u64::from_be(w[0]), u64::from_be(w[1]));
+    let src_is_lo = match be(src).cmp(&be(dst)) {
+        core::cmp::Ordering::Less => true,
+        core::cmp::Ordering::Greater => false,
+        core::cmp::Ordering::Equal => sport <= dport,
+    };
+    let ((lo, plo), (hi, phi)) = if src_is_lo {
+        ((src, sport), (dst, dport))
+    } else {
+        ((dst, dport), (src, sport))
+    };
+    let words = [
+        lo[0],
+        lo[1],
+        hi[0],
+        hi[1],
+        u64::from(plo) | u64::from(phi) << 16 | u64::from(proto) << 32 | u64::from(family) << 40,
+    ];
+    let h = flow_hash_words(words);
     let idx = slot_of(h);
     let tags = FP_FLOW_TAG.get_ptr(0)?;
     // SAFETY: this CPU's value of a per-CPU array; `idx` is masked to its length.
@@ -128,7 +172,7 @@ pub fn serve(pkt: &Packet, ifindex: u32, iface: &IfaceConfig) -> Option<u32> {
     // SAFETY: this CPU's slot (see `flowcache::lookup`).
     let s = unsafe { &mut *s };
     let now = clock::now();
-    if s.key.words() != key.words() || !flowcache::leased(s, epoch, now) {
+    if s.key.words() != words || !flowcache::leased(s, epoch, now) {
         return None;
     }
     let dir = flowcache::served_dir(&s.entry, src_is_lo) & 1;
@@ -144,11 +188,12 @@ pub fn serve(pkt: &Packet, ifindex: u32, iface: &IfaceConfig) -> Option<u32> {
     } else {
         hdr[1]
     };
-    let dst = [eth[0], eth[1], eth[2], eth[3], eth[4], eth[5]];
+    let m = iface.mac;
+    let ours = u64::from_le_bytes([m[0], m[1], m[2], m[3], m[4], m[5], 0, 0]);
     if !route::kept_holds(hop, ifindex, now, fib::generation())
         || (routed
             && (iface.flags & IFACE_F_ROUTE == 0
-                || dst != iface.mac
+                || dst_mac != ours
                 || ttl <= 1
                 || ip_len > hop.fits))
     {
@@ -158,7 +203,7 @@ pub fn serve(pkt: &Packet, ifindex: u32, iface: &IfaceConfig) -> Option<u32> {
     if route::egress_tail(out).is_some() {
         return None;
     }
-    if !rewrite(pkt, r, hdr, l4, check_at, routed) {
+    if !rewrite(pkt, r, hdr, l4, (check_at, check), routed) {
         return None;
     }
     // The counts of the pipeline's served packet.
@@ -183,66 +228,20 @@ pub fn serve(pkt: &Packet, ifindex: u32, iface: &IfaceConfig) -> Option<u32> {
     Some(route::xdp_redirect(out))
 }
 
-/// Fills `key` (not normalized) from the packet's addresses and `ports` (as on the wire).
-#[inline(always)]
-fn load_key(pkt: &Packet, family: u8, proto: u8, ports: [u8; 4], key: &mut CtKey) -> bool {
-    let w = (key as *mut CtKey).cast::<u64>();
-    let (a, b, c, d) = if family == FAMILY_IPV4 {
-        let Some(at) = pkt.words_at::<1>(ETH_HLEN + 12) else {
-            return false;
-        };
-        // SAFETY: one word within the packet, checked by `words_at`.
-        let both = unsafe { core::ptr::read_unaligned(at) }.to_ne_bytes();
-        let src = u32::from_ne_bytes([both[0], both[1], both[2], both[3]]);
-        let dst = u32::from_ne_bytes([both[4], both[5], both[6], both[7]]);
-        (u64::from(src), 0, u64::from(dst), 0)
-    } else {
-        let Some(at) = pkt.words_at::<4>(ETH_HLEN + 8) else {
-            return false;
-        };
-        // SAFETY: four words within the packet, checked by `words_at`.
-        unsafe {
-            (
-                core::ptr::read_unaligned(at),
-                core::ptr::read_unaligned(at.add(1)),
-                core::ptr::read_unaligned(at.add(2)),
-                core::ptr::read_unaligned(at.add(3)),
-            )
-        }
-    };
-    key.port_lo = be16([ports[0], ports[1]]);
-    key.port_hi = be16([ports[2], ports[3]]);
-    key.proto = proto;
-    key.family = family;
-    key._pad = [0; 2];
-    // SAFETY: words 0-3 of the 8-aligned key are its two addresses.
-    unsafe {
-        w.write(a);
-        w.add(1).write(b);
-        w.add(2).write(c);
-        w.add(3).write(d);
-    }
-    true
-}
-
 /// Rewrites the packet as recipe `r` says (IP header at `ETH_HLEN` with `hdr` as `serve`
-/// read it, L4 at `l4`, its checksum at `check_at`); false: nothing readable there (nothing
-/// written).
+/// read it, L4 at `l4`, its checksum `old` at `check_at`); false: nothing writable there
+/// (nothing written).
 #[inline(always)]
 fn rewrite(
     pkt: &Packet,
     r: &Express,
     hdr: [u8; 4],
     l4: usize,
-    check_at: usize,
+    (check_at, old): (usize, u16),
     routed: bool,
 ) -> bool {
     let v4 = r.family == FAMILY_IPV4;
     let udp = r.proto == IPPROTO_UDP;
-    let Some(old) = pkt.load_now::<[u8; 2]>(check_at) else {
-        return false;
-    };
-    let old = be16(old);
     if r.l4_delta != 0 && !(udp && v4 && old == 0) {
         let mut new = csum::apply(old, u64::from(r.l4_delta));
         if udp {
