@@ -59,9 +59,11 @@ pub fn serve(pkt: &Packet, ifindex: u32, iface: &IfaceConfig) -> Option<u32> {
     if !there(ETH_HLEN + IPV4_LEN + 8) {
         return None;
     }
-    // SAFETY (every call): an unaligned read of the 8 bytes at `off`, within the bytes the
-    // check before it covers (allowed: see build.rs).
-    let rd = |off: usize| unsafe { core::ptr::read_unaligned((pkt.data + off) as *const u64) };
+    let rd = |off: usize| {
+        // SAFETY: an unaligned read of the 8 bytes at `off`, within the bytes the `there`
+        // check before each call covers (unaligned access: see build.rs).
+        unsafe { core::ptr::read_unaligned((pkt.data + off) as *const u64) }
+    };
     let (w0, w1, w2) = (rd(0), rd(8), rd(16));
     // Ethernet: destination (bytes 0-5), type (12-13).
     let dst_mac = w0 & 0xffff_ffff_ffff;
