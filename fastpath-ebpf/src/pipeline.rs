@@ -72,7 +72,12 @@ pub fn process(
         },
         tracked => (tracked, None),
     };
-    committed(act(action, pkt, p, hook, ifindex, now, &hop), unsaved)
+    // At XDP a packet may have been served from a flow-cache copy.
+    let learns = hook == Hook::Xdp;
+    committed(
+        act(action, pkt, p, hook, learns, ifindex, now, &hop),
+        unsaved,
+    )
 }
 
 /// The reason `process` gives a packet whose connection is created by the tail program
@@ -92,7 +97,11 @@ pub fn missed(pkt: &Packet, p: &Parsed, hook: Hook, ifindex: u32) -> (Verdict, u
         Some(m) => (new_connection(m, pkt, p, ifindex, &mut hop), m.now),
         None => ((Action::Pass, None), 0),
     };
-    committed(act(action, pkt, p, hook, ifindex, now, &hop), unsaved)
+    // A new connection's packet was served from no copy: nothing to learn.
+    committed(
+        act(action, pkt, p, hook, false, ifindex, now, &hop),
+        unsaved,
+    )
 }
 
 /// The packet's verdict once a new load-balanced connection's entry is inserted (see
@@ -106,19 +115,25 @@ fn committed(verdict: (Verdict, u32), unsaved: Option<conntrack::Unsaved>) -> (V
 }
 
 /// The stages after conntrack and load balancing: carries out `action` (NAT, direct server
-/// return), then routes.
+/// return), then routes; `learns`: the express path learns from a packet a flow-cache copy
+/// served (`express::noted`).
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the packet, where it was seen and what the stages before decided, passed down once"
+)]
 #[inline(always)]
 fn act(
     action: Action,
     pkt: &Packet,
     p: &Parsed,
     hook: Hook,
+    learns: bool,
     ifindex: u32,
     now: u64,
     hop: &HopRef,
 ) -> (Verdict, u32) {
     // A packet a flow-cache copy served teaches the express path what to do with the next.
-    let learning = hook == Hook::Xdp && express::noted(pkt, p);
+    let learning = learns && express::noted(pkt, p);
     // Where packets arrive, the L3 stage routes what the earlier stages let through (at
     // egress the kernel has routed them already). One call site per program: the stage is
     // inlined once.
