@@ -265,3 +265,4 @@ pub struct FlowNote {
     pub l4_check: u16,
     pub _pad: u32,
 }
+const _: () = assert!(core::mem::size_of::<Express>() == 96);
