@@ -1343,9 +1343,12 @@ fn update(
                 // answer to a connection picked up mid-stream — only once a reply was seen.
                 // perf: a plain read first, the atomic only while not assured (an atomic or
                 // per established packet cost a locked compare-and-swap loop).
-                if seen_reply
+                // Direct server return without replies: assured when established (`step`).
+                let dsr_alone =
+                    !seen_reply && e.flags & CT_F_DSR != 0 && was == tcp_state::SYN_SENT;
+                if (seen_reply || dsr_alone)
                     && s == tcp_state::ESTABLISHED
-                    && (was == tcp_state::SYN_RECV || was == tcp_state::ESTABLISHED)
+                    && (was == tcp_state::SYN_RECV || was == tcp_state::ESTABLISHED || dsr_alone)
                     && e.flags & CT_F_ASSURED == 0
                     && set_flag(e, CT_F_ASSURED)
                 {
@@ -1459,7 +1462,7 @@ fn claim_tcp_step(e: &mut CtEntry, dir: usize, tcp_flags: u8) -> Option<Claim> {
     let slot = was;
     // SAFETY: a read of a local.
     let indexed = unsafe { core::ptr::read_volatile(&slot) };
-    let to = match tcp_step(indexed, dir, tcp_flags) {
+    let to = match step(indexed, dir, tcp_flags, flags) {
         TcpStep::To(s) => s,
         TcpStep::Ignore => STEP_IGNORE,
         TcpStep::Invalid => STEP_INVALID,
@@ -1488,6 +1491,25 @@ fn claim_tcp_step(e: &mut CtEntry, dir: usize, tcp_flags: u8) -> Option<Claim> {
         >(word, old, new)
     };
     swapped.then_some(claim)
+}
+
+/// The TCP step of a connection whose entry has `flags`: Linux's table, but for a
+/// direct-server-return connection that has seen no reply. Its backend answers the client
+/// directly, so this node sees the client's packets only: as IPVS's DR mode does, the client's
+/// first plain ACK after its SYN establishes it (the client sends one only once the backend's
+/// SYN-ACK reached it). In Linux's table that ACK is invalid in SYN_SENT, and such a
+/// connection would stay there, its packets refreshing nothing, until the SYN_SENT timeout
+/// removed it under live traffic.
+#[inline(always)]
+fn step(state: u8, dir: usize, tcp_flags: u8, flags: u8) -> TcpStep {
+    if flags & (CT_F_DSR | CT_F_SEEN_REPLY) == CT_F_DSR
+        && dir == DIR_ORIGINAL
+        && state == tcp_state::SYN_SENT
+        && tcp_classify(tcp_flags) == tcp_class::ACK
+    {
+        return TcpStep::To(tcp_state::ESTABLISHED);
+    }
+    tcp_step(state, dir, tcp_flags)
 }
 
 /// Sets an entry flag atomically (BPF atomic or on the state word); true if this call set it

@@ -27,9 +27,9 @@
 //!   the expiry allows for).
 
 use fastpath_common::ct::{
-    CT_F_ASSURED, CT_F_LB_ALIAS, CT_F_SEEN_REPLY, CtEntry, CtKey, DIR_REPLY, FLOW_SLOTS, FlowSlot,
-    LAST_SEEN_STEP_NS, ct_stat, flow_hash, flow_slot, flow_tag, hop_clock, hop_holds_at, slot_of,
-    tcp_state,
+    CT_F_ASSURED, CT_F_DSR, CT_F_LB_ALIAS, CT_F_SEEN_REPLY, CtEntry, CtKey, DIR_ORIGINAL,
+    DIR_REPLY, FLOW_SLOTS, FlowSlot, LAST_SEEN_STEP_NS, ct_stat, flow_hash, flow_slot, flow_tag,
+    hop_clock, hop_holds_at, slot_of, tcp_state,
 };
 use fastpath_common::route::ROUTE_CACHE_TTL_NS;
 
@@ -65,6 +65,10 @@ pub fn lookup(key: &CtKey, src_is_lo: bool, now: u64) -> Option<*mut CtEntry> {
         && let s = unsafe { &mut *slot }
         && s.key.words() == key.words()
         && leased(s, epoch, now)
+        // A direct-server-return connection's first reply, if one comes this way, marks it
+        // replied (an event): the table's to see.
+        && (s.entry.flags & (CT_F_DSR | CT_F_SEEN_REPLY) != CT_F_DSR
+            || s.entry.dir(src_is_lo) == DIR_ORIGINAL)
     {
         if let Some(c) = FP_CT_STATS.get_ptr_mut(ct_stat::FLOW_HITS) {
             // SAFETY: this CPU's slot of a per-CPU array.
@@ -154,8 +158,14 @@ fn steady_entry(e: &CtEntry, key: &CtKey, src_is_lo: bool, now: u64) -> bool {
         }
         DIR_REPLY
     } else {
-        let both = CT_F_ASSURED | CT_F_SEEN_REPLY;
-        if e.flags & both != both
+        // A direct-server-return connection sees no reply (its client's ACK established and
+        // assured it); its replies, if any come this way, go to the table (see `lookup`).
+        let need = if e.flags & CT_F_DSR != 0 {
+            CT_F_ASSURED
+        } else {
+            CT_F_ASSURED | CT_F_SEEN_REPLY
+        };
+        if e.flags & need != need
             || !(key.proto == IPPROTO_UDP
                 || (key.proto == IPPROTO_TCP && e.state == tcp_state::ESTABLISHED))
         {
