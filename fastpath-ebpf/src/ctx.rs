@@ -263,6 +263,7 @@ pub struct FlowNote {
     /// The packet's checksums before the stages rewrote it: IPv4 header (0 for IPv6), L4.
     pub l3_check: u16,
     pub l4_check: u16,
-    pub _pad: u32,
+    /// Probes in a row the express path has not served (see `express::serve`), wrapping.
+    pub misses: u32,
 }
 const _: () = assert!(core::mem::size_of::<Express>() == 96);

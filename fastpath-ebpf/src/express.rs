@@ -39,6 +39,11 @@ use crate::{
     route, stats,
 };
 
+/// Probes in a row that served nothing after which only every `PROBE_EVERY`th packet
+/// probes (see `serve`).
+const MISS_RUN: u32 = 256;
+const PROBE_EVERY: u32 = 32;
+
 /// IPv4 and IPv6 header lengths the path takes (no options, no extension headers).
 const IPV4_LEN: usize = 20;
 const IPV6_LEN: usize = 40;
@@ -142,6 +147,17 @@ pub fn serve(pkt: &Packet, ifindex: u32, iface: &IfaceConfig) -> Option<u32> {
         IPPROTO_UDP => ((ports >> 48) as u16).swap_bytes(),
         _ => return None,
     };
+    // perf: after a run of probes that served nothing (traffic no copy holds: datagrams that
+    // are never answered, new flows), only every `PROBE_EVERY`th packet probes until one is
+    // served; the others go to the pipeline without hashing their key.
+    let note = FP_FLOW_NOTE.get_ptr_mut(0)?;
+    // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
+    let note = unsafe { &mut *note };
+    let misses = note.misses;
+    note.misses = misses.wrapping_add(1);
+    if misses >= MISS_RUN && misses % PROBE_EVERY != 0 {
+        return None;
+    }
     // The connection's key (`CtKey::normalize`'s order: addresses as big-endian words, then
     // ports), as its five words.
     let be = |w: [u64; 2]| (u64::from_be(w[0]), u64::from_be(w[1]));
@@ -208,6 +224,7 @@ pub fn serve(pkt: &Packet, ifindex: u32, iface: &IfaceConfig) -> Option<u32> {
     if !rewrite(pkt, r, hdr, l4, (check_at, check), routed) {
         return None;
     }
+    note.misses = 0;
     // The counts of the pipeline's served packet.
     let len = pkt.len;
     let e = &mut s.entry;
