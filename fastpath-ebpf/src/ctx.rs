@@ -245,10 +245,8 @@ pub struct Express {
     pub routed: u8,
     /// Counted for its service and backend.
     pub lb: u8,
-    /// `parse::FAMILY_*` and the IP protocol.
-    pub family: u8,
-    pub proto: u8,
-    pub _pad: [u8; 4],
+    // The family and protocol are the slot's key's, which the probe matched.
+    pub _pad: [u8; 6],
 }
 
 /// This CPU's note that the flow-cache slot `slot - 1` served the packet being processed

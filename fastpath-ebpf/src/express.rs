@@ -195,7 +195,7 @@ pub fn serve(pkt: &Packet, ifindex: u32, iface: &IfaceConfig) -> Option<u32> {
     }
     let dir = flowcache::served_dir(&s.entry, src_is_lo) & 1;
     let r = &FP_EXPRESS.get(idx)?[dir];
-    if r.filled_ns != s.filled_ns || r.family != family || r.proto != proto {
+    if r.filled_ns != s.filled_ns {
         return None;
     }
     let hop = &r.hop;
@@ -221,7 +221,7 @@ pub fn serve(pkt: &Packet, ifindex: u32, iface: &IfaceConfig) -> Option<u32> {
     if route::egress_tail(out).is_some() {
         return None;
     }
-    if !rewrite(pkt, r, hdr, l4, (check_at, check), routed) {
+    if !rewrite(pkt, r, (family, proto), hdr, l4, (check_at, check), routed) {
         return None;
     }
     note.misses = 0;
@@ -247,20 +247,21 @@ pub fn serve(pkt: &Packet, ifindex: u32, iface: &IfaceConfig) -> Option<u32> {
     Some(route::xdp_redirect(out))
 }
 
-/// Rewrites the packet as recipe `r` says (IP header at `ETH_HLEN` with `hdr` as `serve`
+/// Rewrites the packet (of `family` and IP protocol `proto`) as recipe `r` says (IP header at `ETH_HLEN` with `hdr` as `serve`
 /// read it, L4 at `l4`, its checksum `old` at `check_at`); false: nothing writable there
 /// (nothing written).
 #[inline(always)]
 fn rewrite(
     pkt: &Packet,
     r: &Express,
+    (family, proto): (u8, u8),
     hdr: [u8; 4],
     l4: usize,
     (check_at, old): (usize, u16),
     routed: bool,
 ) -> bool {
-    let v4 = r.family == FAMILY_IPV4;
-    let udp = r.proto == IPPROTO_UDP;
+    let v4 = family == FAMILY_IPV4;
+    let udp = proto == IPPROTO_UDP;
     if r.l4_delta != 0 && !(udp && v4 && old == 0) {
         let mut new = csum::apply(old, u64::from(r.l4_delta));
         if udp {
@@ -402,8 +403,6 @@ pub fn learn(pkt: &Packet, p: &Parsed, reason: u32, routed: bool) {
     r.service = e.nat.service;
     r.backend = e.nat.backend;
     r.routed = u8::from(routed);
-    r.family = if v4 { FAMILY_IPV4 } else { FAMILY_IPV6 };
-    r.proto = p.l4_proto;
     // Last: the recipe holds from here.
     r.filled_ns = s.filled_ns;
 }
