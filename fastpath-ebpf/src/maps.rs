@@ -50,6 +50,11 @@ pub static FP_CONFIG: Array<DatapathConfig> = Array::pinned(1, 0);
 #[map(name = "FP_CLOCK")]
 pub static FP_CLOCK: PerCpuArray<[u64; 2]> = PerCpuArray::with_max_entries(1, 0);
 
+/// Conntrack events this CPU has written (wrapping): one in `CT_EVENTS_QUERY_EVERY` asks
+/// the ring how much is unread. Not pinned.
+#[map(name = "FP_CT_EVENT_SEQ")]
+pub static FP_CT_EVENT_SEQ: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
 /// Time of the last rare-event log record on each CPU (ns, monotonic): see `ratelimit`.
 /// Not pinned: losing it on restart only allows one early record.
 #[map(name = "FP_LOG_RATELIMIT")]
