@@ -740,9 +740,10 @@ pub const CT_EVENTS_WAKE_BYTES: u64 = 1 << 20;
 /// The end of the wakeup window that starts at [`CT_EVENTS_WAKE_BYTES`]: 1.25 MiB.
 pub const CT_EVENTS_WAKE_END: u64 = CT_EVENTS_WAKE_BYTES + (1 << 18);
 /// Each CPU asks the ring how much is unread on one of its events in this many (the query is
-/// a helper call). Between two queries of one CPU the ring grows by at most this many events
-/// from each CPU writing, 16 × 112 B, against the window's 256 KiB: some query still lands
-/// in the window with up to ~146 CPUs writing at once.
+/// a helper call; a CPU's first query is on its 16th event). For writes to cross the window
+/// (256 KiB: 2,340 records of 112 B) with no query inside it, each writing CPU must have put
+/// at most 15 of its own events there: so some query lands in it while fewer than ~156 CPUs
+/// write at once.
 pub const CT_EVENTS_QUERY_EVERY: u64 = 16;
 /// One conntrack event (ring buffer record). Append-only.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

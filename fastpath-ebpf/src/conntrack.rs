@@ -644,7 +644,7 @@ pub fn commit(_: Unsaved, verdict: (Verdict, u32)) -> (Verdict, u32) {
     }
     let _ = FP_CT_NEW.push(key, BPF_EXIST);
     count(ct_stat::NEW);
-    emit(key, ct_event::NEW, entry, entry.created_ns);
+    emit(key, ct_event::NEW, entry, event_ns());
     let len = entry.bytes[DIR_ORIGINAL] as usize;
     stats::service(entry.nat.service, entry.nat.backend, len, true);
     stats::backend_opened(entry.nat.backend);
@@ -1228,7 +1228,7 @@ fn create(
     // entry is then simply never dropped early (it still expires).
     let _ = FP_CT_NEW.push(key, BPF_EXIST);
     count(ct_stat::NEW);
-    emit(key, ct_event::NEW, entry, entry.created_ns);
+    emit(key, ct_event::NEW, entry, event_ns());
     None
 }
 
@@ -1542,10 +1542,9 @@ fn clear_flag(e: &mut CtEntry, flag: u8) {
 }
 
 /// An event's timestamp: the precise monotonic clock (events are rare beside packets, and
-/// consecutive events of one connection must be ordered; entries keep the coarse one). A
-/// connection's NEW event takes its entry's creation time instead (the coarse clock, which
-/// trails this one, so the order holds): a new connection is the hot case, and this is a
-/// helper call (tens of ns where `ret` is mitigated).
+/// consecutive events of one connection must be ordered; entries keep the coarse one). Also
+/// for NEW: the coarse creation time may trail a precise CLOSED, KILLED or EXPIRED event of
+/// the key's previous connection, and HA sync measures its lag from the event's time.
 #[inline(always)]
 fn event_ns() -> u64 {
     // SAFETY: bpf_ktime_get_ns has no preconditions.

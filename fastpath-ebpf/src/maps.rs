@@ -50,11 +50,6 @@ pub static FP_CONFIG: Array<DatapathConfig> = Array::pinned(1, 0);
 #[map(name = "FP_CLOCK")]
 pub static FP_CLOCK: PerCpuArray<[u64; 2]> = PerCpuArray::with_max_entries(1, 0);
 
-/// Conntrack events this CPU has written (wrapping): one in `CT_EVENTS_QUERY_EVERY` asks
-/// the ring how much is unread. Not pinned.
-#[map(name = "FP_CT_EVENT_SEQ")]
-pub static FP_CT_EVENT_SEQ: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
-
 /// Time of the last rare-event log record on each CPU (ns, monotonic): see `ratelimit`.
 /// Not pinned: losing it on restart only allows one early record.
 #[map(name = "FP_LOG_RATELIMIT")]
@@ -124,6 +119,12 @@ pub static FP_CT_STATS: PerCpuArray<u64> = PerCpuArray::pinned(ct_stat::SLOTS, 0
 /// of slack; when full, events are counted as lost, never waited for.
 #[map(name = "FP_CT_EVENTS")]
 pub static FP_CT_EVENTS: RingBuf = RingBuf::pinned(CT_EVENTS_BYTES, 0);
+
+/// Conntrack events this CPU has emitted (wrapping; those lost to a full ring too): one in
+/// `CT_EVENTS_QUERY_EVERY` asks the ring how much is unread. Not pinned: a load starts every
+/// CPU at zero, which only moves which event asks.
+#[map(name = "FP_CT_EVENT_SEQ")]
+pub static FP_CT_EVENT_SEQ: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
 /// Per-interface settings indexed by ifindex (`IfaceConfig`), written by the daemon: which
 /// hook tracks connections. An array, not a hash: its lookup is inlined by the verifier,
