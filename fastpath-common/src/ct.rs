@@ -734,17 +734,11 @@ pub const CT_EVENTS_BYTES: u32 = 1 << 23;
 /// wakes a reader that has caught up on every event, an inter-processor interrupt each time —
 /// at 50,000 events/s, 5-10% of a CPU in the packet path's own context. 1 MiB is 9,362
 /// events: a burst wakes the daemon long before the ring (8 MiB) fills. Each event written
-/// inside the window whose CPU asks the ring (see [`CT_EVENTS_QUERY_EVERY`]) wakes it (the
-/// kernel coalesces wakeups still pending); above it, the daemon is awake and draining already.
+/// inside the window wakes it (the kernel coalesces wakeups still pending), so however many
+/// CPUs write at once, some land in it; above it, the daemon is awake and draining already.
 pub const CT_EVENTS_WAKE_BYTES: u64 = 1 << 20;
 /// The end of the wakeup window that starts at [`CT_EVENTS_WAKE_BYTES`]: 1.25 MiB.
 pub const CT_EVENTS_WAKE_END: u64 = CT_EVENTS_WAKE_BYTES + (1 << 18);
-/// Each CPU asks the ring how much is unread on one of its events in this many (the query is
-/// a helper call; a CPU's first query is on its 16th event). For writes to cross the window
-/// (256 KiB: 2,340 records of 112 B) with no query inside it, each writing CPU must have put
-/// at most 15 of its own events there: so some query lands in it while fewer than ~156 CPUs
-/// write at once.
-pub const CT_EVENTS_QUERY_EVERY: u64 = 16;
 /// One conntrack event (ring buffer record). Append-only.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(C)]

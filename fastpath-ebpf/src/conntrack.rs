@@ -21,13 +21,12 @@ use aya_ebpf::{
 use fastpath_common::{
     Hook, Verdict,
     ct::{
-        CT_EVENTS_QUERY_EVERY, CT_EVENTS_WAKE_BYTES, CT_EVENTS_WAKE_END, CT_F_ASSURED, CT_F_DSR,
-        CT_F_FULL_NAT, CT_F_LB, CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CT_F_SNAT,
-        CT_INSTALL_MAX, CT_RECORD_CREATE, CT_RECORD_REMOVE, CtEntry, CtEvent, CtKey, CtRecord,
-        DIR_ORIGINAL, DIR_REPLY, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP,
-        IFACE_F_FIREWALL, IFACE_F_LOOPBACK, TcpStep, UDP_STREAM_AFTER_NS, ct_event, ct_stat,
-        last_seen_moves, martian_source, tcp_class, tcp_classify, tcp_flags_valid, tcp_state,
-        tcp_step,
+        CT_EVENTS_WAKE_BYTES, CT_EVENTS_WAKE_END, CT_F_ASSURED, CT_F_DSR, CT_F_FULL_NAT, CT_F_LB,
+        CT_F_LB_ALIAS, CT_F_ORIG_IS_LO, CT_F_SEEN_REPLY, CT_F_SNAT, CT_INSTALL_MAX,
+        CT_RECORD_CREATE, CT_RECORD_REMOVE, CtEntry, CtEvent, CtKey, CtRecord, DIR_ORIGINAL,
+        DIR_REPLY, IFACE_F_CT_TC_EGRESS, IFACE_F_CT_TC_INGRESS, IFACE_F_CT_XDP, IFACE_F_FIREWALL,
+        IFACE_F_LOOPBACK, TcpStep, UDP_STREAM_AFTER_NS, ct_event, ct_stat, last_seen_moves,
+        martian_source, tcp_class, tcp_classify, tcp_flags_valid, tcp_state, tcp_step,
     },
     lb::{
         Backend, CtNat, SNAT_TRIES, SVC_F_DSR, SVC_F_FULL_NAT, SVC_F_GATEWAY, Service, flow_hash,
@@ -41,8 +40,8 @@ use crate::{
     ctx::{HopRef, Miss, NAT_DSR, NAT_DST, NAT_ICMP_ERROR, NAT_ICMP_KEEP_SOURCE, NAT_SRC, copy16},
     flowcache,
     maps::{
-        FP_CT, FP_CT_ENTRY, FP_CT_EVENT_SEQ, FP_CT_EVENTS, FP_CT_KEY, FP_CT_KEY2, FP_CT_KEY3,
-        FP_CT_NEW, FP_CT_STATS, FP_IFACE, FP_MISS, FP_NAT, FP_SVC_KEY,
+        FP_CT, FP_CT_ENTRY, FP_CT_EVENTS, FP_CT_KEY, FP_CT_KEY2, FP_CT_KEY3, FP_CT_NEW,
+        FP_CT_STATS, FP_IFACE, FP_MISS, FP_NAT, FP_SVC_KEY,
     },
     packet::Packet,
     parse::{
@@ -1542,9 +1541,7 @@ fn clear_flag(e: &mut CtEntry, flag: u8) {
 }
 
 /// An event's timestamp: the precise monotonic clock (events are rare beside packets, and
-/// consecutive events of one connection must be ordered; entries keep the coarse one). Also
-/// for NEW: the coarse creation time may trail a precise CLOSED, KILLED or EXPIRED event of
-/// the key's previous connection, and HA sync measures its lag from the event's time.
+/// consecutive events of one connection must be ordered; entries keep the coarse one).
 #[inline(always)]
 fn event_ns() -> u64 {
     // SAFETY: bpf_ktime_get_ns has no preconditions.
@@ -1556,10 +1553,8 @@ fn event_ns() -> u64 {
 /// `CT_EVENTS_WAKE_BYTES..CT_EVENTS_WAKE_END`; otherwise it finds them on its drain timer.
 #[inline(always)]
 pub(crate) fn emit(key: &CtKey, kind: u8, e: &CtEntry, ts_ns: u64) {
-    let wake = if query_due()
-        && (CT_EVENTS_WAKE_BYTES..CT_EVENTS_WAKE_END)
-            .contains(&FP_CT_EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)))
-    {
+    let unread = FP_CT_EVENTS.query(u64::from(BPF_RB_AVAIL_DATA));
+    let wake = if (CT_EVENTS_WAKE_BYTES..CT_EVENTS_WAKE_END).contains(&unread) {
         BPF_RB_FORCE_WAKEUP
     } else {
         BPF_RB_NO_WAKEUP
@@ -1594,20 +1589,6 @@ pub(crate) fn emit(key: &CtKey, kind: u8, e: &CtEntry, ts_ns: u64) {
         }
     }
     slot.submit(u64::from(wake));
-}
-
-/// Whether this event asks the ring how much is unread: true on one event of this CPU in
-/// `CT_EVENTS_QUERY_EVERY`. perf: the query is a helper call; this is a load and a store the
-/// verifier inlines.
-#[inline(always)]
-fn query_due() -> bool {
-    let Some(n) = FP_CT_EVENT_SEQ.get_ptr_mut(0) else {
-        return true;
-    };
-    // SAFETY: this CPU's slot of a per-CPU array, used by this program run only.
-    let n = unsafe { &mut *n };
-    *n = n.wrapping_add(1);
-    *n % CT_EVENTS_QUERY_EVERY == 0
 }
 
 #[inline(always)]

@@ -120,12 +120,6 @@ pub static FP_CT_STATS: PerCpuArray<u64> = PerCpuArray::pinned(ct_stat::SLOTS, 0
 #[map(name = "FP_CT_EVENTS")]
 pub static FP_CT_EVENTS: RingBuf = RingBuf::pinned(CT_EVENTS_BYTES, 0);
 
-/// Conntrack events this CPU has emitted (wrapping; those lost to a full ring too): one in
-/// `CT_EVENTS_QUERY_EVERY` asks the ring how much is unread. Not pinned: a load starts every
-/// CPU at zero, which only moves which event asks.
-#[map(name = "FP_CT_EVENT_SEQ")]
-pub static FP_CT_EVENT_SEQ: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
-
 /// Per-interface settings indexed by ifindex (`IfaceConfig`), written by the daemon: which
 /// hook tracks connections. An array, not a hash: its lookup is inlined by the verifier,
 /// while a hash lookup is a kernel call on every packet. 65536 ifindexes × 16 B = 1 MiB.
