@@ -61,13 +61,14 @@ pub static FP_LOG_RATELIMIT: PerCpuArray<u64> = PerCpuArray::with_max_entries(1,
 /// counts nothing. Here a full table makes room only by dropping the oldest *unassured* entry
 /// (early drop, through `FP_CT_NEW`, counted, with an event); when every entry is assured the
 /// new connection is refused and counted as `insert_failed`. 1 Mi entries by default; the
-/// daemon sizes it at load. Not preallocated (BPF_F_NO_PREALLOC): memory follows the
-/// connections actually tracked, a start does not zero ~280 MB, and a new connection costs no
-/// more than in a preallocated hash or an LRU (less among 1M entries: docs/conntrack.md has
-/// the numbers). A daemon expiry pass over 1M entries takes ~0.5 s, so the daemon spaces
-/// passes to stay under 10% of a CPU.
+/// daemon sizes it at load. Preallocated: an insert takes an element from a per-CPU free
+/// list, where a hash that allocates on insert (BPF_F_NO_PREALLOC) refills its cache from the
+/// slab now and then and makes a few inserts in a hundred tens of µs slow (docs/conntrack.md
+/// has the numbers). A daemon expiry pass over 1M entries takes ~0.5 s, so the daemon spaces
+/// passes to stay under 10% of a CPU. A pin of another kind or size is migrated at start
+/// (`datapath::migrate`).
 #[map(name = "FP_CT")]
-pub static FP_CT: HashMap<CtKey, CtEntry> = HashMap::pinned(1 << 20, BPF_F_NO_PREALLOC);
+pub static FP_CT: HashMap<CtKey, CtEntry> = HashMap::pinned(1 << 20, 0);
 
 /// The XDP flow cache (see `FlowSlot`, `flowcache.rs`): a direct-mapped copy of the entries
 /// of steady connections, probed before `FP_CT` (an array lookup the verifier inlines, no call
@@ -99,8 +100,6 @@ pub static FP_EXPRESS: PerCpuArray<[Express; 2]> = PerCpuArray::with_max_entries
 #[map(name = "FP_FLOW_NOTE")]
 pub static FP_FLOW_NOTE: PerCpuArray<FlowNote> = PerCpuArray::with_max_entries(1, 0);
 
-/// Map flag: allocate hash entries on insert.
-const BPF_F_NO_PREALLOC: u32 = 1;
 /// Per-CPU LRU lists for an LRU hash.
 const BPF_F_NO_COMMON_LRU: u32 = 2;
 

@@ -579,9 +579,8 @@ pub const DEFAULT_CT_CAPACITY: u32 = 1 << 20;
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ConntrackSection {
-    /// Maximum tracked connections. Default 1048576. Entries are allocated as connections
-    /// appear (about 200 bytes each); changing it on a running datapath needs
-    /// `fastpath detach` first.
+    /// Maximum tracked connections. Default 1048576. The table is preallocated at start (256
+    /// bytes per entry); a restart with another value migrates the pinned table.
     #[serde(default = "default_ct_capacity")]
     pub capacity: Spanned<u32>,
     /// How often the daemon expires idle connections, in milliseconds. Default 1000: an idle

@@ -195,6 +195,7 @@ fn start_datapath(
         info!(pin_dir = %pin_dir.display(), "Created and pinned maps");
     }
     dp.attach_all(&config.interfaces)?;
+    dp.finish_migration()?;
     dp.write_interfaces(&plan_interfaces(&config.interfaces, &SysHost)?)?;
     if let Some(ipv6) = config.translates() {
         datapath::prepare_forwarding(&config.interfaces, ipv6)?;

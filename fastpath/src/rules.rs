@@ -562,7 +562,7 @@ impl<D: DatapathOps> Rules<D> {
             Rejected::new(
                 RejectKind::Precondition,
                 format!(
-                    "{what} changed: that takes a restart (the datapath keeps forwarding across it; a capacity or pin_dir change also needs `fastpath detach` first); nothing was changed"
+                    "{what} changed: that takes a restart (the datapath keeps forwarding across it; a restart with another capacity migrates the pinned table; a pin_dir change needs `fastpath detach` first); nothing was changed"
                 ),
             )
         };

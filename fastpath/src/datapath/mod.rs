@@ -51,6 +51,7 @@ use tracing::{info, warn};
 mod ct;
 #[cfg(test)]
 pub mod fake;
+mod migrate;
 mod ops;
 
 pub use ct::{
@@ -199,6 +200,9 @@ pub struct Datapath {
     interfaces: InterfacePlan,
     /// Where this load's tail-call arrays are pinned (`tails/<prog id>`).
     tails_dir: PathBuf,
+    /// Pinned maps of another kind or size, being migrated: finished once the new programs
+    /// are attached ([`Datapath::finish_migration`]); dropped unfinished, undone.
+    migration: Option<migrate::Migration>,
 }
 
 impl Datapath {
@@ -215,11 +219,37 @@ impl Datapath {
                 .map_err(|source| DatapathError::PinDir { path: dir, source })?;
         }
         let maps_reused = maps_dir.join(map_names::STATS).exists();
+        // Before the load, which pins new maps where this moves old ones aside; a failed
+        // load drops it, which moves them back.
+        let migration = if maps_reused {
+            Some(migrate::Migration::prepare(
+                pin_dir,
+                &maps_dir,
+                object,
+                ct_capacity,
+            )?)
+        } else {
+            None
+        };
         let loaded = Datapath::load(pin_dir, &maps_dir, object, maps_reused, ct_capacity);
         if loaded.is_err() && !maps_reused {
             let _ = remove_pins(pin_dir);
         }
-        loaded
+        let mut dp = loaded?;
+        if let Some(m) = migration.filter(|m| !m.is_empty()) {
+            m.copy_before_attach(&mut dp.ebpf)?;
+            dp.migration = Some(m);
+        }
+        Ok(dp)
+    }
+
+    /// Ends a migration [`Datapath::open`] began: call once the new programs are attached
+    /// (the old ones no longer write the old maps). Does nothing without one.
+    pub fn finish_migration(&mut self) -> Result<(), DatapathError> {
+        match self.migration.take() {
+            Some(m) => m.finish(&mut self.ebpf),
+            None => Ok(()),
+        }
     }
 
     fn load(
@@ -263,6 +293,7 @@ impl Datapath {
             lb_maps: None,
             interfaces: InterfacePlan::default(),
             tails_dir,
+            migration: None,
         })
     }
 
@@ -783,6 +814,7 @@ pub fn remove_pins(pin_dir: &Path) -> Result<(), DatapathError> {
         remove_pin_tree(&tails)?;
     }
     let _ = fs::remove_dir(pin_dir.join(TAILS_DIR));
+    remove_pin_tree(&pin_dir.join(migrate::MIGRATING_DIR))?;
     remove_pin_tree(&pin_dir.join("maps"))?;
     let _ = fs::remove_dir(pin_dir);
     Ok(())

@@ -40,7 +40,7 @@ use fastpath::{
 };
 use fastpath_common::{
     Hook, Verdict,
-    ct::{CtKey, ct_key, ct_stat, tcp_state},
+    ct::{CtEntry, CtKey, ct_key, ct_stat, tcp_state},
     map_names,
 };
 
@@ -1325,8 +1325,9 @@ const MATRIX_PORT: u16 = 7000;
 const MATRIX_CONNS: usize = 8;
 
 /// Every way the daemon exits — `kill -9`, SIGTERM with `--leave-attached` (what
-/// config/fastpath.service does), and a restart (stop, then start at once: the new daemon
-/// takes the pinned links over in place) — under established load-balanced NAT and full-NAT
+/// config/fastpath.service does), a restart (stop, then start at once: the new daemon
+/// takes the pinned links over in place) and a restart with another `conntrack.capacity`
+/// (the pinned table migrated) — under established load-balanced NAT and full-NAT
 /// streams over IPv4 and IPv6: each stream's bytes are checked end to end (every echoed byte
 /// compared) while no daemon runs and after each start; connections opened while no daemon
 /// runs work and go on through the later steps; at the end no connection failed and neither
@@ -1445,6 +1446,48 @@ fn daemon_exits_leave_forwarding_as_it_was(at_tc: bool) {
         "after three starts, only the running load's tail arrays stay pinned"
     );
 
+    // A restart that resizes the conntrack table: the new daemon cannot reuse the pinned
+    // table, so it migrates it (copied while the old programs run, what they added meanwhile
+    // after the swap) under the same streams.
+    let status = daemon.stop();
+    assert!(status.success(), "daemon stop: {status}\n{}", daemon.log());
+    let table_before = ct_entries_by_key(&pin_dir);
+    let resized = config.clone().conntrack("capacity", 1 << 16);
+    fs::write(daemon.config_path(), resized.to_toml()).expect("writing the resized config");
+    daemon.restart();
+    flowing(&pools, "after a restart that resized the table");
+    pools.extend(open("after a restart that resized the table"));
+    flowing(
+        &pools,
+        "after a restart that resized the table, new connections too",
+    );
+    let log = daemon.log();
+    let migrated: Vec<&str> = log.lines().filter(|l| l.contains("Migrat")).collect();
+    assert!(
+        log.contains("Migrated the pinned map to this version's kind and size map=FP_CT copied="),
+        "the resizing restart must migrate the table; log:\n{log}"
+    );
+    eprintln!("the resizing restart logged:\n{}", migrated.join("\n"));
+    // Every connection kept its entry: the same creation time, its counts carried on (a
+    // connection the datapath had to pick up again would start over).
+    let table_after = ct_entries_by_key(&pin_dir);
+    let lost: Vec<&CtKey> = table_before
+        .iter()
+        .filter(|(key, was)| {
+            table_after.get(key).is_none_or(|now| {
+                now.created_ns != was.created_ns || now.packets[0] < was.packets[0]
+            })
+        })
+        .map(|(key, _)| key)
+        .collect();
+    assert!(
+        !table_before.is_empty() && lost.is_empty(),
+        "the resizing restart lost {} of {} entries (absent, re-created or counted afresh), e.g. {:?}",
+        lost.len(),
+        table_before.len(),
+        lost.first()
+    );
+
     let (mut conns, mut bytes) = (0, 0);
     for pool in pools {
         let totals = pool.finish();
@@ -1473,10 +1516,18 @@ fn daemon_exits_leave_forwarding_as_it_was(at_tc: bool) {
         "TCP resets (sent, established reset) on the client, backend 0, backend 1: {moved:?}"
     );
     eprintln!(
-        "{}: {conns} connections (NAT and full-NAT, IPv4 and IPv6) through kill -9, stop and restart, {bytes} bytes echoed and verified, 0 resets, {} accepted by the backends",
+        "{}: {conns} connections (NAT and full-NAT, IPv4 and IPv6) through kill -9, stop, restart and a restart that resized the table, {bytes} bytes echoed and verified, 0 resets, {} accepted by the backends",
         if at_tc { "TC ingress" } else { "XDP" },
         echo.accepted()
     );
+}
+
+/// The pinned conntrack table, by key.
+fn ct_entries_by_key(pin_dir: &Path) -> BTreeMap<CtKey, CtEntry> {
+    fastpath::datapath::pinned_ct_entries(pin_dir)
+        .unwrap_or_else(|e| panic!("reading the pinned conntrack table: {e}"))
+        .into_iter()
+        .collect()
 }
 
 /// [`MATRIX_CONNS`] connections to each of the matrix's services (NAT and full-NAT, IPv4

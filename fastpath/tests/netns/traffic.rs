@@ -739,6 +739,51 @@ fn assert_datapath_on_every_fp_interface(
 }
 
 /// The runtime flags in the pinned FP_CONFIG map (index 0), read without a daemon.
+/// The pinned conntrack table's map id, capacity and flags (the pin a restart migrates when
+/// `conntrack.capacity` or this version's table kind differ).
+fn pinned_ct_table(pin_dir: &Path) -> (u32, u32, u32) {
+    let path = pin_dir.join("maps").join(map_names::CT);
+    let info = aya::maps::MapInfo::from_pin(&path)
+        .unwrap_or_else(|e| panic!("reading the pinned {}: {e}", path.display()));
+    (info.id(), info.max_entries(), info.map_flags())
+}
+
+/// Replaces the pinned conntrack table with one of the kind versions up to 0ae8551 pinned
+/// (`BPF_F_NO_PREALLOC`) holding the same entries, as an upgrade finds it;
+/// returns their keys (at least one). The running programs keep their own table.
+fn pin_table_of_the_older_kind(pin_dir: &Path) -> Vec<fastpath_common::ct::CtKey> {
+    use fastpath_common::ct::{CtEntry, CtKey};
+    let entries = fastpath::datapath::pinned_ct_entries(pin_dir)
+        .unwrap_or_else(|e| panic!("reading the pinned table: {e}"));
+    assert!(!entries.is_empty(), "no conntrack entry to migrate");
+    let pin = pin_dir.join("maps").join(map_names::CT);
+    let (_, capacity, _) = pinned_ct_table(pin_dir);
+    fs::remove_file(&pin).unwrap_or_else(|e| panic!("unpinning {}: {e}", pin.display()));
+    let pin_s = pin.to_str().expect("utf-8");
+    let (key, value, capacity) = (
+        size_of::<CtKey>().to_string(),
+        size_of::<CtEntry>().to_string(),
+        capacity.to_string(),
+    );
+    host_run(&[
+        "bpftool", "map", "create", pin_s, "type", "hash", "key", &key, "value", &value, "entries",
+        &capacity, "name", "FP_CT", "flags", "1",
+    ])
+    .unwrap_or_else(|e| panic!("creating a table of the older kind: {e}"));
+    let data = MapData::from_pin(&pin).unwrap_or_else(|e| panic!("opening it: {e}"));
+    let mut table: aya::maps::HashMap<MapData, CtKey, CtEntry> =
+        aya::maps::HashMap::try_from(Map::HashMap(data)).unwrap_or_else(|e| panic!("{e}"));
+    for (k, e) in &entries {
+        table
+            .insert(k, e, 0)
+            .unwrap_or_else(|e| panic!("filling the table of the older kind: {e}"));
+    }
+    entries.into_iter().map(|(k, _)| k).collect()
+}
+
+/// The capacity the restart tests migrate the conntrack table to (the default is 1 Mi).
+const MIGRATED_CAPACITY: u32 = 1 << 16;
+
 fn pinned_config_flags(pin_dir: &Path) -> u32 {
     let path = pin_dir.join("maps").join(map_names::CONFIG);
     let data = MapData::from_pin(&path)
@@ -773,8 +818,9 @@ fn assert_pings_counted(before: &StatsSnapshot, after: &StatsSnapshot, n: u32, w
 }
 
 /// (d) kill -9 leaves the datapath running (pinned links keep programs attached, pinned maps
-/// keep counting); a new daemon reuses the pinned maps and links, so counters continue; a clean
-/// stop then removes everything.
+/// keep counting); a new daemon reuses the pinned maps and links, so counters continue, and
+/// migrates a conntrack table pinned by an older version (of another kind) with its entries; a
+/// clean stop then removes everything.
 #[test]
 fn kill9_keeps_the_datapath_and_a_restart_continues_its_counters() {
     prepare_test(&["ping", "bpftool"]);
@@ -833,18 +879,38 @@ fn kill9_keeps_the_datapath_and_a_restart_continues_its_counters() {
         "`fastpath stats -o json`:\n{json}"
     );
 
+    // The table as an older version pinned it (allocated on insert): the restart migrates it.
+    let old_kind = pin_table_of_the_older_kind(&pin_dir);
     daemon.restart();
     let log = daemon.log();
+    let copied = format!(
+        "Migration: first copy of the pinned table map=FP_CT copied={} ",
+        old_kind.len()
+    );
     for want in [
         "Reusing pinned maps",
         "Reused pinned XDP link",
         "Reused pinned TCX link",
+        &copied,
+        "map=FP_CT copied=0 present=",
+        "flags_before=0x1 flags_after=0x0",
     ] {
         assert!(
             log.contains(want),
             "expected the restarted daemon to log {want:?}; log:\n{log}"
         );
     }
+    let (_, _, flags) = pinned_ct_table(&pin_dir);
+    let kept = fastpath::datapath::pinned_ct_entries(&pin_dir)
+        .unwrap_or_else(|e| panic!("reading the migrated table: {e}"));
+    assert!(
+        flags == 0
+            && old_kind
+                .iter()
+                .all(|k| kept.iter().any(|(key, _)| key == k)),
+        "after the restart: expected a preallocated table (flags {flags:#x}) holding the {} entries of the older kind's",
+        old_kind.len()
+    );
     assert_eq!(
         pinned_link_ids(&pin_dir),
         links,
@@ -951,9 +1017,12 @@ fn failed_restart_keeps_the_running_datapath() {
     daemon.kill9();
     assert!(!daemon.is_running(), "daemon survived SIGKILL");
     add_interface_without_native_xdp(fp, DUMMY);
+    let table = pinned_ct_table(&pin_dir);
 
+    // It also resizes the conntrack table: the migration it begins must be undone.
     let bad = lb
         .fp_config(&pin_dir)
+        .conntrack("capacity", MIGRATED_CAPACITY)
         .drop_malformed(true)
         .hooks(HookedInterface {
             name: DUMMY.into(),
@@ -1013,13 +1082,26 @@ fn failed_restart_keeps_the_running_datapath() {
         0,
         "{when}: FP_CONFIG is written only after a successful attach, yet drop_malformed = true reached it"
     );
+    assert_eq!(
+        pinned_ct_table(&pin_dir),
+        table,
+        "{when}: the table the running programs use must be pinned again (id, capacity, flags)"
+    );
+    assert!(
+        !pin_dir.join("migrating").exists(),
+        "{when}: the migration's directory must be gone"
+    );
     let s2 = daemon.stats();
     ping(lb.client(), backend, N);
     let s3 = daemon.stats();
     assert_pings_counted(&s2, &s3, N, when);
 
-    // A good config (this time with drop_malformed on) reuses the links and swaps programs.
-    let good = lb.fp_config(&pin_dir).drop_malformed(true);
+    // A good config (this time with drop_malformed on and the table resized) reuses the
+    // links, swaps programs and migrates the table.
+    let good = lb
+        .fp_config(&pin_dir)
+        .conntrack("capacity", MIGRATED_CAPACITY)
+        .drop_malformed(true);
     fs::write(daemon.config_path(), good.to_toml()).expect("writing the good config");
     daemon.restart();
     let log = daemon.log();
@@ -1027,6 +1109,8 @@ fn failed_restart_keeps_the_running_datapath() {
         "Reusing pinned maps",
         "Reused pinned XDP link",
         "Reused pinned TCX link",
+        "Migrated the pinned map to this version's kind and size map=FP_CT copied=",
+        "Migrated the pinned map to this version's kind and size map=FP_CT_NEW copied=",
     ] {
         assert!(
             log.contains(want),
@@ -1046,6 +1130,16 @@ fn failed_restart_keeps_the_running_datapath() {
         );
     }
     assert_datapath_on_every_fp_interface(&lb, &swapped, "after the good restart");
+    let (id, capacity, flags) = pinned_ct_table(&pin_dir);
+    assert!(
+        id != table.0 && capacity == MIGRATED_CAPACITY && flags == 0,
+        "after the good restart: expected a new preallocated table of {MIGRATED_CAPACITY} entries pinned, got id {id} (was {}), capacity {capacity}, flags {flags:#x}",
+        table.0
+    );
+    assert!(
+        !pin_dir.join("migrating").exists(),
+        "after the good restart: the migration's directory must be gone"
+    );
     assert_nothing_attached(fp, &[DUMMY], "after the good restart");
     assert_eq!(
         pinned_config_flags(&pin_dir),
