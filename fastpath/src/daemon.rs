@@ -195,7 +195,6 @@ fn start_datapath(
         info!(pin_dir = %pin_dir.display(), "Created and pinned maps");
     }
     dp.attach_all(&config.interfaces)?;
-    dp.finish_migration()?;
     dp.write_interfaces(&plan_interfaces(&config.interfaces, &SysHost)?)?;
     if let Some(ipv6) = config.translates() {
         datapath::prepare_forwarding(&config.interfaces, ipv6)?;
@@ -217,6 +216,8 @@ fn start_datapath(
     for pin in rules.datapath_mut().remove_stale_links()? {
         info!(pin = %pin.display(), "Detached a pinned link the config no longer names");
     }
+    // No old program runs any more: a migration of the pinned tables can end.
+    rules.datapath_mut().finish_migration()?;
     Ok((rules, health_rx))
 }
 

@@ -2261,6 +2261,7 @@ fn old_vs_new_markdown(r: &Report) -> String {
         path: new.path.clone(),
         beside: new.table_entries.to_string(),
         medians: (old.median_ns, new.median_ns),
+        means: (old.mean_ns > 0.0 && new.mean_ns > 0.0).then_some((old.mean_ns, new.mean_ns)),
         over_floor: (old.over_floor_ns, new.over_floor_ns),
         new_over_old: old.new_over_old.unwrap_or((f64::NAN, f64::NAN, f64::NAN)),
     });
@@ -2318,41 +2319,60 @@ struct OldNewRow {
     /// The second column's value (the hook, or the table's entries).
     beside: String,
     medians: (f64, f64),
+    /// Both means over all calls, where a row has them (the repeat = 1 rows: what sets a
+    /// rate, which a few slow calls move and the median does not show).
+    means: Option<(f64, f64)>,
     over_floor: (f64, f64),
     /// This tree's ns ÷ the old object's, median (min–max) over rounds.
     new_over_old: (f64, f64, f64),
 }
 
 /// The old-vs-new table: path, `beside` (right-aligned when `numeric`), both medians, both
-/// costs over the floor, and new ÷ old per round.
+/// means and their ratio (when rows have them), both costs over the floor, and new ÷ old per
+/// round.
 fn old_new_table(beside: &str, numeric: bool, rows: impl Iterator<Item = OldNewRow>) -> String {
+    let rows: Vec<OldNewRow> = rows.collect();
+    let with_means = rows.iter().any(|o| o.means.is_some());
     let rows: Vec<Vec<String>> = rows
+        .into_iter()
         .map(|o| {
             let (m, lo, hi) = o.new_over_old;
-            vec![
+            let mut row = vec![
                 o.path,
                 o.beside,
                 format!("{:.1}", o.medians.0),
                 format!("{:.1}", o.medians.1),
+            ];
+            if with_means {
+                row.extend(match o.means {
+                    Some((old, new)) => [
+                        format!("{old:.1}"),
+                        format!("{new:.1}"),
+                        format!("{:.3}", new / old),
+                    ],
+                    None => ["—".into(), "—".into(), "—".into()],
+                });
+            }
+            row.extend([
                 format!("{:+.1}", o.over_floor.0),
                 format!("{:+.1}", o.over_floor.1),
                 cell(m, lo, hi, 3),
-            ]
+            ]);
+            row
         })
         .collect();
-    let mut md = report::table(
-        &[
-            "path",
-            beside,
-            "old median ns",
-            "new median ns",
-            "old over floor ns",
-            "new over floor ns",
-            "new ÷ old per round",
-        ],
-        &[false, numeric, true, true, true, true, true],
-        &rows,
-    );
+    let mut head = vec!["path", beside, "old median ns", "new median ns"];
+    if with_means {
+        head.extend(["old mean ns", "new mean ns", "new ÷ old mean"]);
+    }
+    head.extend([
+        "old over floor ns",
+        "new over floor ns",
+        "new ÷ old per round",
+    ]);
+    let mut numeric_cols = vec![false, numeric];
+    numeric_cols.resize(head.len(), true);
+    let mut md = report::table(&head, &numeric_cols, &rows);
     md.push('\n');
     md
 }
@@ -2460,6 +2480,7 @@ fn parse_markdown(r: &Report) -> String {
             path: o.what.clone(),
             beside: o.hook.clone(),
             medians: (o.old_median_ns, o.new_median_ns),
+            means: None,
             over_floor: (o.old_over_floor_ns, o.new_over_floor_ns),
             new_over_old: o.new_over_old,
         });

@@ -3,14 +3,21 @@
 //! `conntrack.capacity`. The loader cannot reuse such a pin, so [`Migration::prepare`] moves
 //! it aside (`<pin_dir>/migrating/<name>`) before the load, which then pins a new map under
 //! the name; the old programs keep running on the old map meanwhile (a program holds its maps,
-//! not their names). The entries are copied twice: once before the new programs attach, and
-//! once after, for the connections the old programs created in between; a key already in the
-//! new map is never overwritten (the new programs' entry is the newer). Then the old map is
-//! unpinned. A start that fails before [`Migration::finish`] moves the old map back under its
-//! name (the running datapath is left as it was), and a start killed half-way leaves the old
-//! map aside, where the next start finds it and copies what is missing.
+//! not their names).
+//!
+//! Until the new programs run, the new table is this process's alone: the copy before the
+//! swap overwrites it with the old table as it is (one batched walk, so an entry is at most
+//! that walk and the swap old). After the swap the old programs may still have added
+//! connections (on links not yet swapped): the copy after inserts those keys only (a key the
+//! new programs hold is theirs, the newer). Then the old map is unpinned.
+//!
+//! Failures: a start that fails before any new program runs moves the old map back under its
+//! name (the running datapath is left as it was). Once one runs, the old map stays aside and
+//! the next start resumes: if programs still use the old map (the start died before the
+//! swap) it starts over with a fresh table; if not, it inserts what the new table lacks.
 
 use std::{
+    collections::HashSet,
     fs, io,
     os::fd::AsFd as _,
     path::{Path, PathBuf},
@@ -19,6 +26,7 @@ use std::{
 use aya::{
     Ebpf,
     maps::{HashMap, IterableMap as _, Map, MapData, MapError, MapInfo, Queue},
+    programs::loaded_programs,
 };
 use fastpath_common::{
     ct::{CtEntry, CtKey},
@@ -51,9 +59,13 @@ struct Aside {
     kind: Kind,
     /// The old map (`Map::HashMap` or `Map::Queue`).
     old: Map,
-    /// Moved aside by this start (a failed start moves it back); false when an interrupted
-    /// earlier start left it there.
+    /// Moved aside by this start (a start that fails before a new program runs moves it
+    /// back); false when an interrupted earlier start left it there.
     moved_now: bool,
+    /// The new map was created by this load: nothing else writes it until the new programs
+    /// run, so the copy before the swap may overwrite. False when resuming onto a new map
+    /// that new programs already use.
+    fresh: bool,
     /// Its definition, for the log: (flags, max entries).
     was: (u32, u32),
 }
@@ -63,6 +75,12 @@ pub(super) struct Migration {
     maps_dir: PathBuf,
     aside_dir: PathBuf,
     aside: Vec<Aside>,
+    /// A new program runs (a link swapped or attached): the new maps are live, and a failed
+    /// start leaves the old ones aside for the next start.
+    live: bool,
+    /// The old table's keys as the copy before the swap found them: the copy after inserts
+    /// only the others.
+    copied: HashSet<CtKey>,
 }
 
 /// What copying one map did.
@@ -90,6 +108,8 @@ impl Migration {
             maps_dir: maps_dir.to_owned(),
             aside_dir: aside_dir.clone(),
             aside: Vec::new(),
+            live: false,
+            copied: HashSet::new(),
         };
         let parsed = aya_obj::Object::parse(object)
             .map_err(|e| DatapathError::Config(format!("parsing the eBPF object's maps: {e}")))?;
@@ -100,6 +120,7 @@ impl Migration {
                 return Err(DatapathError::MissingMap { name });
             };
             let want = Definition {
+                id: 0,
                 map_type: def.map_type(),
                 key_size: def.key_size(),
                 value_size: def.value_size(),
@@ -109,14 +130,21 @@ impl Migration {
             let pinned = maps_dir.join(name);
             let left = aside_dir.join(name);
             if left.exists() {
-                // An interrupted migration: the pin under the name (if any) is the new map.
-                if pinned.exists() && Definition::of(&pinned)? != want {
-                    return Err(DatapathError::Config(format!(
-                        "{} holds a map an interrupted migration left, and {} matches neither it nor this version; remove both with `fastpath detach --pin-dir {}`",
-                        left.display(),
-                        pinned.display(),
-                        pin_dir.display()
-                    )));
+                // An interrupted migration: the pin under the name (if any) is its new map.
+                let aside = Definition::of(&left)?;
+                if pinned.exists() {
+                    let new = Definition::of(&pinned)?;
+                    if new != want {
+                        return Err(DatapathError::Config(format!(
+                            "an interrupted migration left {} (capacity {}) aside for a new {} of capacity {}; start with conntrack.capacity = {} so it can finish, then change it; or remove the datapath with `fastpath detach --pin-dir {}` (its connections are lost)",
+                            left.display(),
+                            aside.max_entries,
+                            pinned.display(),
+                            new.max_entries,
+                            new.max_entries,
+                            pin_dir.display()
+                        )));
+                    }
                 }
                 plan.push((name, kind, false));
                 continue;
@@ -157,6 +185,20 @@ impl Migration {
             if move_now {
                 rename(&pinned, &left)?;
             }
+            let aside = Definition::of(&left)?;
+            // Resuming: while programs still use the old map (the start died before the
+            // swap), the new one under the name is a partial copy no program uses: start over.
+            let fresh = move_now || !pinned.exists() || in_use(aside.id)?;
+            if !move_now {
+                info!(
+                    map = %name,
+                    over = fresh,
+                    "Migration resumed (over: programs still use the old map, whose partial copy is dropped)"
+                );
+                if fresh {
+                    super::remove_pin(&pinned)?;
+                }
+            }
             let data = MapData::from_pin(&left).map_err(|source| DatapathError::Map {
                 what: format!("opening {}", left.display()),
                 source,
@@ -165,15 +207,16 @@ impl Migration {
                 Kind::Table => Map::HashMap(data),
                 Kind::Queue => Map::Queue(data),
             };
-            let was = Definition::of(&left).map(|d| (d.flags, d.max_entries))?;
             migration.aside.push(Aside {
                 name,
                 kind,
                 old,
                 moved_now: move_now,
-                was,
+                fresh,
+                was: (aside.flags, aside.max_entries),
             });
         }
+        migration.live = migration.aside.iter().any(|a| !a.fresh);
         Ok(migration)
     }
 
@@ -182,27 +225,39 @@ impl Migration {
         self.aside.is_empty()
     }
 
-    /// The first copy, before the new programs attach: the old table's entries into the new.
-    pub(super) fn copy_before_attach(&self, ebpf: &mut Ebpf) -> Result<(), DatapathError> {
-        for a in self.aside.iter().filter(|a| a.kind == Kind::Table) {
-            let c = copy_table(ebpf, a)?;
+    /// Records that a new program runs (see [`Migration::live`]).
+    pub(super) fn set_live(&mut self) {
+        self.live = true;
+    }
+
+    /// The copy before the swap: a fresh new table gets the old one as it is now; one that new
+    /// programs already use, the keys it lacks. The early-drop keys move, oldest first.
+    pub(super) fn copy_before_attach(&mut self, ebpf: &mut Ebpf) -> Result<(), DatapathError> {
+        for i in 0..self.aside.len() {
+            let a = &mut self.aside[i];
+            let c = match (a.kind, a.fresh) {
+                (Kind::Table, true) => overwrite_table(ebpf, a, &mut self.copied)?,
+                (Kind::Table, false) => insert_missing(ebpf, a, &HashSet::new())?,
+                (Kind::Queue, _) => move_queue(ebpf, a)?,
+            };
             info!(
                 map = %a.name,
                 copied = c.copied,
                 present = c.present,
                 no_room = c.no_room,
-                "Migration: first copy of the pinned table"
+                "Migration: copied before the new programs run"
             );
         }
         Ok(())
     }
 
-    /// After the new programs attached: copies what the old programs added meanwhile and
-    /// moves the early-drop keys, then unpins the old maps.
+    /// Once the old programs are gone from every link: copies what they added since the copy
+    /// before the swap, moves the early-drop keys they queued, then unpins the old maps.
     pub(super) fn finish(mut self, ebpf: &mut Ebpf) -> Result<(), DatapathError> {
+        let copied = std::mem::take(&mut self.copied);
         for mut a in std::mem::take(&mut self.aside) {
             let c = match a.kind {
-                Kind::Table => copy_table(ebpf, &a)?,
+                Kind::Table => insert_missing(ebpf, &a, &copied)?,
                 Kind::Queue => move_queue(ebpf, &mut a)?,
             };
             let now = Definition::of(&self.maps_dir.join(a.name))?;
@@ -233,9 +288,19 @@ impl Migration {
 }
 
 impl Drop for Migration {
-    /// A start that did not finish: the maps this start moved aside go back under their
-    /// names (the new ones are unpinned), so the running datapath's pins are as they were.
+    /// A start that did not finish. Before any new program runs, the maps this start moved
+    /// aside go back under their names (the new ones are unpinned), so the running datapath's
+    /// pins are as they were; after, they stay aside for the next start to resume.
     fn drop(&mut self) {
+        if self.live {
+            if !self.aside.is_empty() {
+                warn!(
+                    dir = %self.aside_dir.display(),
+                    "Migration unfinished: the old maps stay aside; the next start finishes it"
+                );
+            }
+            return;
+        }
         for a in self.aside.iter().filter(|a| a.moved_now) {
             let pinned = self.maps_dir.join(a.name);
             let left = self.aside_dir.join(a.name);
@@ -252,13 +317,33 @@ impl Drop for Migration {
 }
 
 /// What the loader compares to reuse a pin.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 struct Definition {
+    /// Not compared: which map, not what kind.
+    id: u32,
     map_type: u32,
     key_size: u32,
     value_size: u32,
     flags: u32,
     max_entries: u32,
+}
+
+impl PartialEq for Definition {
+    fn eq(&self, other: &Definition) -> bool {
+        (
+            self.map_type,
+            self.key_size,
+            self.value_size,
+            self.flags,
+            self.max_entries,
+        ) == (
+            other.map_type,
+            other.key_size,
+            other.value_size,
+            other.flags,
+            other.max_entries,
+        )
+    }
 }
 
 impl Definition {
@@ -272,6 +357,7 @@ impl Definition {
             source,
         })?;
         Ok(Definition {
+            id: info.id(),
             map_type: map_type as u32,
             key_size: info.key_size(),
             value_size: info.value_size(),
@@ -289,34 +375,42 @@ const BPF_NOEXIST: u64 = 1;
 /// `BPF_EXIST`, for a queue: a push onto a full queue overwrites its oldest element.
 const BPF_EXIST: u64 = 2;
 
-/// Copies the old table's entries the new one lacks: the old one walked in batches (by
-/// bucket, so entries the old programs add or delete meanwhile neither restart nor stall the
-/// walk), each inserted only if absent.
-fn copy_table(ebpf: &mut Ebpf, a: &Aside) -> Result<Copied, DatapathError> {
+/// The copy into a table nothing else writes yet: the old table walked in batches (by
+/// bucket: entries the old programs add or delete meanwhile neither restart nor stall the
+/// walk) and written over the new one a batch at a time; `keys` gets every key copied.
+fn overwrite_table(
+    ebpf: &mut Ebpf,
+    a: &Aside,
+    keys: &mut HashSet<CtKey>,
+) -> Result<Copied, DatapathError> {
     let name = a.name;
+    let old: HashMap<&MapData, CtKey, CtEntry> =
+        HashMap::try_from(&a.old).map_err(migration_error(name, "opening the old"))?;
     let new = ebpf
         .map_mut(name)
         .ok_or(DatapathError::MissingMap { name })?;
-    let mut new: HashMap<&mut MapData, CtKey, CtEntry> =
-        HashMap::try_from(new).map_err(migration_error(name, "opening the new"))?;
-    let old: HashMap<&MapData, CtKey, CtEntry> =
-        HashMap::try_from(&a.old).map_err(migration_error(name, "opening the old"))?;
-    let old = old.map().fd().as_fd();
+    let new: HashMap<&MapData, CtKey, CtEntry> =
+        HashMap::try_from(&*new).map_err(migration_error(name, "opening the new"))?;
+    let new_fd = new.map().fd().as_fd();
     let mut c = Copied::default();
     let mut failed = None;
-    sys::map_walk_batches(old, |keys: &[CtKey], entries: &[CtEntry]| {
-        for (key, entry) in keys.iter().zip(entries) {
-            if failed.is_some() {
-                return;
-            }
-            match new.insert(key, entry, BPF_NOEXIST) {
-                Ok(()) => c.copied += 1,
-                Err(MapError::SyscallError(e)) => match e.io_error.raw_os_error() {
-                    Some(libc::EEXIST) => c.present += 1,
-                    Some(libc::E2BIG) => c.no_room += 1,
-                    _ => failed = Some(MapError::SyscallError(e)),
-                },
-                Err(e) => failed = Some(e),
+    sys::map_walk_batches(old.map().fd().as_fd(), |k: &[CtKey], v: &[CtEntry]| {
+        let mut at = 0;
+        while at < k.len() && failed.is_none() {
+            match sys::map_update_batch(new_fd, &k[at..], &v[at..]) {
+                Ok(()) => {
+                    c.copied += (k.len() - at) as u64;
+                    keys.extend(&k[at..]);
+                    at = k.len();
+                }
+                // A smaller capacity: the entry that did not fit is skipped.
+                Err(e) if e.source.raw_os_error() == Some(libc::E2BIG) => {
+                    c.copied += e.written as u64;
+                    keys.extend(&k[at..at + e.written]);
+                    c.no_room += 1;
+                    at += e.written + 1;
+                }
+                Err(e) => failed = Some(e.source),
             }
         }
     })
@@ -325,9 +419,77 @@ fn copy_table(ebpf: &mut Ebpf, a: &Aside) -> Result<Copied, DatapathError> {
         source,
     })?;
     match failed {
+        Some(source) => Err(DatapathError::Io {
+            what: format!("writing the new {name} for its migration"),
+            source,
+        }),
+        None => Ok(c),
+    }
+}
+
+/// The copy into a table new programs use: the old table's entries whose keys are not in
+/// `skip`, each inserted only if the new table lacks its key.
+fn insert_missing(
+    ebpf: &mut Ebpf,
+    a: &Aside,
+    skip: &HashSet<CtKey>,
+) -> Result<Copied, DatapathError> {
+    let name = a.name;
+    let new = ebpf
+        .map_mut(name)
+        .ok_or(DatapathError::MissingMap { name })?;
+    let mut new: HashMap<&mut MapData, CtKey, CtEntry> =
+        HashMap::try_from(new).map_err(migration_error(name, "opening the new"))?;
+    let old: HashMap<&MapData, CtKey, CtEntry> =
+        HashMap::try_from(&a.old).map_err(migration_error(name, "opening the old"))?;
+    let mut c = Copied::default();
+    let mut failed = None;
+    sys::map_walk_batches(
+        old.map().fd().as_fd(),
+        |keys: &[CtKey], entries: &[CtEntry]| {
+            for (key, entry) in keys.iter().zip(entries) {
+                if failed.is_some() || skip.contains(key) {
+                    continue;
+                }
+                match new.insert(key, entry, BPF_NOEXIST) {
+                    Ok(()) => c.copied += 1,
+                    Err(MapError::SyscallError(e)) => match e.io_error.raw_os_error() {
+                        Some(libc::EEXIST) => c.present += 1,
+                        Some(libc::E2BIG) => c.no_room += 1,
+                        _ => failed = Some(MapError::SyscallError(e)),
+                    },
+                    Err(e) => failed = Some(e),
+                }
+            }
+        },
+    )
+    .map_err(|source| DatapathError::Io {
+        what: format!("walking the old {name} for its migration"),
+        source,
+    })?;
+    match failed {
         Some(source) => Err(migration_error(name, "inserting into the new")(source)),
         None => Ok(c),
     }
+}
+
+/// Whether a loaded program uses the map `id` (the old datapath's, attached through a pinned
+/// link or held by a process).
+fn in_use(id: u32) -> Result<bool, DatapathError> {
+    for prog in loaded_programs() {
+        let Ok(prog) = prog else {
+            // Unloaded while listed.
+            continue;
+        };
+        let ids = prog.map_ids().map_err(|source| DatapathError::Program {
+            what: "listing a loaded program's maps".into(),
+            source,
+        })?;
+        if ids.is_some_and(|ids| ids.contains(&id)) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// Moves the old queue's keys, oldest first, behind the new queue's.

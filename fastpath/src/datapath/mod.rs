@@ -236,15 +236,16 @@ impl Datapath {
             let _ = remove_pins(pin_dir);
         }
         let mut dp = loaded?;
-        if let Some(m) = migration.filter(|m| !m.is_empty()) {
+        if let Some(mut m) = migration.filter(|m| !m.is_empty()) {
             m.copy_before_attach(&mut dp.ebpf)?;
             dp.migration = Some(m);
         }
         Ok(dp)
     }
 
-    /// Ends a migration [`Datapath::open`] began: call once the new programs are attached
-    /// (the old ones no longer write the old maps). Does nothing without one.
+    /// Ends a migration [`Datapath::open`] began: call once the new programs run on every
+    /// link and stale links are gone (no old program writes the old maps). Does nothing
+    /// without one.
     pub fn finish_migration(&mut self) -> Result<(), DatapathError> {
         match self.migration.take() {
             Some(m) => m.finish(&mut self.ebpf),
@@ -505,6 +506,13 @@ impl Datapath {
             .and_then(|()| self.swap_pinned(pending));
         if result.is_err() {
             self.detach_fresh();
+        }
+        // A link swapped (even by a swap that failed later) runs a new program: the new maps
+        // are live from here on.
+        if let Some(m) = self.migration.as_mut()
+            && (result.is_ok() || self.attachments.iter().any(|a| a.reused))
+        {
+            m.set_live();
         }
         result
     }
@@ -802,7 +810,7 @@ pub fn looks_like_pin_dir(pin_dir: &Path) -> bool {
     !names.is_empty()
         && names
             .iter()
-            .all(|n| n == "maps" || n == "links" || n == TAILS_DIR)
+            .all(|n| n == "maps" || n == "links" || n == TAILS_DIR || n == migrate::MIGRATING_DIR)
 }
 
 /// Removes every link, tail array and map pin under `pin_dir` (links first, so programs

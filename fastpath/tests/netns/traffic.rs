@@ -29,7 +29,10 @@ use fastpath::{
     },
 };
 use fastpath_common::{
-    Counter, DatapathConfig, Hook, Verdict, map_names, reason, stats::CONFIG_F_DROP_MALFORMED,
+    Counter, DatapathConfig, Hook, Verdict,
+    ct::{CtEntry, CtKey},
+    map_names, reason,
+    stats::CONFIG_F_DROP_MALFORMED,
 };
 
 use crate::bin;
@@ -751,8 +754,7 @@ fn pinned_ct_table(pin_dir: &Path) -> (u32, u32, u32) {
 /// Replaces the pinned conntrack table with one of the kind versions up to 0ae8551 pinned
 /// (`BPF_F_NO_PREALLOC`) holding the same entries, as an upgrade finds it;
 /// returns their keys (at least one). The running programs keep their own table.
-fn pin_table_of_the_older_kind(pin_dir: &Path) -> Vec<fastpath_common::ct::CtKey> {
-    use fastpath_common::ct::{CtEntry, CtKey};
+fn pin_table_of_the_older_kind(pin_dir: &Path) -> Vec<CtKey> {
     let entries = fastpath::datapath::pinned_ct_entries(pin_dir)
         .unwrap_or_else(|e| panic!("reading the pinned table: {e}"));
     assert!(!entries.is_empty(), "no conntrack entry to migrate");
@@ -884,7 +886,7 @@ fn kill9_keeps_the_datapath_and_a_restart_continues_its_counters() {
     daemon.restart();
     let log = daemon.log();
     let copied = format!(
-        "Migration: first copy of the pinned table map=FP_CT copied={} ",
+        "Migration: copied before the new programs run map=FP_CT copied={} ",
         old_kind.len()
     );
     for want in [
@@ -1096,6 +1098,36 @@ fn failed_restart_keeps_the_running_datapath() {
     let s3 = daemon.stats();
     assert_pings_counted(&s2, &s3, N, when);
 
+    // As a start that died half-way through that migration leaves it: the running programs'
+    // table aside, a new one (still empty) under its name. The next start starts it over.
+    let before: Vec<CtKey> = fastpath::datapath::pinned_ct_entries(&pin_dir)
+        .unwrap_or_else(|e| panic!("reading the table: {e}"))
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert!(!before.is_empty(), "the pings left no conntrack entry");
+    let (maps, aside) = (pin_dir.join("maps"), pin_dir.join("migrating"));
+    fs::create_dir_all(&aside).expect("creating migrating/");
+    fs::rename(maps.join(map_names::CT), aside.join(map_names::CT)).expect("moving FP_CT aside");
+    let partial = maps.join(map_names::CT);
+    host_run(&[
+        "bpftool",
+        "map",
+        "create",
+        partial.to_str().expect("utf-8"),
+        "type",
+        "hash",
+        "key",
+        &size_of::<CtKey>().to_string(),
+        "value",
+        &size_of::<CtEntry>().to_string(),
+        "entries",
+        &MIGRATED_CAPACITY.to_string(),
+        "name",
+        "FP_CT",
+    ])
+    .unwrap_or_else(|e| panic!("pinning an empty new table: {e}"));
+
     // A good config (this time with drop_malformed on and the table resized) reuses the
     // links, swaps programs and migrates the table.
     let good = lb
@@ -1109,6 +1141,7 @@ fn failed_restart_keeps_the_running_datapath() {
         "Reusing pinned maps",
         "Reused pinned XDP link",
         "Reused pinned TCX link",
+        "Migration resumed (over: programs still use the old map, whose partial copy is dropped) map=FP_CT over=true",
         "Migrated the pinned map to this version's kind and size map=FP_CT copied=",
         "Migrated the pinned map to this version's kind and size map=FP_CT_NEW copied=",
     ] {
@@ -1139,6 +1172,12 @@ fn failed_restart_keeps_the_running_datapath() {
     assert!(
         !pin_dir.join("migrating").exists(),
         "after the good restart: the migration's directory must be gone"
+    );
+    let after = fastpath::datapath::pinned_ct_entries(&pin_dir)
+        .unwrap_or_else(|e| panic!("reading the migrated table: {e}"));
+    assert!(
+        before.iter().all(|k| after.iter().any(|(key, _)| key == k)),
+        "after the good restart: the resumed migration lost entries: {before:?} -> {after:?}"
     );
     assert_nothing_attached(fp, &[DUMMY], "after the good restart");
     assert_eq!(
