@@ -194,7 +194,10 @@ fn start_datapath(
     } else {
         info!(pin_dir = %pin_dir.display(), "Created and pinned maps");
     }
-    dp.attach_all(&config.interfaces)?;
+    if let Err(e) = dp.attach_all(&config.interfaces) {
+        dp.discard_failed_load();
+        return Err(e.into());
+    }
     dp.write_interfaces(&plan_interfaces(&config.interfaces, &SysHost)?)?;
     if let Some(ipv6) = config.translates() {
         datapath::prepare_forwarding(&config.interfaces, ipv6)?;

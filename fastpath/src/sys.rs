@@ -138,6 +138,8 @@ pub fn obj_get(pin: &Path) -> io::Result<OwnedFd> {
 /// What `bpf_link_info` says of a link (aya exposes neither field).
 pub struct LinkInfo {
     pub link_type: u32,
+    /// The program the link runs.
+    pub prog_id: u32,
     /// Interface an XDP/TCX link is attached to; 0 once that interface is gone.
     pub ifindex: u32,
 }
@@ -154,6 +156,7 @@ pub fn link_info(fd: BorrowedFd<'_>) -> io::Result<LinkInfo> {
     bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
     Ok(LinkInfo {
         link_type: info[0] as u32,
+        prog_id: info[1] as u32,
         ifindex: info[2] as u32,
     })
 }

@@ -59,8 +59,9 @@ struct Aside {
     kind: Kind,
     /// The old map (`Map::HashMap` or `Map::Queue`).
     old: Map,
-    /// Moved aside by this start (a start that fails before a new program runs moves it
-    /// back); false when an interrupted earlier start left it there.
+    /// Under the name before this start, in effect: moved aside by it, or left aside by an
+    /// interrupted start whose new map nothing used. A start that fails before a new program
+    /// runs moves it back; false when new programs already run on the new map.
     moved_now: bool,
     /// The new map was created by this load: nothing else writes it until the new programs
     /// run, so the copy before the swap may overwrite. False when resuming onto a new map
@@ -186,14 +187,16 @@ impl Migration {
                 rename(&pinned, &left)?;
             }
             let aside = Definition::of(&left)?;
-            // Resuming: while programs still use the old map (the start died before the
-            // swap), the new one under the name is a partial copy no program uses: start over.
-            let fresh = move_now || !pinned.exists() || in_use(aside.id)?;
+            // Resuming: unless a pinned link runs a program on the new map under the name (the
+            // interrupted start swapped), that map is a partial copy nothing uses: start over,
+            // as if this start had moved the old one aside.
+            let fresh =
+                move_now || !pinned.exists() || !linked(pin_dir, Definition::of(&pinned)?.id);
             if !move_now {
                 info!(
                     map = %name,
                     over = fresh,
-                    "Migration resumed (over: programs still use the old map, whose partial copy is dropped)"
+                    "Migration resumed (over: no link runs a program on its new map, a partial copy, which is dropped)"
                 );
                 if fresh {
                     super::remove_pin(&pinned)?;
@@ -211,7 +214,7 @@ impl Migration {
                 name,
                 kind,
                 old,
-                moved_now: move_now,
+                moved_now: fresh,
                 fresh,
                 was: (aside.flags, aside.max_entries),
             });
@@ -230,21 +233,22 @@ impl Migration {
         self.live = true;
     }
 
-    /// The copy before the swap: a fresh new table gets the old one as it is now; one that new
-    /// programs already use, the keys it lacks. The early-drop keys move, oldest first.
+    /// The copy before the swap, into a fresh new table: the old one as it is now. (The
+    /// early-drop keys move at the end: a start that fails leaves them in the old queue.)
     pub(super) fn copy_before_attach(&mut self, ebpf: &mut Ebpf) -> Result<(), DatapathError> {
-        for i in 0..self.aside.len() {
-            let a = &mut self.aside[i];
-            let c = match (a.kind, a.fresh) {
-                (Kind::Table, true) => overwrite_table(ebpf, a, &mut self.copied)?,
-                (Kind::Table, false) => insert_missing(ebpf, a, &HashSet::new())?,
-                (Kind::Queue, _) => move_queue(ebpf, a)?,
-            };
+        for a in self
+            .aside
+            .iter()
+            .filter(|a| a.kind == Kind::Table && a.fresh)
+        {
+            let started = std::time::Instant::now();
+            let c = overwrite_table(ebpf, a, &mut self.copied)?;
             info!(
                 map = %a.name,
                 copied = c.copied,
                 present = c.present,
                 no_room = c.no_room,
+                took_ms = started.elapsed().as_millis() as u64,
                 "Migration: copied before the new programs run"
             );
         }
@@ -252,13 +256,25 @@ impl Migration {
     }
 
     /// Once the old programs are gone from every link: copies what they added since the copy
-    /// before the swap, moves the early-drop keys they queued, then unpins the old maps.
+    /// before the swap, moves the early-drop keys, then unpins the old maps. Resuming onto a
+    /// new table programs already ran on, the old table's remaining entries are not copied:
+    /// which of them the new programs have since removed (closed, expired, flushed) is not
+    /// known, and bringing those back would be worse than losing the few connections the old
+    /// programs opened between the interrupted start's copy and its swap.
     pub(super) fn finish(mut self, ebpf: &mut Ebpf) -> Result<(), DatapathError> {
         let copied = std::mem::take(&mut self.copied);
         for mut a in std::mem::take(&mut self.aside) {
-            let c = match a.kind {
-                Kind::Table => insert_missing(ebpf, &a, &copied)?,
-                Kind::Queue => move_queue(ebpf, &mut a)?,
+            let started = std::time::Instant::now();
+            let c = match (a.kind, a.fresh) {
+                (Kind::Table, true) => insert_missing(ebpf, &a, &copied)?,
+                (Kind::Table, false) => {
+                    warn!(
+                        map = %a.name,
+                        "Migration resumed onto a table in use: the old table's connections the interrupted start had not copied are dropped"
+                    );
+                    Copied::default()
+                }
+                (Kind::Queue, _) => move_queue(ebpf, &mut a)?,
             };
             let now = Definition::of(&self.maps_dir.join(a.name))?;
             if c.no_room > 0 {
@@ -278,6 +294,7 @@ impl Migration {
                 flags_after = format_args!("{:#x}", now.flags),
                 capacity_before = a.was.1,
                 capacity_after = now.max_entries,
+                took_ms = started.elapsed().as_millis() as u64,
                 "Migrated the pinned map to this version's kind and size"
             );
             super::remove_pin(&self.aside_dir.join(a.name))?;
@@ -473,23 +490,27 @@ fn insert_missing(
     }
 }
 
-/// Whether a loaded program uses the map `id` (the old datapath's, attached through a pinned
-/// link or held by a process).
-fn in_use(id: u32) -> Result<bool, DatapathError> {
-    for prog in loaded_programs() {
-        let Ok(prog) = prog else {
-            // Unloaded while listed.
-            continue;
-        };
-        let ids = prog.map_ids().map_err(|source| DatapathError::Program {
-            what: "listing a loaded program's maps".into(),
-            source,
-        })?;
-        if ids.is_some_and(|ids| ids.contains(&id)) {
-            return Ok(true);
-        }
-    }
-    Ok(false)
+/// Whether a program attached through a link pinned under `pin_dir` uses the map `id`. A
+/// program that cannot be read (unloaded meanwhile) does not count.
+fn linked(pin_dir: &Path, id: u32) -> bool {
+    let progs: HashSet<u32> = fs::read_dir(pin_dir.join("links"))
+        .map(|dir| {
+            dir.flatten()
+                .filter_map(|e| sys::obj_get(&e.path()).ok())
+                .filter_map(|fd| sys::link_info(fd.as_fd()).ok())
+                .map(|l| l.prog_id)
+                .collect()
+        })
+        .unwrap_or_default();
+    loaded_programs()
+        .flatten()
+        .filter(|p| progs.contains(&p.id()))
+        .any(|p| {
+            p.map_ids()
+                .ok()
+                .flatten()
+                .is_some_and(|ids| ids.contains(&id))
+        })
 }
 
 /// Moves the old queue's keys, oldest first, behind the new queue's.

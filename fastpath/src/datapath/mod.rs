@@ -243,6 +243,18 @@ impl Datapath {
         Ok(dp)
     }
 
+    /// After a start's [`Datapath::attach_all`] failed: unless a link already runs one of
+    /// this load's programs, unpins its tail arrays, which would otherwise keep its programs
+    /// and their new maps (a migrated conntrack table among them) alive until the next start.
+    pub fn discard_failed_load(&mut self) {
+        if self.attachments.iter().any(|a| a.reused) {
+            return;
+        }
+        if let Err(e) = remove_pin_tree(&self.tails_dir) {
+            warn!(error = %e, dir = %self.tails_dir.display(), "Could not unpin the failed load's tail arrays");
+        }
+    }
+
     /// Ends a migration [`Datapath::open`] began: call once the new programs run on every
     /// link and stale links are gone (no old program writes the old maps). Does nothing
     /// without one.

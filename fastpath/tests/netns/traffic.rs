@@ -783,6 +783,29 @@ fn pin_table_of_the_older_kind(pin_dir: &Path) -> Vec<CtKey> {
     entries.into_iter().map(|(k, _)| k).collect()
 }
 
+/// The id of the map pinned as `name`.
+fn pinned_map_id(pin_dir: &Path, name: &str) -> u32 {
+    let path = pin_dir.join("maps").join(name);
+    aya::maps::MapInfo::from_pin(&path)
+        .unwrap_or_else(|e| panic!("reading the pinned {}: {e}", path.display()))
+        .id()
+}
+
+/// The pinned early-drop queue's oldest key (`bpftool map peek`, which leaves it queued);
+/// panics if the queue is empty.
+fn pinned_queue_head(pin_dir: &Path) -> String {
+    let path = pin_dir.join("maps").join(map_names::CT_NEW);
+    host_run(&[
+        "bpftool",
+        "-j",
+        "map",
+        "peek",
+        "pinned",
+        path.to_str().expect("utf-8"),
+    ])
+    .unwrap_or_else(|e| panic!("peeking {} (empty?): {e}", path.display()))
+}
+
 /// The capacity the restart tests migrate the conntrack table to (the default is 1 Mi).
 const MIGRATED_CAPACITY: u32 = 1 << 16;
 
@@ -1020,6 +1043,8 @@ fn failed_restart_keeps_the_running_datapath() {
     assert!(!daemon.is_running(), "daemon survived SIGKILL");
     add_interface_without_native_xdp(fp, DUMMY);
     let table = pinned_ct_table(&pin_dir);
+    let queue = pinned_map_id(&pin_dir, map_names::CT_NEW);
+    let early_drop_head = pinned_queue_head(&pin_dir);
 
     // It also resizes the conntrack table: the migration it begins must be undone.
     let bad = lb
@@ -1093,13 +1118,29 @@ fn failed_restart_keeps_the_running_datapath() {
         !pin_dir.join("migrating").exists(),
         "{when}: the migration's directory must be gone"
     );
+    assert_eq!(
+        (
+            pinned_map_id(&pin_dir, map_names::CT_NEW),
+            pinned_queue_head(&pin_dir)
+        ),
+        (queue, early_drop_head),
+        "{when}: the running programs' early-drop queue must be pinned again, its keys kept"
+    );
+    let tails = fs::read_dir(pin_dir.join("tails"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    assert_eq!(
+        tails, 1,
+        "{when}: the failed load's tail arrays must be unpinned"
+    );
     let s2 = daemon.stats();
     ping(lb.client(), backend, N);
     let s3 = daemon.stats();
     assert_pings_counted(&s2, &s3, N, when);
 
     // As a start that died half-way through that migration leaves it: the running programs'
-    // table aside, a new one (still empty) under its name. The next start starts it over.
+    // table aside, a new one (still empty, no link runs a program on it) under its name. The
+    // next start starts it over.
     let before: Vec<CtKey> = fastpath::datapath::pinned_ct_entries(&pin_dir)
         .unwrap_or_else(|e| panic!("reading the table: {e}"))
         .into_iter()
@@ -1141,7 +1182,7 @@ fn failed_restart_keeps_the_running_datapath() {
         "Reusing pinned maps",
         "Reused pinned XDP link",
         "Reused pinned TCX link",
-        "Migration resumed (over: programs still use the old map, whose partial copy is dropped) map=FP_CT over=true",
+        "Migration resumed (over: no link runs a program on its new map, a partial copy, which is dropped) map=FP_CT over=true",
         "Migrated the pinned map to this version's kind and size map=FP_CT copied=",
         "Migrated the pinned map to this version's kind and size map=FP_CT_NEW copied=",
     ] {
