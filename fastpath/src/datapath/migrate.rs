@@ -121,7 +121,6 @@ impl Migration {
                 return Err(DatapathError::MissingMap { name });
             };
             let want = Definition {
-                id: 0,
                 map_type: def.map_type(),
                 key_size: def.key_size(),
                 value_size: def.value_size(),
@@ -190,8 +189,7 @@ impl Migration {
             // Resuming: unless a pinned link runs a program on the new map under the name (the
             // interrupted start swapped), that map is a partial copy nothing uses: start over,
             // as if this start had moved the old one aside.
-            let fresh =
-                move_now || !pinned.exists() || !linked(pin_dir, Definition::of(&pinned)?.id);
+            let fresh = move_now || !pinned.exists() || !linked(pin_dir, &pinned)?;
             if !move_now {
                 info!(
                     map = %name,
@@ -334,33 +332,13 @@ impl Drop for Migration {
 }
 
 /// What the loader compares to reuse a pin.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Definition {
-    /// Not compared: which map, not what kind.
-    id: u32,
     map_type: u32,
     key_size: u32,
     value_size: u32,
     flags: u32,
     max_entries: u32,
-}
-
-impl PartialEq for Definition {
-    fn eq(&self, other: &Definition) -> bool {
-        (
-            self.map_type,
-            self.key_size,
-            self.value_size,
-            self.flags,
-            self.max_entries,
-        ) == (
-            other.map_type,
-            other.key_size,
-            other.value_size,
-            other.flags,
-            other.max_entries,
-        )
-    }
 }
 
 impl Definition {
@@ -374,7 +352,6 @@ impl Definition {
             source,
         })?;
         Ok(Definition {
-            id: info.id(),
             map_type: map_type as u32,
             key_size: info.key_size(),
             value_size: info.value_size(),
@@ -490,9 +467,15 @@ fn insert_missing(
     }
 }
 
-/// Whether a program attached through a link pinned under `pin_dir` uses the map `id`. A
-/// program that cannot be read (unloaded meanwhile) does not count.
-fn linked(pin_dir: &Path, id: u32) -> bool {
+/// Whether a program attached through a link pinned under `pin_dir` uses the map pinned at
+/// `map`. A program that cannot be read (unloaded meanwhile) does not count.
+fn linked(pin_dir: &Path, map: &Path) -> Result<bool, DatapathError> {
+    let id = MapInfo::from_pin(map)
+        .map_err(|source| DatapathError::Map {
+            what: format!("reading the id of {}", map.display()),
+            source,
+        })?
+        .id();
     let progs: HashSet<u32> = fs::read_dir(pin_dir.join("links"))
         .map(|dir| {
             dir.flatten()
@@ -502,7 +485,7 @@ fn linked(pin_dir: &Path, id: u32) -> bool {
                 .collect()
         })
         .unwrap_or_default();
-    loaded_programs()
+    Ok(loaded_programs()
         .flatten()
         .filter(|p| progs.contains(&p.id()))
         .any(|p| {
@@ -510,7 +493,7 @@ fn linked(pin_dir: &Path, id: u32) -> bool {
                 .ok()
                 .flatten()
                 .is_some_and(|ids| ids.contains(&id))
-        })
+        }))
 }
 
 /// Moves the old queue's keys, oldest first, behind the new queue's.

@@ -741,14 +741,42 @@ fn assert_datapath_on_every_fp_interface(
     all
 }
 
-/// The runtime flags in the pinned FP_CONFIG map (index 0), read without a daemon.
 /// The pinned conntrack table's map id, capacity and flags (the pin a restart migrates when
 /// `conntrack.capacity` or this version's table kind differ).
 fn pinned_ct_table(pin_dir: &Path) -> (u32, u32, u32) {
-    let path = pin_dir.join("maps").join(map_names::CT);
-    let info = aya::maps::MapInfo::from_pin(&path)
-        .unwrap_or_else(|e| panic!("reading the pinned {}: {e}", path.display()));
+    let info = pinned_map_info(pin_dir, map_names::CT);
     (info.id(), info.max_entries(), info.map_flags())
+}
+
+/// What the kernel says of the map pinned as `name`.
+fn pinned_map_info(pin_dir: &Path, name: &str) -> aya::maps::MapInfo {
+    let path = pin_dir.join("maps").join(name);
+    aya::maps::MapInfo::from_pin(&path)
+        .unwrap_or_else(|e| panic!("reading the pinned {}: {e}", path.display()))
+}
+
+/// Pins at `path` an empty hash of conntrack keys and entries (`bpftool map create`), as a
+/// version or an interrupted start leaves one: `flags` its map flags.
+fn pin_empty_ct_table(path: &Path, capacity: u32, flags: u32) {
+    host_run(&[
+        "bpftool",
+        "map",
+        "create",
+        path.to_str().expect("utf-8"),
+        "type",
+        "hash",
+        "key",
+        &size_of::<CtKey>().to_string(),
+        "value",
+        &size_of::<CtEntry>().to_string(),
+        "entries",
+        &capacity.to_string(),
+        "name",
+        "FP_CT",
+        "flags",
+        &flags.to_string(),
+    ])
+    .unwrap_or_else(|e| panic!("pinning an empty table at {}: {e}", path.display()));
 }
 
 /// Replaces the pinned conntrack table with one of the kind versions up to 0ae8551 pinned
@@ -761,17 +789,7 @@ fn pin_table_of_the_older_kind(pin_dir: &Path) -> Vec<CtKey> {
     let pin = pin_dir.join("maps").join(map_names::CT);
     let (_, capacity, _) = pinned_ct_table(pin_dir);
     fs::remove_file(&pin).unwrap_or_else(|e| panic!("unpinning {}: {e}", pin.display()));
-    let pin_s = pin.to_str().expect("utf-8");
-    let (key, value, capacity) = (
-        size_of::<CtKey>().to_string(),
-        size_of::<CtEntry>().to_string(),
-        capacity.to_string(),
-    );
-    host_run(&[
-        "bpftool", "map", "create", pin_s, "type", "hash", "key", &key, "value", &value, "entries",
-        &capacity, "name", "FP_CT", "flags", "1",
-    ])
-    .unwrap_or_else(|e| panic!("creating a table of the older kind: {e}"));
+    pin_empty_ct_table(&pin, capacity, 1);
     let data = MapData::from_pin(&pin).unwrap_or_else(|e| panic!("opening it: {e}"));
     let mut table: aya::maps::HashMap<MapData, CtKey, CtEntry> =
         aya::maps::HashMap::try_from(Map::HashMap(data)).unwrap_or_else(|e| panic!("{e}"));
@@ -781,14 +799,6 @@ fn pin_table_of_the_older_kind(pin_dir: &Path) -> Vec<CtKey> {
             .unwrap_or_else(|e| panic!("filling the table of the older kind: {e}"));
     }
     entries.into_iter().map(|(k, _)| k).collect()
-}
-
-/// The id of the map pinned as `name`.
-fn pinned_map_id(pin_dir: &Path, name: &str) -> u32 {
-    let path = pin_dir.join("maps").join(name);
-    aya::maps::MapInfo::from_pin(&path)
-        .unwrap_or_else(|e| panic!("reading the pinned {}: {e}", path.display()))
-        .id()
 }
 
 /// The pinned early-drop queue's oldest key (`bpftool map peek`, which leaves it queued);
@@ -809,6 +819,7 @@ fn pinned_queue_head(pin_dir: &Path) -> String {
 /// The capacity the restart tests migrate the conntrack table to (the default is 1 Mi).
 const MIGRATED_CAPACITY: u32 = 1 << 16;
 
+/// The runtime flags in the pinned FP_CONFIG map (index 0), read without a daemon.
 fn pinned_config_flags(pin_dir: &Path) -> u32 {
     let path = pin_dir.join("maps").join(map_names::CONFIG);
     let data = MapData::from_pin(&path)
@@ -1043,7 +1054,7 @@ fn failed_restart_keeps_the_running_datapath() {
     assert!(!daemon.is_running(), "daemon survived SIGKILL");
     add_interface_without_native_xdp(fp, DUMMY);
     let table = pinned_ct_table(&pin_dir);
-    let queue = pinned_map_id(&pin_dir, map_names::CT_NEW);
+    let queue = pinned_map_info(&pin_dir, map_names::CT_NEW).id();
     let early_drop_head = pinned_queue_head(&pin_dir);
 
     // It also resizes the conntrack table: the migration it begins must be undone.
@@ -1120,7 +1131,7 @@ fn failed_restart_keeps_the_running_datapath() {
     );
     assert_eq!(
         (
-            pinned_map_id(&pin_dir, map_names::CT_NEW),
+            pinned_map_info(&pin_dir, map_names::CT_NEW).id(),
             pinned_queue_head(&pin_dir)
         ),
         (queue, early_drop_head),
@@ -1150,24 +1161,7 @@ fn failed_restart_keeps_the_running_datapath() {
     let (maps, aside) = (pin_dir.join("maps"), pin_dir.join("migrating"));
     fs::create_dir_all(&aside).expect("creating migrating/");
     fs::rename(maps.join(map_names::CT), aside.join(map_names::CT)).expect("moving FP_CT aside");
-    let partial = maps.join(map_names::CT);
-    host_run(&[
-        "bpftool",
-        "map",
-        "create",
-        partial.to_str().expect("utf-8"),
-        "type",
-        "hash",
-        "key",
-        &size_of::<CtKey>().to_string(),
-        "value",
-        &size_of::<CtEntry>().to_string(),
-        "entries",
-        &MIGRATED_CAPACITY.to_string(),
-        "name",
-        "FP_CT",
-    ])
-    .unwrap_or_else(|e| panic!("pinning an empty new table: {e}"));
+    pin_empty_ct_table(&maps.join(map_names::CT), MIGRATED_CAPACITY, 0);
 
     // A good config (this time with drop_malformed on and the table resized) reuses the
     // links, swaps programs and migrates the table.
