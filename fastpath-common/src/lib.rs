@@ -109,6 +109,10 @@ pub mod map_names {
     pub const BENCH_FRAME: &str = "FP_BENCH_FRAME";
     /// The key `bench_ct_lookup` looks up.
     pub const BENCH_CT_KEY: &str = "FP_BENCH_CT_KEY";
+    /// The open-addressed table `bench_table_slots` works on: its buckets' heads
+    /// (`bench::CtBucket`) and its slots (`bench::CtSlot`).
+    pub const BENCH_HEADS: &str = "FP_BENCH_HEADS";
+    pub const BENCH_SLOTS: &str = "FP_BENCH_SLOTS";
 }
 
 /// Names of the programs in the eBPF object.
@@ -131,6 +135,11 @@ pub mod program_names {
     /// One lookup in the conntrack table (of `FP_BENCH_CT_KEY`) and nothing else: the
     /// benchmark's measure of the hash lookup inside the CT-hit path; never attached.
     pub const BENCH_CT_LOOKUP: &str = "bench_ct_lookup";
+    /// A new connection's or an established packet's table work (`bench::TableRun`) on the
+    /// conntrack hash `FP_CT`, and on an open-addressed array (`FP_BENCH_SLOTS`): the
+    /// benchmark's comparison of table kinds; never attached.
+    pub const BENCH_TABLE_HASH: &str = "bench_table_hash";
+    pub const BENCH_TABLE_SLOTS: &str = "bench_table_slots";
     /// Creates and removes conntrack entries for the daemon, a batch of
     /// [`crate::ct::CtRecord`]s per BPF_PROG_TEST_RUN (HA applies a peer's changes with it);
     /// never attached.
@@ -206,4 +215,82 @@ pub mod bench {
     /// The UDP port whose IPv4 datagrams `bench_xdp_sink` drops (the discard port, which the
     /// load-balancer benchmarks send to).
     pub const SINK_UDP_PORT: u16 = 9;
+
+    use crate::ct::{CtEntry, CtKey};
+
+    /// The input frame of `bench_table_hash` and `bench_table_slots`: a key, what to do with
+    /// it, and the open-addressed table's bucket mask (its buckets are a power of two).
+    #[derive(Clone, Copy, Debug, Default)]
+    #[repr(C, align(8))]
+    pub struct TableRun {
+        pub key: CtKey,
+        /// [`TABLE_NEW`] or [`TABLE_HIT`].
+        pub op: u32,
+        pub mask: u32,
+        /// Up to the 64 bytes BPF_PROG_TEST_RUN's XDP input wants at least (an Ethernet
+        /// header's worth is the minimum; 64 keeps the floor's frame the same size).
+        pub _pad: [u64; 2],
+    }
+    const _: () = assert!(core::mem::size_of::<TableRun>() == 64);
+
+    /// A new load-balanced connection's table work: the key is looked up and not found, then
+    /// it and its alias ([`table_alias`]) are inserted (`BPF_NOEXIST` semantics). XDP_PASS
+    /// when all three went so, XDP_DROP otherwise.
+    pub const TABLE_NEW: u32 = 0;
+    /// An established packet's: the key is looked up, found, and a packet counted in its
+    /// entry. XDP_PASS when found, XDP_DROP otherwise.
+    pub const TABLE_HIT: u32 = 1;
+
+    /// The alias a [`TABLE_NEW`] run inserts beside `key`: the same tuple as another
+    /// protocol, so it never meets the table's other keys.
+    #[inline(always)]
+    pub fn table_alias(key: &CtKey) -> CtKey {
+        CtKey {
+            proto: key.proto ^ 0x80,
+            ..*key
+        }
+    }
+
+    /// The open-addressed conntrack table the benchmark times beside the kernel's hash: a
+    /// key may sit in either of two buckets of [`BUCKET_SLOTS`] slots ([`slot_buckets`]),
+    /// and goes into the one with more room (two choices keep buckets from overflowing well
+    /// past half full; the first free slot of the first bucket alone overflows a few buckets
+    /// in a thousand there). A bucket's heads (`FP_BENCH_HEADS`, one cache line) hold each slot's
+    /// state (`SLOT_*`, low half) and the key's tag (the high half of its hash), so a lookup
+    /// reads two lines of heads and only the slot whose head matches; an insert claims a slot
+    /// by compare-and-swap on its head (BPF's compare-and-swap is 64-bit on every CPU
+    /// version), no lock. The slot (`FP_BENCH_SLOTS`, bucket × `BUCKET_SLOTS` + i) holds the
+    /// key and the entry.
+    #[derive(Clone, Copy, Debug, Default)]
+    #[repr(C, align(8))]
+    pub struct CtSlot {
+        pub key: CtKey,
+        pub entry: CtEntry,
+    }
+    const _: () = assert!(core::mem::size_of::<CtSlot>() == 192);
+
+    /// Slots per bucket: a bucket's heads fill one 64-byte cache line.
+    pub const BUCKET_SLOTS: usize = 8;
+
+    /// One bucket's heads (see [`CtSlot`]).
+    pub type CtBucket = [u64; BUCKET_SLOTS];
+
+    /// Empty (never used, or its key was removed: a lookup reads the whole bucket anyway). The
+    /// whole head is zero.
+    pub const SLOT_FREE: u64 = 0;
+    /// Being written by the CPU that claimed it: skipped by lookups, not taken by inserts.
+    pub const SLOT_CLAIMED: u64 = 1;
+    /// Holds a key and its entry.
+    pub const SLOT_LIVE: u64 = 2;
+
+    /// The two buckets `key` may sit in, in a table of `mask + 1` buckets (a power of two
+    /// above one), and its tag in place (the high half of a head). The second bucket is the
+    /// first's XOR a function of the tag, so either tells the other.
+    #[inline(always)]
+    pub fn slot_buckets(key: &CtKey, mask: u32) -> (u32, u32, u64) {
+        let h = crate::ct::flow_hash(key);
+        let first = h as u32 & mask;
+        let step = ((h >> 32) as u32).wrapping_mul(0x5bd1_e995) | 1;
+        (first, (first ^ step) & mask, h & !0xffff_ffff)
+    }
 }

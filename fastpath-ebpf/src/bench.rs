@@ -2,14 +2,21 @@
 //! attached. They go through the stages' own code paths, so a benchmark measures what the
 //! datapath really does.
 
+use aya_ebpf::bindings::xdp_action;
 use fastpath_common::{
-    bench::CT_EVENTS_PER_RUN,
-    ct::{CtEntry, ct_event},
+    bench::{
+        BUCKET_SLOTS, CT_EVENTS_PER_RUN, CtBucket, CtSlot, SLOT_CLAIMED, SLOT_FREE, SLOT_LIVE,
+        TABLE_NEW, TableRun, slot_buckets, table_alias,
+    },
+    ct::{CtEntry, CtKey, DIR_ORIGINAL, ct_event},
 };
 
 use crate::{
-    conntrack,
-    maps::{FP_BENCH_SEQ, FP_CT_KEY},
+    conntrack::{self, BPF_NOEXIST},
+    maps::{
+        FP_BENCH_HEADS, FP_BENCH_SEQ, FP_BENCH_SLOTS, FP_CT, FP_CT_ENTRY, FP_CT_KEY, FP_CT_KEY2,
+    },
+    packet::Packet,
 };
 
 /// Emits `CT_EVENTS_PER_RUN` conntrack events through the conntrack stage's `emit` (ring
@@ -46,4 +53,182 @@ pub fn ct_events() {
     }
     // Lost events still take their numbers, so the consumer sees the gap.
     *next = base + u64::from(CT_EVENTS_PER_RUN);
+}
+
+/// The input of a table-kind run (`fastpath_common::bench::TableRun`): (op, index mask, the
+/// key in this CPU's scratch, the key's alias in the second scratch), or `None` if the frame
+/// is too short.
+#[inline(always)]
+fn table_input(pkt: &Packet) -> Option<(u32, u32, &'static CtKey, &'static CtKey)> {
+    let w = pkt.words_at::<{ size_of::<TableRun>() / 8 }>(0)?;
+    let (key, alias) = (FP_CT_KEY.get_ptr_mut(0)?, FP_CT_KEY2.get_ptr_mut(0)?);
+    // SAFETY: the frame's words were checked to lie in the packet (the target allows
+    // unaligned loads); the keys are this CPU's slots of per-CPU arrays, 8-aligned, used by
+    // this program run only.
+    unsafe {
+        let k = key.cast::<u64>();
+        let mut i = 0;
+        while i < 5 {
+            k.add(i).write(w.add(i).read_unaligned());
+            i += 1;
+        }
+        let op_mask = w.add(5).read_unaligned();
+        *alias = table_alias(&*key);
+        Some((op_mask as u32, (op_mask >> 32) as u32, &*key, &*alias))
+    }
+}
+
+/// A table-kind run on the conntrack hash `FP_CT`, with the calls the conntrack stage makes
+/// (see `TABLE_NEW`, `TABLE_HIT`): the cost the open-addressed table is weighed against.
+#[inline(always)]
+pub fn table_hash(pkt: &Packet) -> u32 {
+    table_run(
+        pkt,
+        |key, _| FP_CT.get_ptr_mut(key),
+        |key, entry, _| FP_CT.insert(key, entry, BPF_NOEXIST).is_ok(),
+    )
+}
+
+/// The same run on the open-addressed table `FP_BENCH_SLOTS` (see `CtSlot`).
+#[inline(always)]
+pub fn table_slots(pkt: &Packet) -> u32 {
+    table_run(
+        pkt,
+        // SAFETY: a live slot of the array; its entry's address.
+        |key, mask| slot_find(key, mask).map(|s| unsafe { &raw mut (*s).entry }),
+        slot_insert,
+    )
+}
+
+/// The run of the frame's `TableRun` on a table given by its `lookup` and its `insert`
+/// (`BPF_NOEXIST`), each told the bucket mask: XDP_PASS when it went as its op says.
+#[inline(always)]
+fn table_run(
+    pkt: &Packet,
+    lookup: impl Fn(&CtKey, u32) -> Option<*mut CtEntry>,
+    insert: impl Fn(&CtKey, &CtEntry, u32) -> bool,
+) -> u32 {
+    let (Some((op, mask, key, alias)), Some(entry)) = (table_input(pkt), FP_CT_ENTRY.get(0)) else {
+        return xdp_action::XDP_ABORTED;
+    };
+    let done = if op == TABLE_NEW {
+        lookup(key, mask).is_none() && insert(key, entry, mask) && insert(alias, entry, mask)
+    } else {
+        match lookup(key, mask) {
+            // SAFETY: a live entry of the table.
+            Some(e) => unsafe {
+                (*e).packets[DIR_ORIGINAL] += 1;
+                true
+            },
+            None => false,
+        }
+    };
+    if done {
+        xdp_action::XDP_PASS
+    } else {
+        xdp_action::XDP_DROP
+    }
+}
+
+/// The live slot of `key`, if any: two buckets' heads (array lookups the verifier inlines),
+/// then the key of a slot whose head matches.
+#[inline(always)]
+fn slot_find(key: &CtKey, mask: u32) -> Option<*mut CtSlot> {
+    let (first, second, tag) = slot_buckets(key, mask);
+    let words = key.words();
+    let mut b = 0;
+    // verifier: constant bounds.
+    while b < 2 {
+        let bucket = if b == 0 { first } else { second };
+        let heads = FP_BENCH_HEADS.get_ptr(bucket)?;
+        let mut i = 0;
+        while i < BUCKET_SLOTS {
+            // SAFETY: a valid, aligned array value; a head is read before its slot.
+            if unsafe { core::ptr::read_volatile(&raw const (*heads)[i]) } == SLOT_LIVE | tag
+                && let Some(s) = FP_BENCH_SLOTS.get_ptr_mut(bucket * BUCKET_SLOTS as u32 + i as u32)
+                // SAFETY: as above; a live slot's key is not written while it is live.
+                && unsafe { (*s).key.words() } == words
+            {
+                return Some(s);
+            }
+            i += 1;
+        }
+        b += 1;
+    }
+    None
+}
+
+/// Inserts `key` with `entry` unless it is there (`BPF_NOEXIST`): into the first free slot
+/// of whichever of its two buckets has more of them, claimed by compare-and-swap on its head.
+/// False if the key is there, or its bucket has no free slot left to claim (both full, or
+/// other CPUs took the last ones first).
+#[inline(always)]
+fn slot_insert(key: &CtKey, entry: &CtEntry, mask: u32) -> bool {
+    if slot_find(key, mask).is_some() {
+        return false;
+    }
+    let (first, second, tag) = slot_buckets(key, mask);
+    let (Some(a), Some(b)) = (
+        FP_BENCH_HEADS.get_ptr_mut(first),
+        FP_BENCH_HEADS.get_ptr_mut(second),
+    ) else {
+        return false;
+    };
+    let (bucket, heads) = if room(b) > room(a) {
+        (second, b)
+    } else {
+        (first, a)
+    };
+    let mut i = 0;
+    // verifier: a constant bound.
+    while i < BUCKET_SLOTS {
+        // SAFETY: an aligned word of a valid array value.
+        let h = unsafe { &raw mut (*heads)[i] };
+        // SAFETY: as above; BPF's compare-and-swap on map memory.
+        let claimed = unsafe {
+            core::ptr::read_volatile(h) == SLOT_FREE
+                && core::intrinsics::atomic_cxchg::<
+                    u64,
+                    { core::intrinsics::AtomicOrdering::Relaxed },
+                    { core::intrinsics::AtomicOrdering::Relaxed },
+                >(h, SLOT_FREE, SLOT_CLAIMED)
+                .1
+        };
+        if claimed {
+            let Some(s) = FP_BENCH_SLOTS.get_ptr_mut(bucket * BUCKET_SLOTS as u32 + i as u32)
+            else {
+                // Cannot be (the slots are the heads' multiple); the claim is given back.
+                // SAFETY: as above; the head is this CPU's.
+                unsafe { core::ptr::write_volatile(h, SLOT_FREE) };
+                return false;
+            };
+            // SAFETY: the slot is this CPU's until it is published below.
+            unsafe {
+                (*s).key = *key;
+                (*s).entry = *entry;
+                // Published after its contents: lookups read the head first (x86 keeps
+                // stores in order; a weakly ordered CPU would want a release store here).
+                core::sync::atomic::compiler_fence(core::sync::atomic::Ordering::Release);
+                core::ptr::write_volatile(h, SLOT_LIVE | tag);
+            }
+            return true;
+        }
+        i += 1;
+    }
+    false
+}
+
+/// Free slots in a bucket, counted without branches: one verifier state whatever the heads.
+#[inline(always)]
+fn room(heads: *const CtBucket) -> u64 {
+    let mut n = 0;
+    let mut i = 0;
+    while i < BUCKET_SLOTS {
+        // SAFETY: an aligned word of a valid array value.
+        let state = unsafe { core::ptr::read_volatile(&raw const (*heads)[i]) } & 0xffff_ffff;
+        // 1 when the state is zero (free), by the borrow into the top bit.
+        n += state.wrapping_sub(1) >> 63;
+        i += 1;
+    }
+    n
 }

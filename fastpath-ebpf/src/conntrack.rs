@@ -51,7 +51,7 @@ use crate::{
 };
 
 /// BPF_NOEXIST: create only.
-const BPF_NOEXIST: u64 = 1;
+pub(crate) const BPF_NOEXIST: u64 = 1;
 /// BPF_EXIST: update an existing element only (on a queue push: when full, overwrite the
 /// oldest element).
 const BPF_EXIST: u64 = 2;

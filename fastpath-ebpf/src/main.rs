@@ -586,6 +586,21 @@ pub fn bench_ct_lookup(_ctx: XdpContext) -> u32 {
     }
 }
 
+/// A table-kind run (`fastpath_common::bench::TableRun` in the frame) on the conntrack hash.
+/// Never attached.
+#[cfg(feature = "bench")]
+#[xdp]
+pub fn bench_table_hash(ctx: XdpContext) -> u32 {
+    bench::table_hash(&xdp_packet(&ctx))
+}
+
+/// The same run on the open-addressed table (`FP_BENCH_SLOTS`). Never attached.
+#[cfg(feature = "bench")]
+#[xdp]
+pub fn bench_table_slots(ctx: XdpContext) -> u32 {
+    bench::table_slots(&xdp_packet(&ctx))
+}
+
 /// A traffic sink for the load-balancer benchmark, attached to the backends' links: drops
 /// IPv4 UDP datagrams to `bench::SINK_UDP_PORT` (no IP options) and passes everything else
 /// (ARP, TCP, ...) to the stack. The veth counts what it dropped (`ethtool -S`: xdp_drops).

@@ -164,6 +164,19 @@ pub static FP_BENCH_FRAME: Array<[u64; fastpath_common::bench::BENCH_FRAME_WORDS
 #[map(name = "FP_BENCH_CT_KEY")]
 pub static FP_BENCH_CT_KEY: Array<CtKey> = Array::with_max_entries(1, 0);
 
+/// The open-addressed table `bench_table_slots` works on (see
+/// `fastpath_common::bench::CtSlot`): its buckets' heads and its slots, sized by the benchmark
+/// (a power of two buckets, `BUCKET_SLOTS` slots each) and filled through their memory
+/// mappings. Not pinned.
+#[cfg(feature = "bench")]
+#[map(name = "FP_BENCH_HEADS")]
+pub static FP_BENCH_HEADS: Array<fastpath_common::bench::CtBucket> =
+    Array::with_max_entries(1, BPF_F_MMAPABLE);
+#[cfg(feature = "bench")]
+#[map(name = "FP_BENCH_SLOTS")]
+pub static FP_BENCH_SLOTS: Array<fastpath_common::bench::CtSlot> =
+    Array::with_max_entries(1, BPF_F_MMAPABLE);
+
 /// Services: (VIP, port, protocol) → `Service`, written by the daemon (one value write
 /// switches a service to its new selection table).
 #[map(name = "FP_SVC")]

@@ -400,6 +400,12 @@ impl<T: Copy> SharedArray<T> {
         self.len
     }
 
+    /// The mapping's elements, to read and write in place.
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        // SAFETY: `len` elements of `T` lie in the mapping, which lives as long as `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
     /// Copies `values` to elements `off..off + values.len()`; false (nothing written) if
     /// that range is not inside the mapping.
     pub fn write(&mut self, off: usize, values: &[T]) -> bool {

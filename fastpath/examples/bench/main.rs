@@ -93,6 +93,7 @@ mod overlay_compare;
 mod plot;
 mod report;
 mod route_compare;
+mod table_kinds;
 
 /// Runs per BPF_PROG_TEST_RUN call (the kernel loops in-kernel and reports the mean).
 const REPEAT: u32 = 1_000_000;
@@ -189,6 +190,9 @@ struct Report {
     rows: Vec<Row>,
     conntrack: Vec<CtRow>,
     conntrack_gc: Vec<GcRow>,
+    /// The conntrack hash beside an open-addressed table (`table_kinds`).
+    #[serde(default)]
+    table_kinds: Vec<table_kinds::KindRow>,
     /// The L3 stage's ns/packet at FIB sizes.
     #[serde(default)]
     route_paths: Vec<CtRow>,
@@ -284,6 +288,10 @@ const SECTIONS: &[(&str, &str)] = &[
     ),
     ("lb", "only the LB rows of the conntrack table"),
     (
+        "table-kinds",
+        "a new connection's and an established packet's table work: the conntrack hash beside an open-addressed array",
+    ),
+    (
         "route",
         "ns/packet of the L3 stage with 1k and 1M routes in the FIB",
     ),
@@ -313,6 +321,7 @@ enum Part {
     Parse(Vec<FloorRow>, Vec<Row>, Option<(String, Vec<ObjectRow>)>),
     /// Each object's rows ([`PerObject`]) and this tree's expiry passes.
     Conntrack(PerObject, Vec<GcRow>),
+    TableKinds(Vec<table_kinds::KindRow>),
     Lb(PerObject),
     Route(PerObject),
     Vxlan(PerObject),
@@ -524,6 +533,7 @@ fn measure(
             let (rows, gc) = bench_conntrack(&objects)?;
             Part::Conntrack(rows, gc)
         }
+        "table-kinds" => Part::TableKinds(table_kinds::bench()?),
         "lb" => Part::Lb(bench_lb(&objects)?),
         "route" => Part::Route(bench_route_paths(&objects)?),
         "vxlan" => Part::Vxlan(bench_vxlan_paths(&objects)?),
@@ -590,6 +600,7 @@ impl Report {
             }
             Part::Route(rows) => (self.route_paths, self.old_route_paths) = this_and_old(rows),
             Part::Vxlan(rows) => (self.vxlan_paths, self.old_vxlan_paths) = this_and_old(rows),
+            Part::TableKinds(k) => self.table_kinds = k,
             Part::Drain(d) => self.conntrack_drain = d,
             Part::Updates(u) => self.service_updates = u,
             Part::Api(a) => self.api_changes = a,
@@ -2399,6 +2410,7 @@ fn blocks(r: &Report) -> Vec<(&'static str, String)> {
         ),
         ("old-vs-new", old_vs_new_markdown(r)),
         ("katran", katran_markdown(r)),
+        ("table-kinds", table_kinds::markdown(&r.table_kinds)),
         ("gc", gc_markdown(&r.conntrack_gc)),
         ("drain", drain_markdown(&r.conntrack_drain)),
         ("updates", updates_markdown(&r.service_updates)),

@@ -427,6 +427,8 @@ pub enum FixtureError {
         size_of::<CtEvent>()
     )]
     BadEvent { len: usize },
+    #[error("the open-addressed table of the table-kind rows: {message}")]
+    Slots { message: String },
 }
 
 /// Why a case did not pass: it could not run, or it ran and something differed.
@@ -469,7 +471,7 @@ impl Fixture {
 
     /// As [`Fixture::new`], with a conntrack table of `capacity` entries.
     pub fn with_ct_capacity(capacity: u32) -> Result<Self, FixtureError> {
-        Fixture::load(crate::EBPF_BENCH_OBJECT, capacity, Tails::All)
+        Fixture::load(crate::EBPF_BENCH_OBJECT, capacity, 1, Tails::All)
     }
 
     /// As [`Fixture::with_ct_capacity`], from another build of the datapath with the
@@ -478,15 +480,47 @@ impl Fixture {
     /// them with this tree's types.
     /// Tail programs it lacks (it may predate one) are left out.
     pub fn with_object(object: &[u8], capacity: u32) -> Result<Self, FixtureError> {
-        Fixture::load(object, capacity, Tails::Present)
+        Fixture::load(object, capacity, 1, Tails::Present)
     }
 
-    fn load(object: &[u8], capacity: u32, tails: Tails) -> Result<Self, FixtureError> {
+    /// As [`Fixture::with_ct_capacity`], with the table-kind programs loaded and an
+    /// open-addressed table of `buckets` (a power of two above one) beside the conntrack
+    /// hash, for the benchmark's comparison of the two ([`Fixture::run_table`]).
+    pub fn with_table_kinds(capacity: u32, buckets: u32) -> Result<Self, FixtureError> {
+        if !buckets.is_power_of_two() || buckets < 2 {
+            return Err(FixtureError::Slots {
+                message: format!("{buckets} buckets: a power of two above one is needed"),
+            });
+        }
+        let mut fx = Fixture::load(crate::EBPF_BENCH_OBJECT, capacity, buckets, Tails::All)?;
+        for name in [
+            program_names::BENCH_TABLE_HASH,
+            program_names::BENCH_TABLE_SLOTS,
+        ] {
+            let xdp: &mut Xdp = program_mut(&mut fx.ebpf, name)?;
+            xdp.load()
+                .map_err(|source| FixtureError::Program { name, source })?;
+        }
+        Ok(fx)
+    }
+
+    /// `buckets`: the open-addressed table's, for the table-kind rows (1 elsewhere).
+    fn load(
+        object: &[u8],
+        capacity: u32,
+        buckets: u32,
+        tails: Tails,
+    ) -> Result<Self, FixtureError> {
         let pins = PinDir::create()?;
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(&pins.path)
             .map_max_entries(map_names::CT, capacity)
             .map_max_entries(map_names::CT_NEW, capacity)
+            .map_max_entries(map_names::BENCH_HEADS, buckets)
+            .map_max_entries(
+                map_names::BENCH_SLOTS,
+                buckets * fastpath_common::bench::BUCKET_SLOTS as u32,
+            )
             .load(object)
             .map_err(|source| FixtureError::Load { source })?;
         for name in [
@@ -708,6 +742,96 @@ impl Fixture {
             verdict: res.return_value,
             per_run: res.duration,
         })
+    }
+
+    /// One run of `run` through the table-kind program `name`
+    /// (`program_names::BENCH_TABLE_HASH` or `BENCH_TABLE_SLOTS`; [`Fixture::with_table_kinds`]),
+    /// `repeat` times.
+    pub fn run_table(
+        &self,
+        name: &'static str,
+        run: &fastpath_common::bench::TableRun,
+        repeat: u32,
+    ) -> Result<RepeatRun, FixtureError> {
+        // SAFETY: TableRun is repr(C) plain data without padding (its size is asserted).
+        let input = unsafe {
+            std::slice::from_raw_parts(
+                (run as *const fastpath_common::bench::TableRun).cast::<u8>(),
+                size_of::<fastpath_common::bench::TableRun>(),
+            )
+        };
+        let mut out = vec![0u8; input.len() + OUTPUT_SLACK];
+        let res = self.test_run_program(name, Hook::Xdp, input, &mut out, repeat.max(1), None)?;
+        Ok(RepeatRun {
+            verdict: res.return_value,
+            per_run: res.duration,
+        })
+    }
+
+    /// The open-addressed table's bucket mask (its buckets − 1).
+    pub fn buckets_mask(&self) -> Result<u32, FixtureError> {
+        Ok(self
+            .mapped::<fastpath_common::bench::CtBucket>(map_names::BENCH_HEADS)?
+            .1
+            - 1)
+    }
+
+    /// Empties the open-addressed table, then puts `keys` in it, each with `entry`, where the
+    /// datapath's insert would (the first free slot of the bucket with more room). Errors if
+    /// both of a key's buckets are full.
+    pub fn slots_fill(&mut self, keys: &[CtKey], entry: &CtEntry) -> Result<(), FixtureError> {
+        use fastpath_common::bench::{
+            BUCKET_SLOTS, CtBucket, CtSlot, SLOT_FREE, SLOT_LIVE, slot_buckets,
+        };
+        let (mut heads, buckets) = self.mapped::<CtBucket>(map_names::BENCH_HEADS)?;
+        let (mut slots, n) = self.mapped::<CtSlot>(map_names::BENCH_SLOTS)?;
+        let heads = &mut heads.as_mut_slice()[..buckets as usize];
+        let slots = &mut slots.as_mut_slice()[..n as usize];
+        heads.fill([SLOT_FREE; BUCKET_SLOTS]);
+        for key in keys {
+            let (first, second, tag) = slot_buckets(key, buckets - 1);
+            let room = |b: u32| {
+                heads[b as usize]
+                    .iter()
+                    .filter(|&&h| h == SLOT_FREE)
+                    .count()
+            };
+            let b = if room(second) > room(first) {
+                second
+            } else {
+                first
+            };
+            let i = heads[b as usize]
+                .iter()
+                .position(|&h| h == SLOT_FREE)
+                .ok_or_else(|| FixtureError::Slots {
+                    message: format!("buckets {first} and {second} are full"),
+                })?;
+            heads[b as usize][i] = SLOT_LIVE | tag;
+            slots[b as usize * BUCKET_SLOTS + i] = CtSlot {
+                key: *key,
+                entry: *entry,
+            };
+        }
+        Ok(())
+    }
+
+    /// The memory-mapped array `name` of `T`s, mapped into this process, and its length.
+    fn mapped<T: Copy>(
+        &self,
+        name: &'static str,
+    ) -> Result<(crate::sys::SharedArray<T>, u32), FixtureError> {
+        use std::os::fd::AsFd as _;
+        let Some(aya::maps::Map::Array(data)) = self.ebpf.map(name) else {
+            return Err(FixtureError::MissingMap { name });
+        };
+        let info = data.info().map_err(map_error(name))?;
+        let bytes = info.max_entries() as usize * size_of::<T>();
+        let mapped = crate::sys::SharedArray::map(data.fd().as_fd(), bytes.next_multiple_of(4096))
+            .map_err(|e| FixtureError::Slots {
+                message: format!("mapping {name}: {e}"),
+            })?;
+        Ok((mapped, info.max_entries()))
     }
 
     /// Runs the synthetic conntrack event producer (`bench_ct_events`) `runs` times: each run
