@@ -233,6 +233,20 @@ pub mod bench {
     }
     const _: () = assert!(core::mem::size_of::<TableRun>() == 64);
 
+    impl TableRun {
+        /// The frame a table-kind program reads.
+        pub fn as_bytes(&self) -> &[u8] {
+            // SAFETY: TableRun is repr(C) plain data without padding (its size is asserted
+            // above); the slice borrows `self`.
+            unsafe {
+                core::slice::from_raw_parts(
+                    (self as *const TableRun).cast::<u8>(),
+                    core::mem::size_of::<TableRun>(),
+                )
+            }
+        }
+    }
+
     /// A new load-balanced connection's table work: the key is looked up and not found, then
     /// it and its alias ([`table_alias`]) are inserted (`BPF_NOEXIST` semantics). XDP_PASS
     /// when all three went so, XDP_DROP otherwise.

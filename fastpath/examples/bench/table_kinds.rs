@@ -74,16 +74,6 @@ pub(crate) fn bench() -> Result<Vec<KindRow>> {
         // repeat = HIT_REPEAT).
         let mut samples = [(vec![], vec![]), (vec![], vec![]), (vec![], vec![])];
         let (mut floor_new, mut floor_hit) = (vec![], vec![]);
-        let input = |run: &TableRun| {
-            // SAFETY: TableRun is repr(C) plain data without padding (its size is asserted).
-            unsafe {
-                std::slice::from_raw_parts(
-                    (run as *const TableRun).cast::<u8>(),
-                    size_of::<TableRun>(),
-                )
-            }
-            .to_vec()
-        };
         for round in 0..ROUNDS {
             let order = if round % 2 == 0 { [0, 1, 2] } else { [2, 1, 0] };
             for _ in 0..NEW_RUNS {
@@ -95,7 +85,7 @@ pub(crate) fn bench() -> Result<Vec<KindRow>> {
                 };
                 next += 1;
                 floor_new.push(
-                    fx.run_floor_repeat(Hook::Xdp, &input(&run), 1)?
+                    fx.run_floor_repeat(Hook::Xdp, run.as_bytes(), 1)?
                         .per_run
                         .as_nanos() as f64,
                 );
@@ -106,7 +96,7 @@ pub(crate) fn bench() -> Result<Vec<KindRow>> {
                 }
             }
             floor_hit.push(
-                fx.run_floor_repeat(Hook::Xdp, &input(&hit), HIT_REPEAT)?
+                fx.run_floor_repeat(Hook::Xdp, hit.as_bytes(), HIT_REPEAT)?
                     .per_run
                     .as_nanos() as f64,
             );

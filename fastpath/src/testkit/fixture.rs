@@ -753,13 +753,7 @@ impl Fixture {
         run: &fastpath_common::bench::TableRun,
         repeat: u32,
     ) -> Result<RepeatRun, FixtureError> {
-        // SAFETY: TableRun is repr(C) plain data without padding (its size is asserted).
-        let input = unsafe {
-            std::slice::from_raw_parts(
-                (run as *const fastpath_common::bench::TableRun).cast::<u8>(),
-                size_of::<fastpath_common::bench::TableRun>(),
-            )
-        };
+        let input = run.as_bytes();
         let mut out = vec![0u8; input.len() + OUTPUT_SLACK];
         let res = self.test_run_program(name, Hook::Xdp, input, &mut out, repeat.max(1), None)?;
         Ok(RepeatRun {
