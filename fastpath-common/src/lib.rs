@@ -113,6 +113,8 @@ pub mod map_names {
     /// (`bench::CtBucket`) and its slots (`bench::CtSlot`).
     pub const BENCH_HEADS: &str = "FP_BENCH_HEADS";
     pub const BENCH_SLOTS: &str = "FP_BENCH_SLOTS";
+    /// The LRU hash `bench_table_lru` works on, of the conntrack table's key and entry.
+    pub const BENCH_LRU: &str = "FP_BENCH_LRU";
 }
 
 /// Names of the programs in the eBPF object.
@@ -136,10 +138,11 @@ pub mod program_names {
     /// benchmark's measure of the hash lookup inside the CT-hit path; never attached.
     pub const BENCH_CT_LOOKUP: &str = "bench_ct_lookup";
     /// A new connection's or an established packet's table work (`bench::TableRun`) on the
-    /// conntrack hash `FP_CT`, and on an open-addressed array (`FP_BENCH_SLOTS`): the
-    /// benchmark's comparison of table kinds; never attached.
+    /// conntrack hash `FP_CT`, on an open-addressed array (`FP_BENCH_SLOTS`) and on an LRU
+    /// hash (`FP_BENCH_LRU`): the benchmark's comparison of table kinds; never attached.
     pub const BENCH_TABLE_HASH: &str = "bench_table_hash";
     pub const BENCH_TABLE_SLOTS: &str = "bench_table_slots";
+    pub const BENCH_TABLE_LRU: &str = "bench_table_lru";
     /// Creates and removes conntrack entries for the daemon, a batch of
     /// [`crate::ct::CtRecord`]s per BPF_PROG_TEST_RUN (HA applies a peer's changes with it);
     /// never attached.
@@ -218,13 +221,13 @@ pub mod bench {
 
     use crate::ct::{CtEntry, CtKey};
 
-    /// The input frame of `bench_table_hash` and `bench_table_slots`: a key, what to do with
+    /// The input frame of the `bench_table_*` programs: a key, what to do with
     /// it, and the open-addressed table's bucket mask (its buckets are a power of two).
     #[derive(Clone, Copy, Debug, Default)]
     #[repr(C, align(8))]
     pub struct TableRun {
         pub key: CtKey,
-        /// [`TABLE_NEW`] or [`TABLE_HIT`].
+        /// [`TABLE_NEW`], [`TABLE_NEW_ONE`] or [`TABLE_HIT`].
         pub op: u32,
         pub mask: u32,
         /// Up to the 64 bytes BPF_PROG_TEST_RUN's XDP input wants at least (an Ethernet
@@ -254,6 +257,9 @@ pub mod bench {
     /// An established packet's: the key is looked up, found, and a packet counted in its
     /// entry. XDP_PASS when found, XDP_DROP otherwise.
     pub const TABLE_HIT: u32 = 1;
+    /// A new connection of one entry (a DSR connection's, Katran's): the key is looked up and
+    /// not found, then inserted. XDP_PASS when both went so, XDP_DROP otherwise.
+    pub const TABLE_NEW_ONE: u32 = 2;
 
     /// The alias a [`TABLE_NEW`] run inserts beside `key`: the same tuple as another
     /// protocol, so it never meets the table's other keys.

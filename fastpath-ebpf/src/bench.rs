@@ -6,7 +6,7 @@ use aya_ebpf::bindings::xdp_action;
 use fastpath_common::{
     bench::{
         BUCKET_SLOTS, CT_EVENTS_PER_RUN, CtBucket, CtSlot, SLOT_CLAIMED, SLOT_FREE, SLOT_LIVE,
-        TABLE_NEW, TableRun, slot_buckets, table_alias,
+        TABLE_HIT, TABLE_NEW_ONE, TableRun, slot_buckets, table_alias,
     },
     ct::{CtEntry, CtKey, DIR_ORIGINAL, ct_event},
 };
@@ -14,7 +14,8 @@ use fastpath_common::{
 use crate::{
     conntrack::{self, BPF_NOEXIST},
     maps::{
-        FP_BENCH_HEADS, FP_BENCH_SEQ, FP_BENCH_SLOTS, FP_CT, FP_CT_ENTRY, FP_CT_KEY, FP_CT_KEY2,
+        FP_BENCH_HEADS, FP_BENCH_LRU, FP_BENCH_SEQ, FP_BENCH_SLOTS, FP_CT, FP_CT_ENTRY, FP_CT_KEY,
+        FP_CT_KEY2,
     },
     packet::Packet,
 };
@@ -79,7 +80,8 @@ fn table_input(pkt: &Packet) -> Option<(u32, u32, &'static CtKey, &'static CtKey
 }
 
 /// A table-kind run on the conntrack hash `FP_CT`, with the calls the conntrack stage makes
-/// (see `TABLE_NEW`, `TABLE_HIT`): the cost the open-addressed table is weighed against.
+/// (see `TABLE_NEW`, `TABLE_NEW_ONE`, `TABLE_HIT`): the cost the other kinds are weighed
+/// against.
 #[inline(always)]
 pub fn table_hash(pkt: &Packet) -> u32 {
     table_run(
@@ -100,8 +102,20 @@ pub fn table_slots(pkt: &Packet) -> u32 {
     )
 }
 
+/// The same run on the LRU hash `FP_BENCH_LRU`: a lookup marks the entry referenced, an
+/// insert into a full table evicts one it was not.
+#[inline(always)]
+pub fn table_lru(pkt: &Packet) -> u32 {
+    table_run(
+        pkt,
+        |key, _| FP_BENCH_LRU.get_ptr_mut(key),
+        |key, entry, _| FP_BENCH_LRU.insert(key, entry, BPF_NOEXIST).is_ok(),
+    )
+}
+
 /// The run of the frame's `TableRun` on a table given by its `lookup` and its `insert`
-/// (`BPF_NOEXIST`), each told the bucket mask: XDP_PASS when it went as its op says.
+/// (`BPF_NOEXIST`), each told the bucket mask: XDP_PASS when it went as its op says (an op
+/// other than `TABLE_HIT` and `TABLE_NEW_ONE` is `TABLE_NEW`).
 #[inline(always)]
 fn table_run(
     pkt: &Packet,
@@ -111,9 +125,9 @@ fn table_run(
     let (Some((op, mask, key, alias)), Some(entry)) = (table_input(pkt), FP_CT_ENTRY.get(0)) else {
         return xdp_action::XDP_ABORTED;
     };
-    let done = if op == TABLE_NEW {
-        lookup(key, mask).is_none() && insert(key, entry, mask) && insert(alias, entry, mask)
-    } else {
+    // verifier: the hit's branch first and the new connections' in one expression (a
+    // `match` of three arms let LLVM merge the hit's pointer into a path where it is unset).
+    let done = if op == TABLE_HIT {
         match lookup(key, mask) {
             // SAFETY: a live entry of the table.
             Some(e) => unsafe {
@@ -122,6 +136,10 @@ fn table_run(
             },
             None => false,
         }
+    } else {
+        lookup(key, mask).is_none()
+            && insert(key, entry, mask)
+            && (op == TABLE_NEW_ONE || insert(alias, entry, mask))
     };
     if done {
         xdp_action::XDP_PASS

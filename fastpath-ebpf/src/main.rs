@@ -601,6 +601,13 @@ pub fn bench_table_slots(ctx: XdpContext) -> u32 {
     bench::table_slots(&xdp_packet(&ctx))
 }
 
+/// The same run on an LRU hash (`FP_BENCH_LRU`). Never attached.
+#[cfg(feature = "bench")]
+#[xdp]
+pub fn bench_table_lru(ctx: XdpContext) -> u32 {
+    bench::table_lru(&xdp_packet(&ctx))
+}
+
 /// A traffic sink for the load-balancer benchmark, attached to the backends' links: drops
 /// IPv4 UDP datagrams to `bench::SINK_UDP_PORT` (no IP options) and passes everything else
 /// (ARP, TCP, ...) to the stack. The veth counts what it dropped (`ethtool -S`: xdp_drops).

@@ -177,6 +177,12 @@ pub static FP_BENCH_HEADS: Array<fastpath_common::bench::CtBucket> =
 pub static FP_BENCH_SLOTS: Array<fastpath_common::bench::CtSlot> =
     Array::with_max_entries(1, BPF_F_MMAPABLE);
 
+/// The LRU hash `bench_table_lru` works on: the kind Katran keeps its flows in, sized by the
+/// benchmark like the conntrack table and filled with the same keys. Not pinned.
+#[cfg(feature = "bench")]
+#[map(name = "FP_BENCH_LRU")]
+pub static FP_BENCH_LRU: LruHashMap<CtKey, CtEntry> = LruHashMap::with_max_entries(1, 0);
+
 /// Services: (VIP, port, protocol) → `Service`, written by the daemon (one value write
 /// switches a service to its new selection table).
 #[map(name = "FP_SVC")]

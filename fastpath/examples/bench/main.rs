@@ -289,7 +289,7 @@ const SECTIONS: &[(&str, &str)] = &[
     ("lb", "only the LB rows of the conntrack table"),
     (
         "table-kinds",
-        "a new connection's and an established packet's table work: the conntrack hash beside an open-addressed array",
+        "a new connection's and an established packet's table work: the conntrack hash beside an open-addressed array and an LRU hash",
     ),
     (
         "route",

@@ -471,7 +471,7 @@ impl Fixture {
 
     /// As [`Fixture::new`], with a conntrack table of `capacity` entries.
     pub fn with_ct_capacity(capacity: u32) -> Result<Self, FixtureError> {
-        Fixture::load(crate::EBPF_BENCH_OBJECT, capacity, 1, Tails::All)
+        Fixture::load(crate::EBPF_BENCH_OBJECT, capacity, None, Tails::All)
     }
 
     /// As [`Fixture::with_ct_capacity`], from another build of the datapath with the
@@ -480,22 +480,29 @@ impl Fixture {
     /// them with this tree's types.
     /// Tail programs it lacks (it may predate one) are left out.
     pub fn with_object(object: &[u8], capacity: u32) -> Result<Self, FixtureError> {
-        Fixture::load(object, capacity, 1, Tails::Present)
+        Fixture::load(object, capacity, None, Tails::Present)
     }
 
-    /// As [`Fixture::with_ct_capacity`], with the table-kind programs loaded and an
-    /// open-addressed table of `buckets` (a power of two above one) beside the conntrack
-    /// hash, for the benchmark's comparison of the two ([`Fixture::run_table`]).
+    /// As [`Fixture::with_ct_capacity`], with the table-kind programs loaded, and beside the
+    /// conntrack hash an open-addressed table of `buckets` (a power of two above one) and an
+    /// LRU hash of `capacity` entries, for the benchmark's comparison of the three
+    /// ([`Fixture::run_table`]).
     pub fn with_table_kinds(capacity: u32, buckets: u32) -> Result<Self, FixtureError> {
         if !buckets.is_power_of_two() || buckets < 2 {
             return Err(FixtureError::Slots {
                 message: format!("{buckets} buckets: a power of two above one is needed"),
             });
         }
-        let mut fx = Fixture::load(crate::EBPF_BENCH_OBJECT, capacity, buckets, Tails::All)?;
+        let mut fx = Fixture::load(
+            crate::EBPF_BENCH_OBJECT,
+            capacity,
+            Some(buckets),
+            Tails::All,
+        )?;
         for name in [
             program_names::BENCH_TABLE_HASH,
             program_names::BENCH_TABLE_SLOTS,
+            program_names::BENCH_TABLE_LRU,
         ] {
             let xdp: &mut Xdp = program_mut(&mut fx.ebpf, name)?;
             xdp.load()
@@ -504,13 +511,15 @@ impl Fixture {
         Ok(fx)
     }
 
-    /// `buckets`: the open-addressed table's, for the table-kind rows (1 elsewhere).
+    /// `kinds`: the open-addressed table's buckets, for the table-kind rows, which also size
+    /// the LRU hash like the conntrack table (elsewhere both are left at one entry).
     fn load(
         object: &[u8],
         capacity: u32,
-        buckets: u32,
+        kinds: Option<u32>,
         tails: Tails,
     ) -> Result<Self, FixtureError> {
+        let (buckets, lru) = kinds.map_or((1, 1), |b| (b, capacity));
         let pins = PinDir::create()?;
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(&pins.path)
@@ -521,6 +530,7 @@ impl Fixture {
                 map_names::BENCH_SLOTS,
                 buckets * fastpath_common::bench::BUCKET_SLOTS as u32,
             )
+            .map_max_entries(map_names::BENCH_LRU, lru)
             .load(object)
             .map_err(|source| FixtureError::Load { source })?;
         for name in [
@@ -745,7 +755,7 @@ impl Fixture {
     }
 
     /// One run of `run` through the table-kind program `name`
-    /// (`program_names::BENCH_TABLE_HASH` or `BENCH_TABLE_SLOTS`; [`Fixture::with_table_kinds`]),
+    /// (`program_names::BENCH_TABLE_*`; [`Fixture::with_table_kinds`]),
     /// `repeat` times.
     pub fn run_table(
         &self,
@@ -806,6 +816,29 @@ impl Fixture {
                 key: *key,
                 entry: *entry,
             };
+        }
+        Ok(())
+    }
+
+    /// Empties the LRU hash of the table-kind rows, then puts `keys` in it, each with `entry`.
+    pub fn lru_fill(&mut self, keys: &[CtKey], entry: &CtEntry) -> Result<(), FixtureError> {
+        let name = map_names::BENCH_LRU;
+        let map = self
+            .ebpf
+            .map_mut(name)
+            .ok_or(FixtureError::MissingMap { name })?;
+        let mut lru: aya::maps::HashMap<_, CtKey, CtEntry> =
+            aya::maps::HashMap::try_from(map).map_err(map_error(name))?;
+        // Keys first: deleting while walking would restart the kernel's iteration.
+        let old: Vec<CtKey> = lru
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(map_error(name))?;
+        for key in &old {
+            lru.remove(key).map_err(map_error(name))?;
+        }
+        for key in keys {
+            lru.insert(key, entry, 0).map_err(map_error(name))?;
         }
         Ok(())
     }
