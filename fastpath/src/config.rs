@@ -42,6 +42,32 @@ pub struct Config {
     /// Conntrack replication between HA peers (`[ha]`); off when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ha: Option<HaSection>,
+    /// Route announcements through a routing daemon (`[announce]`); off when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub announce: Option<AnnounceSection>,
+}
+
+/// `[announce]`: the prefixes this node asks a routing daemon (BIRD, FRR) to announce while it
+/// is ready to carry them, published as routes in a kernel table the daemon learns from.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AnnounceSection {
+    /// The kernel routing table the routes go in (1 ..= 4294967295, not 253, 254 or 255:
+    /// default, main and local). No policy rule should point at it: its routes are
+    /// blackholes, there only to be learned.
+    pub table: Spanned<u32>,
+    /// Prefixes announced beside the services' VIPs while the node is ready (this node's
+    /// full-NAT source prefix, for one), whatever the backends' health.
+    #[serde(default)]
+    pub prefixes: Vec<Spanned<ipnet::IpNet>>,
+    /// With `[ha]`: seconds to wait for peers that do not connect before announcing without
+    /// their state (peers that do connect are always waited for). Default 30.
+    #[serde(default = "default_sync_timeout_s")]
+    pub sync_timeout_s: Spanned<u64>,
+}
+
+fn default_sync_timeout_s() -> Spanned<u64> {
+    Spanned::new(0..0, 30)
 }
 
 /// `[ha]`: this node's identity, its sync listener, its peers and the mutual-TLS material.
@@ -841,6 +867,53 @@ impl Config {
         Ok(())
     }
 
+    /// The `[announce]` checks: a table of its own, host-free prefixes listed once.
+    fn validate_announce(
+        &self,
+        err: &dyn Fn(Range<usize>, String, String) -> ConfigError,
+    ) -> Result<(), ConfigError> {
+        let Some(a) = &self.announce else {
+            return Ok(());
+        };
+        let table = *a.table.get_ref();
+        if matches!(table, 0 | 253..=255) {
+            return Err(err(
+                a.table.span(),
+                "announce.table".into(),
+                format!(
+                    "{table} is not a table of its own (0 unspecified, 253 default, 254 main, 255 local): pick an unused one such as 100, and have the routing daemon learn from it"
+                ),
+            ));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for (i, p) in a.prefixes.iter().enumerate() {
+            let net = *p.get_ref();
+            if net != net.trunc() {
+                return Err(err(
+                    p.span(),
+                    format!("announce.prefixes[{i}]"),
+                    format!("{net} has host bits set: write {}", net.trunc()),
+                ));
+            }
+            if !seen.insert(net) {
+                return Err(err(
+                    p.span(),
+                    format!("announce.prefixes[{i}]"),
+                    format!("{net} is listed twice"),
+                ));
+            }
+        }
+        let t = &a.sync_timeout_s;
+        if !(1..=3600).contains(t.get_ref()) {
+            return Err(err(
+                t.span(),
+                "announce.sync_timeout_s".into(),
+                format!("{} is out of range: use 1 ..= 3600 s", t.get_ref()),
+            ));
+        }
+        Ok(())
+    }
+
     fn validate_api(
         &self,
         err: &dyn Fn(Range<usize>, String, String) -> ConfigError,
@@ -1120,6 +1193,7 @@ impl Config {
         }
         self.validate_api(&err, interfaces == InterfaceCheck::MustExist)?;
         self.validate_ha(&err, interfaces == InterfaceCheck::MustExist)?;
+        self.validate_announce(&err)?;
         let capacity = &self.conntrack.capacity;
         if !(1024..=1 << 26).contains(capacity.get_ref()) {
             return Err(err(
@@ -1716,11 +1790,12 @@ mod tests {
 
     /// Every example under config/, embedded so the test reads no file at run time (it also
     /// runs as an unprivileged user, who may not be able to read the checkout).
-    const EXAMPLE_CONFIGS: [(&str, &str); 3] = [
+    const EXAMPLE_CONFIGS: [(&str, &str); 4] = [
         (
             "appliance.toml",
             include_str!("../../config/appliance.toml"),
         ),
+        ("bgp-node.toml", include_str!("../../config/bgp-node.toml")),
         ("gateway.toml", include_str!("../../config/gateway.toml")),
         (
             "ha-node-a.toml",
@@ -1924,6 +1999,44 @@ mod tests {
         let _ = std::fs::remove_file(&pem);
         assert_eq!(e.key.as_deref(), Some("ha.tls_cert"), "{e}");
         assert!(e.to_string().contains("mutual TLS"), "{e}");
+    }
+
+    #[test]
+    fn announce_section_is_checked_key_by_key() {
+        let announce = |body: &str| format!("[[interface]]\nname = \"lo\"\n[announce]\n{body}");
+        let c = parse(&announce(
+            "table = 100\nprefixes = [\"198.51.100.0/28\", \"2001:db8::/64\"]\n",
+        ))
+        .expect("valid");
+        let a = c.announce.expect("[announce]");
+        assert_eq!((*a.table.get_ref(), *a.sync_timeout_s.get_ref()), (100, 30));
+        assert_eq!(a.prefixes.len(), 2);
+        for (body, key, says) in [
+            ("table = 254\n", "announce.table", "main"),
+            ("table = 0\n", "announce.table", "unspecified"),
+            (
+                "table = 100\nprefixes = [\"198.51.100.1/28\"]\n",
+                "announce.prefixes[0]",
+                "write 198.51.100.0/28",
+            ),
+            (
+                "table = 100\nprefixes = [\"10.0.0.0/8\", \"10.0.0.0/8\"]\n",
+                "announce.prefixes[1]",
+                "twice",
+            ),
+            (
+                "table = 100\nsync_timeout_s = 0\n",
+                "announce.sync_timeout_s",
+                "out of range",
+            ),
+        ] {
+            let e = parse(&announce(body)).expect_err(key);
+            assert_eq!(e.key.as_deref(), Some(key), "{e}");
+            assert!(e.to_string().contains(says), "{e}");
+        }
+        let e = parse(&announce("table = 100\nprefixes = [\"10.0.0.300/8\"]\n"))
+            .expect_err("not a prefix");
+        assert!(e.to_string().contains("prefixes"), "{e}");
     }
 
     #[test]

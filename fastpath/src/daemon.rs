@@ -324,6 +324,19 @@ fn start_tasks(
         }
         _ => None,
     };
+    // Announcements start once the datapath is attached and the services applied (both
+    // done by now); a stop withdraws them before the datapath is detached or left.
+    let announce_cfg = rules.config().announce.clone();
+    let (announce_tx, announce_rx) = match &announce_cfg {
+        Some(_) => {
+            let (tx, rx) = watch::channel(crate::announce::Status {
+                readiness: crate::announce::Readiness::Settling,
+                announced: vec![],
+            });
+            (Some(tx), Some(rx))
+        }
+        None => (None, None),
+    };
     let attachments = rules.datapath().attachments.len();
     let detach_on_exit = rules.config().datapath.detach_on_exit;
     let shared = Arc::new(Shared {
@@ -335,7 +348,14 @@ fn start_tasks(
         listeners: listeners.names.clone(),
         latency: Default::default(),
         ha: ha.as_ref().map(|(h, _)| h.clone()),
+        announce: announce_rx,
     });
+    if let (Some(cfg), Some(tx)) = (announce_cfg, announce_tx) {
+        tasks.spawn(
+            crate::announce::run(cfg, shared.clone(), tx, stop_rx.clone())
+                .instrument(info_span!("announce")),
+        );
+    }
     tasks.spawn(
         crate::api::server::serve(
             Api(shared.clone()),

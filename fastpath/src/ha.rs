@@ -568,6 +568,15 @@ impl Ha {
         synced >= self.peers.len()
     }
 
+    /// Whether every peer streaming to this node now has its state here (the peers that do
+    /// not stream are left out: see [`Ha::in_sync`] for all of them).
+    pub fn streaming_in_sync(&self) -> bool {
+        self.inbound
+            .lock()
+            .map(|m| m.values().filter(|p| p.streams > 0).all(|p| p.rx.synced()))
+            .unwrap_or(false)
+    }
+
     pub fn status(&self) -> api::HaStatus {
         let now = conntrack::monotonic_ns();
         let peers_out = self

@@ -1,6 +1,7 @@
 //! fastpath userspace: the daemon and the CLI's library; with the `testkit` feature (tests,
 //! the demo and the bench turn it on), their test support too.
 
+pub mod announce;
 pub mod api;
 pub mod config;
 pub mod conntrack;

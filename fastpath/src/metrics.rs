@@ -136,6 +136,8 @@ pub struct DaemonState {
     pub api: ApiLatency,
     /// HA replication, when configured.
     pub ha: Option<pb::HaStatus>,
+    /// Announcements, when configured: ready, and the prefixes in the table.
+    pub announce: Option<(bool, Vec<String>)>,
 }
 
 /// Reads what a scrape shows: the pinned maps off the async threads, then the daemon's state.
@@ -189,6 +191,13 @@ pub async fn snapshot(shared: &Arc<Shared>) -> Snapshot {
             health,
             api: shared.latency.clone(),
             ha: shared.ha.as_ref().map(|ha| ha.status()),
+            announce: shared.announce.as_ref().map(|rx| {
+                let s = rx.borrow();
+                (
+                    s.readiness == crate::announce::Readiness::Ready,
+                    s.announced.iter().map(ToString::to_string).collect(),
+                )
+            }),
         }),
     }
 }
@@ -514,6 +523,20 @@ fn daemon_families(f: &mut Families<'_>, d: &DaemonState) -> fmt::Result {
     )?;
     if let Some(ha) = &d.ha {
         ha_families(f, ha)?;
+    }
+    if let Some((ready, announced)) = &d.announce {
+        f.gauge(
+            "fastpath_announce_ready",
+            "1 while the node is ready to carry its VIPs (health settled, peers' state held).",
+            u64::from(*ready),
+        )?;
+        f.family(
+            "fastpath_announced",
+            "1 per prefix in the announcement table (what the routing daemon announces).",
+            announced
+                .iter()
+                .map(|p| ([("prefix", p.clone())], ConstGauge::new(1u64))),
+        )?;
     }
     Ok(())
 }
@@ -867,6 +890,7 @@ mod tests {
                     }],
                     ..Default::default()
                 }),
+                announce: Some((true, vec!["192.0.2.100/32".into()])),
             }),
         }
     }
@@ -920,6 +944,8 @@ mod tests {
         ("fastpath_ha_node_installed_entries", "gauge"),
         ("fastpath_ha_node_received_changes_total", "counter"),
         ("fastpath_ha_node_refused_total", "counter"),
+        ("fastpath_announce_ready", "gauge"),
+        ("fastpath_announced", "gauge"),
     ];
 
     /// Every sample of [`known_snapshot`], as the text format writes it.
@@ -1006,6 +1032,8 @@ fastpath_ha_node_connected{node="2"} 1
 fastpath_ha_node_installed_entries{node="2"} 11
 fastpath_ha_node_received_changes_total{node="2"} 30
 fastpath_ha_node_refused_total{node="2"} 8
+fastpath_announce_ready 1
+fastpath_announced{prefix="192.0.2.100/32"} 1
 "#;
 
     fn sorted_lines(text: &str) -> Vec<String> {

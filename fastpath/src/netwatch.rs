@@ -216,20 +216,34 @@ pub fn foreign_peer_links() -> io::Result<Vec<u32>> {
 /// struct) and hands each message (type, payload) to `each`, until the dump is done. `Ok(false)`:
 /// a change interrupted it (`NLM_F_DUMP_INTR`), so it may have missed an object that did not
 /// change.
-pub(crate) fn dump(
-    request: u16,
-    header: &[u8],
+pub(crate) fn dump(request: u16, header: &[u8], each: impl FnMut(u16, &[u8])) -> io::Result<bool> {
+    exchange(request, libc::NLM_F_DUMP as u16, header, each)
+}
+
+/// Sends one request (`kind` with `flags`, then `body`: the family's struct and its
+/// attributes) and waits for the kernel's acknowledgement: `Ok` on it, its error otherwise.
+pub(crate) fn request(kind: u16, flags: u16, body: &[u8]) -> io::Result<()> {
+    exchange(kind, flags | libc::NLM_F_ACK as u16, body, |_, _| {}).map(drop)
+}
+
+/// Sends `kind` with `flags | NLM_F_REQUEST` and `body` on a socket of its own, then hands
+/// each message of the answer (type, payload) to `each` until the kernel says done or
+/// acknowledges; `Ok(false)` when a dump was interrupted (`NLM_F_DUMP_INTR`).
+fn exchange(
+    kind: u16,
+    flags: u16,
+    body: &[u8],
     mut each: impl FnMut(u16, &[u8]),
 ) -> io::Result<bool> {
     let fd = route_socket(0)?;
-    // struct nlmsghdr (length, type, flags, sequence, port id), then the request's header.
-    let len = 16 + header.len();
+    // struct nlmsghdr (length, type, flags, sequence, port id), then the body.
+    let len = 16 + body.len();
     let mut req = vec![0u8; len];
     req[..4].copy_from_slice(&(len as u32).to_ne_bytes());
-    req[4..6].copy_from_slice(&request.to_ne_bytes());
-    req[6..8].copy_from_slice(&((libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16).to_ne_bytes());
+    req[4..6].copy_from_slice(&kind.to_ne_bytes());
+    req[6..8].copy_from_slice(&(flags | libc::NLM_F_REQUEST as u16).to_ne_bytes());
     req[8..12].copy_from_slice(&1u32.to_ne_bytes());
-    req[16..].copy_from_slice(header);
+    req[16..].copy_from_slice(body);
     // SAFETY: the buffer is valid for its length; the kernel is the default destination.
     if unsafe { libc::send(fd.as_raw_fd(), req.as_ptr().cast(), req.len(), 0) } < 0 {
         return Err(io::Error::last_os_error());
@@ -249,20 +263,22 @@ pub(crate) fn dump(
         if n == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
-                "netlink closed the dump",
+                "netlink closed the socket before answering",
             ));
         }
         for (kind, flags, payload) in messages(&buf[..n as usize]) {
             whole &= i32::from(flags) & libc::NLM_F_DUMP_INTR == 0;
             match i32::from(kind) {
                 libc::NLMSG_DONE => return Ok(whole),
+                // An acknowledgement (code 0) or an error (minus an errno).
                 libc::NLMSG_ERROR => {
                     let code = payload
                         .get(..4)
                         .map_or(0, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
-                    if code != 0 {
-                        return Err(io::Error::from_raw_os_error(-code));
-                    }
+                    return match code {
+                        0 => Ok(whole),
+                        c => Err(io::Error::from_raw_os_error(-c)),
+                    };
                 }
                 _ => each(kind, payload),
             }

@@ -57,6 +57,9 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "iptables",
     // The HA failover test: VRRP moves the VIP between the two fastpath nodes.
     "keepalived",
+    // The announcement test: BIRD on the nodes, FRR as their router (BGP, BFD, ECMP).
+    "bird2",
+    "frr",
 ];
 
 const USAGE: &str = "\

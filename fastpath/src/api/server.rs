@@ -50,6 +50,8 @@ pub struct Shared {
     pub latency: ApiLatency,
     /// HA replication, when `[ha]` is configured.
     pub ha: Option<Arc<crate::ha::Ha>>,
+    /// What the node announces, when `[announce]` is configured.
+    pub announce: Option<crate::announce::StatusRx>,
 }
 
 impl Shared {

@@ -11,6 +11,7 @@
 
 use std::path::Path;
 
+mod announce;
 mod api_bad_input;
 mod api_cli;
 mod api_reload;

@@ -1,0 +1,311 @@
+//! Announcements through a real routing daemon: a router namespace running FRR (zebra, bgpd,
+//! bfdd; ECMP over up to 8 paths, L4 hashing) and three fastpath nodes, each running BIRD with
+//! BFD (100 ms × 3) and a fastpath daemon with `[announce] table = 100` and one service with a
+//! TCP health check of a backend behind the router. The VIP is in the router's kernel as an
+//! ECMP route over the nodes that announce it. The test checks that a node announces only
+//! after its health checks settled; that all withdraw when the backend fails and come back
+//! when it answers again; that a stopped daemon withdraws (and says so) before it exits; that
+//! BFD takes a silent node out of the ECMP set; and that a restarted daemon announces again.
+
+use std::{
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use fastpath::testkit::netns::{
+    Daemon, DaemonConfig, Netns, Spawned, TempDir, Topology, VethEnd, prepare_test, unique_name,
+    unique_pin_dir,
+};
+
+use crate::bin;
+
+const VIP: &str = "10.254.0.100";
+const TABLE: u32 = 100;
+const BACKEND: &str = "10.9.100.2";
+const NODES: usize = 3;
+/// FRR's daemons, in the order they start.
+const FRR_DAEMONS: [&str; 3] = ["zebra", "bfdd", "bgpd"];
+
+fn node_role(i: usize) -> String {
+    format!("node{i}")
+}
+
+/// Node `i`'s address on its link to the router (the router's is `.1`).
+fn node_addr(i: usize) -> String {
+    format!("10.9.{i}.2")
+}
+
+/// FRR in the router namespace, in a pathspace of its own (`-N`): its config and runtime
+/// directories are removed on drop, after its daemons.
+struct Frr {
+    daemons: Vec<Spawned>,
+    dirs: [PathBuf; 2],
+}
+
+impl Drop for Frr {
+    fn drop(&mut self) {
+        for d in &mut self.daemons {
+            d.kill();
+        }
+        for dir in &self.dirs {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+fn start_frr(router: &Netns) -> Frr {
+    let name = unique_name("frr");
+    let dirs = [
+        PathBuf::from(format!("/etc/frr/{name}")),
+        PathBuf::from(format!("/var/run/frr/{name}")),
+    ];
+    let mut conf = String::from(
+        "frr defaults datacenter\nrouter bgp 65000\n bgp router-id 10.9.0.1\n no bgp ebgp-requires-policy\n bgp bestpath as-path multipath-relax\n",
+    );
+    for i in 1..=NODES {
+        conf += &format!(
+            " neighbor {} remote-as {}\n neighbor {0} bfd\n neighbor {0} timers connect 1\n",
+            node_addr(i),
+            65000 + i
+        );
+    }
+    conf += " address-family ipv4 unicast\n  maximum-paths 8\n exit-address-family\nbfd\n";
+    for i in 1..=NODES {
+        conf += &format!(
+            " peer {}\n  receive-interval 100\n  transmit-interval 100\n  detect-multiplier 3\n",
+            node_addr(i)
+        );
+    }
+    for dir in &dirs {
+        std::fs::create_dir_all(dir).expect("FRR directory");
+    }
+    let file = dirs[0].join("frr.conf");
+    std::fs::write(&file, conf).expect("frr.conf");
+    std::fs::write(dirs[0].join("vtysh.conf"), "").expect("vtysh.conf");
+    for p in [&dirs[0], &dirs[1], &file] {
+        router
+            .run(&["chown", "-R", "frr:frr", &p.display().to_string()])
+            .expect("chown");
+    }
+    let mut daemons = vec![];
+    for d in FRR_DAEMONS {
+        let pid = dirs[1].join(format!("{d}.pid"));
+        daemons.push(
+            router
+                .spawn(&[
+                    format!("/usr/lib/frr/{d}"),
+                    "-N".into(),
+                    name.clone(),
+                    "-f".into(),
+                    file.display().to_string(),
+                    "-i".into(),
+                    pid.display().to_string(),
+                ])
+                .expect("FRR daemon"),
+        );
+        // zebra's socket first, for the others to connect to.
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    Frr { daemons, dirs }
+}
+
+/// BIRD on node `i`: learns the announcement table, exports its routes to the router over
+/// BGP with BFD. Short error and retry waits: the default back-off delays a re-join by
+/// minutes.
+fn start_bird(node: &Netns, i: usize, dir: &TempDir) -> Spawned {
+    let conf = dir.join(format!("bird{i}.conf"));
+    std::fs::write(
+        &conf,
+        format!(
+            "router id {addr};
+protocol device {{}}
+protocol kernel announce {{ ipv4 {{ import all; export none; }}; kernel table {TABLE}; learn; }}
+protocol bfd {{ interface \"eth0\" {{ min rx interval 100 ms; min tx interval 100 ms; multiplier 3; }}; }}
+protocol bgp uplink {{
+  local {addr} as {asn}; neighbor 10.9.{i}.1 as 65000;
+  bfd on; hold time 3; connect retry time 1; error wait time 1, 5;
+  ipv4 {{ import none; export where proto = \"announce\"; next hop self; }};
+}}
+",
+            addr = node_addr(i),
+            asn = 65000 + i,
+        ),
+    )
+    .expect("bird.conf");
+    node.spawn(&[
+        "bird".to_string(),
+        "-f".into(),
+        "-c".into(),
+        conf.display().to_string(),
+        "-s".into(),
+        dir.join(format!("bird{i}.ctl")).display().to_string(),
+    ])
+    .expect("bird")
+}
+
+/// The nodes the router's route to the VIP goes through, by number (none: no route).
+fn ecmp(router: &Netns) -> Vec<usize> {
+    let routes = router.ip(&["route", "show", VIP]).unwrap_or_default();
+    (1..=NODES)
+        .filter(|&i| routes.contains(&format!("via {} ", node_addr(i))))
+        .collect()
+}
+
+/// Waits until the router's route goes through exactly `nodes`; the time it took.
+fn wait_ecmp(router: &Netns, nodes: &[usize], timeout: Duration, what: &str) -> Duration {
+    let start = Instant::now();
+    loop {
+        if ecmp(router) == nodes {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "{what}: the router's route to {VIP} went through nodes {:?}, not {nodes:?}, after {timeout:?}:\n{}",
+            ecmp(router),
+            router.ip(&["route"]).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn backend_server(backend: &Netns) -> Spawned {
+    let s = backend
+        .spawn(&["socat", "TCP-LISTEN:80,fork,reuseaddr", "SYSTEM:echo ok"])
+        .expect("socat");
+    backend
+        .wait_listening("tcp", 80, Duration::from_secs(5))
+        .expect("backend listening");
+    s
+}
+
+#[test]
+fn nodes_announce_their_vip_only_while_ready_and_bfd_takes_a_silent_node_out() {
+    prepare_test(&["bird", "socat", "nft"]);
+    for d in FRR_DAEMONS {
+        assert!(
+            std::path::Path::new(&format!("/usr/lib/frr/{d}")).exists(),
+            "/usr/lib/frr/{d} not found: install the Debian package frr (cargo xtask test does)"
+        );
+    }
+    let dir = TempDir::new("announce").expect("temp dir");
+    let mut topo = Topology::new();
+    topo.add_ns("router").expect("router");
+    topo.add_ns("backend").expect("backend");
+    topo.veth(
+        VethEnd::new("router", "r-b").addr("10.9.100.1/24"),
+        VethEnd::new("backend", "eth0").addr(&format!("{BACKEND}/24")),
+    )
+    .expect("backend link");
+    for i in 1..=NODES {
+        let role = node_role(i);
+        topo.add_ns(&role).expect("node");
+        topo.veth(
+            VethEnd::new("router", &format!("r-n{i}")).addr(&format!("10.9.{i}.1/24")),
+            VethEnd::new(&role, "eth0").addr(&format!("{}/24", node_addr(i))),
+        )
+        .expect("node link");
+        topo.ns(&role)
+            .ip(&["route", "add", "default", "via", &format!("10.9.{i}.1")])
+            .expect("node route");
+    }
+    let (router, backend) = (topo.ns("router"), topo.ns("backend"));
+    router
+        .sysctl("net.ipv4.ip_forward", "1")
+        .expect("forwarding");
+    router
+        .sysctl("net.ipv4.fib_multipath_hash_policy", "1")
+        .expect("L4 hashing");
+    backend
+        .ip(&["route", "add", "default", "via", "10.9.100.1"])
+        .expect("backend route");
+    let mut server = backend_server(backend);
+    let _frr = start_frr(router);
+    let _birds: Vec<Spawned> = (1..=NODES)
+        .map(|i| start_bird(topo.ns(&node_role(i)), i, &dir))
+        .collect();
+    let service = format!(
+        "[[service]]\nvip = \"{VIP}\"\nport = 80\n[service.health_check]\nkind = \"tcp\"\ninterval_ms = 200\ntimeout_ms = 100\nfall = 2\nrise = 1\n[[service.backend]]\naddress = \"{BACKEND}\"\nport = 80\n"
+    );
+    let mut daemons: Vec<Daemon> = (1..=NODES)
+        .map(|i| {
+            let cfg = DaemonConfig::new(&unique_pin_dir(&format!("announce{i}")))
+                .interface("eth0")
+                .services(&service)
+                .raw(&format!("[announce]\ntable = {TABLE}\n"));
+            Daemon::start(bin(), topo.ns(&node_role(i)), &cfg)
+        })
+        .collect();
+
+    // 1. Every node announces: a three-way ECMP route, the blackhole in each node's table.
+    let t = wait_ecmp(router, &[1, 2, 3], Duration::from_secs(30), "start");
+    eprintln!("three-way ECMP route {t:?} after the daemons started");
+    for i in 1..=NODES {
+        let table = topo
+            .ns(&node_role(i))
+            .ip(&["route", "show", "table", &TABLE.to_string()])
+            .expect("table");
+        assert!(
+            table.contains(&format!("blackhole {VIP} proto 249")),
+            "node {i}'s table {TABLE}: {table}"
+        );
+        let log = daemons[i - 1].log();
+        let settling = log.find("readiness=\"settling health\"");
+        let announcing = log.find("Announcing");
+        assert!(
+            settling.is_some() && settling < announcing,
+            "node {i} announced before its health checks settled:\n{log}"
+        );
+    }
+
+    // 2. The backend fails: no node has a backend up, all withdraw; it answers again: all
+    // announce again.
+    server.kill();
+    let t = wait_ecmp(router, &[], Duration::from_secs(10), "backend down");
+    eprintln!("withdrawn by all {t:?} after the backend stopped answering");
+    let _server = backend_server(backend);
+    let t = wait_ecmp(router, &[1, 2, 3], Duration::from_secs(10), "backend up");
+    eprintln!("announced again by all {t:?} after the backend answered");
+
+    // 3. A stopped daemon withdraws before it exits.
+    let stopping = Instant::now();
+    let status = daemons[1].stop();
+    assert!(status.success(), "node 2's daemon exited with {status}");
+    let t = wait_ecmp(router, &[1, 3], Duration::from_secs(3), "node 2 stopped");
+    eprintln!(
+        "node 2 out of the ECMP set {:?} after SIGTERM",
+        stopping.elapsed().max(t)
+    );
+    let table = topo
+        .ns(&node_role(2))
+        .ip(&["route", "show", "table", &TABLE.to_string()])
+        .expect("table");
+    assert!(!table.contains(VIP), "node 2 left its route: {table}");
+    assert!(
+        daemons[1].log().contains("Withdrew every announcement"),
+        "{}",
+        daemons[1].log()
+    );
+
+    // 4. A node that goes silent (every packet dropped, as if it died) leaves the set by BFD.
+    let node3 = topo.ns(&node_role(3));
+    for cmd in [
+        "add table inet silent",
+        "add chain inet silent in { type filter hook input priority -500; policy drop; }",
+        "add chain inet silent out { type filter hook output priority -500; policy drop; }",
+    ] {
+        node3
+            .run(&["nft", cmd])
+            .unwrap_or_else(|e| panic!("nft {cmd}: {e}"));
+    }
+    let t = wait_ecmp(router, &[1], Duration::from_secs(3), "node 3 silent");
+    eprintln!("silent node 3 out of the ECMP set after {t:?} (BFD 100 ms x 3)");
+    assert!(
+        t <= Duration::from_millis(1000),
+        "BFD took {t:?} to take out a silent node"
+    );
+
+    // 5. Node 2's daemon restarts: it announces again, and joins the set.
+    daemons[1].restart();
+    let t = wait_ecmp(router, &[1, 2], Duration::from_secs(30), "node 2 restarted");
+    eprintln!("restarted node 2 back in the ECMP set {t:?} after its start");
+}
