@@ -1,21 +1,28 @@
 //! Announcements through a real routing daemon: a router namespace running FRR (zebra, bgpd,
 //! bfdd; ECMP over up to 8 paths, L4 hashing) and three fastpath nodes, each running BIRD with
 //! BFD (100 ms × 3) and a fastpath daemon with `[announce] table = 100` and one service with a
-//! TCP health check of a backend behind the router. The VIP is in the router's kernel as an
-//! ECMP route over the nodes that announce it. The test checks that a node announces only
-//! after its health checks settled; that all withdraw when the backend fails and come back
-//! when it answers again; that a stopped daemon withdraws (and says so) before it exits; that
-//! BFD takes a silent node out of the ECMP set; and that a restarted daemon announces again.
+//! TCP health check of a backend behind the router; the nodes replicate their connections to
+//! each other (`[ha]`, a mesh over the router). The VIP is in the router's kernel as an ECMP
+//! route over the nodes that announce it. The test checks that a node announces only after its
+//! health checks settled and its peers' state is here (two nodes without the third wait for
+//! `sync_timeout_s`, then announce with the state of the peer that streams); that all withdraw
+//! when the backend fails and come back when it answers again; that a stopped daemon withdraws
+//! (and says so) before it exits; that BFD takes a silent node out of the ECMP set; and that a
+//! restarted daemon announces again.
 
 use std::{
     path::PathBuf,
     time::{Duration, Instant},
 };
 
-use fastpath::testkit::netns::{
-    Daemon, DaemonConfig, Netns, Spawned, TempDir, Topology, VethEnd, prepare_test, unique_name,
-    unique_pin_dir,
+use fastpath::testkit::{
+    netns::{
+        Daemon, DaemonConfig, Netns, Spawned, TempDir, Topology, VethEnd, prepare_test,
+        unique_name, unique_pin_dir,
+    },
+    pki::TestCa,
 };
+use rcgen::ExtendedKeyUsagePurpose;
 
 use crate::bin;
 
@@ -23,6 +30,8 @@ const VIP: &str = "10.254.0.100";
 const TABLE: u32 = 100;
 const BACKEND: &str = "10.9.100.2";
 const NODES: usize = 3;
+/// How long nodes wait for a peer that never connects (`[announce] sync_timeout_s`).
+const SYNC_TIMEOUT: Duration = Duration::from_secs(4);
 /// FRR's daemons, in the order they start.
 const FRR_DAEMONS: [&str; 3] = ["zebra", "bfdd", "bgpd"];
 
@@ -168,6 +177,31 @@ fn wait_ecmp(router: &Netns, nodes: &[usize], timeout: Duration, what: &str) -> 
     }
 }
 
+/// From a daemon's log: the time of the first line with `needle`, in seconds of its day (the
+/// lines start with an RFC 3339 time in UTC, `...THH:MM:SS.ffffffZ`).
+fn log_time(log: &str, needle: &str) -> f64 {
+    let line = log
+        .lines()
+        .find(|l| l.contains(needle))
+        .unwrap_or_else(|| panic!("no {needle:?} in the log:\n{log}"));
+    let clock = line
+        .split_once('T')
+        .and_then(|(_, rest)| rest.split_once('Z'))
+        .map(|(clock, _)| clock)
+        .unwrap_or_else(|| panic!("no time in {line:?}"));
+    clock
+        .split(':')
+        .map(|f| f.parse::<f64>().expect("a time field"))
+        .fold(0.0, |acc, f| acc * 60.0 + f)
+}
+
+/// The time from a daemon's announcer start ("settling health") to its first announcement.
+fn waited_to_announce(log: &str) -> Duration {
+    Duration::from_secs_f64(
+        log_time(log, "Announcing") - log_time(log, "readiness=\"settling health\""),
+    )
+}
+
 fn backend_server(backend: &Netns) -> Spawned {
     let s = backend
         .spawn(&["socat", "TCP-LISTEN:80,fork,reuseaddr", "SYSTEM:echo ok"])
@@ -226,19 +260,74 @@ fn nodes_announce_their_vip_only_while_ready_and_bfd_takes_a_silent_node_out() {
     let service = format!(
         "[[service]]\nvip = \"{VIP}\"\nport = 80\n[service.health_check]\nkind = \"tcp\"\ninterval_ms = 200\ntimeout_ms = 100\nfall = 2\nrise = 1\n[[service.backend]]\naddress = \"{BACKEND}\"\nport = 80\n"
     );
-    let mut daemons: Vec<Daemon> = (1..=NODES)
+    let ca = TestCa::new(&dir, "fastpath-announce-test-ca", "ca");
+    let configs: Vec<DaemonConfig> = (1..=NODES)
         .map(|i| {
-            let cfg = DaemonConfig::new(&unique_pin_dir(&format!("announce{i}")))
+            let tls = ca.leaf(
+                &dir,
+                &node_role(i),
+                &[&node_addr(i)],
+                &[
+                    ExtendedKeyUsagePurpose::ServerAuth,
+                    ExtendedKeyUsagePurpose::ClientAuth,
+                ],
+            );
+            let mut ha = format!(
+                "[ha]\nnode_id = {i}\nlisten = \"{}:7946\"\ntls_cert = {:?}\ntls_key = {:?}\ntls_ca = {:?}\n",
+                node_addr(i),
+                tls.cert.display().to_string(),
+                tls.key.display().to_string(),
+                ca.cert.display().to_string(),
+            );
+            for j in (1..=NODES).filter(|&j| j != i) {
+                ha += &format!("[[ha.peers]]\naddress = \"{}:7946\"\n", node_addr(j));
+            }
+            DaemonConfig::new(&unique_pin_dir(&format!("announce{i}")))
                 .interface("eth0")
                 .services(&service)
-                .raw(&format!("[announce]\ntable = {TABLE}\n"));
-            Daemon::start(bin(), topo.ns(&node_role(i)), &cfg)
+                .raw(&format!(
+                    "[announce]\ntable = {TABLE}\nsync_timeout_s = {}\n{ha}",
+                    SYNC_TIMEOUT.as_secs()
+                ))
         })
         .collect();
 
-    // 1. Every node announces: a three-way ECMP route, the blackhole in each node's table.
+    // 1. Nodes 1 and 2 without node 3: not in sync with every peer, they announce nothing
+    // until `sync_timeout_s`, then announce with each other's state.
+    let mut daemons: Vec<Daemon> = (1..=2)
+        .map(|i| Daemon::start(bin(), topo.ns(&node_role(i)), &configs[i - 1]))
+        .collect();
+    let t = wait_ecmp(
+        router,
+        &[1, 2],
+        SYNC_TIMEOUT * 4,
+        "two nodes after the sync timeout",
+    );
+    eprintln!(
+        "nodes 1 and 2 announced, {t:?} after both started (sync_timeout_s = {SYNC_TIMEOUT:?})"
+    );
+    for (i, d) in daemons.iter().enumerate() {
+        let waited = waited_to_announce(&d.log());
+        eprintln!("node {} waited {waited:?} for its peers", i + 1);
+        assert!(
+            waited >= SYNC_TIMEOUT - Duration::from_millis(200),
+            "node {} announced {waited:?} after it started announcing, without node 3's state:\n{}",
+            i + 1,
+            d.log()
+        );
+    }
+
+    // Node 3 joins: in sync with both, it announces: a three-way ECMP route, the blackhole in
+    // each node's table.
+    daemons.push(Daemon::start(bin(), topo.ns(&node_role(3)), &configs[2]));
     let t = wait_ecmp(router, &[1, 2, 3], Duration::from_secs(30), "start");
-    eprintln!("three-way ECMP route {t:?} after the daemons started");
+    eprintln!("three-way ECMP route {t:?} after node 3 started");
+    let check = daemons[2].cli(&["ha", "status", "--check"]);
+    assert!(
+        check.status.success(),
+        "node 3 announced out of sync:\n{}",
+        String::from_utf8_lossy(&check.stdout)
+    );
     for i in 1..=NODES {
         let table = topo
             .ns(&node_role(i))
@@ -269,11 +358,14 @@ fn nodes_announce_their_vip_only_while_ready_and_bfd_takes_a_silent_node_out() {
     // 3. A stopped daemon withdraws before it exits.
     let stopping = Instant::now();
     let status = daemons[1].stop();
+    let stop_took = stopping.elapsed();
     assert!(status.success(), "node 2's daemon exited with {status}");
-    let t = wait_ecmp(router, &[1, 3], Duration::from_secs(3), "node 2 stopped");
+    let t = wait_ecmp(router, &[1, 3], Duration::from_secs(5), "node 2 stopped");
+    let log = daemons[1].log();
+    let withdrawn =
+        log_time(&log, "Withdrew every announcement") - log_time(&log, "SIGTERM received");
     eprintln!(
-        "node 2 out of the ECMP set {:?} after SIGTERM",
-        stopping.elapsed().max(t)
+        "node 2 withdrew {withdrawn:.3} s after SIGTERM; its stop took {stop_took:?}, the router's set was [1, 3] {t:?} later"
     );
     let table = topo
         .ns(&node_role(2))
@@ -304,8 +396,14 @@ fn nodes_announce_their_vip_only_while_ready_and_bfd_takes_a_silent_node_out() {
         "BFD took {t:?} to take out a silent node"
     );
 
-    // 5. Node 2's daemon restarts: it announces again, and joins the set.
+    // 5. Node 2's daemon restarts: node 3 is silent, so after the sync timeout it announces
+    // with node 1's state, and joins the set.
     daemons[1].restart();
     let t = wait_ecmp(router, &[1, 2], Duration::from_secs(30), "node 2 restarted");
     eprintln!("restarted node 2 back in the ECMP set {t:?} after its start");
+    let waited = waited_to_announce(&daemons[1].log());
+    assert!(
+        waited >= SYNC_TIMEOUT - Duration::from_millis(200),
+        "restarted node 2 announced {waited:?} after it started announcing, without silent node 3's state"
+    );
 }
