@@ -9,7 +9,8 @@
 //! the health checks settled (every backend probed `fall` times, so a dead one is down by
 //! then), and with `[ha]` every peer's state held: each configured peer streamed its snapshot
 //! here, or, after `sync_timeout_s`, each peer that does stream has (a dead peer's state
-//! cannot be had). A VIP is announced while one of its services has a backend up; the
+//! cannot be had). These gates are the start's warm-up: once ready, a node stays ready when a
+//! peer leaves. A VIP is announced while one of its services has a backend up; the
 //! configured prefixes while the node is ready. A stop withdraws everything before the
 //! datapath is detached or left.
 //!
@@ -106,7 +107,8 @@ pub async fn run(
             _ = stop.changed() => break,
             _ = tick.tick() => {}
         }
-        let (readiness, want) = wanted(&cfg, &shared, started).await;
+        let warmed = said == Some(Readiness::Ready);
+        let (readiness, want) = wanted(&cfg, &shared, started, warmed).await;
         if said.as_ref() != Some(&readiness) {
             info!(
                 table,
@@ -129,11 +131,14 @@ pub async fn run(
     info!(table, "Withdrew every announcement");
 }
 
-/// The readiness and the prefixes to announce now.
+/// The readiness and the prefixes to announce now. The start's gates (health settled, peers'
+/// state here) are passed once: a node that was ready stays so when a peer leaves (the peer's
+/// connections are here already, and withdrawing would move every flow of the set at once).
 async fn wanted(
     cfg: &AnnounceSection,
     shared: &Shared,
     started: Instant,
+    warmed: bool,
 ) -> (Readiness, BTreeSet<IpNet>) {
     let Ok(rules) = shared.rules().await else {
         return (Readiness::Stopped, BTreeSet::new());
@@ -150,10 +155,10 @@ async fn wanted(
         })
         .max()
         .unwrap_or_default();
-    if started.elapsed() < settle {
+    if !warmed && started.elapsed() < settle {
         return (Readiness::Settling, BTreeSet::new());
     }
-    if let Some(ha) = &shared.ha {
+    if let Some(ha) = shared.ha.as_ref().filter(|_| !warmed) {
         let waited = started.elapsed() >= Duration::from_secs(*cfg.sync_timeout_s.get_ref());
         if !ha.in_sync() && !(waited && ha.streaming_in_sync()) {
             return (Readiness::Syncing, BTreeSet::new());

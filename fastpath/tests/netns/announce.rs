@@ -356,16 +356,35 @@ fn nodes_announce_their_vip_only_while_ready_and_bfd_takes_a_silent_node_out() {
     eprintln!("announced again by all {t:?} after the backend answered");
 
     // 3. A stopped daemon withdraws before it exits.
+    // Nodes 1 and 3 stay in the set all along: a peer leaving does not make them withdraw.
     let stopping = Instant::now();
-    let status = daemons[1].stop();
-    let stop_took = stopping.elapsed();
+    let (status, stop_took, seen) = std::thread::scope(|sc| {
+        let watch = sc.spawn(|| {
+            let mut seen = vec![];
+            while stopping.elapsed() < Duration::from_secs(4) {
+                let now = ecmp(router);
+                if seen.last() != Some(&now) {
+                    seen.push(now);
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            seen
+        });
+        let status = daemons[1].stop();
+        let took = stopping.elapsed();
+        (status, took, watch.join().expect("router watch"))
+    });
+    assert!(
+        seen.iter().all(|s| s.contains(&1) && s.contains(&3)),
+        "nodes 1 and 3 left the set while node 2 stopped: {seen:?}"
+    );
     assert!(status.success(), "node 2's daemon exited with {status}");
     let t = wait_ecmp(router, &[1, 3], Duration::from_secs(5), "node 2 stopped");
     let log = daemons[1].log();
     let withdrawn =
         log_time(&log, "Withdrew every announcement") - log_time(&log, "SIGTERM received");
     eprintln!(
-        "node 2 withdrew {withdrawn:.3} s after SIGTERM; its stop took {stop_took:?}, the router's set was [1, 3] {t:?} later"
+        "node 2 withdrew {withdrawn:.3} s after SIGTERM; its stop took {stop_took:?}; the router's sets meanwhile: {seen:?} (then {t:?} to [1, 3])"
     );
     let table = topo
         .ns(&node_role(2))
