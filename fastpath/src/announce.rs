@@ -167,13 +167,11 @@ async fn wanted(
     let mut want: BTreeSet<IpNet> = cfg.prefixes.iter().map(|p| *p.get_ref()).collect();
     // Port forwards are this node's own addresses, not the cluster's VIPs.
     for s in config.services.iter().filter(|s| !s.port_forward) {
-        let id = s.id();
+        // One lookup per backend (`backend_health` would scan every service for each).
+        let (id, checked) = (s.id(), s.health_check.is_some());
         let up = s.backends.iter().any(|b| {
-            *b.weight.get_ref() > 0
-                && rules.backend_health(
-                    id,
-                    std::net::SocketAddr::new(*b.address.get_ref(), *b.port.get_ref()),
-                ) != "down"
+            let addr = std::net::SocketAddr::new(*b.address.get_ref(), *b.port.get_ref());
+            *b.weight.get_ref() > 0 && !(checked && rules.backend_down(id, addr))
         });
         if up {
             want.insert(IpNet::from(*s.vip.get_ref()));

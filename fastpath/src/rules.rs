@@ -363,6 +363,12 @@ impl<D: DatapathOps> Rules<D> {
         out
     }
 
+    /// Whether the health checks hold `backend` of `service` down (one lookup: the caller
+    /// knows whether the service is checked; see [`Rules::backend_health`]).
+    pub fn backend_down(&self, service: ServiceId, backend: SocketAddr) -> bool {
+        self.down.contains_key(&(service, backend))
+    }
+
     /// "up", "down" or "unchecked" for a backend.
     pub fn backend_health(&self, service: ServiceId, backend: SocketAddr) -> &'static str {
         let checked = self
@@ -370,7 +376,7 @@ impl<D: DatapathOps> Rules<D> {
             .services
             .iter()
             .any(|s| s.id() == service && s.health_check.is_some());
-        match (checked, self.down.contains_key(&(service, backend))) {
+        match (checked, self.backend_down(service, backend)) {
             (false, _) => "unchecked",
             (true, true) => "down",
             (true, false) => "up",
