@@ -11,8 +11,12 @@
 //! here, or, after `sync_timeout_s`, each peer that does stream has (a dead peer's state
 //! cannot be had). These gates are the start's warm-up: once ready, a node stays ready when a
 //! peer leaves. A VIP is announced while one of its services has a backend up; the
-//! configured prefixes while the node is ready. A stop withdraws everything before the
-//! datapath is detached or left.
+//! configured prefixes while the node is ready, and other nodes' prefixes
+//! (`backup_prefixes`) as backups: routes of metric [`BACKUP_METRIC`], which the routing
+//! daemon announces at a lower preference. A drain (asked through the API) withdraws
+//! everything, then watches the load-balanced packets that still arrive until none has for
+//! a quiet time, or a deadline passes. A stop withdraws everything before the datapath is
+//! detached or left.
 //!
 //! The routes are blackholes of protocol [`RTPROT_FASTPATH`]: routes of other protocols in
 //! the table are never touched, and ours left by a daemon that was killed are taken back (or
@@ -31,16 +35,29 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::{api::server::Shared, config::AnnounceSection, netwatch};
+use fastpath_common::reason;
 
 /// `rtm_protocol` of our routes (`/etc/iproute2/rt_protos` has no owner for it): what tells
 /// them from the routes others put in the table.
 pub const RTPROT_FASTPATH: u8 = 249;
-/// How often the announced set is recomputed (health changes, peers syncing).
+/// How often the announced set is recomputed (health changes, peers syncing, a drain).
 const PASS: Duration = Duration::from_millis(100);
+/// The metric (`RTA_PRIORITY`) of the routes of `backup_prefixes`; this node's own have 0.
+/// The routing daemon matches it to announce them at a lower preference (BIRD:
+/// `krt_metric`; FRR: `match metric`).
+pub const BACKUP_METRIC: u32 = 1000;
+/// The datapath's reasons that count a load-balanced packet: what a drain watches.
+const BALANCED: [u32; 4] = [
+    reason::LB_TO_BACKEND,
+    reason::LB_FROM_BACKEND,
+    reason::LB_DSR,
+    reason::LB_ICMP_ERROR,
+];
 
 /// `linux/rtnetlink.h`: `RTN_BLACKHOLE`, and the attributes we write and read.
 const RTN_BLACKHOLE: u8 = 6;
 const RTA_DST: u16 = 1;
+const RTA_PRIORITY: u16 = 6;
 const RTA_TABLE: u16 = 15;
 
 /// Why the node announces nothing, or that it is ready.
@@ -51,6 +68,10 @@ pub enum Readiness {
     /// Peers whose state is not here yet.
     Syncing,
     Ready,
+    /// Drained through the API: everything withdrawn, flows that still arrive served.
+    Draining,
+    /// The drain ended: no load-balanced packet for its quiet time, or its deadline passed.
+    Drained,
     /// Stopping: everything withdrawn.
     Stopped,
 }
@@ -61,32 +82,115 @@ impl Readiness {
             Readiness::Settling => "settling health",
             Readiness::Syncing => "syncing with peers",
             Readiness::Ready => "ready",
+            Readiness::Draining => "draining",
+            Readiness::Drained => "drained",
             Readiness::Stopped => "stopped",
         }
     }
+}
+
+/// One of our routes: a prefix, this node's own or (`backup`) another's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Route {
+    pub net: IpNet,
+    pub backup: bool,
+}
+
+impl Route {
+    fn metric(&self) -> u32 {
+        if self.backup { BACKUP_METRIC } else { 0 }
+    }
+}
+
+/// A drain asked through the API.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DrainRequest {
+    /// The drain ends once no load-balanced packet has arrived for this long...
+    pub quiet: Duration,
+    /// ...or at the latest this long after it started.
+    pub deadline: Duration,
+}
+
+/// Why a drain ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrainEnd {
+    Quiet,
+    Deadline,
+}
+
+/// A drain in progress or ended.
+#[derive(Clone, Debug)]
+pub struct DrainStatus {
+    pub request: DrainRequest,
+    pub started: Instant,
+    /// When the last load-balanced packet was counted (`started` before any).
+    pub last_packet: Instant,
+    /// Load-balanced packets counted since the drain started.
+    pub packets: u64,
+    /// The datapath's count at the last pass (`None` before the first).
+    counted: Option<u64>,
+    pub ended: Option<DrainEnd>,
 }
 
 /// What the announcer last did, for status and metrics.
 #[derive(Clone, Debug)]
 pub struct Status {
     pub readiness: Readiness,
-    /// The prefixes in the table now.
-    pub announced: Vec<IpNet>,
+    /// The routes in the table now.
+    pub announced: Vec<Route>,
+    pub drain: Option<DrainStatus>,
 }
 
-/// The announced set and its readiness, published for the API and metrics.
-pub type StatusRx = watch::Receiver<Status>;
+impl Status {
+    pub fn starting() -> Status {
+        Status {
+            readiness: Readiness::Settling,
+            announced: vec![],
+            drain: None,
+        }
+    }
+}
+
+/// The announcer's side the API and metrics hold: its status, and where a drain is asked
+/// (`Some`) or cancelled (`None`).
+pub struct Handle {
+    pub table: u32,
+    pub status: watch::Receiver<Status>,
+    pub drain: watch::Sender<Option<DrainRequest>>,
+}
+
+/// The channels of an announcer: its handle, and the ends [`run`] takes.
+pub fn channels(
+    table: u32,
+) -> (
+    Handle,
+    watch::Sender<Status>,
+    watch::Receiver<Option<DrainRequest>>,
+) {
+    let (status_tx, status) = watch::channel(Status::starting());
+    let (drain, drain_rx) = watch::channel(None);
+    (
+        Handle {
+            table,
+            status,
+            drain,
+        },
+        status_tx,
+        drain_rx,
+    )
+}
 
 /// Keeps `cfg.table` to what this node should announce until `stop`, then withdraws it all.
 pub async fn run(
     cfg: AnnounceSection,
     shared: Arc<Shared>,
     status: watch::Sender<Status>,
+    drain_rx: watch::Receiver<Option<DrainRequest>>,
     mut stop: watch::Receiver<bool>,
 ) {
     let table = *cfg.table.get_ref();
     let started = Instant::now();
-    let mut announced: BTreeSet<IpNet> = match ours(table) {
+    let mut announced: BTreeSet<Route> = match ours(table) {
         Ok(set) => set,
         Err(e) => {
             warn!(table, error = %e, "Listing this node's announcement routes failed; announcing nothing");
@@ -100,15 +204,46 @@ pub async fn run(
             "Found announcement routes of an earlier run"
         );
     }
+    // Routes an earlier run left (its daemon was killed while the datapath went on forwarding)
+    // stay through the warm-up: withdrawing them would move every flow of the node away and
+    // back. A node whose kernel lost them (a reboot) announces nothing until ready.
+    let earlier = announced.clone();
     let mut said = None;
+    let mut warmed = false;
+    let mut drain: Option<DrainStatus> = None;
     let mut tick = tokio::time::interval(PASS);
     loop {
         tokio::select! {
             _ = stop.changed() => break,
             _ = tick.tick() => {}
         }
-        let warmed = said == Some(Readiness::Ready);
-        let (readiness, want) = wanted(&cfg, &shared, started, warmed).await;
+        let asked = *drain_rx.borrow();
+        let (readiness, want) = match asked {
+            Some(request) => {
+                let d = drain.get_or_insert_with(|| {
+                    info!(table, quiet = ?request.quiet, deadline = ?request.deadline, "Draining");
+                    DrainStatus {
+                        request,
+                        started: Instant::now(),
+                        last_packet: Instant::now(),
+                        packets: 0,
+                        counted: None,
+                        ended: None,
+                    }
+                });
+                // Asked again: the new times apply to the drain under way.
+                d.request = request;
+                (drained(&shared, d).await, BTreeSet::new())
+            }
+            None => {
+                if drain.take().is_some() {
+                    info!(table, "Drain cancelled");
+                }
+                let (readiness, want) = wanted(&cfg, &shared, started, warmed).await;
+                warmed |= readiness == Readiness::Ready;
+                (readiness, if warmed { want } else { earlier.clone() })
+            }
+        };
         if said.as_ref() != Some(&readiness) {
             info!(
                 table,
@@ -121,14 +256,57 @@ pub async fn run(
         status.send_replace(Status {
             readiness,
             announced: announced.iter().copied().collect(),
+            drain: drain.clone(),
         });
     }
     reconcile(table, &mut announced, &BTreeSet::new());
     status.send_replace(Status {
         readiness: Readiness::Stopped,
         announced: announced.iter().copied().collect(),
+        drain,
     });
     info!(table, "Withdrew every announcement");
+}
+
+/// A drain's pass: counts the load-balanced packets that arrived since the last one and
+/// ends the drain once none has for its quiet time, or at its deadline. Everything is
+/// withdrawn meanwhile; the datapath forwards whatever still arrives.
+async fn drained(shared: &Shared, d: &mut DrainStatus) -> Readiness {
+    if d.ended.is_some() {
+        return Readiness::Drained;
+    }
+    let total: u64 = match shared.rules().await.map(|r| r.datapath().stats()) {
+        Ok(Ok(stats)) => BALANCED.iter().map(|&r| stats.packets_for_reason(r)).sum(),
+        Ok(Err(e)) => {
+            warn!(error = %e, "Reading the datapath's counters for the drain failed");
+            return Readiness::Draining;
+        }
+        Err(_) => return Readiness::Draining,
+    };
+    let now = Instant::now();
+    // The first pass takes the counters as they are; later ones count what arrived since.
+    if let Some(arrived) = d
+        .counted
+        .map(|c| total.saturating_sub(c))
+        .filter(|&a| a > 0)
+    {
+        d.packets += arrived;
+        d.last_packet = now;
+    }
+    d.counted = Some(total);
+    let ended = if now.duration_since(d.last_packet) >= d.request.quiet {
+        Some(DrainEnd::Quiet)
+    } else if now.duration_since(d.started) >= d.request.deadline {
+        Some(DrainEnd::Deadline)
+    } else {
+        None
+    };
+    d.ended = ended;
+    if ended.is_some() {
+        Readiness::Drained
+    } else {
+        Readiness::Draining
+    }
 }
 
 /// The readiness and the prefixes to announce now. The start's gates (health settled, peers'
@@ -139,7 +317,7 @@ async fn wanted(
     shared: &Shared,
     started: Instant,
     warmed: bool,
-) -> (Readiness, BTreeSet<IpNet>) {
+) -> (Readiness, BTreeSet<Route>) {
     let Ok(rules) = shared.rules().await else {
         return (Readiness::Stopped, BTreeSet::new());
     };
@@ -164,7 +342,14 @@ async fn wanted(
             return (Readiness::Syncing, BTreeSet::new());
         }
     }
-    let mut want: BTreeSet<IpNet> = cfg.prefixes.iter().map(|p| *p.get_ref()).collect();
+    let route = |backup| {
+        move |p: &toml::Spanned<IpNet>| Route {
+            net: *p.get_ref(),
+            backup,
+        }
+    };
+    let mut want: BTreeSet<Route> = cfg.prefixes.iter().map(route(false)).collect();
+    want.extend(cfg.backup_prefixes.iter().map(route(true)));
     // Port forwards are this node's own addresses, not the cluster's VIPs.
     for s in config.services.iter().filter(|s| !s.port_forward) {
         // One lookup per backend (`backend_health` would scan every service for each).
@@ -174,7 +359,10 @@ async fn wanted(
             *b.weight.get_ref() > 0 && !(checked && rules.backend_down(id, addr))
         });
         if up {
-            want.insert(IpNet::from(*s.vip.get_ref()));
+            want.insert(Route {
+                net: IpNet::from(*s.vip.get_ref()),
+                backup: false,
+            });
         }
     }
     (Readiness::Ready, want)
@@ -182,37 +370,37 @@ async fn wanted(
 
 /// Adds what `want` has and `announced` lacks, removes the rest; `announced` follows what
 /// went through (a failure is retried at the next pass).
-fn reconcile(table: u32, announced: &mut BTreeSet<IpNet>, want: &BTreeSet<IpNet>) {
-    for net in want.difference(&announced.clone()) {
-        match route(libc::RTM_NEWROUTE, table, net) {
+fn reconcile(table: u32, announced: &mut BTreeSet<Route>, want: &BTreeSet<Route>) {
+    for r in want.difference(&announced.clone()) {
+        match route(libc::RTM_NEWROUTE, table, r) {
             Ok(()) => {
-                info!(table, prefix = %net, "Announcing");
-                announced.insert(*net);
+                info!(table, prefix = %r.net, backup = r.backup, "Announcing");
+                announced.insert(*r);
             }
             Err(e) => {
-                warn!(table, prefix = %net, error = %e, "Adding the announcement route failed")
+                warn!(table, prefix = %r.net, error = %e, "Adding the announcement route failed")
             }
         }
     }
-    for net in announced.clone().difference(want) {
-        match route(libc::RTM_DELROUTE, table, net) {
+    for r in announced.clone().difference(want) {
+        match route(libc::RTM_DELROUTE, table, r) {
             Ok(()) => {
-                info!(table, prefix = %net, "Withdrawing");
-                announced.remove(net);
+                info!(table, prefix = %r.net, backup = r.backup, "Withdrawing");
+                announced.remove(r);
             }
             Err(e) if matches!(e.raw_os_error(), Some(libc::ESRCH | libc::ENOENT)) => {
-                announced.remove(net);
+                announced.remove(r);
             }
             Err(e) => {
-                warn!(table, prefix = %net, error = %e, "Removing the announcement route failed")
+                warn!(table, prefix = %r.net, error = %e, "Removing the announcement route failed")
             }
         }
     }
 }
 
-/// `struct rtmsg` of our route to `net` in `table`, and its attributes.
-fn route_message(table: u32, net: &IpNet) -> Vec<u8> {
-    let (family, addr): (u8, Vec<u8>) = match net.addr() {
+/// `struct rtmsg` of our route `r` in `table`, and its attributes.
+fn route_message(table: u32, r: &Route) -> Vec<u8> {
+    let (family, addr): (u8, Vec<u8>) = match r.net.addr() {
         IpAddr::V4(a) => (libc::AF_INET as u8, a.octets().to_vec()),
         IpAddr::V6(a) => (libc::AF_INET6 as u8, a.octets().to_vec()),
     };
@@ -220,7 +408,7 @@ fn route_message(table: u32, net: &IpNet) -> Vec<u8> {
     // (universe), type; then flags (u32).
     let mut m = vec![
         family,
-        net.prefix_len(),
+        r.net.prefix_len(),
         0,
         0,
         0,
@@ -231,6 +419,7 @@ fn route_message(table: u32, net: &IpNet) -> Vec<u8> {
     m.extend_from_slice(&0u32.to_ne_bytes());
     attribute(&mut m, RTA_TABLE, &table.to_ne_bytes());
     attribute(&mut m, RTA_DST, &addr);
+    attribute(&mut m, RTA_PRIORITY, &r.metric().to_ne_bytes());
     m
 }
 
@@ -243,18 +432,18 @@ fn attribute(m: &mut Vec<u8>, kind: u16, value: &[u8]) {
     m.resize(m.len().next_multiple_of(4), 0);
 }
 
-/// Adds (replacing) or deletes our route to `net` in `table`.
-fn route(kind: u16, table: u32, net: &IpNet) -> io::Result<()> {
+/// Adds (replacing) or deletes our route `r` in `table`.
+fn route(kind: u16, table: u32, r: &Route) -> io::Result<()> {
     let flags = if kind == libc::RTM_NEWROUTE {
         (libc::NLM_F_CREATE | libc::NLM_F_REPLACE) as u16
     } else {
         0
     };
-    netwatch::request(kind, flags, &route_message(table, net))
+    netwatch::request(kind, flags, &route_message(table, r))
 }
 
 /// Our routes in `table` now (a dump of every table's routes, kept when of our protocol).
-fn ours(table: u32) -> io::Result<BTreeSet<IpNet>> {
+fn ours(table: u32) -> io::Result<BTreeSet<Route>> {
     let mut set = BTreeSet::new();
     for family in [libc::AF_INET, libc::AF_INET6] {
         let mut header = [0u8; 12];
@@ -270,18 +459,19 @@ fn ours(table: u32) -> io::Result<BTreeSet<IpNet>> {
     Ok(set)
 }
 
-/// The prefix of an RTM_NEWROUTE payload when it is our route in `table`.
-fn parse_ours(table: u32, payload: &[u8]) -> Option<IpNet> {
+/// The route of an RTM_NEWROUTE payload when it is ours in `table`.
+fn parse_ours(table: u32, payload: &[u8]) -> Option<Route> {
     let (family, len, protocol) = (*payload.first()?, *payload.get(1)?, *payload.get(5)?);
     if protocol != RTPROT_FASTPATH {
         return None;
     }
     let mut in_table = u32::from(*payload.get(4)?) == table;
-    let mut dst = None;
+    let (mut dst, mut metric) = (None, 0);
     for (kind, value) in netwatch::attributes(payload.get(12..)?) {
         match kind & netwatch::NLA_TYPE_MASK {
             RTA_TABLE => in_table = value.try_into().ok().map(u32::from_ne_bytes) == Some(table),
             RTA_DST => dst = Some(value),
+            RTA_PRIORITY => metric = value.try_into().map_or(0, u32::from_ne_bytes),
             _ => {}
         }
     }
@@ -290,7 +480,11 @@ fn parse_ours(table: u32, payload: &[u8]) -> Option<IpNet> {
         (libc::AF_INET6, d) => IpAddr::from(<[u8; 16]>::try_from(d).ok()?),
         _ => return None,
     };
-    in_table.then(|| IpNet::new(addr, len).ok()).flatten()
+    let net = IpNet::new(addr, len).ok()?;
+    in_table.then_some(Route {
+        net,
+        backup: metric == BACKUP_METRIC,
+    })
 }
 
 #[cfg(test)]
@@ -299,11 +493,19 @@ mod tests {
 
     #[test]
     fn a_route_message_reads_back_as_ours_in_its_table_only() {
-        for net in ["192.0.2.100/32", "2001:db8::/64", "198.51.100.0/28"] {
-            let net: IpNet = net.parse().unwrap();
-            let m = route_message(100, &net);
+        for (net, backup) in [
+            ("192.0.2.100/32", false),
+            ("2001:db8::/64", false),
+            ("198.51.100.0/28", true),
+            ("2001:db8:1::/64", true),
+        ] {
+            let r = Route {
+                net: net.parse().unwrap(),
+                backup,
+            };
+            let m = route_message(100, &r);
             assert_eq!(m.len() % 4, 0);
-            assert_eq!(parse_ours(100, &m), Some(net));
+            assert_eq!(parse_ours(100, &m), Some(r));
             assert_eq!(parse_ours(101, &m), None, "another table");
             let mut other = m.clone();
             other[5] = 186;

@@ -14,8 +14,8 @@ use serde_json::json;
 use tokio_stream::StreamExt as _;
 
 use crate::{
-    ChangeArgs, CtCommand, EXIT_CONNECT, EXIT_FAILURE, EXIT_NOT_FORWARDING, EXIT_NOT_IN_SYNC,
-    EXIT_REJECTED, EXIT_USAGE, Output, OutputArg, error_chain,
+    ChangeArgs, CtCommand, EXIT_CONNECT, EXIT_DRAIN_DEADLINE, EXIT_FAILURE, EXIT_NOT_FORWARDING,
+    EXIT_NOT_IN_SYNC, EXIT_REJECTED, EXIT_USAGE, Output, OutputArg, error_chain,
 };
 
 #[derive(Subcommand)]
@@ -1141,6 +1141,220 @@ pub enum HaCommand {
         #[command(flatten)]
         out: OutputArg,
     },
+}
+
+#[derive(Subcommand)]
+pub enum ClusterCommand {
+    /// This node's readiness to carry traffic ("settling health", "syncing with peers",
+    /// "ready", "draining", "drained"), each route it has the routing daemon announce (its
+    /// own at primary preference, other nodes' source prefixes as backups), a drain under way
+    /// or ended, and with [ha] each peer: connected both ways, whether its state is here
+    /// (synced), and the replication lag to it.
+    Status {
+        #[command(flatten)]
+        out: OutputArg,
+    },
+}
+
+/// `fastpath drain`'s options.
+pub struct DrainArgs {
+    pub quiet: f64,
+    pub deadline: f64,
+    pub wait: bool,
+    pub cancel: bool,
+}
+
+fn announce_json(a: &pb::AnnounceStatus) -> serde_json::Value {
+    json!({
+        "enabled": a.enabled, "table": a.table, "readiness": a.readiness,
+        "routes": a.routes.iter().map(|r| json!({"prefix": r.prefix, "backup": r.backup})).collect::<Vec<_>>(),
+        "drain": a.drain.as_ref().map(|d| json!({
+            "quiet_ms": d.quiet_ms, "deadline_ms": d.deadline_ms,
+            "started_ms_ago": d.started_ms_ago, "packets": d.packets,
+            "last_packet_ms_ago": d.last_packet_ms_ago, "ended": d.ended,
+        })),
+    })
+}
+
+/// One line on a drain: under way, or how it ended.
+fn drain_line(d: &pb::DrainStatus) -> String {
+    let secs = |ms: u64| ms as f64 / 1000.0;
+    let how = match d.ended.as_str() {
+        "" => "draining".to_string(),
+        "quiet" => format!(
+            "drained: no load-balanced packet for {:.1} s",
+            secs(d.quiet_ms)
+        ),
+        _ => format!(
+            "drained at the {:.1} s deadline, with packets still arriving",
+            secs(d.deadline_ms)
+        ),
+    };
+    format!(
+        "{how} ({:.1} s since it started; {} load-balanced packets since, the last {:.1} s ago)",
+        secs(d.started_ms_ago),
+        d.packets,
+        secs(d.last_packet_ms_ago)
+    )
+}
+
+/// `fastpath drain`: asks for the drain (or its end), then waits for it to end.
+pub async fn drain(target: &Target, args: DrainArgs, out: OutputArg) -> ExitCode {
+    finish(
+        async {
+            let ms = |what: &str, s: f64| {
+                if s.is_finite() && s > 0.0 {
+                    Ok((s * 1000.0).round() as u64)
+                } else {
+                    Err(usage(format!("--{what} {s}: give a positive number of seconds")))
+                }
+            };
+            let request = if args.cancel {
+                pb::DrainRequest {
+                    cancel: true,
+                    ..Default::default()
+                }
+            } else {
+                pb::DrainRequest {
+                    cancel: false,
+                    quiet_ms: ms("quiet", args.quiet)?,
+                    deadline_ms: ms("deadline", args.deadline)?,
+                }
+            };
+            let mut c = connect(target).await?;
+            let mut s = c.drain(request).await.map_err(from_status)?.into_inner();
+            if args.cancel {
+                if out.output == Output::Json {
+                    return print_json(&announce_json(&s));
+                }
+                outln!(
+                    "drain cancelled: {}, announcing {} route(s)",
+                    s.readiness,
+                    s.routes.len()
+                );
+                return Ok(());
+            }
+            if args.wait {
+                if out.output != Output::Json {
+                    outln!(
+                        "draining: every announcement withdrawn; waiting for the flows that still arrive (quiet {} s, deadline {} s)",
+                        args.quiet,
+                        args.deadline
+                    );
+                }
+                while s.drain.as_ref().is_some_and(|d| d.ended.is_empty()) {
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                    s = c
+                        .get_announce_status(pb::GetAnnounceStatusRequest {})
+                        .await
+                        .map_err(from_status)?
+                        .into_inner();
+                }
+            }
+            let d = s.drain.clone().unwrap_or_default();
+            if out.output == Output::Json {
+                print_json(&announce_json(&s))?;
+            } else {
+                outln!("{}", drain_line(&d));
+            }
+            if d.ended == "deadline" {
+                return Err(Failure(EXIT_DRAIN_DEADLINE, String::new()));
+            }
+            Ok(())
+        }
+        .await,
+    )
+}
+
+/// `fastpath cluster status`: the announcer's state and, with [ha], the peers'.
+pub async fn cluster_status(target: &Target, out: OutputArg) -> ExitCode {
+    finish(
+        async {
+            let mut c = connect(target).await?;
+            let a = c
+                .get_announce_status(pb::GetAnnounceStatusRequest {})
+                .await
+                .map_err(from_status)?
+                .into_inner();
+            let ha = c
+                .get_ha_status(pb::GetHaStatusRequest {})
+                .await
+                .map_err(from_status)?
+                .into_inner();
+            if out.output == Output::Json {
+                return print_json(&json!({
+                    "announce": announce_json(&a),
+                    "ha": ha.enabled.then(|| json!({
+                        "node_id": ha.node_id, "in_sync": ha.in_sync,
+                        "peers_out": ha.peers_out.iter().map(|p| json!({
+                            "address": p.address, "connected": p.connected, "lag_ms": p.lag_ms,
+                            "lag_p99_us": p.lag_p99_us,
+                        })).collect::<Vec<_>>(),
+                        "peers_in": ha.peers_in.iter().map(|p| json!({
+                            "node_id": p.node_id, "connected": p.connected, "synced": p.synced,
+                            "installed": p.installed,
+                        })).collect::<Vec<_>>(),
+                    })),
+                }));
+            }
+            if a.enabled {
+                outln!("announcements: {} (table {})", a.readiness, a.table);
+                for r in &a.routes {
+                    outln!(
+                        "  {:<43} {}",
+                        r.prefix,
+                        if r.backup { "backup" } else { "primary" }
+                    );
+                }
+                if let Some(d) = &a.drain {
+                    outln!("{}", drain_line(d));
+                }
+            } else {
+                outln!("announcements: off (no [announce] section)");
+            }
+            if !ha.enabled {
+                outln!("replication: off (no [ha] section)");
+                return Ok(());
+            }
+            outln!(
+                "replication: node {}, {}",
+                ha.node_id,
+                if ha.in_sync {
+                    "in sync with every peer"
+                } else {
+                    "NOT in sync"
+                }
+            );
+            for p in &ha.peers_out {
+                outln!(
+                    "  to {:<22} {:<13} lag {} ms, p99 {} us",
+                    p.address,
+                    if p.connected {
+                        "connected"
+                    } else {
+                        "not connected"
+                    },
+                    p.lag_ms,
+                    p.lag_p99_us
+                );
+            }
+            for p in &ha.peers_in {
+                outln!(
+                    "  from node {:<12} {:<13} {}, {} entries held",
+                    p.node_id,
+                    if p.connected {
+                        "connected"
+                    } else {
+                        "not connected"
+                    },
+                    if p.synced { "synced" } else { "NOT synced" },
+                    p.installed
+                );
+            }
+            Ok(())
+        }
+        .await,
+    )
 }
 
 /// `fastpath datapath [--check]`: the pinned datapath as the kernel runs it (no daemon).

@@ -60,6 +60,13 @@ pub struct AnnounceSection {
     /// full-NAT source prefix, for one), whatever the backends' health.
     #[serde(default)]
     pub prefixes: Vec<Spanned<ipnet::IpNet>>,
+    /// Other nodes' prefixes this node announces at a lower preference while it is ready
+    /// (their full-NAT source prefixes: when one of them dies, the routers send its
+    /// connections' replies here, and this node translates them from the replicated state).
+    /// Their routes have metric [`crate::announce::BACKUP_METRIC`], which the routing daemon
+    /// turns into a lower preference (e.g. a prepended AS path).
+    #[serde(default)]
+    pub backup_prefixes: Vec<Spanned<ipnet::IpNet>>,
     /// With `[ha]`: seconds to wait for peers that do not connect before announcing without
     /// their state (peers that do connect are always waited for). Default 30.
     #[serde(default = "default_sync_timeout_s")]
@@ -886,20 +893,29 @@ impl Config {
             ));
         }
         let mut seen = std::collections::HashSet::new();
-        for (i, p) in a.prefixes.iter().enumerate() {
+        let listed = a.prefixes.iter().map(|p| ("prefixes", p));
+        let backups = a.backup_prefixes.iter().map(|p| ("backup_prefixes", p));
+        for (i, (key, p)) in listed.chain(backups).enumerate() {
+            let i = if key == "prefixes" {
+                i
+            } else {
+                i - a.prefixes.len()
+            };
             let net = *p.get_ref();
             if net != net.trunc() {
                 return Err(err(
                     p.span(),
-                    format!("announce.prefixes[{i}]"),
+                    format!("announce.{key}[{i}]"),
                     format!("{net} has host bits set: write {}", net.trunc()),
                 ));
             }
             if !seen.insert(net) {
                 return Err(err(
                     p.span(),
-                    format!("announce.prefixes[{i}]"),
-                    format!("{net} is listed twice"),
+                    format!("announce.{key}[{i}]"),
+                    format!(
+                        "{net} is listed twice (in prefixes or backup_prefixes): a prefix is this node's own or another's, once"
+                    ),
                 ));
             }
         }
@@ -2023,6 +2039,16 @@ mod tests {
                 "table = 100\nprefixes = [\"10.0.0.0/8\", \"10.0.0.0/8\"]\n",
                 "announce.prefixes[1]",
                 "twice",
+            ),
+            (
+                "table = 100\nprefixes = [\"10.1.0.0/24\"]\nbackup_prefixes = [\"10.2.0.0/24\", \"10.1.0.0/24\"]\n",
+                "announce.backup_prefixes[1]",
+                "twice",
+            ),
+            (
+                "table = 100\nbackup_prefixes = [\"10.2.0.1/24\"]\n",
+                "announce.backup_prefixes[0]",
+                "write 10.2.0.0/24",
             ),
             (
                 "table = 100\nsync_timeout_s = 0\n",

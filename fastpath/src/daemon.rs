@@ -327,13 +327,10 @@ fn start_tasks(
     // Announcements start once the datapath is attached and the services applied (both
     // done by now); a stop withdraws them before the datapath is detached or left.
     let announce_cfg = rules.config().announce.clone();
-    let (announce_tx, announce_rx) = match &announce_cfg {
-        Some(_) => {
-            let (tx, rx) = watch::channel(crate::announce::Status {
-                readiness: crate::announce::Readiness::Settling,
-                announced: vec![],
-            });
-            (Some(tx), Some(rx))
+    let (announce, announce_ends) = match &announce_cfg {
+        Some(a) => {
+            let (handle, status, drain) = crate::announce::channels(*a.table.get_ref());
+            (Some(handle), Some((status, drain)))
         }
         None => (None, None),
     };
@@ -348,11 +345,11 @@ fn start_tasks(
         listeners: listeners.names.clone(),
         latency: Default::default(),
         ha: ha.as_ref().map(|(h, _)| h.clone()),
-        announce: announce_rx,
+        announce,
     });
-    if let (Some(cfg), Some(tx)) = (announce_cfg, announce_tx) {
+    if let (Some(cfg), Some((status, drain))) = (announce_cfg, announce_ends) {
         tasks.spawn(
-            crate::announce::run(cfg, shared.clone(), tx, stop_rx.clone())
+            crate::announce::run(cfg, shared.clone(), status, drain, stop_rx.clone())
                 .instrument(info_span!("announce")),
         );
     }

@@ -496,6 +496,11 @@ impl Ha {
                 acts.extend(done);
                 peer.snapshots += 1;
                 ask = Some(a);
+                info!(
+                    node = id,
+                    epoch = b.epoch,
+                    "A peer's snapshot arrived: its state is here"
+                );
             }
         } else {
             for ch in b.changes {

@@ -37,6 +37,8 @@ const EXIT_REJECTED: u8 = 4;
 const EXIT_NOT_IN_SYNC: u8 = 5;
 /// Exit code of `datapath --check` when the pinned datapath cannot forward.
 const EXIT_NOT_FORWARDING: u8 = 6;
+/// Exit code of `drain` when its deadline passed while load-balanced packets still arrived.
+const EXIT_DRAIN_DEADLINE: u8 = 7;
 
 /// fastpath — an eBPF fast path for Linux: XDP/TC programs run a forwarding pipeline (conntrack,
 /// load balancing, NAT) and hand whatever they do not handle to the kernel (the slow path).
@@ -51,7 +53,7 @@ const EXIT_NOT_FORWARDING: u8 = 6;
 /// configuration error (nothing was changed); 3 the daemon cannot be reached; 4 the daemon
 /// refused the request (invalid, conflicting, not found: nothing was changed); 5 `ha status
 /// --check`: this node is not in sync with its HA peers; 6 `datapath --check`: the datapath
-/// cannot forward.
+/// cannot forward; 7 `drain`: its deadline passed while flows still arrived.
 #[derive(Parser)]
 #[command(
     name = "fastpath",
@@ -215,6 +217,39 @@ enum Command {
     Ha {
         #[command(subcommand)]
         command: cli::HaCommand,
+    },
+    /// The cluster as this node sees it: its announcements ([announce]: readiness, the routes
+    /// the routing daemon announces, a drain) and, with [ha], each peer's streams.
+    Cluster {
+        #[command(subcommand)]
+        command: cli::ClusterCommand,
+    },
+    /// Take this node out of its ECMP set gracefully ([announce]): withdraw every announcement
+    /// at once, keep forwarding the flows that still arrive (the other nodes hold this node's
+    /// connections through replication, and the routers move the flows to them), and wait
+    /// until no load-balanced packet has arrived for --quiet seconds, or --deadline passes.
+    ///
+    /// Prints how the drain ended and exits 0 when it went quiet, 7 when the deadline passed
+    /// with packets still arriving. The node stays drained (forwarding what arrives,
+    /// announcing nothing) until `drain --cancel` or a restart of the daemon; drain, stop,
+    /// maintain, start is the way to take a node out and back.
+    ///
+    /// Example: `fastpath -c /etc/fastpath/fastpath.toml drain --deadline 600`.
+    Drain {
+        /// Seconds without a load-balanced packet that end the drain.
+        #[arg(long, value_name = "SECONDS", default_value_t = 5.0)]
+        quiet: f64,
+        /// Seconds after which the drain ends whatever still arrives.
+        #[arg(long, value_name = "SECONDS", default_value_t = 300.0)]
+        deadline: f64,
+        /// Start the drain and return at once (`cluster status` shows how it goes).
+        #[arg(long)]
+        no_wait: bool,
+        /// End the drain: announce again what the node is ready to carry.
+        #[arg(long, conflicts_with_all = ["quiet", "deadline", "no_wait"])]
+        cancel: bool,
+        #[command(flatten)]
+        out: OutputArg,
     },
     /// Health of the probed backends.
     Health {
@@ -510,6 +545,25 @@ fn main() -> ExitCode {
         Command::Ha {
             command: cli::HaCommand::Status { check, out },
         } => rt.block_on(cli::ha_status(&target, check, out)),
+        Command::Cluster {
+            command: cli::ClusterCommand::Status { out },
+        } => rt.block_on(cli::cluster_status(&target, out)),
+        Command::Drain {
+            quiet,
+            deadline,
+            no_wait,
+            cancel,
+            out,
+        } => rt.block_on(cli::drain(
+            &target,
+            cli::DrainArgs {
+                quiet,
+                deadline,
+                wait: !no_wait,
+                cancel,
+            },
+            out,
+        )),
         Command::Apply { file, change } => rt.block_on(cli::apply(&target, &file, change)),
     }
 }

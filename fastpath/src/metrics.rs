@@ -136,8 +136,8 @@ pub struct DaemonState {
     pub api: ApiLatency,
     /// HA replication, when configured.
     pub ha: Option<pb::HaStatus>,
-    /// Announcements, when configured: ready, and the prefixes in the table.
-    pub announce: Option<(bool, Vec<String>)>,
+    /// Announcements, when configured: readiness, drain, and the routes in the table.
+    pub announce: Option<crate::announce::Status>,
 }
 
 /// Reads what a scrape shows: the pinned maps off the async threads, then the daemon's state.
@@ -191,13 +191,7 @@ pub async fn snapshot(shared: &Arc<Shared>) -> Snapshot {
             health,
             api: shared.latency.clone(),
             ha: shared.ha.as_ref().map(|ha| ha.status()),
-            announce: shared.announce.as_ref().map(|rx| {
-                let s = rx.borrow();
-                (
-                    s.readiness == crate::announce::Readiness::Ready,
-                    s.announced.iter().map(ToString::to_string).collect(),
-                )
-            }),
+            announce: shared.announce.as_ref().map(|a| a.status.borrow().clone()),
         }),
     }
 }
@@ -524,18 +518,36 @@ fn daemon_families(f: &mut Families<'_>, d: &DaemonState) -> fmt::Result {
     if let Some(ha) = &d.ha {
         ha_families(f, ha)?;
     }
-    if let Some((ready, announced)) = &d.announce {
+    if let Some(a) = &d.announce {
+        use crate::announce::Readiness;
         f.gauge(
             "fastpath_announce_ready",
             "1 while the node is ready to carry its VIPs (health settled, peers' state held).",
-            u64::from(*ready),
+            u64::from(a.readiness == Readiness::Ready),
+        )?;
+        f.gauge(
+            "fastpath_announce_draining",
+            "1 while the node is drained (`fastpath drain`): everything withdrawn.",
+            u64::from(matches!(
+                a.readiness,
+                Readiness::Draining | Readiness::Drained
+            )),
         )?;
         f.family(
             "fastpath_announced",
-            "1 per prefix in the announcement table (what the routing daemon announces).",
-            announced
-                .iter()
-                .map(|p| ([("prefix", p.clone())], ConstGauge::new(1u64))),
+            "1 per route in the announcement table (what the routing daemon announces): this node's own (preference primary) or another node's prefix (backup).",
+            a.announced.iter().map(|r| {
+                (
+                    [
+                        ("prefix", r.net.to_string()),
+                        (
+                            "preference",
+                            if r.backup { "backup" } else { "primary" }.to_string(),
+                        ),
+                    ],
+                    ConstGauge::new(1u64),
+                )
+            }),
         )?;
     }
     Ok(())
@@ -890,7 +902,14 @@ mod tests {
                     }],
                     ..Default::default()
                 }),
-                announce: Some((true, vec!["192.0.2.100/32".into()])),
+                announce: Some(crate::announce::Status {
+                    readiness: crate::announce::Readiness::Ready,
+                    announced: vec![crate::announce::Route {
+                        net: "192.0.2.100/32".parse().expect("prefix"),
+                        backup: false,
+                    }],
+                    drain: None,
+                }),
             }),
         }
     }
@@ -945,6 +964,7 @@ mod tests {
         ("fastpath_ha_node_received_changes_total", "counter"),
         ("fastpath_ha_node_refused_total", "counter"),
         ("fastpath_announce_ready", "gauge"),
+        ("fastpath_announce_draining", "gauge"),
         ("fastpath_announced", "gauge"),
     ];
 
@@ -1033,7 +1053,8 @@ fastpath_ha_node_installed_entries{node="2"} 11
 fastpath_ha_node_received_changes_total{node="2"} 30
 fastpath_ha_node_refused_total{node="2"} 8
 fastpath_announce_ready 1
-fastpath_announced{prefix="192.0.2.100/32"} 1
+fastpath_announce_draining 0
+fastpath_announced{prefix="192.0.2.100/32",preference="primary"} 1
 "#;
 
     fn sorted_lines(text: &str) -> Vec<String> {

@@ -503,11 +503,120 @@ pub fn stats_row(r: &pb::ReasonCounter) -> StatsRow {
     }
 }
 
+/// Default quiet time and deadline of a drain (`DrainRequest` fields left 0).
+pub const DRAIN_QUIET_MS: u64 = 5_000;
+pub const DRAIN_DEADLINE_MS: u64 = 300_000;
+
+/// A drain request: `None` cancels. Each time in range (quiet 100 ms ..= 1 h, deadline
+/// 1 s ..= 24 h, quiet no longer than the deadline).
+pub fn drain_request(
+    r: &pb::DrainRequest,
+) -> Result<Option<crate::announce::DrainRequest>, Rejected> {
+    if r.cancel {
+        if r.quiet_ms != 0 || r.deadline_ms != 0 {
+            return Err(invalid(
+                "cancel",
+                "a cancel takes no quiet_ms or deadline_ms; send one or the other",
+            ));
+        }
+        return Ok(None);
+    }
+    let or = |v: u64, d: u64| if v == 0 { d } else { v };
+    let (quiet, deadline) = (
+        or(r.quiet_ms, DRAIN_QUIET_MS),
+        or(r.deadline_ms, DRAIN_DEADLINE_MS),
+    );
+    if !(100..=3_600_000).contains(&quiet) {
+        return Err(invalid(
+            "quiet_ms",
+            format!("{quiet} is out of range: use 100 ..= 3600000 (1 h), or 0 for 5000"),
+        ));
+    }
+    if !(1_000..=86_400_000).contains(&deadline) {
+        return Err(invalid(
+            "deadline_ms",
+            format!("{deadline} is out of range: use 1000 ..= 86400000 (24 h), or 0 for 300000"),
+        ));
+    }
+    if quiet > deadline {
+        return Err(invalid(
+            "quiet_ms",
+            format!(
+                "{quiet} is longer than deadline_ms {deadline}: the deadline would always end the drain"
+            ),
+        ));
+    }
+    Ok(Some(crate::announce::DrainRequest {
+        quiet: std::time::Duration::from_millis(quiet),
+        deadline: std::time::Duration::from_millis(deadline),
+    }))
+}
+
+/// What the announcer reports, as the API shows it.
+pub fn announce_status(table: u32, s: &crate::announce::Status) -> pb::AnnounceStatus {
+    let ms = |d: std::time::Duration| d.as_millis() as u64;
+    pb::AnnounceStatus {
+        enabled: true,
+        table,
+        readiness: s.readiness.as_str().into(),
+        routes: s
+            .announced
+            .iter()
+            .map(|r| pb::AnnouncedRoute {
+                prefix: r.net.to_string(),
+                backup: r.backup,
+            })
+            .collect(),
+        drain: s.drain.as_ref().map(|d| pb::DrainStatus {
+            quiet_ms: ms(d.request.quiet),
+            deadline_ms: ms(d.request.deadline),
+            started_ms_ago: ms(d.started.elapsed()),
+            packets: d.packets,
+            last_packet_ms_ago: ms(d.last_packet.elapsed()),
+            ended: match d.ended {
+                None => String::new(),
+                Some(crate::announce::DrainEnd::Quiet) => "quiet".into(),
+                Some(crate::announce::DrainEnd::Deadline) => "deadline".into(),
+            },
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn a_drain_request_is_checked_field_by_field() {
+        let req = |cancel, quiet_ms, deadline_ms| pb::DrainRequest {
+            cancel,
+            quiet_ms,
+            deadline_ms,
+        };
+        assert_eq!(drain_request(&req(true, 0, 0)).expect("cancel"), None);
+        let d = drain_request(&req(false, 0, 0))
+            .expect("defaults")
+            .expect("a drain");
+        assert_eq!(
+            (d.quiet.as_millis(), d.deadline.as_millis()),
+            (u128::from(DRAIN_QUIET_MS), u128::from(DRAIN_DEADLINE_MS))
+        );
+        for (r, says) in [
+            (req(true, 1000, 0), "cancel: a cancel takes no"),
+            (req(false, 50, 0), "quiet_ms: 50 is out of range"),
+            (req(false, 0, 500), "deadline_ms: 500 is out of range"),
+            (
+                req(false, 0, 100_000_000),
+                "deadline_ms: 100000000 is out of range",
+            ),
+            (req(false, 20_000, 10_000), "longer than deadline_ms"),
+        ] {
+            let e = drain_request(&r).expect_err(says);
+            assert!(e.to_string().contains(says), "{e}");
+        }
+    }
 
     fn any_backend() -> impl Strategy<Value = pb::BackendSpec> {
         (

@@ -50,8 +50,8 @@ pub struct Shared {
     pub latency: ApiLatency,
     /// HA replication, when `[ha]` is configured.
     pub ha: Option<Arc<crate::ha::Ha>>,
-    /// What the node announces, when `[announce]` is configured.
-    pub announce: Option<crate::announce::StatusRx>,
+    /// What the node announces, and its drain, when `[announce]` is configured.
+    pub announce: Option<crate::announce::Handle>,
 }
 
 impl Shared {
@@ -226,6 +226,60 @@ impl pb::fastpath_server::Fastpath for Api {
                     .as_ref()
                     .map_or_else(pb::HaStatus::default, |ha| ha.status()),
             ))
+        })
+        .await
+    }
+
+    async fn get_announce_status(
+        &self,
+        _: Request<pb::GetAnnounceStatusRequest>,
+    ) -> Result<Response<pb::AnnounceStatus>, Status> {
+        self.observed("GetAnnounceStatus", async {
+            Ok(Response::new(
+                self.0
+                    .announce
+                    .as_ref()
+                    .map_or_else(pb::AnnounceStatus::default, |a| {
+                        convert::announce_status(a.table, &a.status.borrow())
+                    }),
+            ))
+        })
+        .await
+    }
+
+    async fn drain(
+        &self,
+        req: Request<pb::DrainRequest>,
+    ) -> Result<Response<pb::AnnounceStatus>, Status> {
+        self.observed("Drain", async {
+            let a = self.0.announce.as_ref().ok_or_else(|| {
+                Status::failed_precondition(
+                    "this node announces nothing (its config has no [announce] section), so there is nothing to withdraw: move its addresses with the failover manager instead, or configure [announce]",
+                )
+            })?;
+            let request = convert::drain_request(req.get_ref())?;
+            info!(?request, "Drain asked");
+            a.drain.send_replace(request);
+            // The announcer takes it at its next pass (100 ms): answer with what it did.
+            let draining = request.is_some();
+            let mut status = a.status.clone();
+            let took = tokio::time::timeout(
+                Duration::from_secs(2),
+                status.wait_for(|s| {
+                    use crate::announce::Readiness as R;
+                    matches!(s.readiness, R::Draining | R::Drained | R::Stopped) == draining
+                }),
+            )
+            .await;
+            if !matches!(took, Ok(Ok(_))) {
+                return Err(Status::unavailable(
+                    "the announcer did not take the request within 2 s (is the daemon stopping?); `fastpath cluster status` shows where it is",
+                ));
+            }
+            Ok(Response::new(convert::announce_status(
+                a.table,
+                &a.status.borrow(),
+            )))
         })
         .await
     }

@@ -8,8 +8,10 @@
     reason = "test support: a panic, with its message, is how a test fails"
 )]
 
+pub mod bgp;
 pub mod capture;
 pub mod cases;
+pub mod cluster;
 pub mod ct_cases;
 pub mod fixture;
 pub mod ha;

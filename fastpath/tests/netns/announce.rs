@@ -10,15 +10,13 @@
 //! (and says so) before it exits; that BFD takes a silent node out of the ECMP set; and that a
 //! restarted daemon announces again.
 
-use std::{
-    path::PathBuf,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use fastpath::testkit::{
+    bgp::{self, Frr, Neighbor, log_time, waited_to_announce},
     netns::{
         Daemon, DaemonConfig, Netns, Spawned, TempDir, Topology, VethEnd, prepare_test,
-        unique_name, unique_pin_dir,
+        unique_pin_dir,
     },
     pki::TestCa,
 };
@@ -32,8 +30,6 @@ const BACKEND: &str = "10.9.100.2";
 const NODES: usize = 3;
 /// How long nodes wait for a peer that never connects (`[announce] sync_timeout_s`).
 const SYNC_TIMEOUT: Duration = Duration::from_secs(4);
-/// FRR's daemons, in the order they start.
-const FRR_DAEMONS: [&str; 3] = ["zebra", "bfdd", "bgpd"];
 
 fn node_role(i: usize) -> String {
     format!("node{i}")
@@ -44,120 +40,9 @@ fn node_addr(i: usize) -> String {
     format!("10.9.{i}.2")
 }
 
-/// FRR in the router namespace, in a pathspace of its own (`-N`): its config and runtime
-/// directories are removed on drop, after its daemons.
-struct Frr {
-    daemons: Vec<Spawned>,
-    dirs: [PathBuf; 2],
-}
-
-impl Drop for Frr {
-    fn drop(&mut self) {
-        for d in &mut self.daemons {
-            d.kill();
-        }
-        for dir in &self.dirs {
-            let _ = std::fs::remove_dir_all(dir);
-        }
-    }
-}
-
-fn start_frr(router: &Netns) -> Frr {
-    let name = unique_name("frr");
-    let dirs = [
-        PathBuf::from(format!("/etc/frr/{name}")),
-        PathBuf::from(format!("/var/run/frr/{name}")),
-    ];
-    let mut conf = String::from(
-        "frr defaults datacenter\nrouter bgp 65000\n bgp router-id 10.9.0.1\n no bgp ebgp-requires-policy\n bgp bestpath as-path multipath-relax\n",
-    );
-    for i in 1..=NODES {
-        conf += &format!(
-            " neighbor {} remote-as {}\n neighbor {0} bfd\n neighbor {0} timers connect 1\n",
-            node_addr(i),
-            65000 + i
-        );
-    }
-    conf += " address-family ipv4 unicast\n  maximum-paths 8\n exit-address-family\nbfd\n";
-    for i in 1..=NODES {
-        conf += &format!(
-            " peer {}\n  receive-interval 100\n  transmit-interval 100\n  detect-multiplier 3\n",
-            node_addr(i)
-        );
-    }
-    for dir in &dirs {
-        std::fs::create_dir_all(dir).expect("FRR directory");
-    }
-    let file = dirs[0].join("frr.conf");
-    std::fs::write(&file, conf).expect("frr.conf");
-    std::fs::write(dirs[0].join("vtysh.conf"), "").expect("vtysh.conf");
-    for p in [&dirs[0], &dirs[1], &file] {
-        router
-            .run(&["chown", "-R", "frr:frr", &p.display().to_string()])
-            .expect("chown");
-    }
-    let mut daemons = vec![];
-    for d in FRR_DAEMONS {
-        let pid = dirs[1].join(format!("{d}.pid"));
-        daemons.push(
-            router
-                .spawn(&[
-                    format!("/usr/lib/frr/{d}"),
-                    "-N".into(),
-                    name.clone(),
-                    "-f".into(),
-                    file.display().to_string(),
-                    "-i".into(),
-                    pid.display().to_string(),
-                ])
-                .expect("FRR daemon"),
-        );
-        // zebra's socket first, for the others to connect to.
-        std::thread::sleep(Duration::from_millis(300));
-    }
-    Frr { daemons, dirs }
-}
-
-/// BIRD on node `i`: learns the announcement table, exports its routes to the router over
-/// BGP with BFD. Short error and retry waits: the default back-off delays a re-join by
-/// minutes.
-fn start_bird(node: &Netns, i: usize, dir: &TempDir) -> Spawned {
-    let conf = dir.join(format!("bird{i}.conf"));
-    std::fs::write(
-        &conf,
-        format!(
-            "router id {addr};
-protocol device {{}}
-protocol kernel announce {{ ipv4 {{ import all; export none; }}; kernel table {TABLE}; learn; }}
-protocol bfd {{ interface \"eth0\" {{ min rx interval 100 ms; min tx interval 100 ms; multiplier 3; }}; }}
-protocol bgp uplink {{
-  local {addr} as {asn}; neighbor 10.9.{i}.1 as 65000;
-  bfd on; hold time 3; connect retry time 1; error wait time 1, 5;
-  ipv4 {{ import none; export where proto = \"announce\"; next hop self; }};
-}}
-",
-            addr = node_addr(i),
-            asn = 65000 + i,
-        ),
-    )
-    .expect("bird.conf");
-    node.spawn(&[
-        "bird".to_string(),
-        "-f".into(),
-        "-c".into(),
-        conf.display().to_string(),
-        "-s".into(),
-        dir.join(format!("bird{i}.ctl")).display().to_string(),
-    ])
-    .expect("bird")
-}
-
 /// The nodes the router's route to the VIP goes through, by number (none: no route).
 fn ecmp(router: &Netns) -> Vec<usize> {
-    let routes = router.ip(&["route", "show", VIP]).unwrap_or_default();
-    (1..=NODES)
-        .filter(|&i| routes.contains(&format!("via {} ", node_addr(i))))
-        .collect()
+    bgp::next_hops(router, VIP, &(1..=NODES).map(node_addr).collect::<Vec<_>>())
 }
 
 /// Waits until the router's route goes through exactly `nodes`; the time it took.
@@ -177,31 +62,6 @@ fn wait_ecmp(router: &Netns, nodes: &[usize], timeout: Duration, what: &str) -> 
     }
 }
 
-/// From a daemon's log: the time of the first line with `needle`, in seconds of its day (the
-/// lines start with an RFC 3339 time in UTC, `...THH:MM:SS.ffffffZ`).
-fn log_time(log: &str, needle: &str) -> f64 {
-    let line = log
-        .lines()
-        .find(|l| l.contains(needle))
-        .unwrap_or_else(|| panic!("no {needle:?} in the log:\n{log}"));
-    let clock = line
-        .split_once('T')
-        .and_then(|(_, rest)| rest.split_once('Z'))
-        .map(|(clock, _)| clock)
-        .unwrap_or_else(|| panic!("no time in {line:?}"));
-    clock
-        .split(':')
-        .map(|f| f.parse::<f64>().expect("a time field"))
-        .fold(0.0, |acc, f| acc * 60.0 + f)
-}
-
-/// The time from a daemon's announcer start ("settling health") to its first announcement.
-fn waited_to_announce(log: &str) -> Duration {
-    Duration::from_secs_f64(
-        log_time(log, "Announcing") - log_time(log, "readiness=\"settling health\""),
-    )
-}
-
 fn backend_server(backend: &Netns) -> Spawned {
     let s = backend
         .spawn(&["socat", "TCP-LISTEN:80,fork,reuseaddr", "SYSTEM:echo ok"])
@@ -215,12 +75,7 @@ fn backend_server(backend: &Netns) -> Spawned {
 #[test]
 fn nodes_announce_their_vip_only_while_ready_and_bfd_takes_a_silent_node_out() {
     prepare_test(&["bird", "socat", "nft"]);
-    for d in FRR_DAEMONS {
-        assert!(
-            std::path::Path::new(&format!("/usr/lib/frr/{d}")).exists(),
-            "/usr/lib/frr/{d} not found: install the Debian package frr (cargo xtask test does)"
-        );
-    }
+    bgp::require_frr();
     let dir = TempDir::new("announce").expect("temp dir");
     let mut topo = Topology::new();
     topo.add_ns("router").expect("router");
@@ -253,9 +108,24 @@ fn nodes_announce_their_vip_only_while_ready_and_bfd_takes_a_silent_node_out() {
         .ip(&["route", "add", "default", "via", "10.9.100.1"])
         .expect("backend route");
     let mut server = backend_server(backend);
-    let _frr = start_frr(router);
+    let neighbors: Vec<Neighbor> = (1..=NODES)
+        .map(|i| Neighbor {
+            addr: node_addr(i),
+            asn: 65000 + i as u32,
+        })
+        .collect();
+    let _frr = Frr::start(router, "10.9.0.1", &neighbors);
     let _birds: Vec<Spawned> = (1..=NODES)
-        .map(|i| start_bird(topo.ns(&node_role(i)), i, &dir))
+        .map(|i| {
+            let conf = bgp::bird_config(
+                &node_addr(i),
+                65000 + i as u32,
+                &format!("10.9.{i}.1"),
+                "eth0",
+                TABLE,
+            );
+            bgp::start_bird(topo.ns(&node_role(i)), &dir, &format!("bird{i}"), &conf)
+        })
         .collect();
     let service = format!(
         "[[service]]\nvip = \"{VIP}\"\nport = 80\n[service.health_check]\nkind = \"tcp\"\ninterval_ms = 200\ntimeout_ms = 100\nfall = 2\nrise = 1\n[[service.backend]]\naddress = \"{BACKEND}\"\nport = 80\n"

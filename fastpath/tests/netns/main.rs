@@ -16,6 +16,7 @@ mod api_bad_input;
 mod api_cli;
 mod api_reload;
 mod api_tls;
+mod cluster;
 mod conntrack;
 mod dsr;
 mod gateway;
