@@ -68,6 +68,9 @@ pub enum Readiness {
     /// Peers whose state is not here yet.
     Syncing,
     Ready,
+    /// The datapath cannot forward (a link detached, an interface down or gone): everything
+    /// withdrawn until it can again.
+    DatapathDown,
     /// Drained through the API: everything withdrawn, flows that still arrive served.
     Draining,
     /// The drain ended: no load-balanced packet for its quiet time, or its deadline passed.
@@ -82,6 +85,7 @@ impl Readiness {
             Readiness::Settling => "settling health",
             Readiness::Syncing => "syncing with peers",
             Readiness::Ready => "ready",
+            Readiness::DatapathDown => "datapath down",
             Readiness::Draining => "draining",
             Readiness::Drained => "drained",
             Readiness::Stopped => "stopped",
@@ -241,7 +245,8 @@ pub async fn run(
                 }
                 let (readiness, want) = wanted(&cfg, &shared, started, warmed).await;
                 warmed |= readiness == Readiness::Ready;
-                (readiness, if warmed { want } else { earlier.clone() })
+                let keep = !warmed && readiness != Readiness::DatapathDown;
+                (readiness, if keep { earlier.clone() } else { want })
             }
         };
         if said.as_ref() != Some(&readiness) {
@@ -318,6 +323,12 @@ async fn wanted(
     started: Instant,
     warmed: bool,
 ) -> (Readiness, BTreeSet<Route>) {
+    // A live condition, not a warm-up gate: a node whose datapath cannot forward must not
+    // draw flows, whenever it happens.
+    let (links, tails) = crate::datapath::pinned_datapath(&shared.pin_dir);
+    if !crate::datapath::forwarding_problems(&shared.pin_dir, &links, tails).is_empty() {
+        return (Readiness::DatapathDown, BTreeSet::new());
+    }
     let Ok(rules) = shared.rules().await else {
         return (Readiness::Stopped, BTreeSet::new());
     };

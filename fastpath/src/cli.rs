@@ -1360,22 +1360,7 @@ pub async fn cluster_status(target: &Target, out: OutputArg) -> ExitCode {
 /// `fastpath datapath [--check]`: the pinned datapath as the kernel runs it (no daemon).
 pub fn datapath(pin_dir: &std::path::Path, check: bool, out: OutputArg) -> ExitCode {
     let (links, tails) = fastpath::datapath::pinned_datapath(pin_dir);
-    let mut problems: Vec<String> = links
-        .iter()
-        .filter_map(|l| l.problem.as_ref().map(|p| format!("{}: {p}", l.pin)))
-        .collect();
-    if links.is_empty() {
-        problems.push(format!(
-            "no links are pinned under {} (detached, or never attached; start the daemon)",
-            pin_dir.display()
-        ));
-    }
-    if tails == 0 {
-        problems.push(format!(
-            "no tail-call arrays are pinned under {}/tails (a datapath from an older fastpath: restart the daemon)",
-            pin_dir.display()
-        ));
-    }
+    let problems = fastpath::datapath::forwarding_problems(pin_dir, &links, tails);
     match out.output {
         Output::Json => {
             if let Err(f) = print_json(&json!({

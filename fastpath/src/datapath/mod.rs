@@ -929,6 +929,28 @@ pub struct LinkState {
     pub problem: Option<String>,
 }
 
+/// Why the datapath pinned under `pin_dir` (its `links` and `tails`, as
+/// [`pinned_datapath`] read them) cannot forward; empty when it can.
+pub fn forwarding_problems(pin_dir: &Path, links: &[LinkState], tails: usize) -> Vec<String> {
+    let mut problems: Vec<String> = links
+        .iter()
+        .filter_map(|l| l.problem.as_ref().map(|p| format!("{}: {p}", l.pin)))
+        .collect();
+    if links.is_empty() {
+        problems.push(format!(
+            "no links are pinned under {} (detached, or never attached; start the daemon)",
+            pin_dir.display()
+        ));
+    }
+    if tails == 0 {
+        problems.push(format!(
+            "no tail-call arrays are pinned under {}/tails (a datapath from an older fastpath: restart the daemon)",
+            pin_dir.display()
+        ));
+    }
+    problems
+}
+
 /// The datapath pinned under `pin_dir` as the kernel runs it: its links, and the number of
 /// loads whose tail-call arrays are pinned. Reads pins only (no daemon needed).
 pub fn pinned_datapath(pin_dir: &Path) -> (Vec<LinkState>, usize) {

@@ -295,4 +295,31 @@ fn nodes_announce_their_vip_only_while_ready_and_bfd_takes_a_silent_node_out() {
         waited >= SYNC_TIMEOUT - Duration::from_millis(200),
         "restarted node 2 announced {waited:?} after it started announcing, without silent node 3's state"
     );
+
+    // 6. Node 1's interface goes down: its datapath cannot forward, and it withdraws (its
+    // table empties) although its daemon runs.
+    let node1 = topo.ns(&node_role(1));
+    node1
+        .ip(&["link", "set", "eth0", "down"])
+        .expect("link down");
+    let down = Instant::now();
+    loop {
+        let table = node1
+            .ip(&["route", "show", "table", &TABLE.to_string()])
+            .expect("table");
+        if table.trim().is_empty() {
+            break;
+        }
+        assert!(
+            down.elapsed() < Duration::from_secs(2),
+            "node 1 kept its routes with its interface down: {table}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let log = daemons[0].log();
+    assert!(log.contains("readiness=\"datapath down\""), "{log}");
+    eprintln!(
+        "node 1 withdrew {:?} after its interface went down",
+        down.elapsed()
+    );
 }
