@@ -6,7 +6,7 @@
 
 use std::{path::PathBuf, time::Duration};
 
-use super::netns::{Netns, Spawned, TempDir, unique_name};
+use super::netns::{Netns, Spawned, TempDir, Topology, VethEnd, unique_name};
 
 /// FRR's daemons, in the order they start.
 pub const FRR_DAEMONS: [&str; 3] = ["zebra", "bfdd", "bgpd"];
@@ -19,6 +19,48 @@ pub fn require_frr() {
             "/usr/lib/frr/{d} not found: install the Debian package frr (cargo xtask test does)"
         );
     }
+}
+
+/// Node `i`'s namespace role.
+pub fn node_role(i: usize) -> String {
+    format!("node{i}")
+}
+
+/// Node `i`'s address on its link to the router (`10.9.i.2`).
+pub fn node_addr(i: usize) -> String {
+    format!("10.9.{i}.2")
+}
+
+/// The router's address on its link to node `i` (`10.9.i.1`).
+pub fn router_addr(i: usize) -> String {
+    format!("10.9.{i}.1")
+}
+
+/// Adds nodes `1..=n` to `topo`, each on a link of its own to the `router` namespace
+/// (`r-nI` there, `eth0` on the node), its default route through the router.
+pub fn add_nodes(topo: &mut Topology, n: usize) {
+    for i in 1..=n {
+        let role = node_role(i);
+        topo.add_ns(&role).expect("node");
+        topo.veth(
+            VethEnd::new("router", &format!("r-n{i}")).addr(&format!("{}/24", router_addr(i))),
+            VethEnd::new(&role, "eth0").addr(&format!("{}/24", node_addr(i))),
+        )
+        .expect("node link");
+        topo.ns(&role)
+            .ip(&["route", "add", "default", "via", &router_addr(i)])
+            .expect("node route");
+    }
+}
+
+/// The router's neighbours: nodes `1..=n`, node `i` in AS 65000 + `i`.
+pub fn node_neighbors(n: usize) -> Vec<Neighbor> {
+    (1..=n)
+        .map(|i| Neighbor {
+            addr: node_addr(i),
+            asn: 65000 + i as u32,
+        })
+        .collect()
 }
 
 /// A BGP neighbour of the router: its address and AS.

@@ -13,7 +13,7 @@
 use std::time::{Duration, Instant};
 
 use fastpath::testkit::{
-    bgp::{self, Frr, Neighbor, log_time, waited_to_announce},
+    bgp::{self, Frr, log_time, node_addr, node_role, router_addr, waited_to_announce},
     netns::{
         Daemon, DaemonConfig, Netns, Spawned, TempDir, Topology, VethEnd, prepare_test,
         unique_pin_dir,
@@ -30,15 +30,6 @@ const BACKEND: &str = "10.9.100.2";
 const NODES: usize = 3;
 /// How long nodes wait for a peer that never connects (`[announce] sync_timeout_s`).
 const SYNC_TIMEOUT: Duration = Duration::from_secs(4);
-
-fn node_role(i: usize) -> String {
-    format!("node{i}")
-}
-
-/// Node `i`'s address on its link to the router (the router's is `.1`).
-fn node_addr(i: usize) -> String {
-    format!("10.9.{i}.2")
-}
 
 /// The nodes the router's route to the VIP goes through, by number (none: no route).
 fn ecmp(router: &Netns) -> Vec<usize> {
@@ -85,18 +76,7 @@ fn nodes_announce_their_vip_only_while_ready_and_bfd_takes_a_silent_node_out() {
         VethEnd::new("backend", "eth0").addr(&format!("{BACKEND}/24")),
     )
     .expect("backend link");
-    for i in 1..=NODES {
-        let role = node_role(i);
-        topo.add_ns(&role).expect("node");
-        topo.veth(
-            VethEnd::new("router", &format!("r-n{i}")).addr(&format!("10.9.{i}.1/24")),
-            VethEnd::new(&role, "eth0").addr(&format!("{}/24", node_addr(i))),
-        )
-        .expect("node link");
-        topo.ns(&role)
-            .ip(&["route", "add", "default", "via", &format!("10.9.{i}.1")])
-            .expect("node route");
-    }
+    bgp::add_nodes(&mut topo, NODES);
     let (router, backend) = (topo.ns("router"), topo.ns("backend"));
     router
         .sysctl("net.ipv4.ip_forward", "1")
@@ -108,19 +88,13 @@ fn nodes_announce_their_vip_only_while_ready_and_bfd_takes_a_silent_node_out() {
         .ip(&["route", "add", "default", "via", "10.9.100.1"])
         .expect("backend route");
     let mut server = backend_server(backend);
-    let neighbors: Vec<Neighbor> = (1..=NODES)
-        .map(|i| Neighbor {
-            addr: node_addr(i),
-            asn: 65000 + i as u32,
-        })
-        .collect();
-    let _frr = Frr::start(router, "10.9.0.1", &neighbors);
+    let _frr = Frr::start(router, "10.9.0.1", &bgp::node_neighbors(NODES));
     let _birds: Vec<Spawned> = (1..=NODES)
         .map(|i| {
             let conf = bgp::bird_config(
                 &node_addr(i),
                 65000 + i as u32,
-                &format!("10.9.{i}.1"),
+                &router_addr(i),
                 "eth0",
                 TABLE,
             );

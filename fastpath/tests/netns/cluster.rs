@@ -27,7 +27,7 @@ use std::{
 };
 
 use fastpath::testkit::{
-    bgp::{self, Frr, Neighbor, log_time},
+    bgp::{self, Frr, log_time, node_addr, node_role, router_addr},
     cluster::ClusterPlan,
     netns::{
         Daemon, DaemonConfig, HttpServer, Netns, Spawned, TempDir, Topology, VethEnd, prepare_test,
@@ -56,15 +56,6 @@ const BULK_BYTES: usize = 96 << 20;
 const RECOVERY: Duration = Duration::from_secs(15);
 const CLIENT: &str = "10.9.200.2";
 
-fn node_role(i: usize) -> String {
-    format!("node{i}")
-}
-
-/// Node `i`'s address on its link to the router (the router's is `.1`).
-fn node_addr(i: usize) -> String {
-    format!("10.9.{i}.2")
-}
-
 /// Node `i`'s full-NAT source prefix and address.
 fn source_prefix(i: usize) -> String {
     format!("10.201.{i}.0/24")
@@ -86,7 +77,7 @@ fn plan(tls_dir: &TempDir) -> ClusterPlan {
         ports: vec![ECHO_PORT, HTTP_PORT],
         backends: (1..=BACKENDS).map(backend_addr).collect(),
         node_addr,
-        router_addr: |i| format!("10.9.{i}.1"),
+        router_addr,
         source_prefix,
         snat_address,
         tls_dir: tls_dir.path().display().to_string(),
@@ -232,7 +223,7 @@ impl Cluster {
         node.ip(&["route", "flush", "table", &TABLE.to_string()])
             .expect("flushing the announcement table");
         node.ip(&["link", "set", "eth0", "up"]).expect("link up");
-        node.ip(&["route", "replace", "default", "via", &format!("10.9.{i}.1")])
+        node.ip(&["route", "replace", "default", "via", &router_addr(i)])
             .expect("route");
         self.birds[i - 1] = Some(bgp::start_bird(
             node,
@@ -270,24 +261,15 @@ fn cluster(replicate: bool) -> Cluster {
         .expect("backend link");
         ends.push((role, format!("10.9.10{j}.1")));
     }
-    for i in 1..=NODES {
-        let role = node_role(i);
-        topo.add_ns(&role).expect("node");
-        topo.veth(
-            VethEnd::new("router", &format!("r-n{i}")).addr(&format!("10.9.{i}.1/24")),
-            VethEnd::new(&role, "eth0").addr(&format!("{}/24", node_addr(i))),
-        )
-        .expect("node link");
-        ends.push((role, format!("10.9.{i}.1")));
-    }
     for (role, gw) in &ends {
         topo.ns(role)
             .ip(&["route", "add", "default", "via", gw])
             .expect("default route");
     }
+    bgp::add_nodes(&mut topo, NODES);
     // The client and the backends send full checksums and check what they receive, as
     // hosts behind a wire do.
-    for (role, _) in ends.iter().filter(|(r, _)| !r.starts_with("node")) {
+    for (role, _) in &ends {
         topo.ns(role)
             .run(&["ethtool", "-K", "eth0", "tx", "off", "rx", "off"])
             .expect("checksum offloads off");
@@ -324,13 +306,7 @@ fn cluster(replicate: bool) -> Cluster {
     )
     .unwrap_or_else(|e| panic!("echo servers: {e}"));
 
-    let neighbors: Vec<Neighbor> = (1..=NODES)
-        .map(|i| Neighbor {
-            addr: node_addr(i),
-            asn: 65000 + i as u32,
-        })
-        .collect();
-    let frr = Frr::start(router, "10.9.0.1", &neighbors);
+    let frr = Frr::start(router, "10.9.0.1", &bgp::node_neighbors(NODES));
     let plan = plan(&dir);
     let bird_configs: Vec<String> = (1..=NODES).map(|i| plan.bird(i)).collect();
     let birds = (1..=NODES)
