@@ -1146,7 +1146,7 @@ pub enum HaCommand {
 #[derive(Subcommand)]
 pub enum ClusterCommand {
     /// This node's readiness to carry traffic ("settling health", "syncing with peers",
-    /// "ready", "draining", "drained"), each route it has the routing daemon announce (its
+    /// "ready", "datapath down", "draining", "drained"), each route it has the routing daemon announce (its
     /// own at primary preference, other nodes' source prefixes as backups), a drain under way
     /// or ended, and with [ha] each peer: connected both ways, whether its state is here
     /// (synced), and the replication lag to it.
