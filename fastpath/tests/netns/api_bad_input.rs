@@ -1213,6 +1213,39 @@ fn garbage_oversized_and_invalid_grpc_requests_change_nothing() {
             s.message()
         );
     }
+    // A drain on a node that announces nothing is refused, saying why; a bad time never
+    // leaves the CLI; the cluster status says announcements are off.
+    for (args, code, says) in [
+        (&["drain"][..], EXIT_REJECTED, "announces nothing"),
+        (
+            &["drain", "--quiet", "0"][..],
+            2,
+            "give a positive number of seconds",
+        ),
+        (
+            &["drain", "--deadline", "nan"][..],
+            2,
+            "give a positive number of seconds",
+        ),
+    ] {
+        let out = daemon.cli(args);
+        let stderr = lossy(&out.stderr);
+        eprintln!(
+            "fastpath {}: exit {:?}: {}",
+            args.join(" "),
+            out.status.code(),
+            stderr.trim()
+        );
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+    let out = daemon.cli(&["cluster", "status"]);
+    assert!(
+        out.status.success() && lossy(&out.stdout).contains("announcements: off"),
+        "cluster status: {}{}",
+        lossy(&out.stdout),
+        lossy(&out.stderr)
+    );
     assert_maps_unchanged(&mut daemon, &before, "invalid field values");
     assert_eq!(
         generation(&daemon),
