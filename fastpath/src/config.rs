@@ -893,30 +893,28 @@ impl Config {
             ));
         }
         let mut seen = std::collections::HashSet::new();
-        let listed = a.prefixes.iter().map(|p| ("prefixes", p));
-        let backups = a.backup_prefixes.iter().map(|p| ("backup_prefixes", p));
-        for (i, (key, p)) in listed.chain(backups).enumerate() {
-            let i = if key == "prefixes" {
-                i
-            } else {
-                i - a.prefixes.len()
-            };
-            let net = *p.get_ref();
-            if net != net.trunc() {
-                return Err(err(
-                    p.span(),
-                    format!("announce.{key}[{i}]"),
-                    format!("{net} has host bits set: write {}", net.trunc()),
-                ));
-            }
-            if !seen.insert(net) {
-                return Err(err(
-                    p.span(),
-                    format!("announce.{key}[{i}]"),
-                    format!(
-                        "{net} is listed twice (in prefixes or backup_prefixes): a prefix is this node's own or another's, once"
-                    ),
-                ));
+        for (key, list) in [
+            ("prefixes", &a.prefixes),
+            ("backup_prefixes", &a.backup_prefixes),
+        ] {
+            for (i, p) in list.iter().enumerate() {
+                let net = *p.get_ref();
+                if net != net.trunc() {
+                    return Err(err(
+                        p.span(),
+                        format!("announce.{key}[{i}]"),
+                        format!("{net} has host bits set: write {}", net.trunc()),
+                    ));
+                }
+                if !seen.insert(net) {
+                    return Err(err(
+                        p.span(),
+                        format!("announce.{key}[{i}]"),
+                        format!(
+                            "{net} is listed twice (in prefixes or backup_prefixes): a prefix is this node's own or another's, once"
+                        ),
+                    ));
+                }
             }
         }
         let t = &a.sync_timeout_s;

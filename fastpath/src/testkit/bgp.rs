@@ -37,8 +37,16 @@ pub fn router_addr(i: usize) -> String {
 }
 
 /// Adds nodes `1..=n` to `topo`, each on a link of its own to the `router` namespace
-/// (`r-nI` there, `eth0` on the node), its default route through the router.
+/// (`r-nI` there, `eth0` on the node), its default route through the router; the router
+/// forwards, spreading flows over equal-cost paths by their L4 hash.
 pub fn add_nodes(topo: &mut Topology, n: usize) {
+    let router = topo.ns("router");
+    router
+        .sysctl("net.ipv4.ip_forward", "1")
+        .expect("forwarding");
+    router
+        .sysctl("net.ipv4.fib_multipath_hash_policy", "1")
+        .expect("L4 hashing");
     for i in 1..=n {
         let role = node_role(i);
         topo.add_ns(&role).expect("node");

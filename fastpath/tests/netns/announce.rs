@@ -78,12 +78,6 @@ fn nodes_announce_their_vip_only_while_ready_and_bfd_takes_a_silent_node_out() {
     .expect("backend link");
     bgp::add_nodes(&mut topo, NODES);
     let (router, backend) = (topo.ns("router"), topo.ns("backend"));
-    router
-        .sysctl("net.ipv4.ip_forward", "1")
-        .expect("forwarding");
-    router
-        .sysctl("net.ipv4.fib_multipath_hash_policy", "1")
-        .expect("L4 hashing");
     backend
         .ip(&["route", "add", "default", "via", "10.9.100.1"])
         .expect("backend route");

@@ -275,12 +275,6 @@ fn cluster(replicate: bool) -> Cluster {
             .expect("checksum offloads off");
     }
     let router = topo.ns("router");
-    router
-        .sysctl("net.ipv4.ip_forward", "1")
-        .expect("forwarding");
-    router
-        .sysctl("net.ipv4.fib_multipath_hash_policy", "1")
-        .expect("L4 hashing");
 
     let bulk = random_bytes(BULK_BYTES);
     let nginx: Vec<HttpServer> = (1..=BACKENDS)
