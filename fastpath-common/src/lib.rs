@@ -130,6 +130,9 @@ pub mod program_names {
     /// XDP_TX for every frame: the routing benchmark's in-kernel traffic generator
     /// (BPF_PROG_TEST_RUN in live-frames mode); never attached.
     pub const BENCH_XDP_TX: &str = "bench_xdp_tx";
+    /// As `bench_xdp_tx`, each frame a new TCP flow (`bench::flow_stamp`): the replication
+    /// benchmark's generator of new connections; never attached.
+    pub const BENCH_XDP_FLOWS: &str = "bench_xdp_flows";
     /// Drops IPv4 datagrams to `bench::SINK_UDP_PORT` and passes everything else: attached
     /// by the load-balancer benchmark to the backends' links as a traffic sink, as a
     /// generator's receiving port (the veth counts the drops).
@@ -212,9 +215,24 @@ pub mod bench {
     /// and whose `ts_ns` is the full sequence number: consecutive over every run of one loaded
     /// object, so a consumer sees any loss or reordering.
     pub const CT_EVENTS_PER_RUN: u32 = 32;
-    /// Words of the routing benchmark's generator frame `bench_xdp_tx` restores in every
-    /// frame it sends (48 bytes: Ethernet, IPv4 and UDP headers, and some payload).
-    pub const BENCH_FRAME_WORDS: usize = 6;
+    /// Words of the generators' frame that `bench_xdp_tx` and `bench_xdp_flows` restore in
+    /// every frame they send (56 bytes: Ethernet, IPv4 and TCP headers up to the TCP
+    /// checksum, or a UDP header and some payload).
+    pub const BENCH_FRAME_WORDS: usize = 7;
+    /// Offsets in `bench_xdp_flows`'s frame (Ethernet, IPv4 without options, TCP) of the
+    /// fields it stamps: the IPv4 checksum, the low 16 bits of the source address, the TCP
+    /// source port, the TCP checksum. Each is 2 bytes inside one frame word.
+    pub const FLOW_IP_CSUM: usize = 24;
+    pub const FLOW_SRC_LOW: usize = 28;
+    pub const FLOW_SPORT: usize = 34;
+    pub const FLOW_TCP_CSUM: usize = 50;
+
+    /// The low 16 bits of the IPv4 source address and the TCP source port that
+    /// `bench_xdp_flows` stamps into frame number `n` (counted over every frame one loaded
+    /// object sends): 2^31 distinct flows, source ports 32768..=65535.
+    pub const fn flow_stamp(n: u64) -> (u16, u16) {
+        ((n >> 15) as u16, 0x8000 | (n & 0x7fff) as u16)
+    }
     /// The UDP port whose IPv4 datagrams `bench_xdp_sink` drops (the discard port, which the
     /// load-balancer benchmarks send to).
     pub const SINK_UDP_PORT: u16 = 9;

@@ -5,17 +5,19 @@
 use aya_ebpf::bindings::xdp_action;
 use fastpath_common::{
     bench::{
-        BUCKET_SLOTS, CT_EVENTS_PER_RUN, CtBucket, CtSlot, SLOT_CLAIMED, SLOT_FREE, SLOT_LIVE,
-        TABLE_HIT, TABLE_NEW_ONE, TableRun, slot_buckets, table_alias,
+        BENCH_FRAME_WORDS, BUCKET_SLOTS, CT_EVENTS_PER_RUN, CtBucket, CtSlot, FLOW_IP_CSUM,
+        FLOW_SPORT, FLOW_SRC_LOW, FLOW_TCP_CSUM, SLOT_CLAIMED, SLOT_FREE, SLOT_LIVE, TABLE_HIT,
+        TABLE_NEW_ONE, TableRun, flow_stamp, slot_buckets, table_alias,
     },
+    csum,
     ct::{CtEntry, CtKey, DIR_ORIGINAL, ct_event},
 };
 
 use crate::{
     conntrack::{self, BPF_NOEXIST},
     maps::{
-        FP_BENCH_HEADS, FP_BENCH_LRU, FP_BENCH_SEQ, FP_BENCH_SLOTS, FP_CT, FP_CT_ENTRY, FP_CT_KEY,
-        FP_CT_KEY2,
+        FP_BENCH_FLOWS, FP_BENCH_FRAME, FP_BENCH_HEADS, FP_BENCH_LRU, FP_BENCH_SEQ, FP_BENCH_SLOTS,
+        FP_CT, FP_CT_ENTRY, FP_CT_KEY, FP_CT_KEY2,
     },
     packet::Packet,
 };
@@ -54,6 +56,55 @@ pub fn ct_events() {
     }
     // Lost events still take their numbers, so the consumer sees the gap.
     *next = base + u64::from(CT_EVENTS_PER_RUN);
+}
+
+/// Writes the generator's frame (`FP_BENCH_FRAME`) over the packet, stamped as frame number
+/// `FP_BENCH_FLOWS` (then counted): the source address's low bits and the source port of
+/// `flow_stamp`, the IPv4 and TCP checksums updated for them (RFC 1624), all in the frame's
+/// words before the one store.
+#[inline(always)]
+pub fn flow_frame(pkt: &Packet) {
+    let (Some(template), Some(next)) = (FP_BENCH_FRAME.get(0), FP_BENCH_FLOWS.get_ptr_mut(0))
+    else {
+        return;
+    };
+    // SAFETY: a valid map value pointer; one generator thread per loaded object (see
+    // FP_BENCH_FLOWS), so the increment is not raced.
+    let n = unsafe {
+        let n = *next;
+        *next = n + 1;
+        n
+    };
+    let mut w = *template;
+    let (src, sport) = flow_stamp(n);
+    let src_delta = csum::delta2(get16(&w, FLOW_SRC_LOW), src);
+    let sport_delta = csum::delta2(get16(&w, FLOW_SPORT), sport);
+    let ip = csum::apply(get16(&w, FLOW_IP_CSUM), src_delta);
+    // The source address is in the TCP pseudo-header.
+    let tcp = csum::apply(get16(&w, FLOW_TCP_CSUM), src_delta + sport_delta);
+    set16(&mut w, FLOW_SRC_LOW, src);
+    set16(&mut w, FLOW_SPORT, sport);
+    set16(&mut w, FLOW_IP_CSUM, ip);
+    set16(&mut w, FLOW_TCP_CSUM, tcp);
+    pkt.store_words(0, w);
+}
+
+/// The big-endian 16-bit field at byte `off` of frame words (their bytes in memory order,
+/// read native-endian): `off` even and `off % 8 <= 6`, so it lies inside one word.
+#[inline(always)]
+fn get16(w: &[u64; BENCH_FRAME_WORDS], off: usize) -> u16 {
+    let b = w[off / 8].to_ne_bytes();
+    u16::from_be_bytes([b[off % 8], b[off % 8 + 1]])
+}
+
+/// Writes the big-endian 16-bit field at byte `off` of frame words (as [`get16`]).
+#[inline(always)]
+fn set16(w: &mut [u64; BENCH_FRAME_WORDS], off: usize, v: u16) {
+    let mut b = w[off / 8].to_ne_bytes();
+    let [hi, lo] = v.to_be_bytes();
+    b[off % 8] = hi;
+    b[off % 8 + 1] = lo;
+    w[off / 8] = u64::from_ne_bytes(b);
 }
 
 /// The input of a table-kind run (`fastpath_common::bench::TableRun`): (op, index mask, the

@@ -569,6 +569,16 @@ pub fn bench_xdp_tx(ctx: XdpContext) -> u32 {
     xdp_action::XDP_TX
 }
 
+/// `bench_xdp_tx` with each frame a new TCP flow: the frame (a TCP SYN) is restored, then
+/// stamped with the next frame number (`fastpath_common::bench::flow_stamp`), checksums
+/// updated. The replication benchmark's generator of new connections. Never attached.
+#[cfg(feature = "bench")]
+#[xdp]
+pub fn bench_xdp_flows(ctx: XdpContext) -> u32 {
+    bench::flow_frame(&xdp_packet(&ctx));
+    xdp_action::XDP_TX
+}
+
 /// The conntrack table's lookup of the key in `FP_BENCH_CT_KEY`, and nothing else: the share
 /// of the hash lookup in the CT-hit path, for the benchmark. XDP_PASS when the key is in the
 /// table, XDP_DROP when it is not. Never attached.

@@ -151,8 +151,15 @@ pub static FP_CT_KEY: PerCpuArray<CtKey> = PerCpuArray::with_max_entries(1, 0);
 #[map(name = "FP_BENCH_SEQ")]
 pub static FP_BENCH_SEQ: Array<u64> = Array::with_max_entries(1, 0);
 
-/// The routing benchmark's generator frame, its first `BENCH_FRAME_WORDS` words: written
-/// over every frame `bench_xdp_tx` sends, since a frame comes back to the generator with the
+/// Next frame number of `bench_xdp_flows` (index 0): shared by all CPUs, so that one
+/// generator thread's frames stay distinct flows when it moves between CPUs; one thread per
+/// loaded object (the increment is not atomic). Not pinned: each load starts at 0.
+#[cfg(feature = "bench")]
+#[map(name = "FP_BENCH_FLOWS")]
+pub static FP_BENCH_FLOWS: Array<u64> = Array::with_max_entries(1, 0);
+
+/// The generators' frame, its first `BENCH_FRAME_WORDS` words: written over every frame
+/// `bench_xdp_tx` and `bench_xdp_flows` send, since a frame comes back to the generator with the
 /// headers the path rewrote (live frames are recycled, not reset). Not pinned.
 #[cfg(feature = "bench")]
 #[map(name = "FP_BENCH_FRAME")]

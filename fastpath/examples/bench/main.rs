@@ -86,6 +86,7 @@ use tokio::{
 
 mod api;
 mod ha;
+mod ha_mesh;
 mod katran;
 mod lb_compare;
 mod lb_sweep;
@@ -210,6 +211,8 @@ struct Report {
     /// Written to its own file, docs/bench/ha.json.
     #[serde(skip)]
     ha: ha::HaReport,
+    #[serde(default)]
+    ha_mesh: ha_mesh::MeshReport,
     /// The object `--old-object` named, when the parse section timed one beside this tree's.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     old_object: String,
@@ -313,6 +316,10 @@ const SECTIONS: &[(&str, &str)] = &[
         "VXLAN overlay vs the kernel's vxlan devices",
     ),
     ("ha", "100k connections replicated to a peer"),
+    (
+        "ha-mesh",
+        "replication among three nodes; new connections/s with it on and off",
+    ),
 ];
 
 /// One section's results, to put into the [`Report`].
@@ -333,6 +340,7 @@ enum Part {
     RouteCompare(route_compare::RouteReport),
     OverlayCompare(overlay_compare::OverlayReport),
     Ha(ha::HaReport),
+    HaMesh(ha_mesh::MeshReport),
 }
 
 fn section_names() -> String {
@@ -545,6 +553,7 @@ fn measure(
         "route-compare" => Part::RouteCompare(route_compare::run(&daemon_bin_swept()?)?),
         "overlay-compare" => Part::OverlayCompare(overlay_compare::run(&daemon_bin_swept()?)?),
         "ha" => Part::Ha(ha::run(&daemon_bin_swept()?)?),
+        "ha-mesh" => Part::HaMesh(ha_mesh::run(&daemon_bin_swept()?)?),
         other => bail!("unknown section {other:?}; sections: {}", section_names()),
     })
 }
@@ -609,6 +618,7 @@ impl Report {
             Part::RouteCompare(c) => self.route_compare = c,
             Part::OverlayCompare(c) => self.overlay_compare = c,
             Part::Ha(h) => self.ha = h,
+            Part::HaMesh(h) => self.ha_mesh = h,
         }
     }
 }
@@ -2442,6 +2452,7 @@ fn blocks(r: &Report) -> Vec<(&'static str, String)> {
             overlay_compare::markdown(&r.overlay_compare),
         ),
         ("ha", ha::markdown(&r.ha)),
+        ("ha-mesh", ha_mesh::markdown(&r.ha_mesh)),
     ]
 }
 

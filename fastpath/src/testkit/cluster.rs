@@ -72,19 +72,26 @@ impl ClusterPlan {
             backups.join(", ")
         );
         if replicate {
-            let tls = &self.tls_dir;
+            s += "\n";
+            s += &self.ha_table(i);
+        }
+        s
+    }
+
+    /// Node `i`'s `[ha]`: every other node a peer, mutual TLS.
+    pub fn ha_table(&self, i: usize) -> String {
+        let tls = &self.tls_dir;
+        let mut s = format!(
+            "[ha]\nnode_id = {i}\nlisten = \"{}:{}\"\ntls_cert = \"{tls}/node{i}.pem\"\ntls_key = \"{tls}/node{i}.key\"\ntls_ca = \"{tls}/ca.pem\"\n",
+            (self.node_addr)(i),
+            self.sync_port
+        );
+        for k in (1..=self.nodes).filter(|&k| k != i) {
             s += &format!(
-                "\n[ha]\nnode_id = {i}\nlisten = \"{}:{}\"\ntls_cert = \"{tls}/node{i}.pem\"\ntls_key = \"{tls}/node{i}.key\"\ntls_ca = \"{tls}/ca.pem\"\n",
-                (self.node_addr)(i),
+                "\n[[ha.peers]]\naddress = \"{}:{}\"\n",
+                (self.node_addr)(k),
                 self.sync_port
             );
-            for k in others {
-                s += &format!(
-                    "\n[[ha.peers]]\naddress = \"{}:{}\"\n",
-                    (self.node_addr)(k),
-                    self.sync_port
-                );
-            }
         }
         s
     }

@@ -886,7 +886,7 @@ impl Fixture {
     /// Transmits `frame` `packets` times out of interface `ifindex` (of this thread's network
     /// namespace; it must take XDP frames, e.g. a veth whose peer runs NAPI), from the kernel:
     /// BPF_PROG_TEST_RUN of `bench_xdp_tx` in live-frames mode, `batch` frames per batch.
-    /// Returns the time the kernel took. `frame` must be at least 48 bytes long: its start is
+    /// Returns the time the kernel took. `frame` must be at least 56 bytes long: its start is
     /// restored in every frame sent (see `bench_xdp_tx`).
     pub fn transmit_live(
         &mut self,
@@ -895,47 +895,15 @@ impl Fixture {
         packets: u32,
         batch: u32,
     ) -> Result<Duration, FixtureError> {
-        const WORDS: usize = fastpath_common::bench::BENCH_FRAME_WORDS;
-        let name = map_names::BENCH_FRAME;
-        let map_err = map_error(name);
-        let head: [u64; WORDS] = std::array::from_fn(|i| {
-            let mut w = [0u8; 8];
-            if let Some(b) = frame.get(8 * i..8 * i + 8) {
-                w.copy_from_slice(b);
-            }
-            u64::from_ne_bytes(w)
-        });
-        if frame.len() < 8 * WORDS {
-            return Err(FixtureError::InputTooShort { len: frame.len() });
-        }
-        let map = self
-            .ebpf
-            .map_mut(name)
-            .ok_or(FixtureError::MissingMap { name })?;
-        let mut template: Array<_, [u64; WORDS]> = Array::try_from(map).map_err(map_err)?;
-        template.set(0, &head, 0).map_err(map_err)?;
-        let name = program_names::BENCH_XDP_TX;
-        let mut ctx = vec![0u8; XDP_MD_LEN];
-        ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
-        ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
-        let opts = TestRunOptions {
-            data_in: Some(frame),
-            ctx_in: Some(&ctx),
-            repeat: packets,
-            attrs: aya::programs::TestRunAttrs::new().xdp_live_frames(batch),
-            ..Default::default()
-        };
-        let prog = self
-            .ebpf
-            .program(name)
-            .ok_or(FixtureError::MissingProgram { name })?;
-        let xdp: &Xdp = prog
-            .try_into()
-            .map_err(|source| FixtureError::Program { name, source })?;
-        let started = std::time::Instant::now();
-        xdp.test_run(opts)
-            .map_err(|source| FixtureError::Program { name, source })?;
-        Ok(started.elapsed())
+        set_generator_frame(&mut self.ebpf, frame)?;
+        live_frames(
+            &self.ebpf,
+            program_names::BENCH_XDP_TX,
+            ifindex,
+            frame,
+            packets,
+            batch,
+        )
     }
 
     /// Runs the case and compares everything it states; `Err` says what differed.
@@ -1022,33 +990,98 @@ impl Fixture {
         repeat: u32,
         ctx: Option<&[u8]>,
     ) -> Result<TestRunResult, FixtureError> {
-        let opts = TestRunOptions {
-            data_in: Some(input),
-            data_out: Some(out),
-            ctx_in: ctx,
-            repeat,
-            ..Default::default()
-        };
-        let prog = self
-            .ebpf
-            .program(name)
-            .ok_or(FixtureError::MissingProgram { name })?;
-        let result = match hook {
-            Hook::Xdp => {
-                let xdp: &Xdp = prog
-                    .try_into()
-                    .map_err(|source| FixtureError::Program { name, source })?;
-                xdp.test_run(opts)
-            }
-            Hook::TcIngress | Hook::TcEgress => {
-                let tc: &SchedClassifier = prog
-                    .try_into()
-                    .map_err(|source| FixtureError::Program { name, source })?;
-                tc.test_run(opts)
-            }
-        };
-        result.map_err(|source| FixtureError::Program { name, source })
+        test_run(&self.ebpf, name, hook, input, out, repeat, ctx)
     }
+}
+
+/// Runs program `name` of `ebpf`, of `hook`'s kind, on `input`, with the context `ctx`
+/// (`None`: the kernel's default context).
+fn test_run(
+    ebpf: &Ebpf,
+    name: &'static str,
+    hook: Hook,
+    input: &[u8],
+    out: &mut [u8],
+    repeat: u32,
+    ctx: Option<&[u8]>,
+) -> Result<TestRunResult, FixtureError> {
+    let opts = TestRunOptions {
+        data_in: Some(input),
+        data_out: Some(out),
+        ctx_in: ctx,
+        repeat,
+        ..Default::default()
+    };
+    let prog = ebpf
+        .program(name)
+        .ok_or(FixtureError::MissingProgram { name })?;
+    let result = match hook {
+        Hook::Xdp => {
+            let xdp: &Xdp = prog
+                .try_into()
+                .map_err(|source| FixtureError::Program { name, source })?;
+            xdp.test_run(opts)
+        }
+        Hook::TcIngress | Hook::TcEgress => {
+            let tc: &SchedClassifier = prog
+                .try_into()
+                .map_err(|source| FixtureError::Program { name, source })?;
+            tc.test_run(opts)
+        }
+    };
+    result.map_err(|source| FixtureError::Program { name, source })
+}
+
+/// Writes the generators' template (`FP_BENCH_FRAME`): the first words of `frame`.
+fn set_generator_frame(ebpf: &mut Ebpf, frame: &[u8]) -> Result<(), FixtureError> {
+    const WORDS: usize = fastpath_common::bench::BENCH_FRAME_WORDS;
+    if frame.len() < 8 * WORDS {
+        return Err(FixtureError::InputTooShort { len: frame.len() });
+    }
+    let head: [u64; WORDS] = std::array::from_fn(|i| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&frame[8 * i..8 * i + 8]);
+        u64::from_ne_bytes(w)
+    });
+    let name = map_names::BENCH_FRAME;
+    let map_err = map_error(name);
+    let map = ebpf
+        .map_mut(name)
+        .ok_or(FixtureError::MissingMap { name })?;
+    let mut template: Array<_, [u64; WORDS]> = Array::try_from(map).map_err(map_err)?;
+    template.set(0, &head, 0).map_err(map_err)
+}
+
+/// BPF_PROG_TEST_RUN of generator `name` in live-frames mode (see `Fixture::transmit_live`);
+/// the time the kernel took.
+fn live_frames(
+    ebpf: &Ebpf,
+    name: &'static str,
+    ifindex: u32,
+    frame: &[u8],
+    packets: u32,
+    batch: u32,
+) -> Result<Duration, FixtureError> {
+    let mut ctx = vec![0u8; XDP_MD_LEN];
+    ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+    ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+    let opts = TestRunOptions {
+        data_in: Some(frame),
+        ctx_in: Some(&ctx),
+        repeat: packets,
+        attrs: aya::programs::TestRunAttrs::new().xdp_live_frames(batch),
+        ..Default::default()
+    };
+    let prog = ebpf
+        .program(name)
+        .ok_or(FixtureError::MissingProgram { name })?;
+    let xdp: &Xdp = prog
+        .try_into()
+        .map_err(|source| FixtureError::Program { name, source })?;
+    let started = std::time::Instant::now();
+    xdp.test_run(opts)
+        .map_err(|source| FixtureError::Program { name, source })?;
+    Ok(started.elapsed())
 }
 
 fn program_name(hook: Hook) -> &'static str {
@@ -2063,6 +2096,83 @@ impl XdpSink {
         let xdp: &mut Xdp = program_mut(&mut self.ebpf, name)?;
         xdp.detach(link)
             .map_err(|source| FixtureError::Program { name, source })
+    }
+}
+
+/// `bench_xdp_flows` loaded on its own: the replication benchmark's generator of new
+/// connections, each frame a new TCP flow (`fastpath_common::bench::flow_stamp`, counted
+/// over every frame this generator makes). One thread at a time.
+pub struct FlowGenerator {
+    ebpf: Ebpf,
+    _pins: PinDir,
+}
+
+impl FlowGenerator {
+    pub fn load() -> Result<Self, FixtureError> {
+        let pins = PinDir::create()?;
+        let mut ebpf = EbpfLoader::new()
+            .default_map_pin_directory(&pins.path)
+            .load(crate::EBPF_BENCH_OBJECT)
+            .map_err(|source| FixtureError::Load { source })?;
+        let name = program_names::BENCH_XDP_FLOWS;
+        let xdp: &mut Xdp = program_mut(&mut ebpf, name)?;
+        xdp.load()
+            .map_err(|source| FixtureError::Program { name, source })?;
+        Ok(FlowGenerator { ebpf, _pins: pins })
+    }
+
+    /// Attaches the generator in native mode to interface `ifindex` of this thread's network
+    /// namespace, a spare veth that carries nothing: a test run of more than one frame puts
+    /// its program into the kernel's XDP dispatcher and takes it out again (an RCU grace
+    /// period each, ~25 ms per call here), unless the program is attached somewhere.
+    pub fn hold_in_dispatcher(&mut self, ifindex: u32) -> Result<XdpLinkId, FixtureError> {
+        let name = program_names::BENCH_XDP_FLOWS;
+        let xdp: &mut Xdp = program_mut(&mut self.ebpf, name)?;
+        xdp.attach(NetworkInterface::Index(ifindex), XdpMode::Driver)
+            .map_err(|source| FixtureError::Program { name, source })
+    }
+
+    /// Sends `packets` new flows made from `frame` (an IPv4 TCP SYN, no IP options, at least
+    /// 56 bytes) out of interface `ifindex` of this thread's namespace, as
+    /// [`Fixture::transmit_live`] does; the time the kernel took.
+    pub fn transmit(
+        &mut self,
+        ifindex: u32,
+        frame: &[u8],
+        packets: u32,
+        batch: u32,
+    ) -> Result<Duration, FixtureError> {
+        set_generator_frame(&mut self.ebpf, frame)?;
+        live_frames(
+            &self.ebpf,
+            program_names::BENCH_XDP_FLOWS,
+            ifindex,
+            frame,
+            packets,
+            batch,
+        )
+    }
+
+    /// The next `count` frames the generator would send for `frame`, made one at a time
+    /// without sending them: what it puts on the wire, for its test.
+    pub fn frames(&mut self, frame: &[u8], count: usize) -> Result<Vec<Vec<u8>>, FixtureError> {
+        set_generator_frame(&mut self.ebpf, frame)?;
+        (0..count)
+            .map(|_| {
+                let mut out = vec![0u8; frame.len() + OUTPUT_SLACK];
+                let res = test_run(
+                    &self.ebpf,
+                    program_names::BENCH_XDP_FLOWS,
+                    Hook::Xdp,
+                    frame,
+                    &mut out,
+                    1,
+                    None,
+                )?;
+                out.truncate(res.data_size_out as usize);
+                Ok(out)
+            })
+            .collect()
     }
 }
 
