@@ -23,7 +23,7 @@ use crate::conntrack;
 /// How often the daemon drains the event ring. The datapath writes events without waking it
 /// (see `fastpath_common::ct::CT_EVENTS_WAKE_BYTES`), so this bounds how late a subscriber
 /// sees an event, and each drain takes that period's events in one go.
-pub const DRAIN_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
+pub const DRAIN_EVERY: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// Events buffered per subscriber before it starts losing the oldest.
 pub const BROADCAST_CAPACITY: usize = 65_536;

@@ -60,13 +60,13 @@ use crate::{
 const BATCH: usize = 1024;
 /// Acknowledgements whose lag the percentiles cover.
 const LAG_SAMPLES: usize = 4096;
-/// How long the feeder waits after an event for more before making changes: a short
-/// connection's events (NEW, REPLIED, ESTABLISHED, CLOSED) mostly become one change, and a
-/// busy node sends 50 messages a second, each one TLS record, write and acknowledgement,
-/// rather than one per event. The lag grows by at most this much (on top of the event
-/// ring's drain period, `ct_events::DRAIN_EVERY`), far below a failover's detection time
-/// (keepalived's `advert_int` is 1 s).
-const COALESCE: Duration = Duration::from_millis(20);
+/// How long the feeder waits after an event for more before making changes: the events of
+/// a connection's handshake on a LAN (NEW, REPLIED, ESTABLISHED within a round trip) mostly
+/// become one change, and a busy node sends a message per window rather than per event. The
+/// lag grows by at most this much, on top of the event ring's drain period
+/// (`ct_events::DRAIN_EVERY`): together they keep a change's lag to a peer within a few ms
+/// (`cargo xtask bench -- ha-mesh`).
+const COALESCE: Duration = Duration::from_millis(1);
 /// How often lost ring events are looked for.
 const LOSS_POLL: Duration = Duration::from_millis(200);
 /// A peer's largest message (a batch of 1024 IPv4 NAT changes is about 90 KiB).

@@ -164,8 +164,15 @@ pub fn run(bin: &Path) -> Result<MeshReport> {
             let r = bed
                 .replication_run(&row.loaded, RATE)
                 .with_context(|| format!("{}, round {}", row.label, round + 1))?;
+            eprintln!(
+                "{}: {:.0} changes/s, lag p50 {:.1} ms p99 {:.1} ms, {:.1} ms CPU per 1000 changes",
+                row.label,
+                r.changes_per_s,
+                r.lag_p50_us as f64 / 1e3,
+                r.lag_p99_us as f64 / 1e3,
+                r.cpu_ms_per_1000
+            );
             row.runs.push(r);
-            eprint!("m");
         }
         // Off and on alternate, the first of the pair swapped each round.
         let order = if round % 2 == 0 {
@@ -177,12 +184,16 @@ pub fn run(bin: &Path) -> Result<MeshReport> {
             let r = bed.connections_run(on).with_context(|| {
                 format!("new connections, replication {on}, round {}", round + 1)
             })?;
+            eprintln!(
+                "node 1 at full speed, replication {}: {:.0} new connections/s",
+                if on { "on" } else { "off" },
+                r.connections_per_s
+            );
             if on {
                 report.conns_on.push(r);
             } else {
                 report.conns_off.push(r);
             }
-            eprint!("c");
         }
     }
     Ok(report)
@@ -346,6 +357,9 @@ impl Bed {
             .interface("eth0")
             .conntrack("capacity", CT_CAPACITY)
             .ct_timeout("tcp_syn_sent", 600)
+            // The expiry pass walks the whole table (up to 10% of a CPU per daemon, see
+            // `ct_gc::REST_FACTOR`); once a minute, it stays out of replication's numbers.
+            .conntrack("gc_interval_ms", 60_000)
             .services(&service(i));
         if replicate {
             config = config.raw(&self.plan.ha_table(i));
