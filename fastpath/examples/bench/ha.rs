@@ -334,7 +334,7 @@ impl Bench {
 }
 
 /// "median (min–max)" of `pick` over `runs`.
-fn cell(runs: &[HaRun], digits: usize, pick: impl Fn(&HaRun) -> f64) -> String {
+pub fn cell<T>(runs: &[T], digits: usize, pick: impl Fn(&T) -> f64) -> String {
     let v: Vec<f64> = runs.iter().map(pick).collect();
     let (median, min, max) = crate::stats(&v);
     format!("{median:.digits$} ({min:.digits$}–{max:.digits$})")

@@ -44,10 +44,9 @@ use fastpath::{
     },
 };
 use fastpath_common::reason;
-use rcgen::ExtendedKeyUsagePurpose;
 use serde::{Deserialize, Serialize};
 
-use crate::{lb_compare::process_cpu_s, route_compare::mac};
+use crate::{ha::cell, lb_compare::process_cpu_s, route_compare::mac};
 
 const NODES: usize = 3;
 const VIP: [u8; 4] = [10, 254, 0, 100];
@@ -315,18 +314,6 @@ impl Bed {
             })
             .collect::<Result<_>>()?;
         let dir = TempDir::new("hamesh")?;
-        let ca = TestCa::new(&dir, "fastpath-ha-mesh-bench-ca", "ca");
-        for i in 1..=NODES {
-            ca.leaf(
-                &dir,
-                &node_role(i),
-                &[&node_addr(i)],
-                &[
-                    ExtendedKeyUsagePurpose::ServerAuth,
-                    ExtendedKeyUsagePurpose::ClientAuth,
-                ],
-            );
-        }
         let plan = ClusterPlan {
             nodes: NODES,
             vip: std::net::Ipv4Addr::from(VIP).to_string(),
@@ -340,6 +327,7 @@ impl Bed {
             table: 100,
             sync_port: 7946,
         };
+        plan.issue_certs(&TestCa::new(&dir, "fastpath-ha-mesh-bench-ca", "ca"), &dir);
         Ok(Bed {
             topo,
             plan,
@@ -544,13 +532,6 @@ impl Bed {
             connections_per_s: made as f64 / secs,
         })
     }
-}
-
-/// "median (min–max)" of `pick` over `runs`.
-fn cell<T>(runs: &[T], digits: usize, pick: impl Fn(&T) -> f64) -> String {
-    let v: Vec<f64> = runs.iter().map(pick).collect();
-    let (median, min, max) = crate::stats(&v);
-    format!("{median:.digits$} ({min:.digits$}–{max:.digits$})")
 }
 
 /// The "HA mesh" block: the replication rows, then new connections/s on ÷ off.

@@ -96,6 +96,22 @@ impl ClusterPlan {
         s
     }
 
+    /// Each node's certificate for `[ha]` (`node{i}.pem`, `node{i}.key`, its address the
+    /// name), signed by `ca`, written to `dir` (the plan's `tls_dir`).
+    pub fn issue_certs(&self, ca: &super::pki::TestCa, dir: &super::netns::TempDir) {
+        for i in 1..=self.nodes {
+            ca.leaf(
+                dir,
+                &format!("node{i}"),
+                &[&(self.node_addr)(i)],
+                &[
+                    rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+                    rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+                ],
+            );
+        }
+    }
+
     /// Node `i`'s whole config file, as shipped.
     pub fn node_toml(&self, i: usize) -> String {
         format!(

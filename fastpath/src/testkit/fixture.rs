@@ -2058,67 +2058,78 @@ fn events_name(events: &[(u8, u8)]) -> String {
         .join(", ")
 }
 
-/// `bench_xdp_sink` loaded on its own (the object's maps in a pin directory of their own,
-/// no other program verified), for the load-balancer benchmark's backends: it drops the
-/// benchmark's datagrams on the links it is attached to. Detached by [`XdpSink::detach`] or
-/// when dropped.
-pub struct XdpSink {
+/// One benchmark program loaded on its own: the object's maps in a pin directory of their
+/// own, no other program verified. Detached from where it was attached when dropped.
+struct Solo {
     ebpf: Ebpf,
+    name: &'static str,
     _pins: PinDir,
 }
 
-impl XdpSink {
-    pub fn load() -> Result<Self, FixtureError> {
+impl Solo {
+    fn load(name: &'static str) -> Result<Self, FixtureError> {
         let pins = PinDir::create()?;
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(&pins.path)
             .load(crate::EBPF_BENCH_OBJECT)
             .map_err(|source| FixtureError::Load { source })?;
-        let name = program_names::BENCH_XDP_SINK;
         let xdp: &mut Xdp = program_mut(&mut ebpf, name)?;
         xdp.load()
             .map_err(|source| FixtureError::Program { name, source })?;
-        Ok(XdpSink { ebpf, _pins: pins })
+        Ok(Solo {
+            ebpf,
+            name,
+            _pins: pins,
+        })
     }
 
-    /// Attaches the sink in native mode to interface `ifindex` of this thread's network
-    /// namespace (a veth: it then counts what it drops as `xdp_drops`).
-    pub fn attach(&mut self, ifindex: u32) -> Result<XdpLinkId, FixtureError> {
-        let name = program_names::BENCH_XDP_SINK;
+    /// Attaches the program in native mode to interface `ifindex` of this thread's network
+    /// namespace.
+    fn attach(&mut self, ifindex: u32) -> Result<XdpLinkId, FixtureError> {
+        let name = self.name;
         let xdp: &mut Xdp = program_mut(&mut self.ebpf, name)?;
         xdp.attach(NetworkInterface::Index(ifindex), XdpMode::Driver)
             .map_err(|source| FixtureError::Program { name, source })
     }
 
-    /// Detaches what [`XdpSink::attach`] attached.
-    pub fn detach(&mut self, link: XdpLinkId) -> Result<(), FixtureError> {
-        let name = program_names::BENCH_XDP_SINK;
+    fn detach(&mut self, link: XdpLinkId) -> Result<(), FixtureError> {
+        let name = self.name;
         let xdp: &mut Xdp = program_mut(&mut self.ebpf, name)?;
         xdp.detach(link)
             .map_err(|source| FixtureError::Program { name, source })
     }
 }
 
+/// `bench_xdp_sink` loaded on its own, for the load-balancer benchmark's backends: it drops
+/// the benchmark's datagrams on the links it is attached to. Detached by
+/// [`XdpSink::detach`] or when dropped.
+pub struct XdpSink(Solo);
+
+impl XdpSink {
+    pub fn load() -> Result<Self, FixtureError> {
+        Ok(XdpSink(Solo::load(program_names::BENCH_XDP_SINK)?))
+    }
+
+    /// Attaches the sink in native mode to interface `ifindex` of this thread's network
+    /// namespace (a veth: it then counts what it drops as `xdp_drops`).
+    pub fn attach(&mut self, ifindex: u32) -> Result<XdpLinkId, FixtureError> {
+        self.0.attach(ifindex)
+    }
+
+    /// Detaches what [`XdpSink::attach`] attached.
+    pub fn detach(&mut self, link: XdpLinkId) -> Result<(), FixtureError> {
+        self.0.detach(link)
+    }
+}
+
 /// `bench_xdp_flows` loaded on its own: the replication benchmark's generator of new
 /// connections, each frame a new TCP flow (`fastpath_common::bench::flow_stamp`, counted
 /// over every frame this generator makes). One thread at a time.
-pub struct FlowGenerator {
-    ebpf: Ebpf,
-    _pins: PinDir,
-}
+pub struct FlowGenerator(Solo);
 
 impl FlowGenerator {
     pub fn load() -> Result<Self, FixtureError> {
-        let pins = PinDir::create()?;
-        let mut ebpf = EbpfLoader::new()
-            .default_map_pin_directory(&pins.path)
-            .load(crate::EBPF_BENCH_OBJECT)
-            .map_err(|source| FixtureError::Load { source })?;
-        let name = program_names::BENCH_XDP_FLOWS;
-        let xdp: &mut Xdp = program_mut(&mut ebpf, name)?;
-        xdp.load()
-            .map_err(|source| FixtureError::Program { name, source })?;
-        Ok(FlowGenerator { ebpf, _pins: pins })
+        Ok(FlowGenerator(Solo::load(program_names::BENCH_XDP_FLOWS)?))
     }
 
     /// Attaches the generator in native mode to interface `ifindex` of this thread's network
@@ -2126,10 +2137,7 @@ impl FlowGenerator {
     /// its program into the kernel's XDP dispatcher and takes it out again (an RCU grace
     /// period each, ~25 ms per call here), unless the program is attached somewhere.
     pub fn hold_in_dispatcher(&mut self, ifindex: u32) -> Result<XdpLinkId, FixtureError> {
-        let name = program_names::BENCH_XDP_FLOWS;
-        let xdp: &mut Xdp = program_mut(&mut self.ebpf, name)?;
-        xdp.attach(NetworkInterface::Index(ifindex), XdpMode::Driver)
-            .map_err(|source| FixtureError::Program { name, source })
+        self.0.attach(ifindex)
     }
 
     /// Sends `packets` new flows made from `frame` (an IPv4 TCP SYN, no IP options, at least
@@ -2142,9 +2150,9 @@ impl FlowGenerator {
         packets: u32,
         batch: u32,
     ) -> Result<Duration, FixtureError> {
-        set_generator_frame(&mut self.ebpf, frame)?;
+        set_generator_frame(&mut self.0.ebpf, frame)?;
         live_frames(
-            &self.ebpf,
+            &self.0.ebpf,
             program_names::BENCH_XDP_FLOWS,
             ifindex,
             frame,
@@ -2156,12 +2164,12 @@ impl FlowGenerator {
     /// The next `count` frames the generator would send for `frame`, made one at a time
     /// without sending them: what it puts on the wire, for its test.
     pub fn frames(&mut self, frame: &[u8], count: usize) -> Result<Vec<Vec<u8>>, FixtureError> {
-        set_generator_frame(&mut self.ebpf, frame)?;
+        set_generator_frame(&mut self.0.ebpf, frame)?;
         (0..count)
             .map(|_| {
                 let mut out = vec![0u8; frame.len() + OUTPUT_SLACK];
                 let res = test_run(
-                    &self.ebpf,
+                    &self.0.ebpf,
                     program_names::BENCH_XDP_FLOWS,
                     Hook::Xdp,
                     frame,

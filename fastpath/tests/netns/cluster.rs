@@ -38,7 +38,6 @@ use fastpath::testkit::{
         ConnError, ConnPool, EchoServers, PoolOptions, SlowDownload, random_bytes, tcp_resets,
     },
 };
-use rcgen::ExtendedKeyUsagePurpose;
 
 use crate::bin;
 
@@ -314,20 +313,11 @@ fn cluster(replicate: bool) -> Cluster {
         })
         .collect();
 
-    let ca = TestCa::new(&dir, "fastpath-cluster-test-ca", "ca");
+    if replicate {
+        plan.issue_certs(&TestCa::new(&dir, "fastpath-cluster-test-ca", "ca"), &dir);
+    }
     let daemons = (1..=NODES)
         .map(|i| {
-            if replicate {
-                ca.leaf(
-                    &dir,
-                    &node_role(i),
-                    &[&node_addr(i)],
-                    &[
-                        ExtendedKeyUsagePurpose::ServerAuth,
-                        ExtendedKeyUsagePurpose::ClientAuth,
-                    ],
-                );
-            }
             let config = DaemonConfig::new(&unique_pin_dir(&format!("cluster{i}")))
                 .interface("eth0")
                 .services(&plan.services(i))
