@@ -23,7 +23,11 @@ use crate::conntrack;
 /// How often the daemon drains the event ring. The datapath writes events without waking it
 /// (see `fastpath_common::ct::CT_EVENTS_WAKE_BYTES`), so this bounds how late a subscriber
 /// sees an event, and each drain takes that period's events in one go.
-pub const DRAIN_EVERY: std::time::Duration = std::time::Duration::from_millis(1);
+pub const DRAIN_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
+/// The period with HA replication, whose lag to the peers it bounds: a change reaches them
+/// within a few ms (`cargo xtask bench -- ha-mesh`). Only a replicating daemon pays its
+/// thousand wakeups a second.
+pub const DRAIN_EVERY_HA: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// Events buffered per subscriber before it starts losing the oldest.
 pub const BROADCAST_CAPACITY: usize = 65_536;
@@ -102,9 +106,10 @@ pub fn drain(ring: &mut impl RecordSource, hub: &EventHub) -> usize {
     n
 }
 
-/// The timer of [`drain_next`]: every [`DRAIN_EVERY`], a late tick not made up for.
-pub fn drain_timer() -> tokio::time::Interval {
-    let mut t = tokio::time::interval(DRAIN_EVERY);
+/// The timer of [`drain_next`]: every `period` ([`DRAIN_EVERY`] or [`DRAIN_EVERY_HA`]), a
+/// late tick not made up for.
+pub fn drain_timer(period: std::time::Duration) -> tokio::time::Interval {
+    let mut t = tokio::time::interval(period);
     t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     t
 }

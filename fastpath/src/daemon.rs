@@ -412,7 +412,11 @@ impl Running {
         mut health_rx: mpsc::Receiver<crate::health::Change>,
         config_path: &Path,
     ) {
-        let mut ct_drain = ct_events::drain_timer();
+        let mut ct_drain = ct_events::drain_timer(if self.ha.is_some() {
+            ct_events::DRAIN_EVERY_HA
+        } else {
+            ct_events::DRAIN_EVERY
+        });
         loop {
             tokio::select! {
                 _ = signals.int.recv() => { info!("SIGINT received"); return; }

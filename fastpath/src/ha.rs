@@ -64,7 +64,7 @@ const LAG_SAMPLES: usize = 4096;
 /// a connection's handshake on a LAN (NEW, REPLIED, ESTABLISHED within a round trip) mostly
 /// become one change, and a busy node sends a message per window rather than per event. The
 /// lag grows by at most this much, on top of the event ring's drain period
-/// (`ct_events::DRAIN_EVERY`): together they keep a change's lag to a peer within a few ms
+/// (`ct_events::DRAIN_EVERY_HA`): together they keep a change's lag to a peer within a few ms
 /// (`cargo xtask bench -- ha-mesh`).
 const COALESCE: Duration = Duration::from_millis(1);
 /// How often lost ring events are looked for.

@@ -37,7 +37,7 @@ use fastpath::{
         bgp::{self, node_addr, node_role, router_addr},
         cluster::ClusterPlan,
         fixture::FlowGenerator,
-        ha::compare_lb_entries,
+        ha::{compare_lb_entries, wait_in_sync},
         netns::{Daemon, DaemonConfig, TempDir, Topology, unique_pin_dir},
         packet::Pkt,
         pki::TestCa,
@@ -88,7 +88,7 @@ pub struct MeshRun {
     pub cpu_ms_per_1000: f64,
     /// Entries each node holds as its peers' equal the peers' own, for every pair.
     pub tables_agree: bool,
-    /// Connections on the loaded nodes (their own, load-balanced).
+    /// Connections the loaded nodes made (their own, load-balanced), all together.
     pub connections: u64,
     pub events_lost: u64,
     pub resyncs: u64,
@@ -134,8 +134,7 @@ struct Bed {
 }
 
 pub fn run(bin: &Path) -> Result<MeshReport> {
-    let bed = Bed::new(bin)?;
-    let mut bed = bed;
+    let mut bed = Bed::new(bin)?;
     let loads: [(&str, Vec<usize>); 2] = [
         ("node 1 loaded, nodes 2 and 3 apply", vec![1]),
         (
@@ -414,7 +413,7 @@ impl Bed {
             .map(|i| self.start(i, true))
             .collect::<Result<_>>()?;
         for (i, d) in daemons.iter().enumerate() {
-            fastpath::testkit::ha::wait_in_sync(
+            wait_in_sync(
                 d,
                 &format!("node {} at the start", i + 1),
                 Duration::from_secs(30),
@@ -471,6 +470,7 @@ impl Bed {
         let mut agree = true;
         let mut connections = 0;
         for &i in loaded {
+            let mut connections_of_i = 0;
             for k in (1..=NODES).filter(|&k| k != i) {
                 let diff = compare_lb_entries(
                     daemons[i - 1].pin_dir(),
@@ -481,8 +481,10 @@ impl Bed {
                     eprintln!("node {k}'s copy of node {i}'s entries differs: {diff}");
                     agree = false;
                 }
-                connections = connections.max(diff.a_connections as u64);
+                // Node i's own connections, the same in each of its comparisons.
+                connections_of_i = diff.a_connections as u64;
             }
+            connections += connections_of_i;
         }
         let window = (done - start).as_secs_f64();
         let cpu_s = cpu1 - cpu0;
@@ -514,11 +516,7 @@ impl Bed {
         };
         if on {
             for d in &daemons {
-                fastpath::testkit::ha::wait_in_sync(
-                    d,
-                    "a node at the start",
-                    Duration::from_secs(30),
-                )?;
+                wait_in_sync(d, "a node at the start", Duration::from_secs(30))?;
             }
         }
         let n1 = &daemons[0];

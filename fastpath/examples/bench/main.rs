@@ -2212,7 +2212,7 @@ fn to_subscriber(
         let mut ring = unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }
             .map_err(|e| anyhow::Error::from(std::io::Error::from(e)))?;
         tokio::pin!(subscriber);
-        let mut timer = ct_events::drain_timer();
+        let mut timer = ct_events::drain_timer(ct_events::DRAIN_EVERY);
         let mut seen = loop {
             tokio::select! {
                 seen = &mut subscriber => break seen.context("the subscriber task failed")?,

@@ -1012,6 +1012,16 @@ fn test_run(
         repeat,
         ..Default::default()
     };
+    test_run_with(ebpf, name, hook, opts)
+}
+
+/// BPF_PROG_TEST_RUN of program `name` of `ebpf`, of `hook`'s kind, with `opts`.
+fn test_run_with(
+    ebpf: &Ebpf,
+    name: &'static str,
+    hook: Hook,
+    opts: TestRunOptions<'_>,
+) -> Result<TestRunResult, FixtureError> {
     let prog = ebpf
         .program(name)
         .ok_or(FixtureError::MissingProgram { name })?;
@@ -1072,15 +1082,8 @@ fn live_frames(
         attrs: aya::programs::TestRunAttrs::new().xdp_live_frames(batch),
         ..Default::default()
     };
-    let prog = ebpf
-        .program(name)
-        .ok_or(FixtureError::MissingProgram { name })?;
-    let xdp: &Xdp = prog
-        .try_into()
-        .map_err(|source| FixtureError::Program { name, source })?;
     let started = std::time::Instant::now();
-    xdp.test_run(opts)
-        .map_err(|source| FixtureError::Program { name, source })?;
+    test_run_with(ebpf, name, Hook::Xdp, opts)?;
     Ok(started.elapsed())
 }
 
