@@ -106,6 +106,10 @@ pub struct HaSection {
 #[serde(deny_unknown_fields)]
 pub struct HaPeer {
     pub address: Spanned<std::net::SocketAddr>,
+    /// The peer's own `ha.node_id`. Its streams into this node must carry this id and come
+    /// with its certificate (valid for `server_name`): a peer cannot send connections as
+    /// another node.
+    pub node_id: Spanned<u32>,
     /// The name its certificate carries; default: the address's IP (an IP SAN).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server_name: Option<Spanned<String>>,
@@ -829,7 +833,25 @@ impl Config {
             ));
         }
         let mut seen = std::collections::HashSet::new();
+        let mut ids = std::collections::HashSet::new();
         for (i, p) in ha.peers.iter().enumerate() {
+            let id = *p.node_id.get_ref();
+            let problem = if id == 0 {
+                Some("0 is not a node id: give the peer's own ha.node_id, 1 ..= 4294967295")
+            } else if id == *ha.node_id.get_ref() {
+                Some("this is this node's own ha.node_id: give the peer's, which must differ")
+            } else if !ids.insert(id) {
+                Some("two peers have this id: give each the node_id in its own [ha]")
+            } else {
+                None
+            };
+            if let Some(problem) = problem {
+                return Err(err(
+                    p.node_id.span(),
+                    format!("ha.peers[{i}].node_id"),
+                    format!("{id}: {problem}"),
+                ));
+            }
             let a = *p.address.get_ref();
             if a == *ha.listen.get_ref() {
                 return Err(err(
@@ -1978,7 +2000,7 @@ mod tests {
                 "[[interface]]\nname = \"lo\"\n[ha]\n{body}listen = \"10.0.0.1:7946\"\ntls_cert = \"{file}\"\ntls_key = \"{file}\"\ntls_ca = \"{file}\"\n{peers}"
             )
         };
-        let peer = "[[ha.peers]]\naddress = \"10.0.0.2:7946\"\n";
+        let peer = "[[ha.peers]]\naddress = \"10.0.0.2:7946\"\nnode_id = 2\n";
         let c = parse(&ha("node_id = 1\n", peer)).expect("valid");
         let h = c.ha.expect("[ha]");
         assert_eq!((*h.node_id.get_ref(), *h.queue.get_ref()), (1, 1 << 20));
@@ -1993,15 +2015,33 @@ mod tests {
             ("node_id = 1\n", "", "ha.peers", "[[ha.peers]]"),
             (
                 "node_id = 1\n",
-                "[[ha.peers]]\naddress = \"10.0.0.1:7946\"\n",
+                "[[ha.peers]]\naddress = \"10.0.0.1:7946\"\nnode_id = 2\n",
                 "ha.peers[0].address",
                 "own ha.listen",
             ),
             (
                 "node_id = 1\n",
-                "[[ha.peers]]\naddress = \"10.0.0.2:7946\"\n[[ha.peers]]\naddress = \"10.0.0.2:7946\"\n",
+                "[[ha.peers]]\naddress = \"10.0.0.2:7946\"\nnode_id = 2\n[[ha.peers]]\naddress = \"10.0.0.2:7946\"\nnode_id = 3\n",
                 "ha.peers[1].address",
                 "twice",
+            ),
+            (
+                "node_id = 1\n",
+                "[[ha.peers]]\naddress = \"10.0.0.2:7946\"\nnode_id = 1\n",
+                "ha.peers[0].node_id",
+                "own ha.node_id",
+            ),
+            (
+                "node_id = 1\n",
+                "[[ha.peers]]\naddress = \"10.0.0.2:7946\"\nnode_id = 2\n[[ha.peers]]\naddress = \"10.0.0.3:7946\"\nnode_id = 2\n",
+                "ha.peers[1].node_id",
+                "two peers",
+            ),
+            (
+                "node_id = 1\n",
+                "[[ha.peers]]\naddress = \"10.0.0.2:7946\"\nnode_id = 0\n",
+                "ha.peers[0].node_id",
+                "not a node id",
             ),
         ] {
             let e = parse(&ha(body, peers)).expect_err(key);

@@ -37,11 +37,12 @@ use fastpath_common::{
     lb::{lb_alias, lb_peer_key},
     map_names,
 };
+use rustls_pki_types::ServerName;
 use tokio::sync::{Notify, broadcast, mpsc, watch};
 use tokio_stream::{Stream, StreamExt as _};
 use tonic::{
     Request, Response, Status, Streaming,
-    transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig},
+    transport::{Certificate, CertificateDer, ClientTlsConfig, Identity, ServerTlsConfig},
 };
 use tracing::{Instrument as _, info, info_span, warn};
 
@@ -60,13 +61,6 @@ use crate::{
 const BATCH: usize = 1024;
 /// Acknowledgements whose lag the percentiles cover.
 const LAG_SAMPLES: usize = 4096;
-/// How long the feeder waits after an event for more before making changes: the events of
-/// a connection's handshake on a LAN (NEW, REPLIED, ESTABLISHED within a round trip) mostly
-/// become one change, and a busy node sends a message per window rather than per event. The
-/// lag grows by at most this much, on top of the event ring's drain period
-/// (`ct_events::DRAIN_EVERY_HA`): together they keep a change's lag to a peer within a few ms
-/// (`cargo xtask bench -- ha-mesh`).
-const COALESCE: Duration = Duration::from_millis(1);
 /// How often lost ring events are looked for.
 const LOSS_POLL: Duration = Duration::from_millis(200);
 /// A peer's largest message (a batch of 1024 IPv4 NAT changes is about 90 KiB).
@@ -82,6 +76,10 @@ struct Pending {
 /// This node's stream to one peer.
 struct PeerOut {
     address: SocketAddr,
+    /// Its `node_id`, and the name its certificate is valid for: its streams into this node
+    /// must carry both (see [`Ha::admit`]).
+    node_id: u32,
+    name: String,
     tls: ClientTlsConfig,
     sender: Mutex<Sender<Pending>>,
     wake: Notify,
@@ -274,10 +272,12 @@ impl Ha {
                     .map_or_else(|| address.ip().to_string(), |n| n.get_ref().clone());
                 Arc::new(PeerOut {
                     address,
+                    node_id: *p.node_id.get_ref(),
                     tls: ClientTlsConfig::new()
                         .ca_certificate(ca.clone())
                         .identity(identity.clone())
-                        .domain_name(name),
+                        .domain_name(name.clone()),
+                    name,
                     sender: Mutex::new(Sender::new(epoch, *cfg.queue.get_ref() as usize)),
                     wake: Notify::new(),
                     resync: AtomicBool::new(false),
@@ -448,9 +448,39 @@ impl Ha {
         }
     }
 
-    /// Applies one message of `node`'s stream; returns the acknowledgement to send, if any
-    /// (none while a snapshot streams: its end is acknowledged).
-    fn receive(&self, node: &mut Option<u32>, b: pb::Batch) -> Result<Option<pb::Ack>, String> {
+    /// Whether a stream whose first message says it is from node `id`, over a connection
+    /// whose client presented `cert`, may be applied: `id` must be a configured peer's and
+    /// `cert` valid for that peer's name (the check its server certificate passes when this
+    /// node connects to it). The CA alone would let any node it signed send connections as
+    /// any other, overwriting theirs.
+    fn admit(&self, id: u32, cert: Option<&CertificateDer<'_>>) -> Result<(), String> {
+        let Some(peer) = self.peers.iter().find(|p| p.node_id == id) else {
+            return Err(format!(
+                "node id {id} is no configured peer's: add it to a [[ha.peers]] entry's node_id if that node belongs to this cluster"
+            ));
+        };
+        let name = ServerName::try_from(peer.name.as_str())
+            .map_err(|e| format!("node {id}'s name {:?}: {e}", peer.name))?;
+        let cert = cert.ok_or_else(|| format!("node {id}'s stream came with no certificate"))?;
+        webpki::EndEntityCert::try_from(cert)
+            .and_then(|c| c.verify_is_valid_for_subject_name(&name))
+            .map_err(|e| {
+                format!(
+                    "the certificate of the stream that says it is node {id} is not valid for {:?}, the name of node {id}'s [[ha.peers]] entry ({e:?}): a node may send only its own connections",
+                    peer.name
+                )
+            })
+    }
+
+    /// Applies one message of `node`'s stream from a client that presented `cert`; returns
+    /// the acknowledgement to send, if any (none while a snapshot streams: its end is
+    /// acknowledged).
+    fn receive(
+        &self,
+        node: &mut Option<u32>,
+        cert: Option<&CertificateDer<'_>>,
+        b: pb::Batch,
+    ) -> Result<Option<pb::Ack>, String> {
         let id = match u32::try_from(b.node_id) {
             Ok(id) if id != 0 && id != self.node_id => id,
             _ => {
@@ -464,6 +494,12 @@ impl Ha {
         if node.is_some_and(|n| n != id) {
             self.rejected_messages.fetch_add(1, Ordering::Relaxed);
             return Err(format!("node id changed mid-stream to {id}"));
+        }
+        if node.is_none()
+            && let Err(e) = self.admit(id, cert)
+        {
+            self.rejected_messages.fetch_add(1, Ordering::Relaxed);
+            return Err(e);
         }
         let first = node.is_none();
         *node = Some(id);
@@ -861,26 +897,20 @@ async fn feed(
                     Err(broadcast::error::RecvError::Lagged(n)) => ha.lost(n, "the event hub"),
                     Err(broadcast::error::RecvError::Closed) => return,
                 }
-                // When the batch is not full, a moment for the connections' next events to
-                // join (fewer table reads and changes; the lag grows by at most this much).
-                for wait in [None, Some(COALESCE)] {
-                    if let Some(w) = wait {
-                        if batch.len() >= BATCH {
-                            break;
-                        }
-                        tokio::time::sleep(w).await;
-                    }
-                    while batch.len() < BATCH {
-                        match events.try_recv() {
-                            Ok(ev) => batch.push(ev),
-                            Err(broadcast::error::TryRecvError::Lagged(n)) => ha.lost(n, "the event hub"),
-                            Err(_) => break,
-                        }
+                // Everything the drain published with it: one drain period's events, so a
+                // connection's handshake within a period (NEW, REPLIED, ESTABLISHED on a LAN)
+                // mostly makes one change. Waiting for more would cost each change that wait
+                // (1-2 ms with tokio's timer, more on a busy CPU at this thread's priority).
+                while batch.len() < BATCH {
+                    match events.try_recv() {
+                        Ok(ev) => batch.push(ev),
+                        Err(broadcast::error::TryRecvError::Lagged(n)) => ha.lost(n, "the event hub"),
+                        Err(_) => break,
                     }
                 }
-                // Table reads on the replication thread itself: it has nothing else to do
-                // meanwhile, and `block_in_place` would hand its runtime to another thread
-                // (two context switches per batch).
+                // Encoded on the replication thread itself: it has nothing else to do
+                // meanwhile, and handing the work to another thread costs two context
+                // switches per batch.
                 if !batch.is_empty() {
                     ha.on_events(&batch);
                     batch.clear();
@@ -1183,6 +1213,8 @@ impl pb::sync_server::Sync for SyncService {
         request: Request<Streaming<pb::Batch>>,
     ) -> Result<Response<AckStream>, Status> {
         let remote = request.remote_addr();
+        // The client's own certificate (its chain's first), which `Ha::admit` checks.
+        let cert = request.peer_certs().and_then(|c| c.first().cloned());
         let mut batches = request.into_inner();
         // Acknowledgements are cumulative: only the latest matters, so a slow sender never
         // makes this side wait.
@@ -1194,7 +1226,7 @@ impl pb::sync_server::Sync for SyncService {
             loop {
                 match batches.message().await {
                     // Inline on the replication thread, as the feeder's reads.
-                    Ok(Some(b)) => match ha.receive(&mut node, b) {
+                    Ok(Some(b)) => match ha.receive(&mut node, cert.as_ref(), b) {
                         Ok(Some(ack)) => {
                             tx.send_replace(Some(ack));
                         }
@@ -1237,7 +1269,14 @@ async fn serve(
             return;
         }
     };
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // Acknowledgements are small writes: with Nagle's algorithm one waits for the TCP ACK of
+    // the one before, which the sender delays (tonic's own `tcp_nodelay` covers only the
+    // listeners it binds itself).
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
+        let s = s?;
+        s.set_nodelay(true)?;
+        Ok::<_, std::io::Error>(s)
+    });
     let mut stopping = stop.clone();
     let task = tokio::spawn(server.serve_with_incoming_shutdown(incoming, async move {
         let _ = stopping.wait_for(|s| *s).await;

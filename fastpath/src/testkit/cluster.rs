@@ -88,7 +88,7 @@ impl ClusterPlan {
         );
         for k in (1..=self.nodes).filter(|&k| k != i) {
             s += &format!(
-                "\n[[ha.peers]]\naddress = \"{}:{}\"\n",
+                "\n[[ha.peers]]\naddress = \"{}:{}\"\nnode_id = {k}\n",
                 (self.node_addr)(k),
                 self.sync_port
             );

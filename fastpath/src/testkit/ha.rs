@@ -784,11 +784,12 @@ pub struct NodeTls {
 pub fn ha_toml(node: Node, listen: SocketAddr, peer: SocketAddr, tls: &NodeTls) -> String {
     format!(
         "[ha]\nnode_id = {}\nlisten = \"{listen}\"\ntls_cert = {:?}\ntls_key = {:?}\ntls_ca = {:?}\n\
-         [[ha.peers]]\naddress = \"{peer}\"\nserver_name = \"{}\"\n",
+         [[ha.peers]]\naddress = \"{peer}\"\nnode_id = {}\nserver_name = \"{}\"\n",
         node.node_id(),
         tls.cert.display().to_string(),
         tls.key.display().to_string(),
         tls.ca.display().to_string(),
+        node.other().node_id(),
         node.other().server_name()
     )
 }

@@ -118,7 +118,10 @@ fn nodes_announce_their_vip_only_while_ready_and_bfd_takes_a_silent_node_out() {
                 ca.cert.display().to_string(),
             );
             for j in (1..=NODES).filter(|&j| j != i) {
-                ha += &format!("[[ha.peers]]\naddress = \"{}:7946\"\n", node_addr(j));
+                ha += &format!(
+                    "[[ha.peers]]\naddress = \"{}:7946\"\nnode_id = {j}\n",
+                    node_addr(j)
+                );
             }
             DaemonConfig::new(&unique_pin_dir(&format!("announce{i}")))
                 .interface("eth0")

@@ -2,7 +2,9 @@
 //! service in a namespace; a hand-made peer in another namespace connects to it with the
 //! wrong certificates, or with the right ones and malformed messages. A peer whose
 //! certificate another CA signed, or that has none, is refused at the handshake; a message
-//! without a valid node id closes the stream and is counted; malformed or out-of-range
+//! without a valid node id — 0, B's own, out of range, no configured peer's, or another
+//! configured peer's than the one its certificate names — closes the stream and is counted
+//! (B has two peers: the hand-made one, node 7, and node 3, which never connects); malformed or out-of-range
 //! connections are refused, counted, acknowledged as refused and never installed, while the
 //! valid one in the same batch is; a gap in the tail is answered with a resend request.
 
@@ -255,6 +257,7 @@ fn a_peer_without_a_valid_certificate_or_with_malformed_messages_changes_nothing
     let evil_ca = TestCa::new(&dir, "another-ca", "evil-ca");
     let b_cert = ca.leaf(&dir, "node-b", &[B_ADDR], &usages);
     let good = ca.leaf(&dir, "peer-good", &["fastpath-peer"], &usages);
+    let node_c = ca.leaf(&dir, "node-c", &["fastpath-node-c"], &usages);
     let evil = evil_ca.leaf(&dir, "peer-evil", &["fastpath-peer"], &usages);
     let config = DaemonConfig::new(&unique_pin_dir("ha-bad-peer"))
         .interface("sync0")
@@ -262,7 +265,7 @@ fn a_peer_without_a_valid_certificate_or_with_malformed_messages_changes_nothing
             "[[service]]\nvip = \"{VIP}\"\nport = 80\n[[service.backend]]\naddress = \"{BACKEND}\"\nport = 80\n"
         ))
         .raw(&format!(
-            "[ha]\nnode_id = 2\nlisten = \"{B_ADDR}:7946\"\ntls_cert = {:?}\ntls_key = {:?}\ntls_ca = {:?}\n[[ha.peers]]\naddress = \"{ROGUE_ADDR}:7946\"\n",
+            "[ha]\nnode_id = 2\nlisten = \"{B_ADDR}:7946\"\ntls_cert = {:?}\ntls_key = {:?}\ntls_ca = {:?}\n[[ha.peers]]\naddress = \"{ROGUE_ADDR}:7946\"\nnode_id = 7\nserver_name = \"fastpath-peer\"\n[[ha.peers]]\naddress = \"10.202.0.3:7946\"\nnode_id = 3\nserver_name = \"fastpath-node-c\"\n",
             b_cert.cert, b_cert.key, ca.cert
         ));
     let b = Daemon::start(bin(), topo.ns("b"), &config);
@@ -314,11 +317,21 @@ fn a_peer_without_a_valid_certificate_or_with_malformed_messages_changes_nothing
     );
 
     // A message without a valid node id: the stream is closed, counted, nothing applied.
-    for bad_id in [0u64, 2, 1 << 40] {
+    // With the right CA's certificate: 0, B's own, out of range, no configured peer's (9),
+    // and node 3's, whose certificate this is not; then node 3's certificate claiming 7.
+    let claims = [
+        (0u64, &good),
+        (2, &good),
+        (1 << 40, &good),
+        (9, &good),
+        (3, &good),
+        (7, &node_c),
+    ];
+    for (bad_id, cert) in claims {
         let out = peer_session(
             rogue,
             &ca.cert,
-            Some(&good),
+            Some(cert),
             vec![
                 (snapshot(bad_id, vec![upsert(0, valid())]), false),
                 (done(bad_id), true),
@@ -326,14 +339,21 @@ fn a_peer_without_a_valid_certificate_or_with_malformed_messages_changes_nothing
         );
         assert!(
             matches!(&out, Outcome::Acks(a) if a.is_empty()),
-            "node id {bad_id} must get no acknowledgement: {out:?}"
+            "node id {bad_id} with {:?} must get no acknowledgement: {out:?}",
+            cert.cert
         );
     }
     let s = status(&b);
-    assert_eq!(s["rejected_messages"], 3, "{s}");
+    assert_eq!(s["rejected_messages"], claims.len(), "{s}");
     assert!(
         !holds_valid(&b),
         "a message with an invalid node id was applied"
+    );
+    let log = b.log();
+    assert!(
+        log.contains("the name of node 3's [[ha.peers]] entry")
+            && log.contains("node id 9 is no configured peer's"),
+        "B's log must say why each claim was refused:\n{log}"
     );
 
     // Malformed connections among valid ones: only the valid one is installed; the rest are
@@ -394,7 +414,7 @@ fn a_peer_without_a_valid_certificate_or_with_malformed_messages_changes_nothing
     assert_eq!(peer["synced"], true, "{s}");
     let metrics_refused = format!("{}", peer["rejected"]);
     eprintln!(
-        "refused: another CA's certificate, no certificate, node ids 0/own/out of range (3 messages), {} malformed connections ({}); installed 1; B's status:\n{}",
+        "refused: another CA's certificate, no certificate, node ids 0/own/out of range/unconfigured/another peer's (6 messages), {} malformed connections ({}); installed 1; B's status:\n{}",
         metrics_refused,
         bad.iter().map(|(w, _)| *w).collect::<Vec<_>>().join(", "),
         b.cli_ok(&["ha", "status"])
