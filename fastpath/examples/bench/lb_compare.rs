@@ -76,7 +76,8 @@ const MAX_SOCKET_ERROR_FRACTION: f64 = 0.001;
 /// packets of a new-connection run (1/3 expected).
 const MIN_BACKEND_SHARE: f64 = 0.15;
 /// In a new-connection run of the HA contender, B must receive at least this many changes
-/// per request: each connection is one change (its events within 20 ms coalesced), except
+/// per request: each connection is at least one change (its events within one 1 ms drain of
+/// the event ring make one), except
 /// where the client reuses a closed connection's port while its change is pending — the
 /// tuple's later connection then replaces the earlier one in the same change, as it did in
 /// A's table. Runs here made 0.84 to 1.0 changes per request; the floor says replication
@@ -1547,8 +1548,8 @@ fn check_replication(
     totals: &mut HaTotals,
 ) -> Result<()> {
     // Caught up: B applied and acknowledged everything A made, and A made nothing new for a
-    // while — its replication thread (nice 10, coalescing a connection's events for 20 ms)
-    // may still be turning the run's last events into changes when wrk exits.
+    // while — its replication thread (nice 10) may still be turning the run's last events
+    // into changes when wrk exits.
     const QUIET: Duration = Duration::from_millis(500);
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let mut last: Option<(u64, std::time::Instant)> = None;
