@@ -495,13 +495,11 @@ impl Ha {
             self.rejected_messages.fetch_add(1, Ordering::Relaxed);
             return Err(format!("node id changed mid-stream to {id}"));
         }
-        if node.is_none()
-            && let Err(e) = self.admit(id, cert)
-        {
+        let first = node.is_none();
+        if first && let Err(e) = self.admit(id, cert) {
             self.rejected_messages.fetch_add(1, Ordering::Relaxed);
             return Err(e);
         }
-        let first = node.is_none();
         *node = Some(id);
         let now = conntrack::monotonic_ns();
         let ix = self.lb.borrow().clone();

@@ -4,8 +4,8 @@
 //! certificate another CA signed, or that has none, is refused at the handshake; a message
 //! without a valid node id — 0, B's own, out of range, no configured peer's, or another
 //! configured peer's than the one its certificate names — closes the stream and is counted
-//! (B has two peers: the hand-made one, node 7, and node 3, which never connects); malformed or out-of-range
-//! connections are refused, counted, acknowledged as refused and never installed, while the
+//! (B has two peers: the hand-made one, node 7, and node 3, which never connects);
+//! malformed or out-of-range connections are refused, counted, acknowledged as refused and never installed, while the
 //! valid one in the same batch is; a gap in the tail is answered with a resend request.
 
 use std::{path::Path, time::Duration};
