@@ -516,12 +516,12 @@ impl Ha {
         let mut ask = None;
         // The message's actions, carried out together: new connections are then created in
         // batches (see `apply`).
-        let mut acts = Vec::new();
+        let mut acts = Vec::with_capacity(b.changes.len());
         if b.snapshot {
             for ch in b.changes {
                 peer.received += 1;
                 match ch.op.map(|op| read_op(op, now, &ix)) {
-                    Some(Op::Upsert(k, e)) => acts.extend(peer.rx.snapshot_entry(b.epoch, k, e)),
+                    Some(Op::Upsert(k, e)) => acts.push(peer.rx.snapshot_entry(b.epoch, k, e)),
                     _ => peer.refused += 1,
                 }
             }

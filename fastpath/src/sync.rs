@@ -11,7 +11,7 @@
 //! a connection never overwrites a newer one from the same sender; across a sender's restart
 //! (a new epoch) the snapshot it streams first replaces what the receiver had from it.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 use fastpath_common::{
     ct::{
@@ -343,7 +343,7 @@ pub enum Ask {
 
 impl<K: std::hash::Hash + Eq + Clone> Receiver<K> {
     /// One entry of a snapshot from `epoch`.
-    pub fn snapshot_entry<V>(&mut self, epoch: u64, key: K, value: V) -> Vec<Action<K, V>> {
+    pub fn snapshot_entry<V>(&mut self, epoch: u64, key: K, value: V) -> Action<K, V> {
         let fresh = !matches!(&self.snapshot, Some((e, _)) if *e == epoch);
         if fresh {
             self.snapshot = Some((epoch, std::collections::HashSet::new()));
@@ -354,7 +354,7 @@ impl<K: std::hash::Hash + Eq + Clone> Receiver<K> {
         self.versions
             .seen
             .insert(key.clone(), Stamp { epoch, seq: 0 });
-        vec![Action::Install(key, value)]
+        Action::Install(key, value)
     }
 
     /// The end of a snapshot from `epoch` taken at `watermark`: entries from this sender it
@@ -395,7 +395,7 @@ impl<K: std::hash::Hash + Eq + Clone> Receiver<K> {
     }
 
     /// One change of the tail.
-    pub fn change<V>(&mut self, stamp: Stamp, op: Op<K, V>) -> (Vec<Action<K, V>>, Ask) {
+    pub fn change<V>(&mut self, stamp: Stamp, op: Op<K, V>) -> (Option<Action<K, V>>, Ask) {
         match self.inbox.accept(stamp) {
             Verdict::Apply => {
                 let action = match op {
@@ -412,11 +412,11 @@ impl<K: std::hash::Hash + Eq + Clone> Receiver<K> {
                         None
                     }
                 };
-                (action.into_iter().collect(), Ask::Ack(stamp))
+                (action, Ask::Ack(stamp))
             }
-            Verdict::Duplicate => (Vec::new(), self.ask()),
+            Verdict::Duplicate => (None, self.ask()),
             Verdict::Gap { have } => (
-                Vec::new(),
+                None,
                 Ask::Resend(Stamp {
                     epoch: stamp.epoch,
                     seq: have,
@@ -424,9 +424,9 @@ impl<K: std::hash::Hash + Eq + Clone> Receiver<K> {
             ),
             Verdict::Stale => {
                 self.rejected += 1;
-                (Vec::new(), self.ask())
+                (None, self.ask())
             }
-            Verdict::NewEpoch => (Vec::new(), Ask::Snapshot),
+            Verdict::NewEpoch => (None, Ask::Snapshot),
         }
     }
 
@@ -597,11 +597,13 @@ impl<T> Sender<T> {
 /// each side maps them with its own index.
 #[derive(Debug, Default)]
 pub struct LbIndex {
-    by_id: HashMap<u32, SvcKey>,
-    by_key: HashMap<SvcKey, u32>,
+    // foldhash: looked up for every replicated change, from keys no outsider chooses freely
+    // (a peer's changes name only services and backends configured here).
+    by_id: foldhash::HashMap<u32, SvcKey>,
+    by_key: foldhash::HashMap<SvcKey, u32>,
     /// (service id, backend index) → the backend's (address, port), and back.
-    backend_at: HashMap<(u32, u32), ([u8; 16], u16)>,
-    backend_idx: HashMap<(u32, [u8; 16], u16), u32>,
+    backend_at: foldhash::HashMap<(u32, u32), ([u8; 16], u16)>,
+    backend_idx: foldhash::HashMap<(u32, [u8; 16], u16), u32>,
 }
 
 impl LbIndex {
@@ -660,17 +662,26 @@ fn parse_endpoint(
     what: &'static str,
 ) -> Result<([u8; 16], u16), WireError> {
     let e = e.ok_or(WireError::Missing(what))?;
+    parse_address(&e.address, e.port, family, what)
+}
+
+fn parse_address(
+    address: &[u8],
+    port: u32,
+    family: u8,
+    what: &'static str,
+) -> Result<([u8; 16], u16), WireError> {
     let want = if family == 4 { 4 } else { 16 };
-    if e.address.len() != want {
+    if address.len() != want {
         return Err(WireError::Address {
             what,
-            len: e.address.len(),
+            len: address.len(),
             family,
         });
     }
     let mut addr = [0u8; 16];
-    addr[..want].copy_from_slice(&e.address);
-    let port = u16::try_from(e.port).map_err(|_| WireError::Port { what, port: e.port })?;
+    addr[..want].copy_from_slice(address);
+    let port = u16::try_from(port).map_err(|_| WireError::Port { what, port })?;
     Ok((addr, port))
 }
 
@@ -756,14 +767,7 @@ pub fn from_wire(
             (nat.service, nat.backend) = (GATEWAY_ID, GATEWAY_ID);
         } else {
             let s = c.service.as_ref().ok_or(WireError::Missing("service"))?;
-            let vip = parse_endpoint(
-                Some(&pb::Endpoint {
-                    address: s.vip.clone(),
-                    port: s.port,
-                }),
-                family,
-                "service",
-            )?;
+            let vip = parse_address(&s.vip, s.port, family, "service")?;
             let svc = SvcKey {
                 vip: vip.0,
                 port: vip.1,
@@ -1084,7 +1088,7 @@ mod tests {
         let op = WireOp::connection(false, &key, &entry, now, &index(false)).expect("known");
         assert!(op.0.len() < 96, "{} bytes", op.0.len());
         let ep = |a: [u8; 4], port: u16| pb::Endpoint {
-            address: a.to_vec(),
+            address: a.to_vec().into(),
             port: u32::from(port),
         };
         let want = pb::Connection {
@@ -1101,7 +1105,7 @@ mod tests {
             nat: Some(ep([10, 1, 0, 2], 80)),
             nat2: Some(ep([0, 0, 0, 0], 0)),
             service: Some(pb::ServiceRef {
-                vip: vec![10, 200, 0, 100],
+                vip: vec![10, 200, 0, 100].into(),
                 port: 80,
                 protocol: 6,
             }),
@@ -1213,11 +1217,11 @@ mod tests {
             family: 4,
             protocol: 6,
             lo: Some(pb::Endpoint {
-                address: vec![10, 0, 0, 1],
+                address: vec![10, 0, 0, 1].into(),
                 port,
             }),
             hi: Some(pb::Endpoint {
-                address: vec![10, 200, 0, 100],
+                address: vec![10, 200, 0, 100].into(),
                 port: 80,
             }),
             tcp_state: 3,
@@ -1367,35 +1371,35 @@ mod tests {
         // First contact: a change before any snapshot asks for one.
         assert_eq!(
             rx.change(s(1, 5), Op::Upsert("a", 1)),
-            (vec![], Ask::Snapshot)
+            (None, Ask::Snapshot)
         );
-        assert_eq!(rx.snapshot_entry(1, "a", 1), vec![Action::Install("a", 1)]);
-        assert_eq!(rx.snapshot_entry(1, "b", 2), vec![Action::Install("b", 2)]);
+        assert_eq!(rx.snapshot_entry(1, "a", 1), Action::Install("a", 1));
+        assert_eq!(rx.snapshot_entry(1, "b", 2), Action::Install("b", 2));
         let (removed, ask) = rx.snapshot_done::<i32>(1, 10);
         assert_eq!((removed, ask), (vec![], Ask::Ack(s(1, 10))));
         assert_eq!(
             rx.change(s(1, 11), Op::Upsert("c", 3)),
-            (vec![Action::Install("c", 3)], Ask::Ack(s(1, 11)))
+            (Some(Action::Install("c", 3)), Ask::Ack(s(1, 11)))
         );
         assert_eq!(
             rx.change(s(1, 11), Op::Upsert("c", 3)),
-            (vec![], Ask::Ack(s(1, 11))),
+            (None, Ask::Ack(s(1, 11))),
             "a duplicate is acknowledged, not applied"
         );
         assert_eq!(
             rx.change(s(1, 13), Op::<&str, i32>::Delete("a")),
-            (vec![], Ask::Resend(s(1, 11))),
+            (None, Ask::Resend(s(1, 11))),
             "a gap asks for what is missing"
         );
         assert_eq!(
             rx.change(s(1, 12), Op::<&str, i32>::Delete("b")),
-            (vec![Action::Remove("b")], Ask::Ack(s(1, 12)))
+            (Some(Action::Remove("b")), Ask::Ack(s(1, 12)))
         );
         assert_eq!(rx.installed(), 2);
         // The sender restarts (epoch 2): its snapshot carries "a" and "d"; "c" is gone.
         assert_eq!(
             rx.change(s(2, 1), Op::Upsert("x", 9)),
-            (vec![], Ask::Snapshot)
+            (None, Ask::Snapshot)
         );
         rx.snapshot_entry(2, "a", 10);
         rx.snapshot_entry(2, "d", 4);
@@ -1404,13 +1408,13 @@ mod tests {
         assert_eq!(ask, Ask::Ack(s(2, 7)));
         assert_eq!(
             rx.change(s(1, 14), Op::Upsert("z", 0)),
-            (vec![], Ask::Ack(s(2, 7))),
+            (None, Ask::Ack(s(2, 7))),
             "the old epoch is refused"
         );
         assert_eq!(rx.rejected, 1);
         assert_eq!(
             rx.change(s(2, 8), Op::Upsert("d", 5)),
-            (vec![Action::Install("d", 5)], Ask::Ack(s(2, 8)))
+            (Some(Action::Install("d", 5)), Ask::Ack(s(2, 8)))
         );
         assert_eq!(rx.installed(), 2);
     }
@@ -1457,7 +1461,7 @@ mod tests {
                 if let Reply::Snapshot { epoch, watermark } = reply {
                     for (k, v) in table {
                         let a = rx.snapshot_entry(epoch, *k, *v);
-                        apply(replica, a);
+                        apply(replica, vec![a]);
                     }
                     let (a, _) = rx.snapshot_done::<u64>(epoch, watermark);
                     apply(replica, a);
@@ -1475,7 +1479,7 @@ mod tests {
                         continue;
                     }
                     let (a, ask) = rx.change(stamp, op);
-                    apply(replica, a);
+                    apply(replica, a.into_iter().collect());
                     last_ask = Some(ask);
                 }
                 match last_ask {

@@ -32,7 +32,7 @@ use crate::bin;
 
 fn ep(a: [u8; 4], port: u32) -> Option<pb::Endpoint> {
     Some(pb::Endpoint {
-        address: a.to_vec(),
+        address: a.to_vec().into(),
         port,
     })
 }
@@ -73,7 +73,7 @@ fn malformed() -> Vec<(&'static str, pb::Connection)> {
             "a 3-byte address",
             pb::Connection {
                 lo: Some(pb::Endpoint {
-                    address: vec![10, 202, 0],
+                    address: vec![10, 202, 0].into(),
                     port: 40000,
                 }),
                 ..valid()
@@ -115,7 +115,7 @@ fn malformed() -> Vec<(&'static str, pb::Connection)> {
                 nat: ep([10, 203, 1, 1], 80),
                 nat2: ep([0, 0, 0, 0], 0),
                 service: Some(pb::ServiceRef {
-                    vip: vec![10, 9, 9, 9],
+                    vip: vec![10, 9, 9, 9].into(),
                     port: 80,
                     protocol: 6,
                 }),
