@@ -347,7 +347,7 @@ pub async fn info(target: &Target, out: OutputArg) -> ExitCode {
                     "uptime_s": i.uptime_s, "pin_dir": i.pin_dir, "config_path": i.config_path,
                     "generation": i.generation, "services": i.services,
                     "interfaces": i.interfaces, "conntrack_capacity": i.conntrack_capacity,
-                    "listeners": i.listeners,
+                    "listeners": i.listeners, "tc_attach": i.tc_attach,
                 }));
             }
             outln!("version       {} ({})", i.version, i.api_version);
@@ -360,6 +360,7 @@ pub async fn info(target: &Target, out: OutputArg) -> ExitCode {
             outln!("interfaces    {}", i.interfaces);
             outln!("ct capacity   {}", i.conntrack_capacity);
             outln!("listeners     {}", i.listeners.join(" "));
+            outln!("tc attach     {}", i.tc_attach);
             Ok(())
         }
         .await,

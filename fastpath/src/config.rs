@@ -435,6 +435,9 @@ pub struct DatapathSection {
     /// leaves the datapath running without a daemon (as after a crash).
     #[serde(default = "default_true")]
     pub detach_on_exit: bool,
+    /// How TC programs attach: `auto` (default), `tcx` or `netlink`.
+    #[serde(default)]
+    pub tc_attach: TcAttachMode,
 }
 
 impl Default for DatapathSection {
@@ -443,8 +446,23 @@ impl Default for DatapathSection {
             pin_dir: default_pin_dir(),
             drop_malformed: false,
             detach_on_exit: true,
+            tc_attach: TcAttachMode::Auto,
         }
     }
+}
+
+/// How TC programs attach to their interfaces.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum TcAttachMode {
+    /// TCX links where the kernel has them (Linux 6.6), probed at start; else netlink.
+    #[default]
+    Auto,
+    /// TCX links only: the start fails on a kernel without them.
+    Tcx,
+    /// A clsact qdisc and a cls_bpf filter (direct action), as `tc filter add ... bpf da`
+    /// makes: every kernel, beside other tools' filters on the same qdisc.
+    Netlink,
 }
 
 fn default_pin_dir() -> Spanned<PathBuf> {
@@ -2150,6 +2168,27 @@ mod tests {
         assert_eq!(e.line, Some(4), "{e}");
         assert_eq!(e.key.as_deref(), Some("interface[1].name"));
         assert!(e.to_string().contains("ip link"), "{e}");
+    }
+
+    #[test]
+    fn tc_attach_takes_auto_tcx_or_netlink() {
+        let c = parse("[[interface]]\nname = \"lo\"\n").expect("valid");
+        assert_eq!(c.datapath.tc_attach, TcAttachMode::Auto);
+        for (text, want) in [
+            ("auto", TcAttachMode::Auto),
+            ("tcx", TcAttachMode::Tcx),
+            ("netlink", TcAttachMode::Netlink),
+        ] {
+            let c = parse(&format!(
+                "[datapath]\ntc_attach = \"{text}\"\n[[interface]]\nname = \"lo\"\n"
+            ))
+            .expect("valid");
+            assert_eq!(c.datapath.tc_attach, want);
+        }
+        let e = parse("[datapath]\ntc_attach = \"legacy\"\n[[interface]]\nname = \"lo\"\n")
+            .expect_err("unknown mode");
+        assert_eq!(e.key.as_deref(), Some("datapath.tc_attach"), "{e}");
+        assert!(e.to_string().contains("netlink"), "{e}");
     }
 
     #[test]

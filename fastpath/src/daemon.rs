@@ -194,7 +194,10 @@ fn start_datapath(
     } else {
         info!(pin_dir = %pin_dir.display(), "Created and pinned maps");
     }
-    if let Err(e) = dp.attach_all(&config.interfaces) {
+    if let Err(e) = dp
+        .choose_tc_path(config.datapath.tc_attach)
+        .and_then(|_| dp.attach_all(&config.interfaces))
+    {
         dp.discard_failed_load();
         return Err(e.into());
     }

@@ -1,5 +1,6 @@
 //! Every raw system call of the daemon: the bpf(2) commands aya does not offer (batched map
-//! reads and writes, BPF_OBJ_GET of a link pin, a link's info), the interface lookups
+//! reads and writes, BPF_OBJ_GET of a link pin, BPF_OBJ_PIN of a program, a link's info,
+//! the TCX probe), the interface lookups
 //! (if_nametoindex, the SIOCGIF* ioctls, getifaddrs), statfs/mount of the bpffs, flock of the
 //! pin directory, and the shared mappings of the LB arrays. Each is a small safe wrapper; no
 //! other module holds an `unsafe` system call.
@@ -19,10 +20,14 @@ use std::{
 /// bpffs superblock magic (statfs f_type).
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
+const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+const BPF_LINK_CREATE: libc::c_long = 28;
+/// `enum bpf_attach_type`'s BPF_TCX_INGRESS (Linux 6.6).
+const BPF_TCX_INGRESS: u64 = 46;
 
 /// Entries fetched per BPF_MAP_LOOKUP_BATCH call.
 pub const WALK_BATCH: usize = 4096;
@@ -133,6 +138,42 @@ pub fn obj_get(pin: &Path) -> io::Result<OwnedFd> {
     let fd = i32::try_from(fd).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
     // SAFETY: BPF_OBJ_GET returned a new fd that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Pins the object `fd` at `pin` (BPF_OBJ_PIN).
+pub fn obj_pin(fd: BorrowedFd<'_>, pin: &Path) -> io::Result<()> {
+    let path = CString::new(pin.as_os_str().as_bytes())?;
+    // union bpf_attr for BPF_OBJ_PIN: pathname (u64), bpf_fd, file_flags, path_fd.
+    let mut attr = [0u64; 3];
+    attr[0] = path.as_ptr() as u64;
+    attr[1] = fd.as_raw_fd() as u32 as u64;
+    bpf(BPF_OBJ_PIN, &mut attr)?;
+    Ok(())
+}
+
+/// Whether the kernel has TCX links (Linux 6.6), probed with the SCHED_CLS program `prog`:
+/// BPF_LINK_CREATE at TCX ingress of interface 0, which attaches nothing. A kernel with TCX
+/// looks the interface up and answers ENODEV; one without knows no such attach type and
+/// answers EINVAL.
+pub fn tcx_supported(prog: BorrowedFd<'_>) -> io::Result<bool> {
+    // union bpf_attr for BPF_LINK_CREATE: prog_fd, target_ifindex (0), attach_type, flags,
+    // then the per-type union (zero: no relative program, no expected revision).
+    let mut attr = [0u64; 8];
+    attr[0] = prog.as_raw_fd() as u32 as u64;
+    attr[1] = BPF_TCX_INGRESS;
+    match bpf(BPF_LINK_CREATE, &mut attr) {
+        Ok(fd) => {
+            // Cannot happen (there is no interface 0); close what the kernel made all the same.
+            if let Ok(fd) = i32::try_from(fd) {
+                // SAFETY: BPF_LINK_CREATE returned a new fd that nothing else owns.
+                drop(unsafe { OwnedFd::from_raw_fd(fd) });
+            }
+            Ok(true)
+        }
+        Err(e) if e.raw_os_error() == Some(libc::ENODEV) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// What `bpf_link_info` says of a link (aya exposes neither field).

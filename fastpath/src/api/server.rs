@@ -210,6 +210,7 @@ impl pb::fastpath_server::Fastpath for Api {
                 interfaces: c.interfaces.len() as u32,
                 conntrack_capacity: *c.conntrack.capacity.get_ref(),
                 listeners: self.0.listeners.clone(),
+                tc_attach: rules.datapath().tc_path().name().into(),
             }))
         })
         .await

@@ -4,11 +4,14 @@
 //! - `maps/FP_STATS`, `maps/FP_CONFIG`, …: reused on restart, so counters and state survive;
 //! - `links/<iface>@<hook>`: bpf_links; while pinned, the program stays attached with or
 //!   without a daemon (restart, crash, upgrade);
+//! - `tc/<iface>@<hook>`: on kernels without TCX links, the marker of a netlink TC filter
+//!   (see [`tc_netlink`]), which stays attached like a pinned link;
 //! - `tails/<prog id>/FP_TAILS`, …: the program arrays one load's main programs tail-call
 //!   (named by that load's XDP program id).
 //!
-//! On restart a pinned link is kept and its program swapped atomically (bpf_link_update):
-//! traffic never sees a moment without a program.
+//! On restart a pinned link is kept and its program swapped atomically (bpf_link_update; a
+//! netlink filter's program is replaced in place): traffic never sees a moment without a
+//! program.
 //!
 //! Invariant: everything an attached program needs is held by a pin, not by this process. A
 //! program holds its maps, but the kernel empties a program array once no process or pin
@@ -53,6 +56,7 @@ mod ct;
 pub mod fake;
 mod migrate;
 mod ops;
+mod tc_netlink;
 
 pub use ct::{
     CtInstaller, CtTable, FlowCache, ct_installer, flush_pinned_ct, pinned_ct_entries,
@@ -61,7 +65,7 @@ pub use ct::{
 pub use ops::{CtOps, DatapathOps, InterfacePlan, ServiceMaps};
 
 use crate::{
-    config::{InterfaceConfig, XdpMode},
+    config::{InterfaceConfig, TcAttachMode, XdpMode},
     ct_events::RecordSource,
     stats::{StatsError, StatsSnapshot},
     sys::{self, is_bpffs, mount_bpffs},
@@ -69,6 +73,12 @@ use crate::{
 
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
+    #[error(
+        "datapath.tc_attach = \"tcx\": this kernel has no TCX links (Linux 6.6 added them); set tc_attach = \"auto\" or \"netlink\" to attach TC programs through a clsact qdisc and cls_bpf filters"
+    )]
+    NoTcx,
+    #[error("interface {name} does not exist (`ip link` lists the interfaces)")]
+    NoInterface { name: String },
     #[error(
         "{path} is not on a bpffs; mount one with `mount -t bpf bpf {mount_hint}` or set datapath.pin_dir to a directory on a bpffs"
     )]
@@ -173,18 +183,43 @@ impl HookKind {
     }
 }
 
+/// How TC programs attach on this kernel (chosen by [`Datapath::choose_tc_path`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcPath {
+    /// bpf_links at the TCX hooks (Linux 6.6).
+    Tcx,
+    /// A clsact qdisc and a cls_bpf filter per hook ([`tc_netlink`]).
+    Netlink,
+}
+
+impl TcPath {
+    pub fn name(self) -> &'static str {
+        match self {
+            TcPath::Tcx => "tcx",
+            TcPath::Netlink => "netlink",
+        }
+    }
+}
+
 /// One attachment the daemon holds.
 #[derive(Debug)]
 pub struct Attachment {
     pub iface: String,
     pub hook: HookKind,
-    /// Human-readable mode (`native`, `generic`, `tcx`).
+    /// Human-readable mode (`native`, `generic`, `tcx`, `netlink`).
     pub mode: &'static str,
     /// Whether an already pinned link was reused (program swapped in place).
     pub reused: bool,
-    /// Where the link is pinned.
+    /// Where the link (or a netlink filter's marker) is pinned.
     pub pin: PathBuf,
-    _link: FdLink,
+    /// The link; none for a netlink filter, which is no fd.
+    _link: Option<FdLink>,
+}
+
+impl Attachment {
+    fn is_filter(&self) -> bool {
+        self._link.is_none()
+    }
 }
 
 /// The loaded datapath: programs, pinned maps and the links this daemon holds.
@@ -203,6 +238,8 @@ pub struct Datapath {
     /// Pinned maps of another kind or size, being migrated: finished once the new programs
     /// are attached ([`Datapath::finish_migration`]); dropped unfinished, undone.
     migration: Option<migrate::Migration>,
+    /// How TC hooks attach; TCX until [`Datapath::choose_tc_path`] says otherwise.
+    tc_path: TcPath,
 }
 
 impl Datapath {
@@ -214,7 +251,11 @@ impl Datapath {
         ct_capacity: u32,
     ) -> Result<Datapath, DatapathError> {
         let maps_dir = pin_dir.join("maps");
-        for dir in [maps_dir.clone(), pin_dir.join("links")] {
+        for dir in [
+            maps_dir.clone(),
+            pin_dir.join("links"),
+            pin_dir.join(TC_DIR),
+        ] {
             fs::create_dir_all(&dir)
                 .map_err(|source| DatapathError::PinDir { path: dir, source })?;
         }
@@ -307,7 +348,45 @@ impl Datapath {
             interfaces: InterfacePlan::default(),
             tails_dir,
             migration: None,
+            tc_path: TcPath::Tcx,
         })
+    }
+
+    /// Decides how TC programs attach (before [`Datapath::attach_all`]): `auto` probes the
+    /// kernel for TCX links and takes netlink where it has none; `tcx` on such a kernel is an
+    /// error that names the feature. Logs and returns the choice.
+    pub fn choose_tc_path(&mut self, mode: TcAttachMode) -> Result<TcPath, DatapathError> {
+        let mut tcx = || -> Result<bool, DatapathError> {
+            let prog: &mut SchedClassifier = program(&mut self.ebpf, program_names::TC_INGRESS)?;
+            let fd = prog.fd().map_err(|source| DatapathError::Program {
+                what: "reading the TC program's fd".into(),
+                source,
+            })?;
+            sys::tcx_supported(fd.as_fd()).map_err(|source| DatapathError::Io {
+                what: "probing the kernel for TCX links (BPF_LINK_CREATE)".into(),
+                source,
+            })
+        };
+        let path = match mode {
+            TcAttachMode::Netlink => TcPath::Netlink,
+            TcAttachMode::Tcx if tcx()? => TcPath::Tcx,
+            TcAttachMode::Tcx => return Err(DatapathError::NoTcx),
+            TcAttachMode::Auto if tcx()? => TcPath::Tcx,
+            TcAttachMode::Auto => {
+                info!(
+                    "This kernel has no TCX links (Linux 6.6 added them): TC programs attach through netlink (a clsact qdisc and a cls_bpf filter per hook)"
+                );
+                TcPath::Netlink
+            }
+        };
+        info!(tc_attach = path.name(), "TC attach path chosen");
+        self.tc_path = path;
+        Ok(path)
+    }
+
+    /// How TC programs attach (see [`Datapath::choose_tc_path`]).
+    pub fn tc_path(&self) -> TcPath {
+        self.tc_path
     }
 
     /// Takes the conntrack table for the daemon's expiry.
@@ -577,6 +656,21 @@ impl Datapath {
                 if !wanted {
                     continue;
                 }
+                if hook != HookKind::Xdp && self.tc_path == TcPath::Netlink {
+                    let marker = self.marker_pin(name, hook);
+                    if marker.exists() {
+                        pending.push(PendingSwap {
+                            iface: name.clone(),
+                            hook,
+                            xdp: iface.xdp,
+                            pin: marker,
+                            link: None,
+                        });
+                    } else {
+                        self.attach_fresh(name, hook, iface.xdp, marker)?;
+                    }
+                    continue;
+                }
                 let pin = self.link_pin(name, hook);
                 if let Some(why) = stale_pin(&pin, hook) {
                     // Found now, before any swap, so a failure later never leaves a mix.
@@ -589,7 +683,7 @@ impl Datapath {
                         hook,
                         xdp: iface.xdp,
                         pin,
-                        link,
+                        link: Some(link),
                     }),
                     None => self.attach_fresh(name, hook, iface.xdp, pin)?,
                 }
@@ -601,19 +695,23 @@ impl Datapath {
     /// Swaps the new programs into pinned links (bpf_link_update: no packet sees a gap).
     fn swap_pinned(&mut self, pending: Vec<PendingSwap>) -> Result<(), DatapathError> {
         for p in pending {
+            let Some(link) = p.link else {
+                self.swap_filter(p)?;
+                continue;
+            };
             let swapped = match p.hook {
                 HookKind::Xdp => {
                     let prog: &mut Xdp = program(&mut self.ebpf, program_names::XDP)?;
-                    swap_into(prog, p.link, &p.pin)
+                    swap_into(prog, link, &p.pin)
                 }
                 HookKind::TcIngress | HookKind::TcEgress => {
                     let prog: &mut SchedClassifier =
                         program(&mut self.ebpf, tc_program_name(p.hook))?;
-                    swap_into(prog, p.link, &p.pin)
+                    swap_into(prog, link, &p.pin)
                 }
             };
             match swapped {
-                Ok(link) => self.record(&p.iface, p.hook, "pinned", true, p.pin, link),
+                Ok(link) => self.record(&p.iface, p.hook, "pinned", true, p.pin, Some(link)),
                 Err(SwapError::Stale(e)) => {
                     warn!(pin = %p.pin.display(), error = %e, "Pinned link is stale (interface gone or recreated); attaching afresh");
                     remove_pin(&p.pin)?;
@@ -625,9 +723,39 @@ impl Datapath {
         Ok(())
     }
 
+    /// Replaces the program of a netlink filter of ours that an earlier run left (its marker
+    /// found); a filter or interface gone since is attached afresh.
+    fn swap_filter(&mut self, p: PendingSwap) -> Result<(), DatapathError> {
+        let prog: &mut SchedClassifier = program(&mut self.ebpf, tc_program_name(p.hook))?;
+        let replaced = match sys::ifindex(&p.iface) {
+            Some(ifindex) => tc_netlink::replace(prog, &p.iface, ifindex, p.hook),
+            None => Err(DatapathError::NoInterface {
+                name: p.iface.clone(),
+            }),
+        };
+        match replaced {
+            Ok(()) => {
+                tc_netlink::pin_marker(prog, &p.pin)?;
+                self.record(&p.iface, p.hook, "netlink", true, p.pin, None);
+                Ok(())
+            }
+            Err(e) if tc_netlink::is_gone(&e) || matches!(e, DatapathError::NoInterface { .. }) => {
+                warn!(marker = %p.pin.display(), error = %e, "Netlink TC filter is gone (interface recreated, or deleted by hand); attaching afresh");
+                remove_pin(&p.pin)?;
+                self.attach_fresh(&p.iface, p.hook, p.xdp, p.pin)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Detaches and unpins what this run attached afresh; reused links stay.
     fn detach_fresh(&mut self) {
         for a in self.attachments.iter().filter(|a| !a.reused) {
+            if a.is_filter()
+                && let Err(e) = tc_netlink::delete(&a.iface, a.hook)
+            {
+                warn!(iface = a.iface, error = %e, "Could not delete a netlink TC filter attached by the failed change");
+            }
             let _ = remove_pin(&a.pin);
         }
         self.attachments.retain(|a| a.reused);
@@ -648,6 +776,19 @@ impl Datapath {
                 let prog: &mut Xdp = program(&mut self.ebpf, program_names::XDP)?;
                 let (id, mode) = attach_xdp(prog, &c_iface, iface, xdp)?;
                 (prog.take_fd_link(id)?, mode)
+            }
+            HookKind::TcIngress | HookKind::TcEgress if self.tc_path == TcPath::Netlink => {
+                let ifindex = sys::ifindex(iface).ok_or_else(|| DatapathError::NoInterface {
+                    name: iface.to_owned(),
+                })?;
+                let prog: &mut SchedClassifier = program(&mut self.ebpf, tc_program_name(hook))?;
+                tc_netlink::attach(prog, iface, ifindex, hook)?;
+                if let Err(e) = tc_netlink::pin_marker(prog, &pin) {
+                    let _ = tc_netlink::delete(iface, hook);
+                    return Err(e);
+                }
+                self.record(iface, hook, "netlink", false, pin, None);
+                return Ok(());
             }
             HookKind::TcIngress | HookKind::TcEgress => {
                 let name = tc_program_name(hook);
@@ -672,17 +813,18 @@ impl Datapath {
             }
         };
         let link = pin_link(link, &pin)?;
-        self.record(iface, hook, mode, false, pin, link);
+        self.record(iface, hook, mode, false, pin, Some(link));
         Ok(())
     }
 
-    /// `links/<iface>@<hook>`. bpffs refuses names containing '.', which interface names may
-    /// have (`eth0.100`), so '%' and '.' are percent-encoded.
+    /// `links/<iface>@<hook>` (see [`pin_name`]).
     fn link_pin(&self, iface: &str, hook: HookKind) -> PathBuf {
-        let iface = iface.replace('%', "%25").replace('.', "%2e");
-        self.pin_dir
-            .join("links")
-            .join(format!("{iface}@{}", hook.name()))
+        self.pin_dir.join("links").join(pin_name(iface, hook))
+    }
+
+    /// `tc/<iface>@<hook>`: the marker of a netlink filter.
+    fn marker_pin(&self, iface: &str, hook: HookKind) -> PathBuf {
+        self.pin_dir.join(TC_DIR).join(pin_name(iface, hook))
     }
 
     /// Logs and keeps one attachment.
@@ -693,12 +835,15 @@ impl Datapath {
         mode: &'static str,
         reused: bool,
         pin: PathBuf,
-        link: FdLink,
+        link: Option<FdLink>,
     ) {
         let pin_s = pin.display();
         match (reused, hook) {
             (true, HookKind::Xdp) => {
                 info!(iface, pin = %pin_s, "Reused pinned XDP link; program replaced in place")
+            }
+            (true, _) if link.is_none() => {
+                info!(iface, hook = hook.name(), marker = %pin_s, "Reused the netlink TC filter; program replaced in place")
             }
             (true, _) => {
                 info!(iface, hook = hook.name(), pin = %pin_s, "Reused pinned TCX link; program replaced in place")
@@ -736,6 +881,12 @@ impl Datapath {
                 removed.push(path);
             }
         }
+        for marker in markers(&self.pin_dir) {
+            if !wanted.contains(marker.as_path()) {
+                remove_filter(&marker)?;
+                removed.push(marker);
+            }
+        }
         for old in subdirs(&self.pin_dir.join(TAILS_DIR)) {
             if old != self.tails_dir {
                 remove_pin_tree(&old)?;
@@ -765,7 +916,8 @@ impl Datapath {
     /// held while a VIP is still an address of this node, at most that long.
     pub fn detach_all(self, handover: Option<Duration>) -> Result<(), DatapathError> {
         let pin_dir = self.pin_dir.clone();
-        for a in &self.attachments {
+        // Netlink filters forward on through the handover; `remove_pins` deletes them last.
+        for a in self.attachments.iter().filter(|a| !a.is_filter()) {
             remove_pin(&a.pin)?;
         }
         if let Some(timeout) = handover {
@@ -808,6 +960,44 @@ pub fn lock_pin_dir(pin_dir: &Path) -> Result<PinDirLock, DatapathError> {
 
 /// The pin directory's subdirectory of tail-call arrays, one directory per load.
 const TAILS_DIR: &str = "tails";
+/// The pin directory's subdirectory of netlink filters' markers ([`tc_netlink`]).
+const TC_DIR: &str = "tc";
+
+/// `<iface>@<hook>`, the name of a hook's pin. bpffs refuses names containing '.', which
+/// interface names may have (`eth0.100`), so '%' and '.' are percent-encoded.
+fn pin_name(iface: &str, hook: HookKind) -> String {
+    let iface = iface.replace('%', "%25").replace('.', "%2e");
+    format!("{iface}@{}", hook.name())
+}
+
+/// The interface and hook a [`pin_name`] names.
+fn parse_pin_name(name: &str) -> Option<(String, HookKind)> {
+    let (iface, hook) = name.rsplit_once('@')?;
+    let hook = [HookKind::Xdp, HookKind::TcIngress, HookKind::TcEgress]
+        .into_iter()
+        .find(|h| h.name() == hook)?;
+    Some((iface.replace("%2e", ".").replace("%25", "%"), hook))
+}
+
+/// The netlink filters' markers pinned under `pin_dir`.
+fn markers(pin_dir: &Path) -> Vec<PathBuf> {
+    fs::read_dir(pin_dir.join(TC_DIR))
+        .map(|entries| entries.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default()
+}
+
+/// Deletes the netlink filter `marker` stands for, then the marker.
+fn remove_filter(marker: &Path) -> Result<(), DatapathError> {
+    let name = marker
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    match parse_pin_name(&name) {
+        Some((iface, hook)) if hook != HookKind::Xdp => tc_netlink::delete(&iface, hook)?,
+        _ => warn!(marker = %marker.display(), "Not a netlink filter's marker; removing it"),
+    }
+    remove_pin(marker)
+}
 
 /// Whether `pin_dir` holds nothing but what a fastpath daemon pins (`maps/`, `links/`,
 /// `tails/`), so `fastpath detach` never removes anybody else's pins.
@@ -820,15 +1010,23 @@ pub fn looks_like_pin_dir(pin_dir: &Path) -> bool {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
     !names.is_empty()
-        && names
-            .iter()
-            .all(|n| n == "maps" || n == "links" || n == TAILS_DIR || n == migrate::MIGRATING_DIR)
+        && names.iter().all(|n| {
+            n == "maps"
+                || n == "links"
+                || n == TC_DIR
+                || n == TAILS_DIR
+                || n == migrate::MIGRATING_DIR
+        })
 }
 
 /// Removes every link, tail array and map pin under `pin_dir` (links first, so programs
 /// detach before their maps go), then the directories. Works without a loaded object:
 /// `fastpath detach`.
 pub fn remove_pins(pin_dir: &Path) -> Result<(), DatapathError> {
+    for marker in markers(pin_dir) {
+        remove_filter(&marker)?;
+    }
+    let _ = fs::remove_dir(pin_dir.join(TC_DIR));
     remove_pin_tree(&pin_dir.join("links"))?;
     for tails in subdirs(&pin_dir.join(TAILS_DIR)) {
         remove_pin_tree(&tails)?;
@@ -996,6 +1194,33 @@ pub fn pinned_datapath(pin_dir: &Path) -> (Vec<LinkState>, usize) {
             };
             links.push(state);
         }
+    }
+    // Netlink filters, by their markers (the filter itself is looked up by the interface's
+    // name: a filter is no object with an id to ask the kernel about).
+    for marker in markers(pin_dir) {
+        let pin = marker
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let Some((name, _)) = parse_pin_name(&pin) else {
+            continue;
+        };
+        let ifindex = sys::ifindex(&name).unwrap_or(0);
+        let (iface, up) = interface_up(ifindex);
+        let problem = match (&iface, up) {
+            (None, _) => Some(format!(
+                "interface {name} is not in this network namespace (use --netns)"
+            )),
+            (Some(_), false) => Some(format!("interface {name} is down or has no carrier")),
+            (Some(_), true) => None,
+        };
+        links.push(LinkState {
+            pin: format!("{TC_DIR}/{pin}"),
+            iface,
+            ifindex,
+            up,
+            problem,
+        });
     }
     links.sort_by(|a, b| a.pin.cmp(&b.pin));
     let tails = subdirs(&pin_dir.join(TAILS_DIR))
@@ -1904,7 +2129,8 @@ struct PendingSwap {
     hook: HookKind,
     xdp: XdpMode,
     pin: PathBuf,
-    link: FdLink,
+    /// None: a netlink filter's marker.
+    link: Option<FdLink>,
 }
 
 enum SwapError {

@@ -1206,6 +1206,8 @@ pub struct DaemonConfig {
     pub pin_dir: PathBuf,
     /// `datapath.drop_malformed`; false (the daemon's default) unless set.
     pub drop_malformed: bool,
+    /// More `key = value` lines for `[datapath]`.
+    pub datapath_keys: Vec<String>,
     pub interfaces: Vec<HookedInterface>,
     /// `[conntrack]` keys and `[conntrack.timeouts]` keys, as TOML `key = value` lines.
     pub conntrack: Vec<String>,
@@ -1225,6 +1227,7 @@ impl DaemonConfig {
         DaemonConfig {
             pin_dir: pin_dir.to_owned(),
             drop_malformed: false,
+            datapath_keys: Vec::new(),
             interfaces: Vec::new(),
             conntrack: Vec::new(),
             conntrack_timeouts: Vec::new(),
@@ -1233,6 +1236,12 @@ impl DaemonConfig {
             interface_keys: Vec::new(),
             raw: String::new(),
         }
+    }
+
+    /// Adds `line` (`key = value`) to the `[datapath]` table.
+    pub fn datapath_key(mut self, line: &str) -> DaemonConfig {
+        self.datapath_keys.push(line.into());
+        self
     }
 
     /// Appends TOML tables as they are (e.g. an `[api]` table).
@@ -1298,6 +1307,9 @@ impl DaemonConfig {
             self.pin_dir.display().to_string(),
             self.drop_malformed
         );
+        for line in &self.datapath_keys {
+            s.push_str(&format!("{line}\n"));
+        }
         if !self.conntrack.is_empty() {
             s.push_str(&format!("\n[conntrack]\n{}\n", self.conntrack.join("\n")));
         }

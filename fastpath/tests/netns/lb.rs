@@ -32,7 +32,7 @@ use fastpath::{
     stats::StatsSnapshot,
     testkit::{
         netns::{
-            Daemon, DaemonConfig, HttpServer, LbTopology, Spawned, TempDir, parse_services,
+            Daemon, DaemonConfig, HttpServer, LbTopology, Netns, Spawned, TempDir, parse_services,
             predicted_backend, prepare_test, test_lb_topology, unique_pin_dir,
         },
         traffic::{ConnPool, EchoServers, PoolOptions, SlowDownload, tcp_resets},
@@ -1309,14 +1309,47 @@ const LONG_BYTES: usize = 32 << 20;
 /// The restart/crash matrix at XDP: see [`daemon_exits_leave_forwarding_as_it_was`].
 #[test]
 fn every_daemon_exit_leaves_nat_and_full_nat_streams_flowing_at_xdp() {
-    daemon_exits_leave_forwarding_as_it_was(false);
+    daemon_exits_leave_forwarding_as_it_was(Balance::Xdp);
 }
 
 /// The restart/crash matrix at TC ingress (`xdp = "off"`: balancing in the TC tail program,
 /// `fastpath_tc_lb`, reached through the pinned `FP_TC_TAILS`).
 #[test]
 fn every_daemon_exit_leaves_nat_and_full_nat_streams_flowing_at_tc_ingress() {
-    daemon_exits_leave_forwarding_as_it_was(true);
+    daemon_exits_leave_forwarding_as_it_was(Balance::TcxIngress);
+}
+
+/// The restart/crash matrix at TC ingress with the programs attached as netlink filters
+/// (`tc_attach = "netlink"`, what a kernel without TCX gets), beside another tool's filter on
+/// the same clsact qdisc: every exit keeps the streams, a restart replaces our filters'
+/// programs in place, and a clean stop deletes our filters and leaves the other one.
+#[test]
+fn every_daemon_exit_leaves_nat_and_full_nat_streams_flowing_at_tc_ingress_through_netlink() {
+    daemon_exits_leave_forwarding_as_it_was(Balance::NetlinkIngress);
+}
+
+/// Where the matrix balances.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Balance {
+    Xdp,
+    TcxIngress,
+    NetlinkIngress,
+}
+
+/// Another tool's filter on each fp interface's ingress: after ours (a higher priority
+/// number), so ours decides first.
+const FOREIGN_FILTER_PRIO: &str = "4000";
+
+/// `tc filter show` of `dev`'s ingress and egress in `ns`.
+fn tc_filters(ns: &Netns, dev: &str) -> String {
+    ["ingress", "egress"]
+        .iter()
+        .map(|dir| {
+            ns.run(&["tc", "filter", "show", "dev", dev, dir])
+                .unwrap_or_else(|e| panic!("tc filter show dev {dev} {dir}: {e}"))
+        })
+        .collect::<Vec<_>>()
+        .join("")
 }
 
 /// Echo port of the matrix's NAT services; full-NAT ones listen on the next port.
@@ -1332,7 +1365,9 @@ const MATRIX_CONNS: usize = 8;
 /// compared) while no daemon runs and after each start; connections opened while no daemon
 /// runs work and go on through the later steps; at the end no connection failed and neither
 /// the client's nor a backend's stack sent or saw a reset.
-fn daemon_exits_leave_forwarding_as_it_was(at_tc: bool) {
+fn daemon_exits_leave_forwarding_as_it_was(hook: Balance) {
+    let at_tc = hook != Balance::Xdp;
+    let netlink = hook == Balance::NetlinkIngress;
     prepare_test(&["ethtool"]);
     let lb = test_lb_topology(2);
     checksum_offloads_off(&lb);
@@ -1380,12 +1415,41 @@ fn daemon_exits_leave_forwarding_as_it_was(at_tc: bool) {
         }
     }
     let pin_dir = unique_pin_dir("lb-exits");
-    let config = if at_tc {
+    let mut config = if at_tc {
         lb.fp_config_tc(&pin_dir)
     } else {
         lb.fp_config(&pin_dir)
     }
     .services(&services);
+    if netlink {
+        config = config.datapath_key("tc_attach = \"netlink\"");
+        for dev in lb.fp_interfaces() {
+            for cmd in [
+                vec!["tc", "qdisc", "add", "dev", &dev, "clsact"],
+                vec![
+                    "tc",
+                    "filter",
+                    "add",
+                    "dev",
+                    &dev,
+                    "ingress",
+                    "prio",
+                    FOREIGN_FILTER_PRIO,
+                    "protocol",
+                    "all",
+                    "u32",
+                    "match",
+                    "u32",
+                    "0",
+                    "0",
+                ],
+            ] {
+                lb.fp()
+                    .run(&cmd)
+                    .unwrap_or_else(|e| panic!("{}: {e}", cmd.join(" ")));
+            }
+        }
+    }
     // The unit's ExecStart flag: a stop leaves the datapath forwarding.
     let mut daemon = Daemon::start_with_args(bin(), lb.fp(), &config, &["--leave-attached"]);
     let resets = || {
@@ -1403,6 +1467,22 @@ fn daemon_exits_leave_forwarding_as_it_was(at_tc: bool) {
     };
     let mut pools = open("before any exit");
     flowing(&pools, "before any exit");
+    if netlink {
+        let log = daemon.log();
+        assert!(
+            log.contains("tc_attach=\"netlink\"") && log.contains("mode=\"netlink\""),
+            "the daemon must attach its TC programs through netlink; log:\n{log}"
+        );
+        for dev in lb.fp_interfaces() {
+            let f = tc_filters(lb.fp(), &dev);
+            assert!(
+                f.contains("handle 0xfa57 fastpath_tc_ingress direct-action")
+                    && f.contains("handle 0xfa57 fastpath_tc_egress direct-action")
+                    && f.contains(&format!("pref {FOREIGN_FILTER_PRIO} u32")),
+                "{dev}: expected our filters (ingress and egress) beside the other tool's u32; tc says:\n{f}"
+            );
+        }
+    }
 
     // kill -9: nothing of the process is left; the datapath goes on alone.
     daemon.kill9();
@@ -1517,9 +1597,39 @@ fn daemon_exits_leave_forwarding_as_it_was(at_tc: bool) {
     );
     eprintln!(
         "{}: {conns} connections (NAT and full-NAT, IPv4 and IPv6) through kill -9, stop, restart and a restart that resized the table, {bytes} bytes echoed and verified, 0 resets, {} accepted by the backends",
-        if at_tc { "TC ingress" } else { "XDP" },
+        match hook {
+            Balance::Xdp => "XDP",
+            Balance::TcxIngress => "TC ingress (TCX)",
+            Balance::NetlinkIngress => "TC ingress (netlink)",
+        },
         echo.accepted()
     );
+    if netlink {
+        // A clean stop (a daemon without --leave-attached) deletes our filters, and only ours.
+        let status = daemon.stop();
+        assert!(status.success(), "daemon stop: {status}\n{}", daemon.log());
+        let mut last = Daemon::start(bin(), lb.fp(), &resized);
+        let log = last.log();
+        assert!(
+            log.contains("Reused the netlink TC filter; program replaced in place"),
+            "a start must take over the filters a stop with --leave-attached left; log:\n{log}"
+        );
+        let status = last.stop();
+        assert!(status.success(), "daemon stop: {status}\n{}", last.log());
+        for dev in lb.fp_interfaces() {
+            let f = tc_filters(lb.fp(), &dev);
+            assert!(
+                !f.contains("0xfa57")
+                    && !f.contains("fastpath")
+                    && f.contains(&format!("pref {FOREIGN_FILTER_PRIO} u32")),
+                "{dev}: after a clean stop, expected the other tool's u32 filter and none of ours; tc says:\n{f}"
+            );
+        }
+        eprintln!(
+            "netlink: a clean stop deleted our filters on {:?}; the other tool's u32 filter stays",
+            lb.fp_interfaces()
+        );
+    }
 }
 
 /// The pinned conntrack table, by key.
