@@ -1023,6 +1023,111 @@ const DUMMY: &str = "dummy0";
 /// leave the running datapath exactly as it was: same links running the same programs, traffic
 /// counted, FP_CONFIG untouched, nothing on the dummy. A start with a good config then reuses
 /// the links, and a clean stop removes everything.
+/// Our netlink filters on `dev` in `ns` (`tc filter show`): (ingress or egress, the id of
+/// the program each runs).
+fn our_filters(ns: &Netns, dev: &str) -> Vec<(&'static str, u64)> {
+    let mut found = Vec::new();
+    for dir in ["ingress", "egress"] {
+        let out = ns
+            .run(&["tc", "filter", "show", "dev", dev, dir])
+            .unwrap_or_else(|e| panic!("tc filter show dev {dev} {dir}: {e}"));
+        for line in out.lines().filter(|l| l.contains("handle 0xfa57")) {
+            let id = line
+                .split_whitespace()
+                .skip_while(|w| *w != "id")
+                .nth(1)
+                .and_then(|id| id.parse().ok())
+                .unwrap_or_else(|| panic!("no program id in {line:?}"));
+            found.push((dir, id));
+        }
+    }
+    found
+}
+
+/// On the netlink path (`tc_attach = "netlink"`), a start that fails half-way — a new
+/// interface's filter attached, the next interface refusing native XDP — deletes the filter
+/// it attached and leaves the running filters' programs as they were (a swap only happens
+/// once every fresh attach has worked); the datapath still forwards.
+#[test]
+fn failed_netlink_restart_keeps_the_running_filters() {
+    prepare_test(&["ping"]);
+    let lb = test_lb_topology(1);
+    let fp = lb.fp();
+    let pin_dir = unique_pin_dir("failed-nl-restart");
+    let config = lb
+        .fp_config_tc(&pin_dir)
+        .datapath_key("tc_attach = \"netlink\"");
+    let mut daemon = Daemon::start(bin(), fp, &config);
+    let running: Vec<(String, Vec<(&str, u64)>)> = lb
+        .fp_interfaces()
+        .into_iter()
+        .map(|dev| {
+            let f = our_filters(fp, &dev);
+            (dev, f)
+        })
+        .collect();
+    assert!(
+        running.iter().all(|(_, f)| f.len() == 2),
+        "expected our ingress and egress filters on every fp interface: {running:?}"
+    );
+    daemon.kill9();
+    const FRESH: &str = "dummy1";
+    add_interface_without_native_xdp(fp, FRESH);
+    add_interface_without_native_xdp(fp, DUMMY);
+    let bad = config
+        .clone()
+        .hooks(HookedInterface {
+            name: FRESH.into(),
+            xdp: "off",
+            tc_ingress: true,
+            tc_egress: false,
+        })
+        .hooks(HookedInterface {
+            name: DUMMY.into(),
+            xdp: "native",
+            tc_ingress: false,
+            tc_egress: false,
+        });
+    let (status, stderr) =
+        run_daemon_to_exit(bin(), fp.name(), &bad.to_toml()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "native XDP on {DUMMY}: expected exit code 1; stderr:\n{stderr}"
+    );
+    let when = "after the failed netlink restart";
+    assert!(
+        stderr.contains(&format!("interface={FRESH}")) || stderr.contains(FRESH),
+        "{when}: the failed start should have attached {FRESH}'s filter first; stderr:\n{stderr}"
+    );
+    assert_eq!(
+        our_filters(fp, FRESH),
+        [],
+        "{when}: the filter the failed start attached must be deleted"
+    );
+    for (dev, was) in &running {
+        assert_eq!(
+            &our_filters(fp, dev),
+            was,
+            "{when}: {dev}'s filters must run the programs they ran"
+        );
+    }
+    let s0 = daemon.stats();
+    let backend: IpAddr = LbTopology::backend_v4(0).into();
+    ping(lb.client(), backend, 5);
+    let s1 = daemon.stats();
+    let icmp = |s: &StatsSnapshot| kernel(s, Hook::TcIngress, reason::NO_STAGE_IPV4_ICMP).packets;
+    assert!(
+        icmp(&s1) - icmp(&s0) >= 10,
+        "{when}: 5 pings (out and back) must pass our TC ingress filters: counted {}",
+        icmp(&s1) - icmp(&s0)
+    );
+    eprintln!(
+        "netlink: the failed start deleted {FRESH}'s filter; {} kept their filters' programs {running:?}",
+        running.len()
+    );
+}
+
 #[test]
 fn failed_restart_keeps_the_running_datapath() {
     prepare_test(&["ping", "bpftool"]);
