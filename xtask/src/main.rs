@@ -7,6 +7,7 @@
 //! first, then drives `cargo +<pinned>`.
 
 mod modules;
+mod vm;
 
 use std::{
     env,
@@ -89,6 +90,7 @@ commands:
   lint        cargo fmt --check, no import cycle among the eBPF crate's modules, and clippy
               with warnings denied
   modules     list which of the eBPF crate's modules each one imports (and any cycle)
+  vm          `vm <6.1|6.12> [--] CMD...`: CMD as root on Debian's kernel under qemu; `vm --help`
 
 Everything that needs the kernel (demo, test, bench) must run as root.";
 
@@ -103,6 +105,7 @@ fn main() {
         Some("bench") => bootstrap(Packages::Install).and_then(|()| bench(&args[1..])),
         Some("lint") => bootstrap(Packages::Skip).and_then(|()| lint()),
         Some("modules") => ebpf_modules(true),
+        Some("vm") => vm::main(&args[1..]),
         Some("-h" | "--help" | "help") | None => {
             println!("{USAGE}");
             return;
@@ -219,7 +222,7 @@ enum Packages {
 fn bootstrap(packages: Packages) -> Result<()> {
     let t = Instant::now();
     if packages == Packages::Install {
-        debian_packages()?;
+        debian_packages(DEBIAN_PACKAGES)?;
         python_tools()?;
     }
     toolchains()?;
@@ -228,8 +231,9 @@ fn bootstrap(packages: Packages) -> Result<()> {
     Ok(())
 }
 
-fn debian_packages() -> Result<()> {
-    let missing: Vec<&str> = DEBIAN_PACKAGES
+/// Installs those of `packages` that are missing (as root; otherwise says how).
+fn debian_packages(packages: &[&str]) -> Result<()> {
+    let missing: Vec<&str> = packages
         .iter()
         .copied()
         .filter(|p| {
