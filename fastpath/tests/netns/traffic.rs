@@ -1023,6 +1023,19 @@ const DUMMY: &str = "dummy0";
 /// leave the running datapath exactly as it was: same links running the same programs, traffic
 /// counted, FP_CONFIG untouched, nothing on the dummy. A start with a good config then reuses
 /// the links, and a clean stop removes everything.
+/// Runs a daemon with `bad` in `fp` to its exit, which must be 1 (a runtime failure: here,
+/// native XDP on [`DUMMY`]); returns its stderr.
+fn start_fails_at_runtime(fp: &Netns, bad: &DaemonConfig) -> String {
+    let (status, stderr) =
+        run_daemon_to_exit(bin(), fp.name(), &bad.to_toml()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "native XDP on {DUMMY}: expected exit code 1 (runtime failure); stderr:\n{stderr}"
+    );
+    stderr
+}
+
 /// Our netlink filters on `dev` in `ns` (`tc filter show`): (ingress or egress, the id of
 /// the program each runs).
 fn our_filters(ns: &Netns, dev: &str) -> Vec<(&'static str, u64)> {
@@ -1088,13 +1101,7 @@ fn failed_netlink_restart_keeps_the_running_filters() {
             tc_ingress: false,
             tc_egress: false,
         });
-    let (status, stderr) =
-        run_daemon_to_exit(bin(), fp.name(), &bad.to_toml()).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(
-        status.code(),
-        Some(1),
-        "native XDP on {DUMMY}: expected exit code 1; stderr:\n{stderr}"
-    );
+    let stderr = start_fails_at_runtime(fp, &bad);
     let when = "after the failed netlink restart";
     assert!(
         stderr.contains(&format!("interface={FRESH}")) || stderr.contains(FRESH),
@@ -1173,13 +1180,7 @@ fn failed_restart_keeps_the_running_datapath() {
             tc_ingress: false,
             tc_egress: false,
         });
-    let (status, stderr) =
-        run_daemon_to_exit(bin(), fp.name(), &bad.to_toml()).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(
-        status.code(),
-        Some(1),
-        "native XDP on {DUMMY}: expected exit code 1 (runtime failure); stderr:\n{stderr}"
-    );
+    let stderr = start_fails_at_runtime(fp, &bad);
     assert!(
         stderr.contains(DUMMY) && stderr.contains("native mode needs driver support"),
         "expected stderr to name {DUMMY} and the native-mode hint; stderr:\n{stderr}"
