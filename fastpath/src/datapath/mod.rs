@@ -5,7 +5,7 @@
 //! - `links/<iface>@<hook>`: bpf_links; while pinned, the program stays attached with or
 //!   without a daemon (restart, crash, upgrade);
 //! - `tc/<iface>@<hook>`: on kernels without TCX links, the marker of a netlink TC filter
-//!   (see [`tc_netlink`]), which stays attached like a pinned link;
+//!   (see the `tc_netlink` module), which stays attached like a pinned link;
 //! - `tails/<prog id>/FP_TAILS`, …: the program arrays one load's main programs tail-call
 //!   (named by that load's XDP program id).
 //!
@@ -188,7 +188,7 @@ impl HookKind {
 pub enum TcPath {
     /// bpf_links at the TCX hooks (Linux 6.6).
     Tcx,
-    /// A clsact qdisc and a cls_bpf filter per hook ([`tc_netlink`]).
+    /// A clsact qdisc and a cls_bpf filter per hook (the `tc_netlink` module).
     Netlink,
 }
 
