@@ -213,12 +213,12 @@ pub struct Attachment {
     /// Where the link (or a netlink filter's marker) is pinned.
     pub pin: PathBuf,
     /// The link; none for a netlink filter, which is no fd.
-    _link: Option<FdLink>,
+    link: Option<FdLink>,
 }
 
 impl Attachment {
     fn is_filter(&self) -> bool {
-        self._link.is_none()
+        self.link.is_none()
     }
 }
 
@@ -859,7 +859,7 @@ impl Datapath {
             mode,
             reused,
             pin,
-            _link: link,
+            link,
         });
     }
 
@@ -1127,6 +1127,28 @@ pub struct LinkState {
     pub problem: Option<String>,
 }
 
+impl LinkState {
+    /// A hook pinned as `pin` on interface `ifindex` (`shown` names the interface where it is
+    /// not in this network namespace), with why it cannot forward, if it cannot.
+    fn on(pin: String, ifindex: u32, shown: &str) -> LinkState {
+        let (iface, up) = interface_up(ifindex);
+        let problem = match (&iface, up) {
+            (None, _) => Some(format!(
+                "interface {shown} is not in this network namespace (use --netns)"
+            )),
+            (Some(name), false) => Some(format!("interface {name} is down or has no carrier")),
+            (Some(_), true) => None,
+        };
+        LinkState {
+            pin,
+            iface,
+            ifindex,
+            up,
+            problem,
+        }
+    }
+}
+
 /// Why the datapath pinned under `pin_dir` (its `links` and `tails`, as
 /// [`pinned_datapath`] read them) cannot forward; empty when it can.
 pub fn forwarding_problems(pin_dir: &Path, links: &[LinkState], tails: usize) -> Vec<String> {
@@ -1171,26 +1193,7 @@ pub fn pinned_datapath(pin_dir: &Path) -> (Vec<LinkState>, usize) {
                     up: false,
                     problem: Some("its interface is gone".into()),
                 },
-                Ok(info) => {
-                    let (iface, up) = interface_up(info.ifindex);
-                    let problem = match (&iface, up) {
-                        (None, _) => Some(format!(
-                            "interface {} is not in this network namespace (use --netns)",
-                            info.ifindex
-                        )),
-                        (Some(name), false) => {
-                            Some(format!("interface {name} is down or has no carrier"))
-                        }
-                        (Some(_), true) => None,
-                    };
-                    LinkState {
-                        pin,
-                        iface,
-                        ifindex: info.ifindex,
-                        up,
-                        problem,
-                    }
-                }
+                Ok(info) => LinkState::on(pin, info.ifindex, &info.ifindex.to_string()),
             };
             links.push(state);
         }
@@ -1206,21 +1209,7 @@ pub fn pinned_datapath(pin_dir: &Path) -> (Vec<LinkState>, usize) {
             continue;
         };
         let ifindex = sys::ifindex(&name).unwrap_or(0);
-        let (iface, up) = interface_up(ifindex);
-        let problem = match (&iface, up) {
-            (None, _) => Some(format!(
-                "interface {name} is not in this network namespace (use --netns)"
-            )),
-            (Some(_), false) => Some(format!("interface {name} is down or has no carrier")),
-            (Some(_), true) => None,
-        };
-        links.push(LinkState {
-            pin: format!("{TC_DIR}/{pin}"),
-            iface,
-            ifindex,
-            up,
-            problem,
-        });
+        links.push(LinkState::on(format!("{TC_DIR}/{pin}"), ifindex, &name));
     }
     links.sort_by(|a, b| a.pin.cmp(&b.pin));
     let tails = subdirs(&pin_dir.join(TAILS_DIR))

@@ -1023,6 +1023,17 @@ const DUMMY: &str = "dummy0";
 /// leave the running datapath exactly as it was: same links running the same programs, traffic
 /// counted, FP_CONFIG untouched, nothing on the dummy. A start with a good config then reuses
 /// the links, and a clean stop removes everything.
+/// [`DUMMY`] with native XDP only: what its driver cannot do, so a start asking for it
+/// fails at runtime.
+fn native_xdp_on_dummy() -> HookedInterface {
+    HookedInterface {
+        name: DUMMY.into(),
+        xdp: "native",
+        tc_ingress: false,
+        tc_egress: false,
+    }
+}
+
 /// Runs a daemon with `bad` in `fp` to its exit, which must be 1 (a runtime failure: here,
 /// native XDP on [`DUMMY`]); returns its stderr.
 fn start_fails_at_runtime(fp: &Netns, bad: &DaemonConfig) -> String {
@@ -1095,12 +1106,7 @@ fn failed_netlink_restart_keeps_the_running_filters() {
             tc_ingress: true,
             tc_egress: false,
         })
-        .hooks(HookedInterface {
-            name: DUMMY.into(),
-            xdp: "native",
-            tc_ingress: false,
-            tc_egress: false,
-        });
+        .hooks(native_xdp_on_dummy());
     let stderr = start_fails_at_runtime(fp, &bad);
     let when = "after the failed netlink restart";
     assert!(
@@ -1174,12 +1180,7 @@ fn failed_restart_keeps_the_running_datapath() {
         .fp_config(&pin_dir)
         .conntrack("capacity", MIGRATED_CAPACITY)
         .drop_malformed(true)
-        .hooks(HookedInterface {
-            name: DUMMY.into(),
-            xdp: "native",
-            tc_ingress: false,
-            tc_egress: false,
-        });
+        .hooks(native_xdp_on_dummy());
     let stderr = start_fails_at_runtime(fp, &bad);
     assert!(
         stderr.contains(DUMMY) && stderr.contains("native mode needs driver support"),
