@@ -69,7 +69,8 @@ pub struct HopRef {
     pub backend: u32,
 }
 
-/// `HopRef::backend` of a packet that shares no backend's route.
+/// No backend: `HopRef::backend` of a packet that shares no backend's route, and
+/// `LeastScan::best` before one is chosen (a backend index never reaches it).
 pub const NO_BACKEND: u32 = u32::MAX;
 
 /// The route a backend's new connections share on this CPU (`FP_BACKEND_HOP`, a
@@ -265,3 +266,16 @@ pub struct FlowNote {
     pub misses: u32,
 }
 const _: () = assert!(core::mem::size_of::<Express>() == 96);
+
+/// The state of `lb::least_connections`' scan, which each step reads and updates. 16 bytes:
+/// it lives on the stack of programs whose frame must stay within 480 bytes (see there).
+#[repr(C)]
+pub struct LeastScan {
+    /// The backend the next step looks at, also its lookups' key.
+    pub next: u32,
+    /// The best backend so far, or [`NO_BACKEND`].
+    pub best: u32,
+    /// The best backend's active connections (below 2^48) and weight (below 2^16), as
+    /// `active << 16 | weight`.
+    pub best_load: u64,
+}

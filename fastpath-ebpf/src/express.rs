@@ -34,7 +34,7 @@ use crate::{
     ctx::Express,
     fib, flowcache,
     maps::{FP_EXPRESS, FP_FLOW, FP_FLOW_EPOCH, FP_FLOW_NOTE, FP_FLOW_TAG},
-    packet::{Packet, be16},
+    packet::{Packet, be16, masked},
     parse::{ETH_HLEN, FAMILY_IPV4, FAMILY_IPV6, IPPROTO_TCP, IPPROTO_UDP, Parsed},
     route, stats,
 };
@@ -193,8 +193,9 @@ pub fn serve(pkt: &Packet, ifindex: u32, iface: &IfaceConfig) -> Option<u32> {
     if s.key.words() != words || !flowcache::leased(s, epoch, now) {
         return None;
     }
-    let dir = flowcache::served_dir(&s.entry, src_is_lo) & 1;
-    let r = &FP_EXPRESS.get(idx)?[dir];
+    // verifier: masked where the index is used (see `packet::masked`).
+    let dir = masked(flowcache::served_dir(&s.entry, src_is_lo), 1);
+    let r = FP_EXPRESS.get(idx)?.get(dir)?;
     if r.filled_ns != s.filled_ns {
         return None;
     }

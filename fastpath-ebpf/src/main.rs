@@ -8,6 +8,7 @@
               `core::sync::atomic`"
 )]
 #![feature(core_intrinsics)]
+#![feature(asm_experimental_arch)]
 #![allow(
     clippy::not_unsafe_ptr_arg_deref,
     reason = "aya's program macros expand each entry point into a pub extern fn over the \
@@ -391,6 +392,9 @@ fn tc(ctx: TcContext, hook: Hook) -> i32 {
                 // SAFETY: the tail program takes the same context; it does not return here.
                 unsafe { maps::FP_TC_TAILS.tail_call(&ctx, fastpath_common::TC_TAIL_LB) };
                 // The tail program is missing: tracked here, without load balancing.
+                // verifier: kernels before 6.13 forget packet pointers at a tail call (as at
+                // a helper that may move data), so the bounds are read again.
+                pkt = tc_packet(&ctx);
             }
             pipeline::process(&pkt, p, hook, false, ifindex, local)
         }

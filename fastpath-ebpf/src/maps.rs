@@ -341,3 +341,20 @@ pub static FP_ROUTE_STATS: PerCpuArray<u64> = PerCpuArray::pinned(route_stat::SL
 /// Scratch: a route cache entry being learned, with its key (kept off the stack).
 #[map(name = "FP_ROUTE_LEARN")]
 pub static FP_ROUTE_LEARN: PerCpuArray<RouteLearning> = PerCpuArray::with_max_entries(1, 0);
+
+/// The value of the array `map` at `*key`, a key in memory the caller keeps: in a `bpf_loop`
+/// step, its context, so the step's frame needs no stack of its own (aya's `get` copies the
+/// index to the caller's stack, and a step's frame counts toward the program's 512 bytes).
+#[inline(always)]
+pub fn array_at<T>(map: &'static Array<T>, key: &u32) -> Option<&'static T> {
+    // SAFETY: aya's `Array` is `repr(transparent)` over the map definition, so its address
+    // is the map's (what the loader relocates); the helper returns a pointer to a value of
+    // the array, valid for this program run, or null.
+    unsafe {
+        let v = aya_ebpf::helpers::bpf_map_lookup_elem(
+            (map as *const Array<T>).cast_mut().cast(),
+            (key as *const u32).cast(),
+        );
+        v.cast::<T>().as_ref()
+    }
+}

@@ -16,7 +16,7 @@ use fastpath_common::csum;
 use crate::{
     ctx::{NAT_DSR, NAT_DST, NAT_ICMP_ERROR, NAT_ICMP_KEEP_SOURCE, NAT_SRC, NatPlan, words},
     maps::FP_NAT,
-    packet::{Packet, be16},
+    packet::{Packet, be16, opaque},
     parse::{FAMILY_IPV4, IPPROTO_TCP, IPPROTO_UDP, Parsed},
 };
 
@@ -333,29 +333,45 @@ pub fn icmp_error(pkt: &Packet, p: &Parsed, v4: bool) -> bool {
         let new_inner = [isrc[0], isrc[1], v[0], v[1]];
         let [sp0, dp0, sp1, dp1] = quoted_ports(&l4, plan, to_client);
         let udp_c = be16([l4[6], l4[7]]);
-        // UDP over IPv6 always has a checksum.
-        let old_l4c = if udp { Some(udp_c) } else { tcp_c };
+        // UDP over IPv6 always has a checksum. verifier: a flag beside a plain value, not an
+        // Option: LLVM stored the None case's undefined payload, which the verifier refuses
+        // to read.
+        let (has_l4c, old_l4c) = match tcp_c {
+            _ if udp => (true, udp_c),
+            Some(c) => (true, c),
+            None => (false, 0),
+        };
         let mut new_l4c = old_l4c;
-        let mut k = 0;
-        while k < 4 {
-            // The ICMPv6 checksum covers its pseudo-header (the outer addresses) too.
-            ic = csum::replace8(ic, o[k], new_outer[k]);
-            ic = csum::replace8(ic, q[k], new_inner[k]);
-            new_l4c = new_l4c.map(|l| csum::replace8(l, q[k], new_inner[k]));
-            k += 1;
-        }
-        new_l4c = new_l4c.map(|l| csum::replace2(csum::replace2(l, sp0, sp1), dp0, dp1));
+        // verifier: unrolled by hand. As a loop, LLVM laid one out whose back-edge is a
+        // fall-through, which Linux 6.1 refuses ("back-edge from insn").
+        (ic, new_l4c) = address_word(ic, new_l4c, [o[0], new_outer[0]], [q[0], new_inner[0]]);
+        (ic, new_l4c) = address_word(ic, new_l4c, [o[1], new_outer[1]], [q[1], new_inner[1]]);
+        (ic, new_l4c) = address_word(ic, new_l4c, [o[2], new_outer[2]], [q[2], new_inner[2]]);
+        (ic, new_l4c) = address_word(ic, new_l4c, [o[3], new_outer[3]], [q[3], new_inner[3]]);
+        new_l4c = csum::replace2(csum::replace2(new_l4c, sp0, sp1), dp0, dp1);
         ic = csum::replace2(csum::replace2(ic, sp0, sp1), dp0, dp1);
-        if let (Some(old), Some(new)) = (old_l4c, new_l4c) {
-            ic = csum::replace2(ic, old, new);
+        if has_l4c {
+            ic = csum::replace2(ic, old_l4c, new_l4c);
         }
-        let ql4 = quoted_l4(l4, sp1, dp1, new_l4c.filter(|_| udp));
+        let ql4 = quoted_l4(l4, sp1, dp1, udp.then_some(new_l4c));
         pkt.store_words(opaque(o3 + 8), new_outer)
             && pkt.store_words(opaque(inner + 8), new_inner)
             && pkt.store(opaque(i4), ql4)
-            && (udp || new_l4c.is_none_or(|n| pkt.store(opaque(tcp_c_off), n.to_be_bytes())))
+            && (udp || !has_l4c || pkt.store(opaque(tcp_c_off), new_l4c.to_be_bytes()))
             && pkt.store(opaque(icmp + 2), ic.to_be_bytes())
     }
+}
+
+/// The ICMPv6 and quoted L4 checksums after one address word changes: `outer` (old, new) of
+/// the outer header, which the ICMPv6 checksum's pseudo-header covers, and `quoted` of the
+/// quoted header, which both cover.
+#[inline(always)]
+fn address_word(ic: u16, l4c: u16, outer: [u64; 2], quoted: [u64; 2]) -> (u16, u16) {
+    let ic = csum::replace8(ic, outer[0], outer[1]);
+    (
+        csum::replace8(ic, quoted[0], quoted[1]),
+        csum::replace8(l4c, quoted[0], quoted[1]),
+    )
 }
 
 /// The quoted TCP/UDP header's ports before and after the translation: source, destination,
@@ -393,15 +409,6 @@ fn quoted_tcp_checksum(pkt: &Packet, i4: usize, udp: bool, end: usize) -> (usize
         .filter(|_| off + 2 <= end)
         .map(be16);
     (off, c)
-}
-
-/// `x`, through a volatile stack slot: LLVM no longer knows how it relates to the values it
-/// came from, so it keeps the bounds checks made on it (verifier).
-#[inline(always)]
-fn opaque(x: usize) -> usize {
-    let slot = x;
-    // SAFETY: a read of a local.
-    unsafe { core::ptr::read_volatile(&slot) }
 }
 
 /// The first 4 bytes (an IPv4 address) of 8-aligned map memory, from one word load: no

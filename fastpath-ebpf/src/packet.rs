@@ -11,6 +11,58 @@ use core::mem::size_of;
 
 /// Largest header offset the parser ever reads at. Bounds variable offsets for the verifier.
 pub const MAX_HDR_OFF: usize = 1024;
+/// The smallest all-ones mask that keeps every offset up to [`MAX_HDR_OFF`].
+const HDR_OFF_MASK: usize = 2 * MAX_HDR_OFF - 1;
+
+/// `off` (at most [`MAX_HDR_OFF`]) masked in the register the packet address is computed
+/// from, where LLVM cannot see it and drop it as redundant.
+///
+/// verifier: a comparison bounds only the register it is made on (and, before Linux 6.8, not
+/// a stack slot the value was spilled to without an ID), so LLVM's reload of the offset after
+/// `off > MAX_HDR_OFF` came back unbounded on 6.1, and a packet pointer with an unbounded
+/// variable part gets no range from the `data_end` check. A masked value carries its bound
+/// through every copy, spill and fill. One ALU instruction.
+#[inline(always)]
+fn bounded(off: usize) -> usize {
+    // perf: a constant offset is bounded already, and stays an immediate of the access.
+    if core::intrinsics::is_val_statically_known(off) {
+        return off;
+    }
+    let mut off = off;
+    // SAFETY: one AND of a register with a constant; no memory, no control flow.
+    unsafe {
+        core::arch::asm!(
+            "{0} &= {mask}",
+            inout(reg) off,
+            mask = const HDR_OFF_MASK,
+            options(pure, nomem, nostack),
+        );
+    }
+    off
+}
+
+/// `x & mask`, masked where LLVM cannot see it: for an index whose bound the verifier must
+/// see in the register it is used from (see [`bounded`]). One ALU instruction and the mask's
+/// load.
+#[inline(always)]
+pub fn masked(x: usize, mask: usize) -> usize {
+    let mut x = x;
+    // SAFETY: one AND of two registers; no memory, no control flow.
+    unsafe {
+        core::arch::asm!("{0} &= {1}", inout(reg) x, in(reg) mask, options(pure, nomem, nostack))
+    };
+    x
+}
+
+/// `x`, through a volatile stack slot: LLVM no longer knows how it relates to the values it
+/// came from, so it keeps the bounds checks made on it (verifier). Not an empty `asm!`: that
+/// leaves BTF line info without an instruction, which the kernel refuses.
+#[inline(always)]
+pub fn opaque(x: usize) -> usize {
+    let slot = x;
+    // SAFETY: a read of a local.
+    unsafe { core::ptr::read_volatile(&slot) }
+}
 
 /// The bytes of one packet as the hook presents them.
 pub struct Packet {
@@ -48,12 +100,13 @@ impl Packet {
         if off > MAX_HDR_OFF {
             return None;
         }
-        if self.data + off + size_of::<T>() > self.data_end {
+        let at = self.data + bounded(off);
+        if at + size_of::<T>() > self.data_end {
             return None;
         }
         // SAFETY: the read lies within [data, data_end), checked just above; T is a byte
         // array, so any alignment is fine.
-        Some(unsafe { core::ptr::read_unaligned((self.data + off) as *const T) })
+        Some(unsafe { core::ptr::read_unaligned(at as *const T) })
     }
 
     /// [`Packet::load`], read where it stands: volatile, so LLVM cannot sink the read below
@@ -64,11 +117,12 @@ impl Packet {
         if off > MAX_HDR_OFF {
             return None;
         }
-        if self.data + off + size_of::<T>() > self.data_end {
+        let at = self.data + bounded(off);
+        if at + size_of::<T>() > self.data_end {
             return None;
         }
         // SAFETY: as in `load`; a volatile read of the same bytes.
-        Some(unsafe { core::ptr::read_volatile((self.data + off) as *const T) })
+        Some(unsafe { core::ptr::read_volatile(at as *const T) })
     }
 
     /// Writes `v` at `off`; false (nothing written) if it is not inside the writable bytes.
@@ -79,12 +133,13 @@ impl Packet {
         if off > MAX_HDR_OFF {
             return false;
         }
-        if self.data + off + size_of::<T>() > self.data_end {
+        let at = self.data + bounded(off);
+        if at + size_of::<T>() > self.data_end {
             return false;
         }
         // SAFETY: the write lies within [data, data_end), checked just above; T is a byte
         // array, so any alignment is fine; XDP packet memory is writable.
-        unsafe { core::ptr::write_unaligned((self.data + off) as *mut T, v) };
+        unsafe { core::ptr::write_unaligned(at as *mut T, v) };
         true
     }
 
@@ -114,10 +169,11 @@ impl Packet {
         if off > MAX_HDR_OFF {
             return None;
         }
-        if self.data + off + 8 * N > self.data_end {
+        let at = self.data + bounded(off);
+        if at + 8 * N > self.data_end {
             return None;
         }
-        Some((self.data + off) as *mut u64)
+        Some(at as *mut u64)
     }
 
     /// Whether `need` bytes at `off` are inside the frame at all (possibly beyond the linear

@@ -26,7 +26,7 @@ use fastpath_common::{
 
 use crate::{
     maps::FP_PKT_CTX,
-    packet::xdp_packet,
+    packet::{opaque, xdp_packet},
     parse::{FAMILY_IPV4, IPPROTO_TCP, IPPROTO_UDP, Parsed},
     stats, vlan,
 };
@@ -66,14 +66,6 @@ pub fn answer(ctx: &XdpContext, v4: bool) -> u32 {
         stats::count(Hook::Xdp, Verdict::Drop, reason::LB_NO_BACKEND, len);
         xdp_action::XDP_DROP
     }
-}
-
-/// `x` through a volatile stack slot, so LLVM keeps the bounds checks made on it.
-#[inline(always)]
-fn opaque(x: usize) -> usize {
-    let slot = x;
-    // SAFETY: a read of a local.
-    unsafe { core::ptr::read_volatile(&slot) }
 }
 
 /// Trims the packet to `want` bytes (it is never grown here).

@@ -1407,6 +1407,71 @@ pub fn datapath(pin_dir: &std::path::Path, check: bool, out: OutputArg) -> ExitC
     }
 }
 
+pub fn kernel(full_log: bool, out: OutputArg) -> ExitCode {
+    let report = match fastpath::datapath::kernel::check(fastpath::EBPF_OBJECT, full_log) {
+        Ok(r) => r,
+        Err(e) => return finish(Err(Failure(EXIT_FAILURE, e.to_string()))),
+    };
+    match out.output {
+        Output::Json => {
+            if let Err(f) = print_json(&json!(report)) {
+                return finish(Err(f));
+            }
+        }
+        Output::Table => {
+            outln!("kernel {}", report.release);
+            for f in &report.features {
+                if f.present {
+                    outln!("  {:<28} yes", f.name);
+                } else {
+                    outln!(
+                        "  {:<28} no (Linux {} added it): {}",
+                        f.name,
+                        f.since,
+                        f.without
+                    );
+                }
+            }
+            outln!(
+                "{:<36} {:<4} {:>14} {:>13}",
+                "PROGRAM",
+                "HOOK",
+                "VERIFIED INSNS",
+                "XLATED INSNS"
+            );
+            let n = |v: Option<u32>| v.map_or_else(|| "-".to_owned(), |v| v.to_string());
+            for p in &report.programs {
+                outln!(
+                    "{:<36} {:<4} {:>14} {:>13}{}",
+                    p.name,
+                    p.hook,
+                    n(p.verified_insns),
+                    n(p.xlated_insns),
+                    if p.refused.is_some() { "  REFUSED" } else { "" }
+                );
+            }
+            let loaded = report
+                .programs
+                .iter()
+                .filter(|p| p.refused.is_none())
+                .count();
+            outln!("{loaded} of {} programs loaded", report.programs.len());
+        }
+    }
+    for p in report.programs.iter().filter(|p| p.refused.is_some()) {
+        eprintln!(
+            "{} refused: {}",
+            p.name,
+            p.refused.as_deref().unwrap_or_default()
+        );
+    }
+    if report.all_loaded() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(EXIT_FAILURE)
+    }
+}
+
 pub async fn ha_status(target: &Target, check: bool, out: OutputArg) -> ExitCode {
     finish(
         async {

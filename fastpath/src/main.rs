@@ -313,6 +313,22 @@ enum Command {
         #[command(flatten)]
         out: OutputArg,
     },
+    /// Whether this kernel runs the datapath: the kernel features the daemon probes at start
+    /// (and what it does without each), and every program of the datapath loaded into the
+    /// kernel's verifier — not attached, its maps in a scratch directory removed afterwards —
+    /// with the instructions the verifier processed, or its refusal and the end of its log.
+    /// Touches no running datapath. Needs root.
+    ///
+    /// Exit status 0 when every program loads, 1 when one is refused.
+    ///
+    /// Example: `fastpath kernel`; the whole log of a refusal: `fastpath kernel --full-log`.
+    Kernel {
+        /// Print a refusal's whole verifier log, not only its last lines.
+        #[arg(long)]
+        full_log: bool,
+        #[command(flatten)]
+        out: OutputArg,
+    },
 }
 
 #[derive(Subcommand)]
@@ -501,6 +517,7 @@ fn main() -> ExitCode {
             check,
             out,
         } => cli::datapath(&pin_dir_or_default(pin_dir), check, out),
+        Command::Kernel { full_log, out } => cli::kernel(full_log, out),
         Command::Detach {
             pin_dir,
             handover_timeout,

@@ -14,18 +14,23 @@ use std::{
         fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
         unix::ffi::OsStrExt as _,
     },
-    path::Path,
+    path::{Path, PathBuf},
+    sync::atomic::{AtomicU32, Ordering},
+    time::{SystemTime, UNIX_EPOCH},
 };
 
 /// bpffs superblock magic (statfs f_type).
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
+const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 const BPF_LINK_CREATE: libc::c_long = 28;
+/// `enum bpf_prog_type`'s BPF_PROG_TYPE_SCHED_CLS (TC programs).
+pub const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
 /// `enum bpf_attach_type`'s BPF_TCX_INGRESS (Linux 6.6).
 const BPF_TCX_INGRESS: u64 = 46;
 
@@ -151,6 +156,22 @@ pub fn obj_pin(fd: BorrowedFd<'_>, pin: &Path) -> io::Result<()> {
     Ok(())
 }
 
+/// Loads `r0 = 0; exit` as a program of `prog_type`: something to probe the kernel with.
+pub fn load_return_zero(prog_type: u32) -> io::Result<OwnedFd> {
+    // BPF_MOV64_IMM(BPF_REG_0, 0) and BPF_EXIT_INSN(), as the kernel lays out `struct bpf_insn`.
+    let insns: [u64; 2] = [0xb7, 0x95];
+    let license = c"GPL";
+    // union bpf_attr for BPF_PROG_LOAD: prog_type, insn_cnt, insns, license; no log.
+    let mut attr = [0u64; 16];
+    attr[0] = u64::from(prog_type) | (insns.len() as u64) << 32;
+    attr[1] = insns.as_ptr() as u64;
+    attr[2] = license.as_ptr() as u64;
+    let fd = bpf(BPF_PROG_LOAD, &mut attr)?;
+    let fd = i32::try_from(fd).map_err(|_| io::Error::other("BPF_PROG_LOAD: fd out of range"))?;
+    // SAFETY: BPF_PROG_LOAD returned a new fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
 /// Whether the kernel has TCX links (Linux 6.6), probed with the SCHED_CLS program `prog`:
 /// BPF_LINK_CREATE at TCX ingress of interface 0, which attaches nothing. A kernel with TCX
 /// looks the interface up and answers ENODEV; one without knows no such attach type and
@@ -235,6 +256,93 @@ pub fn mount_bpffs(path: &Path) -> io::Result<()> {
             std::ptr::null(),
         )
     };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// A directory on a bpffs that only its owner uses (the fixtures, `fastpath kernel`): a
+/// fresh subdirectory of `/sys/fs/bpf` when that is a bpffs, else a private bpffs instance
+/// mounted on a fresh temporary directory (so the host's `/sys/fs/bpf` is never mounted
+/// over). The name is unique per process, directory and time, and the directory is created
+/// with `create_dir` (not `_all`), so stale pins of a crashed run can never be picked up.
+/// Removed, with its pins, when dropped.
+pub struct ScratchPinDir {
+    path: PathBuf,
+    /// We mounted a bpffs on `path` and must unmount it.
+    mounted: bool,
+}
+
+impl ScratchPinDir {
+    /// A new directory named after `purpose`; the error names the directory it could not make.
+    pub fn create(purpose: &str) -> Result<Self, (PathBuf, io::Error)> {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let unique = format!(
+            "fastpath-{purpose}-{}-{}-{nanos}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let sys = Path::new("/sys/fs/bpf");
+        if is_bpffs(sys) {
+            let path = sys.join(unique);
+            return match std::fs::create_dir(&path) {
+                Ok(()) => Ok(ScratchPinDir {
+                    path,
+                    mounted: false,
+                }),
+                Err(e) => Err((path, e)),
+            };
+        }
+        let path = std::env::temp_dir().join(unique);
+        if let Err(e) = std::fs::create_dir(&path) {
+            return Err((path, e));
+        }
+        // Owned before mounting, so a failed mount still removes the directory.
+        let mut dir = ScratchPinDir {
+            path,
+            mounted: false,
+        };
+        if let Err(e) = mount_bpffs(&dir.path) {
+            return Err((dir.path.clone(), e));
+        }
+        dir.mounted = true;
+        Ok(dir)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for ScratchPinDir {
+    fn drop(&mut self) {
+        if self.mounted {
+            // Unmounting a private bpffs instance drops every pin in it at once.
+            if let Err(e) = umount(&self.path) {
+                eprintln!("unmounting bpffs at {}: {e}", self.path.display());
+                return;
+            }
+        } else if let Ok(entries) = std::fs::read_dir(&self.path) {
+            for entry in entries.flatten() {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+        if let Err(e) = std::fs::remove_dir(&self.path) {
+            eprintln!("removing pin directory {}: {e}", self.path.display());
+        }
+    }
+}
+
+fn umount(path: &Path) -> io::Result<()> {
+    let target = CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: `target` is a NUL-terminated path that outlives the call.
+    let rc = unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
     if rc == 0 {
         Ok(())
     } else {

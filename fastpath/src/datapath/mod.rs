@@ -54,6 +54,7 @@ use tracing::{info, warn};
 mod ct;
 #[cfg(test)]
 pub mod fake;
+pub mod kernel;
 mod migrate;
 mod ops;
 mod tc_netlink;

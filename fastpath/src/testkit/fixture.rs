@@ -11,12 +11,9 @@
 
 use std::{
     collections::BTreeMap,
-    ffi::CString,
     fmt::Write as _,
-    os::unix::ffi::OsStrExt as _,
     path::{Path, PathBuf},
-    sync::atomic::{AtomicU32, Ordering},
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::Duration,
 };
 
 use aya::{
@@ -43,7 +40,7 @@ use fastpath_common::{
 use crate::datapath::Tails;
 use crate::{
     stats::{StatsError, StatsSnapshot},
-    sys::{is_bpffs, mount_bpffs},
+    sys::ScratchPinDir,
 };
 
 /// Raw XDP return codes (`enum xdp_action`).
@@ -458,7 +455,7 @@ pub struct Fixture {
     /// The object's flow cache (`None` for an object built before it), told of the entries
     /// this fixture writes and read for what its copies counted.
     flow: Option<crate::datapath::FlowCache>,
-    pins: PinDir,
+    pins: ScratchPinDir,
 }
 
 impl Fixture {
@@ -520,9 +517,10 @@ impl Fixture {
         tails: Tails,
     ) -> Result<Self, FixtureError> {
         let (buckets, lru) = kinds.map_or((1, 1), |b| (b, capacity));
-        let pins = PinDir::create()?;
+        let pins = ScratchPinDir::create("fixture")
+            .map_err(|(path, source)| FixtureError::PinDir { path, source })?;
         let mut ebpf = EbpfLoader::new()
-            .default_map_pin_directory(&pins.path)
+            .default_map_pin_directory(pins.path())
             .map_max_entries(map_names::CT, capacity)
             .map_max_entries(map_names::CT_NEW, capacity)
             .map_max_entries(map_names::BENCH_HEADS, buckets)
@@ -556,7 +554,7 @@ impl Fixture {
         }
         crate::datapath::install_tails(&mut ebpf, tails)
             .map_err(|source| FixtureError::Tails { source })?;
-        let flow = crate::datapath::FlowCache::open(&pins.path);
+        let flow = crate::datapath::FlowCache::open(pins.path());
         Ok(Fixture {
             lb_writer: None,
             ebpf,
@@ -649,7 +647,7 @@ impl Fixture {
 
     /// Where this fixture's maps are pinned (removed on drop).
     pub fn pin_dir(&self) -> &Path {
-        &self.pins.path
+        self.pins.path()
     }
 
     /// This fixture's `FP_CT` as the daemon writes it: with the installer program.
@@ -2066,14 +2064,15 @@ fn events_name(events: &[(u8, u8)]) -> String {
 struct Solo {
     ebpf: Ebpf,
     name: &'static str,
-    _pins: PinDir,
+    _pins: ScratchPinDir,
 }
 
 impl Solo {
     fn load(name: &'static str) -> Result<Self, FixtureError> {
-        let pins = PinDir::create()?;
+        let pins = ScratchPinDir::create("fixture")
+            .map_err(|(path, source)| FixtureError::PinDir { path, source })?;
         let mut ebpf = EbpfLoader::new()
-            .default_map_pin_directory(&pins.path)
+            .default_map_pin_directory(pins.path())
             .load(crate::EBPF_BENCH_OBJECT)
             .map_err(|source| FixtureError::Load { source })?;
         let xdp: &mut Xdp = program_mut(&mut ebpf, name)?;
@@ -2184,97 +2183,6 @@ impl FlowGenerator {
                 Ok(out)
             })
             .collect()
-    }
-}
-
-/// A directory on a bpffs that only this fixture uses: a fresh subdirectory of `/sys/fs/bpf`
-/// when that is a bpffs, else a private bpffs instance mounted on a fresh temporary directory
-/// (so the host's `/sys/fs/bpf` is never mounted over by a test). The name is unique per
-/// process, fixture and time, and the directory is created with `create_dir` (not `_all`), so
-/// stale pins of a crashed run can never be picked up.
-struct PinDir {
-    path: PathBuf,
-    /// We mounted a bpffs on `path` and must unmount it.
-    mounted: bool,
-}
-
-impl PinDir {
-    fn create() -> Result<Self, FixtureError> {
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        let unique = format!(
-            "fastpath-fixture-{}-{}-{nanos}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        );
-        let sys = Path::new("/sys/fs/bpf");
-        if is_bpffs(sys) {
-            let path = sys.join(unique);
-            std::fs::create_dir(&path).map_err(|source| FixtureError::PinDir {
-                path: path.clone(),
-                source,
-            })?;
-            return Ok(PinDir {
-                path,
-                mounted: false,
-            });
-        }
-        let path = std::env::temp_dir().join(unique);
-        std::fs::create_dir(&path).map_err(|source| FixtureError::PinDir {
-            path: path.clone(),
-            source,
-        })?;
-        // Owned before mounting, so a failed mount still removes the directory.
-        let mut dir = PinDir {
-            path,
-            mounted: false,
-        };
-        mount_bpffs(&dir.path).map_err(|source| FixtureError::PinDir {
-            path: dir.path.clone(),
-            source,
-        })?;
-        dir.mounted = true;
-        Ok(dir)
-    }
-}
-
-impl Drop for PinDir {
-    fn drop(&mut self) {
-        if self.mounted {
-            // Unmounting a private bpffs instance drops every pin in it at once.
-            if let Err(e) = umount(&self.path) {
-                eprintln!("fixture: unmounting bpffs at {}: {e}", self.path.display());
-                return;
-            }
-        } else if let Ok(entries) = std::fs::read_dir(&self.path) {
-            for entry in entries.flatten() {
-                let _ = std::fs::remove_file(entry.path());
-            }
-        }
-        if let Err(e) = std::fs::remove_dir(&self.path) {
-            eprintln!(
-                "fixture: removing pin directory {}: {e}",
-                self.path.display()
-            );
-        }
-    }
-}
-
-fn c_path(path: &Path) -> std::io::Result<CString> {
-    CString::new(path.as_os_str().as_bytes())
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
-}
-
-fn umount(path: &Path) -> std::io::Result<()> {
-    let target = c_path(path)?;
-    // SAFETY: `target` is a NUL-terminated path that outlives the call.
-    let rc = unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
     }
 }
 
