@@ -9,10 +9,6 @@
 use std::collections::BTreeMap;
 
 use anyhow::{Context as _, Result};
-use aya::{
-    EbpfLoader,
-    programs::{Program, ProgramError},
-};
 
 /// Per program: instructions processed by the verifier and translated size, or why it was
 /// refused.
@@ -59,55 +55,19 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// Loads every XDP and TC program of `object` and reads back what the verifier counted.
+/// Loads every XDP and TC program of `object` (as `fastpath kernel` does) and reads back what
+/// the verifier counted; a refusal as its log's last line.
 fn counts(object: &[u8]) -> Result<Counts> {
-    // The pinned maps go to a directory of this run's, removed with what it holds.
-    let pins = std::path::PathBuf::from(format!(
-        "/sys/fs/bpf/fastpath-verifier-{}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&pins).with_context(|| format!("creating {}", pins.display()))?;
-    let loaded = EbpfLoader::new()
-        .default_map_pin_directory(&pins)
-        .load(object)
-        .map_err(anyhow::Error::from)
-        .and_then(|mut ebpf| programs(&mut ebpf));
-    let _ = std::fs::remove_dir_all(&pins);
-    loaded
-}
-
-/// [`counts`] of a loaded object.
-fn programs(ebpf: &mut aya::Ebpf) -> Result<Counts> {
-    let mut out = Counts::new();
-    for (name, prog) in ebpf.programs_mut() {
-        let loaded = match prog {
-            Program::Xdp(p) => p.load().and_then(|()| p.info()),
-            Program::SchedClassifier(p) => p.load().and_then(|()| p.info()),
-            _ => continue,
-        };
-        out.insert(
-            name.to_string(),
-            loaded
-                .map(|info| {
-                    (
-                        info.verified_instruction_count().unwrap_or(0),
-                        info.size_translated().unwrap_or(0) / 8,
-                    )
-                })
-                .map_err(|e| refusal(&e)),
-        );
-    }
-    Ok(out)
-}
-
-/// The verifier's verdict in one line: its log's last non-empty line.
-fn refusal(e: &ProgramError) -> String {
-    let text = format!("{e:#}");
-    text.lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("")
-        .chars()
-        .take(120)
-        .collect()
+    let report = fastpath::datapath::kernel::check(object, false)?;
+    Ok(report
+        .programs
+        .into_iter()
+        .map(|p| {
+            let counted = match p.refused {
+                Some(why) => Err(why.lines().last().unwrap_or("").chars().take(120).collect()),
+                None => Ok((p.verified_insns.unwrap_or(0), p.xlated_insns.unwrap_or(0))),
+            };
+            (p.name, counted)
+        })
+        .collect())
 }

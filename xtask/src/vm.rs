@@ -123,6 +123,36 @@ pub fn main(args: &[String]) -> Result<()> {
         }
     };
     let cwd = env::current_dir().context("reading the current directory")?;
+    let code = run_options(&opts, &cwd)?;
+    if code != 0 {
+        eprintln!("xtask: vm: the command exited with {code}");
+        // Whatever the threads copied is written; exit with the command's code.
+        let _ = io::stdout().flush();
+        std::process::exit(code);
+    }
+    Ok(())
+}
+
+/// Runs `command` as root in kernel `series` (`"6.1"`, `"6.12"`) with the default memory and
+/// CPUs, from directory `cwd`; returns its exit code (the test command's kernel matrix).
+pub fn run_in(series: &str, timeout: Duration, cwd: &Path, command: &[String]) -> Result<i32> {
+    let series = SERIES
+        .iter()
+        .find(|s| s.name == series)
+        .with_context(|| format!("unknown kernel series {series:?}"))?;
+    run_options(
+        &Options {
+            series,
+            timeout,
+            mem_mb: DEFAULT_MEM_MB,
+            cpus: DEFAULT_CPUS,
+            command: command.to_vec(),
+        },
+        cwd,
+    )
+}
+
+fn run_options(opts: &Options, cwd: &Path) -> Result<i32> {
     // The guest mounts fresh tmpfs/proc/sys/dev there: the host's contents are hidden.
     for hidden in ["/tmp", "/run", "/proc", "/sys", "/dev"] {
         if cwd.starts_with(hidden) {
@@ -142,14 +172,7 @@ pub fn main(args: &[String]) -> Result<()> {
         kernel.release,
         t.elapsed().as_secs_f64()
     );
-    let code = boot(&kernel, &image, &initramfs, &opts, &cwd)?;
-    if code != 0 {
-        eprintln!("xtask: vm: the command exited with {code}");
-        // Whatever the threads copied is written; exit with the command's code.
-        let _ = io::stdout().flush();
-        std::process::exit(code);
-    }
-    Ok(())
+    boot(&kernel, &image, &initramfs, opts, cwd)
 }
 
 /// `None` for `--help`.
