@@ -87,34 +87,32 @@ pub fn rewrite(pkt: &Packet, p: &Parsed, tc: bool) -> bool {
     let udp = p.l4_proto == IPPROTO_UDP;
     let v4 = p.family == FAMILY_IPV4;
     let written = if v4 {
-        let (Some(addrs), Some(old_ip)) =
-            (pkt.load::<[u8; 8]>(l3 + 12), pkt.load::<[u8; 2]>(l3 + 10))
+        // Both addresses as one word, changed in place (as IPv6's below): no byte arrays on
+        // a stack this program has no room on.
+        let (Some(at), Some(old_ip)) = (pkt.words_at::<1>(l3 + 12), pkt.load::<[u8; 2]>(l3 + 10))
         else {
             return false;
         };
-        let mut ip = be16(old_ip);
-        let mut new_addrs = addrs;
+        // SAFETY: a word within the packet, checked by `words_at`; unaligned access is allowed
+        // (see build.rs).
+        let old = unsafe { core::ptr::read_unaligned(at) };
+        // The word as it lies in memory: the source address is its low half (little-endian
+        // BPF), the destination its high half; an address's first word holds an IPv4 one in
+        // its low half.
+        let mut new = old;
         if do_src {
-            let (old, new) = (
-                [addrs[0], addrs[1], addrs[2], addrs[3]],
-                v4_addr(&plan.src_addr),
-            );
-            ip = csum::replace4(ip, old, new);
-            addr_delta += csum::delta4(old, new);
-            new_addrs[..4].copy_from_slice(&new);
+            new = new & !0xffff_ffff | words(&plan.src_addr)[0] & 0xffff_ffff;
         }
         if do_dst {
-            let (old, new) = (
-                [addrs[4], addrs[5], addrs[6], addrs[7]],
-                v4_addr(&plan.dst_addr),
-            );
-            ip = csum::replace4(ip, old, new);
-            addr_delta += csum::delta4(old, new);
-            new_addrs[4..].copy_from_slice(&new);
+            new = new & 0xffff_ffff | words(&plan.dst_addr)[0] << 32;
         }
-        pkt.store(l3 + 12, new_addrs)
-            && pkt.store(l3 + 10, ip.to_be_bytes())
-            && pkt.store(l4, new_ports)
+        addr_delta = csum::delta8(old, new);
+        // SAFETY: as the read above.
+        unsafe { core::ptr::write_unaligned(at, new) };
+        pkt.store(
+            l3 + 10,
+            csum::replace8(be16(old_ip), old, new).to_be_bytes(),
+        ) && pkt.store(l4, new_ports)
     } else {
         // One bounds check for both addresses, then word by word in place: no copies on a
         // stack this program has no room on.
@@ -409,13 +407,4 @@ fn quoted_tcp_checksum(pkt: &Packet, i4: usize, udp: bool, end: usize) -> (usize
         .filter(|_| off + 2 <= end)
         .map(be16);
     (off, c)
-}
-
-/// The first 4 bytes (an IPv4 address) of 8-aligned map memory, from one word load: no
-/// 16-byte copy on the stack.
-#[inline(always)]
-fn v4_addr(addr: &[u8; 16]) -> [u8; 4] {
-    let [w, _] = words(addr);
-    // The word as it lies in memory: its first 4 bytes are its low half (little-endian BPF).
-    (w as u32).to_le_bytes()
 }

@@ -133,9 +133,16 @@ pub fn main(args: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// Runs `command` as root in kernel `series` (`"6.1"`, `"6.12"`) with the default memory and
-/// CPUs, from directory `cwd`; returns its exit code (the test command's kernel matrix).
-pub fn run_in(series: &str, timeout: Duration, cwd: &Path, command: &[String]) -> Result<i32> {
+/// Runs `command` as root in kernel `series` (`"6.1"`, `"6.12"`) with `mem_mb` of memory and
+/// the default CPUs, from directory `cwd`; returns its exit code (the test command's kernel
+/// matrix).
+pub fn run_in(
+    series: &str,
+    timeout: Duration,
+    mem_mb: u32,
+    cwd: &Path,
+    command: &[String],
+) -> Result<i32> {
     let series = SERIES
         .iter()
         .find(|s| s.name == series)
@@ -144,7 +151,7 @@ pub fn run_in(series: &str, timeout: Duration, cwd: &Path, command: &[String]) -
         &Options {
             series,
             timeout,
-            mem_mb: DEFAULT_MEM_MB,
+            mem_mb,
             cpus: DEFAULT_CPUS,
             command: command.to_vec(),
         },
