@@ -33,11 +33,22 @@ pub const PREFIX: &str = "fpt";
 /// run (they bound their own run time), short enough that a hang fails the test.
 pub const EXEC_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// How long [`Daemon::start`] waits for "Datapath running".
+/// How long [`Daemon::start`] waits for "Datapath running", times [`slowdown`].
 pub const DAEMON_START_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// How long a SIGTERMed daemon gets to detach before it is SIGKILLed.
+/// How long a SIGTERMed daemon gets to detach before it is SIGKILLed, times [`slowdown`].
 const DAEMON_STOP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `FASTPATH_TEST_SLOWDOWN` (a whole number, default 1): how many times longer a daemon may
+/// take to start and stop, for a kernel under emulation (`cargo xtask vm`), where verifying
+/// the programs alone takes tens of seconds.
+pub fn slowdown() -> u32 {
+    std::env::var("FASTPATH_TEST_SLOWDOWN")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n >= 1)
+        .unwrap_or(1)
+}
 
 /// The line the daemon logs once every hook is attached.
 pub const DAEMON_READY: &str = "Datapath running";
@@ -1474,7 +1485,7 @@ impl Daemon {
     }
 
     fn wait_ready(&mut self) -> Result<(), NetnsError> {
-        let deadline = Instant::now() + DAEMON_START_TIMEOUT;
+        let deadline = Instant::now() + DAEMON_START_TIMEOUT * slowdown();
         loop {
             if self.log().contains(DAEMON_READY) {
                 return Ok(());
@@ -1488,7 +1499,8 @@ impl Daemon {
             }
             if Instant::now() >= deadline {
                 return Err(self.error(format!(
-                    "did not log {DAEMON_READY:?} within {DAEMON_START_TIMEOUT:?}"
+                    "did not log {DAEMON_READY:?} within {:?}",
+                    DAEMON_START_TIMEOUT * slowdown()
                 )));
             }
             thread::sleep(Duration::from_millis(20));
@@ -1594,10 +1606,11 @@ impl Daemon {
     /// exit status.
     pub fn stop(&mut self) -> ExitStatus {
         let mut child = self.child.take().expect("stop() without a running daemon");
-        match terminate(&mut child, DAEMON_STOP_TIMEOUT) {
+        match terminate(&mut child, DAEMON_STOP_TIMEOUT * slowdown()) {
             Some(status) => status,
             None => panic!(
-                "daemon did not exit within {DAEMON_STOP_TIMEOUT:?} of SIGTERM (SIGKILLed); log:\n{}",
+                "daemon did not exit within {:?} of SIGTERM (SIGKILLed); log:\n{}",
+                DAEMON_STOP_TIMEOUT * slowdown(),
                 self.log()
             ),
         }
@@ -1626,10 +1639,11 @@ fn terminate(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
 impl Drop for Daemon {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take()
-            && terminate(&mut child, DAEMON_STOP_TIMEOUT).is_none()
+            && terminate(&mut child, DAEMON_STOP_TIMEOUT * slowdown()).is_none()
         {
             eprintln!(
-                "warning: fastpath daemon ignored SIGTERM for {DAEMON_STOP_TIMEOUT:?}; SIGKILLed it"
+                "warning: fastpath daemon ignored SIGTERM for {:?}; SIGKILLed it",
+                DAEMON_STOP_TIMEOUT * slowdown()
             );
         }
         if self.pin_dir.exists() {
@@ -1679,7 +1693,7 @@ pub fn run_daemon_to_exit(
                 .arg("--config")
                 .arg(&config_path)
                 .env("NO_COLOR", "1");
-            output_within(cmd, DAEMON_START_TIMEOUT)
+            output_within(cmd, DAEMON_START_TIMEOUT * slowdown())
         })
         .map(|out| {
             (
