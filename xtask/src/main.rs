@@ -572,12 +572,22 @@ fn path_arg(path: &Path) -> Result<String> {
         .to_owned())
 }
 
-/// The test executables `cargo ... --no-run --message-format=json` built.
+/// Whether a `compiler-artifact` message's profile is a test build (its target's own `"test"`
+/// says only whether the target has tests).
+fn test_profile(message: &str) -> bool {
+    message.find("\"profile\":{").is_some_and(|at| {
+        let profile = &message[at..];
+        profile[..profile.find('}').unwrap_or(profile.len())].contains("\"test\":true")
+    })
+}
+
+/// The test executables `cargo ... --no-run --message-format=json` built (test profile only:
+/// an integration test's build also lists the binaries it runs).
 fn test_executables(command: &mut Command) -> Result<Vec<PathBuf>> {
     let json = output(command)?;
     let exes: Vec<PathBuf> = json
         .lines()
-        .filter(|l| l.contains("\"reason\":\"compiler-artifact\""))
+        .filter(|l| l.contains("\"reason\":\"compiler-artifact\"") && test_profile(l))
         .filter_map(|l| {
             let rest = &l[l.find("\"executable\":\"")? + "\"executable\":\"".len()..];
             Some(PathBuf::from(&rest[..rest.find('"')?]))
@@ -817,6 +827,15 @@ fn docs() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_test_builds_count_as_test_executables() {
+        // Cargo's messages for an integration test and for the binary it runs, shortened.
+        let test = r#"{"reason":"compiler-artifact","target":{"kind":["test"],"name":"fixtures","test":true},"profile":{"opt_level":"3","test":true},"executable":"/t/deps/fixtures-1"}"#;
+        let bin = r#"{"reason":"compiler-artifact","target":{"kind":["bin"],"name":"fastpath","doctest":false,"test":true},"profile":{"opt_level":"3","test":false},"executable":"/t/fastpath"}"#;
+        assert!(test_profile(test));
+        assert!(!test_profile(bin));
+    }
 
     #[test]
     fn toolchain_files_state_a_channel() {
