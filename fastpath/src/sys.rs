@@ -172,11 +172,12 @@ pub fn load_return_zero(prog_type: u32) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// Whether the kernel has TCX links (Linux 6.6), probed with the SCHED_CLS program `prog`:
-/// BPF_LINK_CREATE at TCX ingress of interface 0, which attaches nothing. A kernel with TCX
-/// looks the interface up and answers ENODEV; one without knows no such attach type and
-/// answers EINVAL.
-pub fn tcx_supported(prog: BorrowedFd<'_>) -> io::Result<bool> {
+/// Whether the kernel has TCX links (Linux 6.6), probed with a two-instruction SCHED_CLS
+/// program of our own: BPF_LINK_CREATE at TCX ingress of interface 0, which attaches nothing.
+/// A kernel with TCX looks the interface up and answers ENODEV; one without knows no such
+/// attach type and answers EINVAL.
+pub fn tcx_supported() -> io::Result<bool> {
+    let prog = load_return_zero(BPF_PROG_TYPE_SCHED_CLS)?;
     // union bpf_attr for BPF_LINK_CREATE: prog_fd, target_ifindex (0), attach_type, flags,
     // then the per-type union (zero: no relative program, no expected revision).
     let mut attr = [0u64; 8];

@@ -2,8 +2,6 @@
 //! and every program of the object loaded — verified, not attached — with the verifier's
 //! instruction count or its refusal.
 
-use std::os::fd::AsFd as _;
-
 use aya::{EbpfLoader, programs::Program};
 use fastpath_common::map_names;
 use serde::Serialize;
@@ -63,7 +61,7 @@ pub fn check(object: &[u8], full_log: bool) -> Result<KernelReport, DatapathErro
     let features = vec![Feature {
         name: "TCX links",
         since: "6.6",
-        present: tcx()?,
+        present: super::tcx_links()?,
         without: "TC programs attach through netlink (clsact qdisc, cls_bpf filters)",
     }];
     let pins = sys::ScratchPinDir::create("kernel-check")
@@ -108,18 +106,6 @@ pub fn check(object: &[u8], full_log: bool) -> Result<KernelReport, DatapathErro
         features,
         programs,
     })
-}
-
-/// TCX links, probed with a program of our own (any SCHED_CLS program will do).
-fn tcx() -> Result<bool, DatapathError> {
-    let io = |what: &str, source| DatapathError::Io {
-        what: what.into(),
-        source,
-    };
-    let prog = sys::load_return_zero(sys::BPF_PROG_TYPE_SCHED_CLS)
-        .map_err(|e| io("loading a two-instruction TC program to probe with", e))?;
-    sys::tcx_supported(prog.as_fd())
-        .map_err(|e| io("probing the kernel for TCX links (BPF_LINK_CREATE)", e))
 }
 
 /// The error, and for a verifier refusal the last lines of its log.

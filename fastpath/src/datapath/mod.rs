@@ -357,22 +357,11 @@ impl Datapath {
     /// kernel for TCX links and takes netlink where it has none; `tcx` on such a kernel is an
     /// error that names the feature. Logs and returns the choice.
     pub fn choose_tc_path(&mut self, mode: TcAttachMode) -> Result<TcPath, DatapathError> {
-        let mut tcx = || -> Result<bool, DatapathError> {
-            let prog: &mut SchedClassifier = program(&mut self.ebpf, program_names::TC_INGRESS)?;
-            let fd = prog.fd().map_err(|source| DatapathError::Program {
-                what: "reading the TC program's fd".into(),
-                source,
-            })?;
-            sys::tcx_supported(fd.as_fd()).map_err(|source| DatapathError::Io {
-                what: "probing the kernel for TCX links (BPF_LINK_CREATE)".into(),
-                source,
-            })
-        };
         let path = match mode {
             TcAttachMode::Netlink => TcPath::Netlink,
-            TcAttachMode::Tcx if tcx()? => TcPath::Tcx,
+            TcAttachMode::Tcx if tcx_links()? => TcPath::Tcx,
             TcAttachMode::Tcx => return Err(DatapathError::NoTcx),
-            TcAttachMode::Auto if tcx()? => TcPath::Tcx,
+            TcAttachMode::Auto if tcx_links()? => TcPath::Tcx,
             TcAttachMode::Auto => {
                 info!(
                     "This kernel has no TCX links (Linux 6.6 added them): TC programs attach through netlink (a clsact qdisc and a cls_bpf filter per hook)"
@@ -939,6 +928,14 @@ impl Datapath {
 /// kernel releases it when the process dies. Creates the directory (on a bpffs) if needed.
 pub struct PinDirLock {
     _dir: File,
+}
+
+/// Whether the kernel has TCX links (Linux 6.6), probed (see [`sys::tcx_supported`]).
+fn tcx_links() -> Result<bool, DatapathError> {
+    sys::tcx_supported().map_err(|source| DatapathError::Io {
+        what: "probing the kernel for TCX links (BPF_LINK_CREATE)".into(),
+        source,
+    })
 }
 
 pub fn lock_pin_dir(pin_dir: &Path) -> Result<PinDirLock, DatapathError> {
