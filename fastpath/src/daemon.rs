@@ -27,7 +27,7 @@ use crate::{
     conntrack,
     ct_events::{self, EventHub},
     ct_gc::{self, GcStats},
-    datapath::{self, CtTable, Datapath, DatapathError},
+    datapath::{self, CtTable, Datapath, DatapathError, TcPath},
     ifaces::{SysHost, plan_interfaces},
     rules::Rules,
 };
@@ -187,17 +187,21 @@ fn start_datapath(
     fresh_pins: &mut FreshPins<'_>,
 ) -> Result<(Rules, mpsc::Receiver<crate::health::Change>), DaemonError> {
     let pin_dir = fresh_pins.pin_dir;
-    let mut dp = Datapath::open(pin_dir, EBPF_OBJECT, *config.conntrack.capacity.get_ref())?;
+    // Before the load: a config this kernel cannot attach fails without touching the pins.
+    let tc_path = TcPath::choose(config.datapath.tc_attach)?;
+    let mut dp = Datapath::open(
+        pin_dir,
+        EBPF_OBJECT,
+        *config.conntrack.capacity.get_ref(),
+        tc_path,
+    )?;
     fresh_pins.armed = !dp.maps_reused;
     if dp.maps_reused {
         info!(pin_dir = %pin_dir.display(), "Reusing pinned maps; counters and state continue");
     } else {
         info!(pin_dir = %pin_dir.display(), "Created and pinned maps");
     }
-    if let Err(e) = dp
-        .choose_tc_path(config.datapath.tc_attach)
-        .and_then(|_| dp.attach_all(&config.interfaces))
-    {
+    if let Err(e) = dp.attach_all(&config.interfaces) {
         dp.discard_failed_load();
         return Err(e.into());
     }

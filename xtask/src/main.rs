@@ -90,7 +90,7 @@ commands:
   lint        cargo fmt --check, no import cycle among the eBPF crate's modules, and clippy
               with warnings denied
   modules     list which of the eBPF crate's modules each one imports (and any cycle)
-  vm          `vm <6.1|6.12> [--] CMD...`: CMD as root on Debian's kernel under qemu; `vm --help`
+  vm          `vm <6.1|6.12|5.10> [--] CMD...`: CMD as root on Debian's kernel under qemu; `vm --help`
 
 Everything that needs the kernel (demo, test, bench) must run as root.";
 
@@ -507,8 +507,16 @@ const EMULATION_SKIPS: &[&str] = &[
     "route::route_cache_hits_until_a_new_generation_or_a_second",
 ];
 
+/// The namespace tests run on each kernel of the matrix: the smoke test (the daemon on veths,
+/// TCP and UDP through VIPs balanced at XDP and at TC ingress, kill -9, a start, a clean stop).
+const MATRIX_NETNS_TESTS: &str = "smoke::";
+/// `FASTPATH_TEST_SLOWDOWN` for the namespace tests under emulation: a daemon start verifies
+/// every program, tens of seconds on 6.1 under qemu against a fraction of one on the host.
+const MATRIX_SLOWDOWN: &str = "15";
+
 /// On each kernel of [`KERNEL_MATRIX`]: `fastpath kernel` (every program through that kernel's
-/// verifier, with its instruction counts) and the datapath fixtures (BPF_PROG_TEST_RUN).
+/// verifier, with its instruction counts), the datapath fixtures (BPF_PROG_TEST_RUN) and the
+/// namespace smoke test ([`MATRIX_NETNS_TESTS`]).
 fn kernel_matrix() -> Result<()> {
     run(&mut cargo(&[
         "build",
@@ -528,6 +536,16 @@ fn kernel_matrix() -> Result<()> {
         "--no-run",
         "--message-format=json",
     ]))?;
+    let netns = test_executables(&mut cargo(&[
+        "test",
+        "--release",
+        "-p",
+        "fastpath",
+        "--test",
+        "netns",
+        "--no-run",
+        "--message-format=json",
+    ]))?;
     let root = root_dir();
     let fastpath = root.join("target/release/fastpath");
     let mut steps = vec![vec![path_arg(&fastpath)?, "kernel".to_owned()]];
@@ -538,9 +556,18 @@ fn kernel_matrix() -> Result<()> {
         }
         steps.push(command);
     }
+    for exe in &netns {
+        steps.push(vec![
+            "env".to_owned(),
+            format!("FASTPATH_TEST_SLOWDOWN={MATRIX_SLOWDOWN}"),
+            path_arg(exe)?,
+            "--test-threads=1".to_owned(),
+            MATRIX_NETNS_TESTS.to_owned(),
+        ]);
+    }
     for series in KERNEL_MATRIX {
         step(&format!(
-            "Linux {series} under qemu (emulated): every program through its verifier, the fixtures"
+            "Linux {series} under qemu (emulated): every program through its verifier, the fixtures, the namespace smoke test"
         ));
         let t = Instant::now();
         for command in &steps {

@@ -1,11 +1,11 @@
-//! `cargo xtask vm <6.1|6.12> [options] [--] <command> [args...]`: runs a host command as root
+//! `cargo xtask vm <6.1|6.12|5.10> [options] [--] <command> [args...]`: runs a host command as root
 //! inside Debian's own kernel under qemu, so the eBPF programs can be loaded and tested on the
 //! kernels users have, whatever kernel this machine runs.
 //!
 //! How it works, and why this way:
 //!
 //! - The kernel is Debian's generic `-amd64` flavour (the `-cloud` one has no 9p): 6.1 is
-//!   bookworm's, 6.12 bookworm-backports'. Its package is fetched with a private apt
+//!   bookworm's, 6.12 bookworm-backports', 5.10 (not in the matrix) bullseye's. Its package is fetched with a private apt
 //!   configuration under `.tools/kernels/apt/` (its own sources list, index and cache), so the
 //!   host's apt sources and state are never changed; it is extracted under
 //!   `.tools/kernels/<series>/root/` and `depmod` is run there. A stamp written last makes the
@@ -17,7 +17,8 @@
 //!   whose upper layer is guest memory, and `switch_root`s into it. The host's files are never
 //!   written; the guest's writes (anywhere but the run share) vanish at power-off. The overlay
 //!   is what lets the guest create `/lib/modules/<release>` on a host that has no /lib/modules.
-//! - Kernel-specific mounts on top: proc, sysfs, devtmpfs, tmpfs on `/tmp` and `/run`, bpffs,
+//! - Kernel-specific mounts on top: proc, sysfs, devtmpfs, tmpfs on `/tmp` and `/run` (the
+//!   current directory's top directory under the host's /tmp, if it is there, bound back), bpffs,
 //!   and `/lib/modules/<release>` bound from the extracted package, so `modprobe` and the
 //!   kernel's own module autoloading find the guest kernel's modules.
 //! - A second, writable 9p share (a per-run directory) carries the scripts in and the command's
@@ -69,13 +70,14 @@ const DEFAULT_MEM_MB: u32 = 1024;
 const DEFAULT_CPUS: u32 = 2;
 
 const USAGE: &str = "\
-cargo xtask vm <6.1|6.12> [--timeout SECS] [--mem MB] [--cpus N] [--] <command> [args...]
+cargo xtask vm <6.1|6.12|5.10> [--timeout SECS] [--mem MB] [--cpus N] [--] <command> [args...]
 
-Boots Debian's 6.1 (bookworm) or 6.12 (bookworm-backports) kernel under qemu emulation with
+Boots Debian's 6.1 (bookworm), 6.12 (bookworm-backports) or 5.10 (bullseye) kernel under qemu emulation with
 the host's / as its root (read-only to the host: the guest's writes stay in guest memory) and
 runs <command> as root in the current directory. The command's stdout and stderr are the
-guest's; its exit code is xtask's. /tmp and /run are empty tmpfs in the guest: run from a
-directory outside them. Defaults: --timeout 600, --mem 1024, --cpus 2.";
+guest's; its exit code is xtask's. /tmp and /run are empty tmpfs in the guest, except that
+a current directory under /tmp brings its top directory there (e.g. /tmp/clone.X); /run is
+refused. Defaults: --timeout 600, --mem 1024, --cpus 2.";
 
 /// The kernel series this subcommand knows: which package of `linux-image-amd64`'s
 /// dependencies belongs to it.
@@ -83,26 +85,29 @@ struct Series {
     name: &'static str,
     /// Prefix of the versioned image package, e.g. `linux-image-6.1.0-57-amd64`.
     package_prefix: &'static str,
+    /// The suites whose `linux-image-amd64` depends on it (`<archive path> <suite>`), signed
+    /// by the archive keyring every Debian system has.
+    suites: &'static [&'static str],
 }
 
 const SERIES: &[Series] = &[
     Series {
         name: "6.1",
         package_prefix: "linux-image-6.1.0-",
+        suites: &["debian bookworm", "debian-security bookworm-security"],
     },
     Series {
         name: "6.12",
         package_prefix: "linux-image-6.12.",
+        suites: &["debian bookworm-backports"],
+    },
+    // Not in the test command's matrix (see README "Kernels"): for trying.
+    Series {
+        name: "5.10",
+        package_prefix: "linux-image-5.10.0-",
+        suites: &["debian bullseye", "debian-security bullseye-security"],
     },
 ];
-
-/// bookworm for 6.1 (with its security updates), bookworm-backports for 6.12. Signed by the
-/// archive keyring every Debian system has.
-const APT_SOURCES: &str = "\
-deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian bookworm main
-deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian bookworm-backports main
-deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian-security bookworm-security main
-";
 
 struct Options {
     series: &'static Series,
@@ -160,8 +165,9 @@ pub fn run_in(
 }
 
 fn run_options(opts: &Options, cwd: &Path) -> Result<i32> {
-    // The guest mounts fresh tmpfs/proc/sys/dev there: the host's contents are hidden.
-    for hidden in ["/tmp", "/run", "/proc", "/sys", "/dev"] {
+    // The guest mounts fresh tmpfs/proc/sys/dev there: the host's contents are hidden. (A
+    // tree under /tmp is bound back in by command.sh.)
+    for hidden in ["/run", "/proc", "/sys", "/dev"] {
         if cwd.starts_with(hidden) {
             bail!(
                 "the current directory {} is under {hidden}, which the guest mounts afresh: run from elsewhere",
@@ -289,7 +295,7 @@ fn ensure_kernel(series: &Series) -> Result<Kernel> {
         }
     }
     fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let apt = Apt::new()?;
+    let apt = Apt::new(series)?;
     let package = apt.resolve(series)?;
     let deb = match find_deb(&dir, &package)? {
         Some(deb) => deb,
@@ -364,16 +370,22 @@ struct Apt {
 }
 
 impl Apt {
-    /// Writes the sources list and refreshes the private index.
-    fn new() -> Result<Apt> {
+    /// Writes the sources list (`series`'s suites) and refreshes the private index.
+    fn new(series: &Series) -> Result<Apt> {
         let dir = tools_dir().join("kernels/apt");
         for sub in ["lists/partial", "cache/archives/partial"] {
             let d = dir.join(sub);
             fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
         }
         let sources = dir.join("sources.list");
-        fs::write(&sources, APT_SOURCES)
-            .with_context(|| format!("writing {}", sources.display()))?;
+        let list: String = series
+            .suites
+            .iter()
+            .map(|suite| {
+                format!("deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/{suite} main\n")
+            })
+            .collect();
+        fs::write(&sources, list).with_context(|| format!("writing {}", sources.display()))?;
         let path = |p: PathBuf| p.to_string_lossy().into_owned();
         let options = vec![
             format!("Dir::Etc::sourcelist={}", path(sources)),
@@ -401,8 +413,7 @@ impl Apt {
     }
 
     /// The newest versioned image package of `series`: the metapackage `linux-image-amd64` of
-    /// each suite depends on its suite's current one (bookworm and its security updates: 6.1,
-    /// bookworm-backports: 6.12).
+    /// each of the series' suites depends on its suite's current one.
     fn resolve(&self, series: &Series) -> Result<String> {
         let show = output(
             self.command("apt-cache")
@@ -439,8 +450,8 @@ impl Apt {
         }
         best.map(|(_, p)| p).with_context(|| {
             format!(
-                "no linux-image-amd64 in bookworm, bookworm-security or bookworm-backports depends on a {}* package",
-                series.package_prefix
+                "no linux-image-amd64 in {:?} depends on a {}* package",
+                series.suites, series.package_prefix
             )
         })
     }
@@ -572,9 +583,14 @@ mount -t overlay -o lowerdir=/lower,upperdir=/upper/data,workdir=/upper/work ove
 mount -t proc proc /newroot/proc || fail "proc"
 mount -t sysfs sysfs /newroot/sys || fail "sysfs"
 mount -t devtmpfs devtmpfs /newroot/dev || fail "devtmpfs"
+# The host's /tmp stays reachable at /run/host-tmp (through the overlay), for a command run
+# from a tree under /tmp (see command.sh).
+mkdir -p /hosttmp
+mount -o bind /newroot/tmp /hosttmp || fail "keeping the host's /tmp"
 mount -t tmpfs -o mode=1777 tmpfs /newroot/tmp || fail "tmpfs /tmp"
 mount -t tmpfs -o mode=755 tmpfs /newroot/run || fail "tmpfs /run"
-mkdir -p /newroot/run/vm
+mkdir -p /newroot/run/vm /newroot/run/host-tmp
+mount -o move /hosttmp /newroot/run/host-tmp || fail "moving the host's /tmp to /run/host-tmp"
 # No cache on the writable share: the exit code must reach the host before power-off.
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 out /newroot/run/vm \
     || fail "mounting the run share (9p tag out)"
@@ -783,8 +799,26 @@ fn command_script(opts: &Options, cwd: &Path) -> Result<String> {
             vars.push((k, v));
         }
     }
+    // A tree under /tmp (a clone there, as `fresh-machine` makes): its top directory is bound
+    // from the host's /tmp over the guest's fresh one, so the command and its files are found
+    // where the host has them.
+    let mut script = String::new();
+    if let Some(top) = Path::new(cwd)
+        .strip_prefix("/tmp")
+        .ok()
+        .and_then(|rest| rest.components().next())
+    {
+        let top = top.as_os_str().to_str().context("a UTF-8 directory name")?;
+        let (host, guest) = (
+            sh_quote(&format!("/run/host-tmp/{top}")),
+            sh_quote(&format!("/tmp/{top}")),
+        );
+        script.push_str(&format!(
+            "mkdir -p {guest} && mount --bind {host} {guest} || exit 125\n"
+        ));
+    }
     // PID 1's environment is the kernel's (HOME=/, TERM=linux): replaced by these exports.
-    let mut script = format!("cd {} || exit 125\n", sh_quote(cwd));
+    script.push_str(&format!("cd {} || exit 125\n", sh_quote(cwd)));
     for (k, v) in &vars {
         script.push_str(&format!("export {k}={}\n", sh_quote(v)));
     }

@@ -184,7 +184,7 @@ impl HookKind {
     }
 }
 
-/// How TC programs attach on this kernel (chosen by [`Datapath::choose_tc_path`]).
+/// How TC programs attach on this kernel (chosen by [`TcPath::choose`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TcPath {
     /// bpf_links at the TCX hooks (Linux 6.6).
@@ -194,6 +194,26 @@ pub enum TcPath {
 }
 
 impl TcPath {
+    /// Decides how TC programs attach, before anything is loaded: `auto` probes the kernel
+    /// for TCX links and takes netlink where it has none; `tcx` on such a kernel is an error
+    /// that names the feature. Logs and returns the choice.
+    pub fn choose(mode: TcAttachMode) -> Result<TcPath, DatapathError> {
+        let path = match mode {
+            TcAttachMode::Netlink => TcPath::Netlink,
+            TcAttachMode::Tcx if tcx_links()? => TcPath::Tcx,
+            TcAttachMode::Tcx => return Err(DatapathError::NoTcx),
+            TcAttachMode::Auto if tcx_links()? => TcPath::Tcx,
+            TcAttachMode::Auto => {
+                info!(
+                    "This kernel has no TCX links (Linux 6.6 added them): TC programs attach through netlink (a clsact qdisc and a cls_bpf filter per hook)"
+                );
+                TcPath::Netlink
+            }
+        };
+        info!(tc_attach = path.name(), "TC attach path chosen");
+        Ok(path)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             TcPath::Tcx => "tcx",
@@ -239,17 +259,19 @@ pub struct Datapath {
     /// Pinned maps of another kind or size, being migrated: finished once the new programs
     /// are attached ([`Datapath::finish_migration`]); dropped unfinished, undone.
     migration: Option<migrate::Migration>,
-    /// How TC hooks attach; TCX until [`Datapath::choose_tc_path`] says otherwise.
+    /// How TC hooks attach.
     tc_path: TcPath,
 }
 
 impl Datapath {
-    /// Loads `object`, creating or reusing the maps pinned under `pin_dir/maps`. Call with
-    /// the [`lock_pin_dir`] lock held. A failed first load removes the maps it pinned.
+    /// Loads `object`, creating or reusing the maps pinned under `pin_dir/maps`; TC programs
+    /// will attach through `tc_path` ([`TcPath::choose`]). Call with the [`lock_pin_dir`]
+    /// lock held. A failed first load removes the maps it pinned.
     pub fn open(
         pin_dir: &Path,
         object: &[u8],
         ct_capacity: u32,
+        tc_path: TcPath,
     ) -> Result<Datapath, DatapathError> {
         let maps_dir = pin_dir.join("maps");
         for dir in [
@@ -273,7 +295,14 @@ impl Datapath {
         } else {
             None
         };
-        let loaded = Datapath::load(pin_dir, &maps_dir, object, maps_reused, ct_capacity);
+        let loaded = Datapath::load(
+            pin_dir,
+            &maps_dir,
+            object,
+            maps_reused,
+            ct_capacity,
+            tc_path,
+        );
         if loaded.is_err() && !maps_reused {
             let _ = remove_pins(pin_dir);
         }
@@ -313,6 +342,7 @@ impl Datapath {
         object: &[u8],
         maps_reused: bool,
         ct_capacity: u32,
+        tc_path: TcPath,
     ) -> Result<Datapath, DatapathError> {
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(maps_dir)
@@ -349,32 +379,11 @@ impl Datapath {
             interfaces: InterfacePlan::default(),
             tails_dir,
             migration: None,
-            tc_path: TcPath::Tcx,
+            tc_path,
         })
     }
 
-    /// Decides how TC programs attach (before [`Datapath::attach_all`]): `auto` probes the
-    /// kernel for TCX links and takes netlink where it has none; `tcx` on such a kernel is an
-    /// error that names the feature. Logs and returns the choice.
-    pub fn choose_tc_path(&mut self, mode: TcAttachMode) -> Result<TcPath, DatapathError> {
-        let path = match mode {
-            TcAttachMode::Netlink => TcPath::Netlink,
-            TcAttachMode::Tcx if tcx_links()? => TcPath::Tcx,
-            TcAttachMode::Tcx => return Err(DatapathError::NoTcx),
-            TcAttachMode::Auto if tcx_links()? => TcPath::Tcx,
-            TcAttachMode::Auto => {
-                info!(
-                    "This kernel has no TCX links (Linux 6.6 added them): TC programs attach through netlink (a clsact qdisc and a cls_bpf filter per hook)"
-                );
-                TcPath::Netlink
-            }
-        };
-        info!(tc_attach = path.name(), "TC attach path chosen");
-        self.tc_path = path;
-        Ok(path)
-    }
-
-    /// How TC programs attach (see [`Datapath::choose_tc_path`]).
+    /// How TC programs attach (see [`TcPath::choose`]).
     pub fn tc_path(&self) -> TcPath {
         self.tc_path
     }

@@ -1,19 +1,22 @@
 //! Traffic that end-to-end tests keep running through a load balancer while they break it:
-//! a slowly read download ([`SlowDownload`]), a pool of long-lived echo connections
-//! ([`ConnPool`] against [`EchoServers`]), and the TCP reset counters of a namespace
+//! a slowly read download ([`SlowDownload`]), a pool of long-lived echo conversations over TCP
+//! or UDP ([`ConnPool`] against [`EchoServers`]), and the TCP reset counters of a namespace
 //! ([`tcp_resets`]).
 //!
 //! Contract: every byte is checked. The download is compared with its file by the caller; each
 //! pooled connection sends its own deterministic byte stream and compares every echoed byte,
-//! recording the first error (reset, EOF, mismatch, stall) per connection. Sockets are created
+//! recording the first error (reset, EOF, mismatch, stall) per connection; a UDP flow sends
+//! its stream a datagram at a time from one socket (one source port, so one conntrack entry)
+//! and sends a datagram again until its echo arrives. Sockets are created
 //! inside the namespaces (a thread that entered it), then served by a tokio runtime the object
 //! owns; dropping the object stops its tasks and closes its sockets.
 
 use std::{
+    collections::{BTreeMap, BTreeSet},
     fmt,
     fs::File,
     io::{self, Read as _},
-    net::{SocketAddr, TcpListener, TcpStream},
+    net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
     path::Path,
     process::ExitStatus,
     sync::{
@@ -176,55 +179,120 @@ fn runtime(name: &str) -> tokio::runtime::Runtime {
         .unwrap_or_else(|e| panic!("starting a tokio runtime for {name}: {e}"))
 }
 
-/// TCP echo servers, one listener per `(namespace, address)`: every byte read is written
-/// back. A connection ends when its client closes (FIN answered with FIN, no reset).
+/// The transport of an [`EchoServers`] listener or a [`ConnPool`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    Tcp,
+    Udp,
+}
+
+/// Echo servers, one socket per `(namespace, address)`. TCP: every byte read is written back,
+/// and a connection ends when its client closes (FIN answered with FIN, no reset). UDP: every
+/// datagram goes back to the address it came from.
 pub struct EchoServers {
     rt: Option<tokio::runtime::Runtime>,
-    /// Connections accepted so far, over all listeners.
+    /// Connections accepted so far, over all listeners (TCP).
     accepted: Arc<AtomicU64>,
+    /// Per listener, in the order given: the addresses it served (a TCP connection's or a UDP
+    /// datagram's source).
+    peers: Vec<Arc<Mutex<BTreeSet<SocketAddr>>>>,
 }
 
 impl EchoServers {
+    /// TCP echo servers.
     pub fn start(listeners: &[(&Netns, SocketAddr)]) -> Result<EchoServers, NetnsError> {
+        EchoServers::start_on(Transport::Tcp, listeners)
+    }
+
+    pub fn start_on(
+        transport: Transport,
+        listeners: &[(&Netns, SocketAddr)],
+    ) -> Result<EchoServers, NetnsError> {
         let rt = runtime("echo-servers");
         let accepted = Arc::new(AtomicU64::new(0));
+        let mut peers = Vec::with_capacity(listeners.len());
         for &(ns, addr) in listeners {
-            let listener = ns
-                .in_netns(move || {
-                    let l = TcpListener::bind(addr)?;
-                    l.set_nonblocking(true)?;
-                    Ok::<_, io::Error>(l)
-                })?
-                .map_err(|source| NetnsError::Io {
-                    what: format!("echo server on {addr} in {}", ns.name()),
-                    source,
-                })?;
+            let served = Arc::new(Mutex::new(BTreeSet::new()));
+            peers.push(served.clone());
+            let io_err = |what: &str, source| NetnsError::Io {
+                what: format!("{what} echo server on {addr} in {}", ns.name()),
+                source,
+            };
             let _in_rt = rt.enter();
-            let listener =
-                tokio::net::TcpListener::from_std(listener).map_err(|source| NetnsError::Io {
-                    what: format!("registering the echo listener on {addr}"),
-                    source,
-                })?;
-            let accepted = accepted.clone();
-            rt.spawn(async move {
-                while let Ok((mut s, _)) = listener.accept().await {
-                    accepted.fetch_add(1, Ordering::Relaxed);
-                    tokio::spawn(async move {
-                        let (mut r, mut w) = s.split();
-                        let _ = tokio::io::copy(&mut r, &mut w).await;
-                        let _ = w.shutdown().await;
+            match transport {
+                Transport::Tcp => {
+                    let listener = ns
+                        .in_netns(move || {
+                            let l = TcpListener::bind(addr)?;
+                            l.set_nonblocking(true)?;
+                            Ok::<_, io::Error>(l)
+                        })?
+                        .and_then(tokio::net::TcpListener::from_std)
+                        .map_err(|e| io_err("TCP", e))?;
+                    let accepted = accepted.clone();
+                    rt.spawn(async move {
+                        while let Ok((mut s, peer)) = listener.accept().await {
+                            accepted.fetch_add(1, Ordering::Relaxed);
+                            served.lock().expect("not poisoned").insert(peer);
+                            tokio::spawn(async move {
+                                let (mut r, mut w) = s.split();
+                                let _ = tokio::io::copy(&mut r, &mut w).await;
+                                let _ = w.shutdown().await;
+                            });
+                        }
                     });
                 }
-            });
+                Transport::Udp => {
+                    let socket = ns
+                        .in_netns(move || {
+                            let s = UdpSocket::bind(addr)?;
+                            s.set_nonblocking(true)?;
+                            Ok::<_, io::Error>(s)
+                        })?
+                        .and_then(tokio::net::UdpSocket::from_std)
+                        .map_err(|e| io_err("UDP", e))?;
+                    rt.spawn(async move {
+                        let mut buf = vec![0u8; 65536];
+                        while let Ok((n, peer)) = socket.recv_from(&mut buf).await {
+                            served.lock().expect("not poisoned").insert(peer);
+                            if socket.send_to(&buf[..n], peer).await.is_err() {
+                                break;
+                            }
+                        }
+                    });
+                }
+            }
         }
         Ok(EchoServers {
             rt: Some(rt),
             accepted,
+            peers,
         })
     }
 
     pub fn accepted(&self) -> u64 {
         self.accepted.load(Ordering::Relaxed)
+    }
+
+    /// Per listener, in the order given to `start`: the peers it served so far.
+    pub fn peers(&self) -> Vec<BTreeSet<SocketAddr>> {
+        self.peers
+            .iter()
+            .map(|p| p.lock().expect("not poisoned").clone())
+            .collect()
+    }
+
+    /// Peers served by more than one listener (a flow that moved between backends), with
+    /// the listeners' indexes.
+    pub fn peers_on_two_listeners(&self) -> BTreeMap<SocketAddr, Vec<usize>> {
+        let mut on: BTreeMap<SocketAddr, Vec<usize>> = BTreeMap::new();
+        for (i, set) in self.peers().into_iter().enumerate() {
+            for peer in set {
+                on.entry(peer).or_default().push(i);
+            }
+        }
+        on.retain(|_, listeners| listeners.len() > 1);
+        on
     }
 }
 
@@ -295,13 +363,49 @@ impl ConnError {
     }
 }
 
+/// A pooled connection's socket, made in the client's namespace.
+enum Made {
+    Tcp(TcpStream),
+    Udp(UdpSocket),
+}
+
+impl Made {
+    /// A TCP connection to `target` (within 5 s), or a UDP socket connected to it.
+    fn connect(transport: Transport, target: SocketAddr) -> io::Result<Made> {
+        Ok(match transport {
+            Transport::Tcp => {
+                let s = TcpStream::connect_timeout(&target, Duration::from_secs(5))?;
+                s.set_nodelay(true)?;
+                s.set_nonblocking(true)?;
+                Made::Tcp(s)
+            }
+            Transport::Udp => {
+                let any = if target.is_ipv4() {
+                    SocketAddr::from(([0u8; 4], 0))
+                } else {
+                    SocketAddr::from(([0u16; 8], 0))
+                };
+                let s = UdpSocket::bind(any)?;
+                s.connect(target)?;
+                s.set_nonblocking(true)?;
+                Made::Udp(s)
+            }
+        })
+    }
+}
+
 /// One connection's counters, written by its task.
 #[derive(Default)]
 struct ConnStat {
     sent: AtomicU64,
     verified: AtomicU64,
+    /// UDP datagrams sent again after [`UDP_RESEND`] without their echo.
+    resent: AtomicU64,
     error: Mutex<Option<ConnError>>,
 }
+
+/// How long a UDP flow waits for a datagram's echo before sending the datagram again.
+pub const UDP_RESEND: Duration = Duration::from_secs(1);
 
 /// Bytes each connection had verified at one moment: see [`ConnPool::mark`].
 #[derive(Clone, Debug)]
@@ -351,12 +455,14 @@ pub struct PoolTotals {
     pub connections: usize,
     pub bytes_sent: u64,
     pub bytes_verified: u64,
+    /// UDP datagrams sent again (see [`UDP_RESEND`]).
+    pub resent: u64,
     pub failed: Vec<(usize, ConnError)>,
 }
 
-/// `n` long-lived TCP connections from a namespace to one address (a VIP): each sends a
-/// chunk of its own deterministic byte stream every interval and checks the echo byte for
-/// byte. Meant to run against [`EchoServers`] behind a load balancer.
+/// `n` long-lived TCP connections (or UDP flows) from a namespace to one address (a VIP):
+/// each sends a chunk of its own deterministic byte stream every interval and checks the echo
+/// byte for byte. Meant to run against [`EchoServers`] behind a load balancer.
 pub struct ConnPool {
     rt: Option<tokio::runtime::Runtime>,
     stats: Arc<Vec<ConnStat>>,
@@ -366,28 +472,34 @@ pub struct ConnPool {
 }
 
 impl ConnPool {
-    /// Connects `n` times from `client` to `target` (one after the other, each within 5 s),
-    /// then starts the rounds. Fails on the first connection that cannot be made.
+    /// Connects `n` times over TCP from `client` to `target` (one after the other, each
+    /// within 5 s), then starts the rounds. Fails on the first connection that cannot be made.
     pub fn open(
         client: &Netns,
         target: SocketAddr,
         n: usize,
         opts: PoolOptions,
     ) -> Result<ConnPool, NetnsError> {
-        let streams = client
+        ConnPool::open_on(Transport::Tcp, client, target, n, opts)
+    }
+
+    /// As [`ConnPool::open`] over `transport`; a UDP flow is a socket of its own, connected to
+    /// `target` (no packet is sent before its first round).
+    pub fn open_on(
+        transport: Transport,
+        client: &Netns,
+        target: SocketAddr,
+        n: usize,
+        opts: PoolOptions,
+    ) -> Result<ConnPool, NetnsError> {
+        let made = client
             .in_netns(move || {
                 (0..n)
-                    .map(|i| {
-                        let s = TcpStream::connect_timeout(&target, Duration::from_secs(5))
-                            .map_err(|e| (i, e))?;
-                        s.set_nodelay(true).map_err(|e| (i, e))?;
-                        s.set_nonblocking(true).map_err(|e| (i, e))?;
-                        Ok(s)
-                    })
+                    .map(|i| Made::connect(transport, target).map_err(|e| (i, e)))
                     .collect::<Result<Vec<_>, (usize, io::Error)>>()
             })?
             .map_err(|(i, source)| NetnsError::Io {
-                what: format!("pooled connection {i} of {n} to {target}"),
+                what: format!("pooled {transport:?} connection {i} of {n} to {target}"),
                 source,
             })?;
         let rt = runtime("conn-pool");
@@ -395,19 +507,34 @@ impl ConnPool {
         let stop = Arc::new(AtomicBool::new(false));
         let _in_rt = rt.enter();
         let mut tasks = Vec::with_capacity(n);
-        for (i, s) in streams.into_iter().enumerate() {
-            let s = tokio::net::TcpStream::from_std(s).map_err(|source| NetnsError::Io {
+        for (i, made) in made.into_iter().enumerate() {
+            let registered = |source| NetnsError::Io {
                 what: "registering a pooled connection".into(),
                 source,
-            })?;
+            };
             let (stats, stop) = (stats.clone(), stop.clone());
             let first = opts.interval.mul_f64(i as f64 / n as f64);
-            tasks.push(rt.spawn(async move {
-                let stat = &stats[i];
-                if let Err(e) = converse(i as u64, s, stat, &stop, first, opts).await {
-                    *stat.error.lock().expect("not poisoned") = Some(e);
+            let conn = i as u64;
+            tasks.push(match made {
+                Made::Tcp(s) => {
+                    let s = tokio::net::TcpStream::from_std(s).map_err(registered)?;
+                    rt.spawn(async move {
+                        let stat = &stats[i];
+                        if let Err(e) = converse(conn, s, stat, &stop, first, opts).await {
+                            *stat.error.lock().expect("not poisoned") = Some(e);
+                        }
+                    })
                 }
-            }));
+                Made::Udp(s) => {
+                    let s = tokio::net::UdpSocket::from_std(s).map_err(registered)?;
+                    rt.spawn(async move {
+                        let stat = &stats[i];
+                        if let Err(e) = converse_udp(conn, s, stat, &stop, first, opts).await {
+                            *stat.error.lock().expect("not poisoned") = Some(e);
+                        }
+                    })
+                }
+            });
         }
         drop(_in_rt);
         Ok(ConnPool {
@@ -511,15 +638,39 @@ impl ConnPool {
             connections: self.stats.len(),
             bytes_sent: 0,
             bytes_verified: 0,
+            resent: 0,
             failed: Vec::new(),
         };
         for (i, s) in self.stats.iter().enumerate() {
             totals.bytes_sent += s.sent.load(Ordering::Relaxed);
+            totals.resent += s.resent.load(Ordering::Relaxed);
             totals.bytes_verified += s.verified.load(Ordering::Relaxed);
             if let Some(e) = s.error.lock().expect("not poisoned").clone() {
                 totals.failed.push((i, e));
             }
         }
+        totals
+    }
+}
+
+impl ConnPool {
+    /// [`ConnPool::finish`], panicking (`when` names the moment) unless every connection
+    /// closed cleanly with every byte it sent echoed and verified.
+    pub fn finish_intact(self, when: &str) -> PoolTotals {
+        let target = self.target;
+        let totals = self.finish();
+        assert!(
+            totals.failed.is_empty(),
+            "{when}: {} of {} connections to {target} failed ({}; e.g. {:?})",
+            totals.failed.len(),
+            totals.connections,
+            totals.failure_kinds(),
+            &totals.failed[..totals.failed.len().min(5)]
+        );
+        assert_eq!(
+            totals.bytes_verified, totals.bytes_sent,
+            "{when}: bytes echoed and verified against bytes sent to {target}"
+        );
         totals
     }
 }
@@ -550,6 +701,13 @@ pub fn stream_byte(conn: u64, offset: u64) -> u8 {
     z.to_le_bytes()[(offset & 7) as usize]
 }
 
+/// Fills `out` with connection `conn`'s stream from `offset`.
+fn fill(out: &mut [u8], conn: u64, offset: u64) {
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = stream_byte(conn, offset + i as u64);
+    }
+}
+
 /// One pooled connection: rounds of send-then-verify until told to stop, then a clean close.
 async fn converse(
     conn: u64,
@@ -563,9 +721,7 @@ async fn converse(
     let (mut out, mut back) = (vec![0u8; opts.chunk], vec![0u8; opts.chunk]);
     let mut offset = 0u64;
     while !stop.load(Ordering::Relaxed) {
-        for (i, b) in out.iter_mut().enumerate() {
-            *b = stream_byte(conn, offset + i as u64);
-        }
+        fill(&mut out, conn, offset);
         let round = async {
             s.write_all(&out).await?;
             stat.sent.fetch_add(out.len() as u64, Ordering::Relaxed);
@@ -594,6 +750,49 @@ async fn converse(
         Ok(Err(e)) => Err(ConnError::from_io(&e)),
         Err(_) => Err(ConnError::Stalled),
     }
+}
+
+/// One pooled UDP flow: a datagram per round, sent again every [`UDP_RESEND`] until its echo
+/// arrives (an echo of the previous round's datagram, late after a resend, is passed over).
+async fn converse_udp(
+    conn: u64,
+    s: tokio::net::UdpSocket,
+    stat: &ConnStat,
+    stop: &AtomicBool,
+    first: Duration,
+    opts: PoolOptions,
+) -> Result<(), ConnError> {
+    tokio::time::sleep(first).await;
+    let (mut out, mut back) = (vec![0u8; opts.chunk], vec![0u8; opts.chunk + 1]);
+    let mut previous = vec![0u8; opts.chunk];
+    let mut offset = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        fill(&mut out, conn, offset);
+        stat.sent.fetch_add(out.len() as u64, Ordering::Relaxed);
+        let deadline = tokio::time::Instant::now() + opts.stall_timeout;
+        'round: loop {
+            s.send(&out).await.map_err(|e| ConnError::from_io(&e))?;
+            let resend = tokio::time::Instant::now() + UDP_RESEND;
+            loop {
+                match tokio::time::timeout_at(resend.min(deadline), s.recv(&mut back)).await {
+                    Err(_) if tokio::time::Instant::now() >= deadline => {
+                        return Err(ConnError::Stalled);
+                    }
+                    Err(_) => break,
+                    Ok(Err(e)) => return Err(ConnError::from_io(&e)),
+                    Ok(Ok(n)) if back[..n] == out[..] => break 'round,
+                    Ok(Ok(n)) if offset > 0 && back[..n] == previous[..] => {}
+                    Ok(Ok(_)) => return Err(ConnError::Mismatch { offset }),
+                }
+            }
+            stat.resent.fetch_add(1, Ordering::Relaxed);
+        }
+        offset += out.len() as u64;
+        stat.verified.store(offset, Ordering::Relaxed);
+        std::mem::swap(&mut out, &mut previous);
+        tokio::time::sleep(opts.interval).await;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

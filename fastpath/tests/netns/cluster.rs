@@ -489,13 +489,7 @@ fn a_cluster_keeps_every_connection_through_a_death_a_rejoin_and_a_drain() {
 
     let client_after = tcp_resets(c.topo.ns("client"));
     let (status, body) = download.finish_within(Duration::from_secs(120));
-    let totals = pool.finish();
-    assert!(
-        totals.failed.is_empty(),
-        "connections failed on close: {} ({})",
-        totals.failed.len(),
-        totals.failure_kinds()
-    );
+    let totals = pool.finish_intact("on close");
     assert!(
         status.is_some_and(|s| s.success()) && body == c.bulk,
         "the download must arrive intact: {} of {BULK_BYTES} bytes, curl {status:?}",

@@ -1341,7 +1341,7 @@ enum Balance {
 const FOREIGN_FILTER_PRIO: &str = "4000";
 
 /// `tc filter show` of `dev`'s ingress and egress in `ns`.
-fn tc_filters(ns: &Netns, dev: &str) -> String {
+pub(crate) fn tc_filters(ns: &Netns, dev: &str) -> String {
     ["ingress", "egress"]
         .iter()
         .map(|dir| {
@@ -1570,18 +1570,7 @@ fn daemon_exits_leave_forwarding_as_it_was(hook: Balance) {
 
     let (mut conns, mut bytes) = (0, 0);
     for pool in pools {
-        let totals = pool.finish();
-        assert!(
-            totals.failed.is_empty(),
-            "{} of {} connections failed ({})",
-            totals.failed.len(),
-            totals.connections,
-            totals.failure_kinds()
-        );
-        assert_eq!(
-            totals.bytes_verified, totals.bytes_sent,
-            "echoed bytes verified"
-        );
+        let totals = pool.finish_intact("at the end");
         conns += totals.connections;
         bytes += totals.bytes_verified;
     }

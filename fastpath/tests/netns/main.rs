@@ -27,6 +27,7 @@ mod ha_sync;
 mod lb;
 mod metrics_http;
 mod route;
+mod smoke;
 mod traffic;
 mod vlan;
 mod vxlan;

@@ -630,9 +630,21 @@ fn link_exists(id: u64) -> bool {
     host_run(&["bpftool", "link", "show", "id", &id.to_string()]).is_ok()
 }
 
+/// Whether the running kernel has TCX links (Linux 6.6 added them), from its release: the
+/// tests' own witness, apart from the daemon's probe.
+pub(crate) fn kernel_has_tcx() -> bool {
+    let release = host_run(&["uname", "-r"]).unwrap_or_else(|e| panic!("{e}"));
+    let mut numbers = release
+        .trim()
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|n| n.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
+    (major, minor) >= (6, 6)
+}
+
 /// What runs on one interface, as the kernel reports it per device (not per pin).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-struct DeviceHooks {
+pub(crate) struct DeviceHooks {
     /// Ids of the XDP programs `bpftool net show` lists (one per mode; at most one here).
     xdp: Vec<u64>,
     /// Program ids at TCX ingress and egress, in run order, from BPF_PROG_QUERY: older
@@ -652,8 +664,8 @@ impl DeviceHooks {
     }
 }
 
-/// The XDP and TC programs attached to `dev` in `ns`.
-fn device_hooks(ns: &Netns, dev: &str) -> DeviceHooks {
+/// The XDP and TC programs attached to `dev` in `ns` (no TCX query on a kernel without TCX).
+pub(crate) fn device_hooks(ns: &Netns, dev: &str) -> DeviceHooks {
     let out = ns
         .run(&["bpftool", "-j", "net", "show", "dev", dev])
         .unwrap_or_else(|e| panic!("{e}"));
@@ -677,7 +689,11 @@ fn device_hooks(ns: &Netns, dev: &str) -> DeviceHooks {
     let mut tc = section("tc");
     tc.extend(section("tcx"));
     let c_dev = CString::new(dev).expect("interface names have no NUL");
+    let tcx = kernel_has_tcx();
     let query = |attach: TcAttachType| -> Vec<u64> {
+        if !tcx {
+            return Vec::new();
+        }
         let (_revision, progs) = ns
             .in_netns(|| SchedClassifier::query_tcx(c_dev.as_c_str(), attach))
             .unwrap_or_else(|e| panic!("{e}"))
@@ -700,7 +716,7 @@ fn device_hooks(ns: &Netns, dev: &str) -> DeviceHooks {
 
 /// Asserts that no XDP program and no TC program (TCX or classic) is attached to any of
 /// `devs` in `ns`.
-fn assert_nothing_attached<S: AsRef<str>>(ns: &Netns, devs: &[S], when: &str) {
+pub(crate) fn assert_nothing_attached<S: AsRef<str>>(ns: &Netns, devs: &[S], when: &str) {
     for dev in devs {
         let dev = dev.as_ref();
         let hooks = device_hooks(ns, dev);
