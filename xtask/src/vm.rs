@@ -18,7 +18,8 @@
 //!   written; the guest's writes (anywhere but the run share) vanish at power-off. The overlay
 //!   is what lets the guest create `/lib/modules/<release>` on a host that has no /lib/modules.
 //! - Kernel-specific mounts on top: proc, sysfs, devtmpfs, tmpfs on `/tmp` and `/run` (the
-//!   current directory's top directory under the host's /tmp, if it is there, bound back), bpffs,
+//!   top directories under the host's /tmp of the current directory and the kernel's, if they
+//!   are there, bound back), bpffs,
 //!   and `/lib/modules/<release>` bound from the extracted package, so `modprobe` and the
 //!   kernel's own module autoloading find the guest kernel's modules.
 //! - A second, writable 9p share (a per-run directory) carries the scripts in and the command's
@@ -76,8 +77,8 @@ Boots Debian's 6.1 (bookworm), 6.12 (bookworm-backports) or 5.10 (bullseye) kern
 the host's / as its root (read-only to the host: the guest's writes stay in guest memory) and
 runs <command> as root in the current directory. The command's stdout and stderr are the
 guest's; its exit code is xtask's. /tmp and /run are empty tmpfs in the guest, except that
-a current directory under /tmp brings its top directory there (e.g. /tmp/clone.X); /run is
-refused. Defaults: --timeout 600, --mem 1024, --cpus 2.";
+a current directory (or this tree's .tools) under /tmp brings its top directory there (e.g.
+/tmp/clone.X); /run is refused. Defaults: --timeout 600, --mem 1024, --cpus 2.";
 
 /// The kernel series this subcommand knows: which package of `linux-image-amd64`'s
 /// dependencies belongs to it.
@@ -602,9 +603,15 @@ exec switch_root /newroot /bin/sh /run/vm/stage2.sh
 /// modules at /lib/modules), the modules the tests use, then the command with its stdout on
 /// ttyS1 and stderr on ttyS2 (raw: no CR added, no echo). The exit code goes to the run share;
 /// then power-off (PID 1 must not exit: the kernel would panic).
-const STAGE2: &str = r#"# sourced: MODULES_DIR, GUEST_MODULES
+const STAGE2: &str = r#"# sourced: MODULES_DIR, GUEST_MODULES, HOST_TMP_TOPS
 . /run/vm/env.sh
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin
+# The host's /tmp directories the run needs (a checkout there, its kernels), bound from the
+# host's /tmp over the guest's fresh one, first: the modules below may be among them.
+for top in $HOST_TMP_TOPS; do
+    mkdir -p "/tmp/$top" && mount --bind "/run/host-tmp/$top" "/tmp/$top" \
+        || echo "vm: binding the host's /tmp/$top failed" >&2
+done
 mount -t bpf bpf /sys/fs/bpf
 mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null
 mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null
@@ -799,26 +806,8 @@ fn command_script(opts: &Options, cwd: &Path) -> Result<String> {
             vars.push((k, v));
         }
     }
-    // A tree under /tmp (a clone there, as `fresh-machine` makes): its top directory is bound
-    // from the host's /tmp over the guest's fresh one, so the command and its files are found
-    // where the host has them.
-    let mut script = String::new();
-    if let Some(top) = Path::new(cwd)
-        .strip_prefix("/tmp")
-        .ok()
-        .and_then(|rest| rest.components().next())
-    {
-        let top = top.as_os_str().to_str().context("a UTF-8 directory name")?;
-        let (host, guest) = (
-            sh_quote(&format!("/run/host-tmp/{top}")),
-            sh_quote(&format!("/tmp/{top}")),
-        );
-        script.push_str(&format!(
-            "mkdir -p {guest} && mount --bind {host} {guest} || exit 125\n"
-        ));
-    }
     // PID 1's environment is the kernel's (HOME=/, TERM=linux): replaced by these exports.
-    script.push_str(&format!("cd {} || exit 125\n", sh_quote(cwd)));
+    let mut script = format!("cd {} || exit 125\n", sh_quote(cwd));
     for (k, v) in &vars {
         script.push_str(&format!("export {k}={}\n", sh_quote(v)));
     }
@@ -881,6 +870,29 @@ fn forward(fifo: PathBuf, to_stderr: bool) -> thread::JoinHandle<io::Result<()>>
     })
 }
 
+/// The top directories under /tmp of `paths` (`/tmp/clone.X/tree` → `clone.X`), which the
+/// guest binds back from the host over its fresh /tmp.
+fn host_tmp_tops(paths: &[&Path]) -> Result<Vec<String>> {
+    let mut tops = Vec::new();
+    for path in paths {
+        if let Some(top) = path
+            .strip_prefix("/tmp")
+            .ok()
+            .and_then(|rest| rest.components().next())
+        {
+            let top = top
+                .as_os_str()
+                .to_str()
+                .filter(|t| !t.contains(char::is_whitespace))
+                .with_context(|| format!("{}: a directory name sh can split on", path.display()))?;
+            if !tops.iter().any(|t| t == top) {
+                tops.push(top.to_owned());
+            }
+        }
+    }
+    Ok(tops)
+}
+
 /// Boots the guest, runs the command, returns its exit code.
 fn boot(
     kernel: &Kernel,
@@ -900,9 +912,10 @@ fn boot(
     fs::write(
         dir.join("env.sh"),
         format!(
-            "MODULES_DIR={}\nGUEST_MODULES={}\n",
+            "MODULES_DIR={}\nGUEST_MODULES={}\nHOST_TMP_TOPS={}\n",
             sh_quote(&kernel.modules().to_string_lossy()),
-            sh_quote(&GUEST_MODULES.join(" "))
+            sh_quote(&GUEST_MODULES.join(" ")),
+            sh_quote(&host_tmp_tops(&[cwd, &kernel.modules()])?.join(" "))
         ),
     )
     .context("writing env.sh")?;
