@@ -562,6 +562,8 @@ fn kernel_matrix() -> Result<()> {
             format!("FASTPATH_TEST_SLOWDOWN={MATRIX_SLOWDOWN}"),
             path_arg(exe)?,
             "--test-threads=1".to_owned(),
+            // Their summary lines (the traffic each carried) are the step's evidence.
+            "--nocapture".to_owned(),
             MATRIX_NETNS_TESTS.to_owned(),
         ]);
     }
