@@ -30,7 +30,7 @@ use fastpath::testkit::{
 use crate::{
     bin,
     lb::tc_filters,
-    traffic::{assert_nothing_attached, kernel_has_tcx},
+    traffic::{assert_nothing_attached, kernel_has_tcx, kernel_release},
 };
 
 const VIP4: &str = "10.200.0.100";
@@ -244,7 +244,7 @@ fn smoke(at_tc: bool) {
     eprintln!(
         "smoke at {} on Linux {}, TC attach {expected_attach}: {} TCP connections ({} bytes echoed and verified) and {} UDP flows ({} bytes, {} datagrams sent again) over IPv4 and IPv6 through kill -9 and a start; backends served TCP {tcp_served:?}, UDP {udp_served:?}; 0 resets; a clean stop left no program of ours attached",
         if at_tc { "TC ingress" } else { "XDP" },
-        release(),
+        kernel_release(),
         tcp.flows,
         tcp.bytes,
         udp.flows,
@@ -284,10 +284,4 @@ fn tcx_is_refused(lb: &LbTopology, config: &DaemonConfig) {
             .unwrap_or_default()
             .trim()
     );
-}
-
-fn release() -> String {
-    fastpath::testkit::netns::host_run(&["uname", "-r"])
-        .map(|r| r.trim().to_owned())
-        .unwrap_or_default()
 }

@@ -630,12 +630,21 @@ fn link_exists(id: u64) -> bool {
     host_run(&["bpftool", "link", "show", "id", &id.to_string()]).is_ok()
 }
 
+/// The running kernel's release (`uname -r`), read once.
+pub(crate) fn kernel_release() -> &'static str {
+    static RELEASE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    RELEASE.get_or_init(|| {
+        host_run(&["uname", "-r"])
+            .unwrap_or_else(|e| panic!("{e}"))
+            .trim()
+            .to_owned()
+    })
+}
+
 /// Whether the running kernel has TCX links (Linux 6.6 added them), from its release: the
 /// tests' own witness, apart from the daemon's probe.
 pub(crate) fn kernel_has_tcx() -> bool {
-    let release = host_run(&["uname", "-r"]).unwrap_or_else(|e| panic!("{e}"));
-    let mut numbers = release
-        .trim()
+    let mut numbers = kernel_release()
         .split(|c: char| !c.is_ascii_digit())
         .map(|n| n.parse::<u32>().unwrap_or(0));
     let (major, minor) = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
