@@ -1,11 +1,13 @@
-//! `cargo xtask vm <6.1|6.12|5.10> [options] [--] <command> [args...]`: runs a host command as root
-//! inside Debian's own kernel under qemu, so the eBPF programs can be loaded and tested on the
-//! kernels users have, whatever kernel this machine runs.
+//! `cargo xtask vm <6.1|6.12|5.15|5.10> [options] [--] <command> [args...]`: runs a host command
+//! as root inside a distribution's own kernel under qemu, so the eBPF programs can be loaded and
+//! tested on the kernels users have, whatever kernel this machine runs.
 //!
 //! How it works, and why this way:
 //!
 //! - The kernel is Debian's generic `-amd64` flavour (the `-cloud` one has no 9p): 6.1 is
-//!   bookworm's, 6.12 bookworm-backports', 5.10 (not in the matrix) bullseye's. Its package is fetched with a private apt
+//!   bookworm's, 6.12 bookworm-backports'; not in the matrix, 5.10 is bullseye's and 5.15
+//!   Ubuntu 22.04's `-generic` (its image and `linux-modules` packages, the archive's keyring
+//!   package pinned by hash). Its packages are fetched with a private apt
 //!   configuration under `.tools/kernels/apt/` (its own sources list, index and cache), so the
 //!   host's apt sources and state are never changed; it is extracted under
 //!   `.tools/kernels/<series>/root/` and `depmod` is run there. A stamp written last makes the
@@ -71,41 +73,102 @@ const DEFAULT_MEM_MB: u32 = 1024;
 const DEFAULT_CPUS: u32 = 2;
 
 const USAGE: &str = "\
-cargo xtask vm <6.1|6.12|5.10> [--timeout SECS] [--mem MB] [--cpus N] [--] <command> [args...]
+cargo xtask vm <6.1|6.12|5.15|5.10> [--timeout SECS] [--mem MB] [--cpus N] [--] <command> [args...]
 
-Boots Debian's 6.1 (bookworm), 6.12 (bookworm-backports) or 5.10 (bullseye) kernel under qemu emulation with
+Boots Debian's 6.1 (bookworm), 6.12 (bookworm-backports) or 5.10 (bullseye) kernel, or
+Ubuntu 22.04's 5.15 (jammy-updates), under qemu emulation with
 the host's / as its root (read-only to the host: the guest's writes stay in guest memory) and
 runs <command> as root in the current directory. The command's stdout and stderr are the
 guest's; its exit code is xtask's. /tmp and /run are empty tmpfs in the guest, except that
 a current directory (or this tree's .tools) under /tmp brings its top directory there (e.g.
 /tmp/clone.X); /run is refused. Defaults: --timeout 600, --mem 1024, --cpus 2.";
 
-/// The kernel series this subcommand knows: which package of `linux-image-amd64`'s
-/// dependencies belongs to it.
+/// The kernel series this subcommand knows: which package of its archive's kernel
+/// metapackage's dependencies belongs to it.
 struct Series {
     name: &'static str,
-    /// Prefix of the versioned image package, e.g. `linux-image-6.1.0-57-amd64`.
+    archive: &'static Archive,
+    /// The metapackage that depends on the current versioned image package.
+    meta: &'static str,
+    /// Prefix and suffix of the versioned image package, e.g. `linux-image-6.1.0-57-amd64`.
     package_prefix: &'static str,
-    /// The suites whose `linux-image-amd64` depends on it (`<archive path> <suite>`), signed
-    /// by the archive keyring every Debian system has.
+    flavour: &'static str,
+    /// Packages of the same version that hold the image's modules, as the prefix replacing
+    /// `linux-image-` (Ubuntu ships them apart; Debian's image package has them).
+    module_packages: &'static [&'static str],
+    /// The suites whose metapackage depends on it (`<archive path> <suite>`).
     suites: &'static [&'static str],
 }
+
+/// A package archive and the keyring its `InRelease` files are checked against.
+struct Archive {
+    mirror: &'static str,
+    keyring: Keyring,
+}
+
+enum Keyring {
+    /// A keyring every Debian system has.
+    Host(&'static str),
+    /// The archive's own keyring package (`pool` path in the archive, its SHA-256 pinned
+    /// here, the keyring file inside): no Debian package carries Ubuntu's archive key, so
+    /// the package is fetched once and trusted only if its hash is the one this file names.
+    Pinned {
+        pool_path: &'static str,
+        sha256: &'static str,
+        file: &'static str,
+    },
+}
+
+const DEBIAN: Archive = Archive {
+    mirror: "http://deb.debian.org",
+    keyring: Keyring::Host("/usr/share/keyrings/debian-archive-keyring.gpg"),
+};
+
+const UBUNTU: Archive = Archive {
+    mirror: "http://archive.ubuntu.com",
+    keyring: Keyring::Pinned {
+        pool_path: "ubuntu/pool/main/u/ubuntu-keyring/ubuntu-keyring_2021.03.26_all.deb",
+        sha256: "0d0e7ed6b112f5d03eabf3c7eb01ebdacf9c57714b279e90495cfc58c8c4520f",
+        file: "usr/share/keyrings/ubuntu-archive-keyring.gpg",
+    },
+};
 
 const SERIES: &[Series] = &[
     Series {
         name: "6.1",
+        archive: &DEBIAN,
+        meta: "linux-image-amd64",
         package_prefix: "linux-image-6.1.0-",
+        flavour: "-amd64",
+        module_packages: &[],
         suites: &["debian bookworm", "debian-security bookworm-security"],
     },
     Series {
         name: "6.12",
+        archive: &DEBIAN,
+        meta: "linux-image-amd64",
         package_prefix: "linux-image-6.12.",
+        flavour: "-amd64",
+        module_packages: &[],
         suites: &["debian bookworm-backports"],
     },
     // Not in the test command's matrix (see README "Kernels"): for trying.
     Series {
+        name: "5.15",
+        archive: &UBUNTU,
+        meta: "linux-image-generic",
+        package_prefix: "linux-image-5.15.0-",
+        flavour: "-generic",
+        module_packages: &["linux-modules-"],
+        suites: &["ubuntu jammy-updates", "ubuntu jammy-security"],
+    },
+    Series {
         name: "5.10",
+        archive: &DEBIAN,
+        meta: "linux-image-amd64",
         package_prefix: "linux-image-5.10.0-",
+        flavour: "-amd64",
+        module_packages: &[],
         suites: &["debian bullseye", "debian-security bullseye-security"],
     },
 ];
@@ -298,29 +361,39 @@ fn ensure_kernel(series: &Series) -> Result<Kernel> {
     fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let apt = Apt::new(series)?;
     let package = apt.resolve(series)?;
-    let deb = match find_deb(&dir, &package)? {
-        Some(deb) => deb,
-        None => {
-            eprintln!("xtask: vm: downloading {package}");
-            run(apt
-                .command("apt-get")
-                .arg("download")
-                .arg(&package)
-                .current_dir(&dir))?;
-            find_deb(&dir, &package)?.with_context(|| {
-                format!(
-                    "apt-get download left no {package}_*.deb in {}",
-                    dir.display()
-                )
-            })?
-        }
-    };
+    let image_version = package
+        .strip_prefix("linux-image-")
+        .with_context(|| format!("{package}: not a linux-image- package"))?;
+    let packages: Vec<String> = std::iter::once(package.clone())
+        .chain(
+            series
+                .module_packages
+                .iter()
+                .map(|prefix| format!("{prefix}{image_version}")),
+        )
+        .collect();
     let root = dir.join("root");
     if root.exists() {
         fs::remove_dir_all(&root).with_context(|| format!("removing {}", root.display()))?;
     }
-    eprintln!("xtask: vm: extracting {}", deb.display());
-    run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&root))?;
+    for name in &packages {
+        let deb = match find_deb(&dir, name)? {
+            Some(deb) => deb,
+            None => {
+                eprintln!("xtask: vm: downloading {name}");
+                run(apt
+                    .command("apt-get")
+                    .arg("download")
+                    .arg(name)
+                    .current_dir(&dir))?;
+                find_deb(&dir, name)?.with_context(|| {
+                    format!("apt-get download left no {name}_*.deb in {}", dir.display())
+                })?
+            }
+        };
+        eprintln!("xtask: vm: extracting {}", deb.display());
+        run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&root))?;
+    }
     // The package's one modules directory names the release (`uname -r`).
     let modules = root.join("lib/modules");
     let releases: Vec<String> = fs::read_dir(&modules)
@@ -378,12 +451,17 @@ impl Apt {
             let d = dir.join(sub);
             fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
         }
+        let keyring = keyring(series.archive, &dir)?;
         let sources = dir.join("sources.list");
         let list: String = series
             .suites
             .iter()
             .map(|suite| {
-                format!("deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/{suite} main\n")
+                format!(
+                    "deb [signed-by={}] {}/{suite} main\n",
+                    keyring.display(),
+                    series.archive.mirror
+                )
             })
             .collect();
         fs::write(&sources, list).with_context(|| format!("writing {}", sources.display()))?;
@@ -413,13 +491,10 @@ impl Apt {
         c
     }
 
-    /// The newest versioned image package of `series`: the metapackage `linux-image-amd64` of
+    /// The newest versioned image package of `series`: the metapackage (`series.meta`) of
     /// each of the series' suites depends on its suite's current one.
     fn resolve(&self, series: &Series) -> Result<String> {
-        let show = output(
-            self.command("apt-cache")
-                .args(["show", "linux-image-amd64"]),
-        )?;
+        let show = output(self.command("apt-cache").args(["show", series.meta]))?;
         let mut best: Option<(String, String)> = None;
         for stanza in show.split("\n\n") {
             let field = |name: &str| {
@@ -433,7 +508,7 @@ impl Apt {
             };
             let Some(package) = depends
                 .split([',', ' '])
-                .find(|d| d.starts_with(series.package_prefix) && d.ends_with("-amd64"))
+                .find(|d| d.starts_with(series.package_prefix) && d.ends_with(series.flavour))
             else {
                 continue;
             };
@@ -451,11 +526,50 @@ impl Apt {
         }
         best.map(|(_, p)| p).with_context(|| {
             format!(
-                "no linux-image-amd64 in {:?} depends on a {}* package",
-                series.suites, series.package_prefix
+                "no {} in {:?} depends on a {}*{} package",
+                series.meta, series.suites, series.package_prefix, series.flavour
             )
         })
     }
+}
+
+/// The keyring file apt checks `archive`'s index with; a pinned keyring package is fetched
+/// into `dir` once and refused unless its SHA-256 is the pinned one.
+fn keyring(archive: &Archive, dir: &Path) -> Result<PathBuf> {
+    let (pool_path, sha256, file) = match &archive.keyring {
+        Keyring::Host(path) => return Ok(PathBuf::from(path)),
+        Keyring::Pinned {
+            pool_path,
+            sha256,
+            file,
+        } => (pool_path, sha256, file),
+    };
+    let name = Path::new(pool_path)
+        .file_name()
+        .context("a pinned keyring's pool path names no file")?;
+    let extracted = dir.join("keyrings").join(name);
+    let path = extracted.join(file);
+    if path.is_file() {
+        return Ok(path);
+    }
+    let deb = dir.join(name);
+    let url = format!("{}/{pool_path}", archive.mirror);
+    eprintln!("xtask: vm: downloading {url}");
+    run(Command::new("curl")
+        .args(["-fsSL", "--retry", "3", "-o"])
+        .arg(&deb)
+        .arg(&url))?;
+    let sum = output(Command::new("sha256sum").arg(&deb))?;
+    if sum.split_whitespace().next() != Some(sha256) {
+        let _ = fs::remove_file(&deb);
+        bail!("{url}: SHA-256 {sum:?} is not the pinned {sha256}: not trusted, removed");
+    }
+    fs::create_dir_all(&extracted).with_context(|| format!("creating {}", extracted.display()))?;
+    run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&extracted))?;
+    if !path.is_file() {
+        bail!("{url} has no {file}");
+    }
+    Ok(path)
 }
 
 /// What qemu boots: the uncompressed ELF kernel inside the bzImage, extracted once to
