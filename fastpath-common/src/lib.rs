@@ -117,6 +117,17 @@ pub mod map_names {
     pub const BENCH_LRU: &str = "FP_BENCH_LRU";
 }
 
+/// Names of the object's read-only globals, which the loader sets before the load
+/// (`EbpfLoader::override_global`) from what it probed of the kernel. The verifier reads
+/// them as constants, so code behind a global that is 0 is dead to it: never checked, and
+/// free to call a helper this kernel lacks.
+pub mod global_names {
+    /// 1 if the kernel has the `bpf_loop` helper (Linux 5.17), which the least-connections
+    /// scan calls; 0 turns the scan off (the daemon refuses least-connections services).
+    /// A `u8`; the object's own value is 1.
+    pub const HAVE_BPF_LOOP: &str = "FP_HAVE_BPF_LOOP";
+}
+
 /// Names of the programs in the eBPF object.
 pub mod program_names {
     pub const XDP: &str = "fastpath_xdp";

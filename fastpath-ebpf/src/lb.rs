@@ -22,6 +22,20 @@ use crate::{
     parse::{FAMILY_IPV4, Parsed},
 };
 
+/// [`fastpath_common::global_names::HAVE_BPF_LOOP`]: 1 unless the loader says the kernel
+/// lacks `bpf_loop`. Read through [`have_bpf_loop`] only.
+#[unsafe(no_mangle)]
+static FP_HAVE_BPF_LOOP: u8 = 1;
+
+/// Whether the least-connections scan may run (see `FP_HAVE_BPF_LOOP`). verifier: a load
+/// from the frozen read-only map, which it knows the value of, so where it is 0 the scan is
+/// dead code it never checks; volatile, or LLVM would fold the object's initial value in.
+#[inline(always)]
+fn have_bpf_loop() -> bool {
+    // SAFETY: a plain read of an immutable static.
+    unsafe { core::ptr::read_volatile(&raw const FP_HAVE_BPF_LOOP) != 0 }
+}
+
 /// The service the packet's destination (address, port, protocol) names, if any.
 #[inline(always)]
 pub fn service(pkt: &Packet, p: &Parsed) -> Option<&'static Service> {
@@ -84,7 +98,9 @@ pub fn pick(svc: &Service, key: &CtKey) -> Option<(u32, &'static Backend)> {
     if svc.slots_len == 0 {
         return None;
     }
-    if svc.flags & SVC_F_LEASTCONN != 0 {
+    // Without `bpf_loop` the daemon writes no least-connections service; should one be there
+    // all the same, its one-slot table below still picks a backend.
+    if svc.flags & SVC_F_LEASTCONN != 0 && have_bpf_loop() {
         return least_connections(svc);
     }
     let pick = if svc.flags & SVC_F_WRR != 0 {

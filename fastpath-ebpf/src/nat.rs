@@ -257,24 +257,26 @@ pub fn icmp_error(pkt: &Packet, p: &Parsed, v4: bool) -> bool {
         let new_isrc = if to_client { c } else { old_isrc };
         let [sp0, dp0, sp1, dp1] = quoted_ports(&l4, plan, to_client);
         // The quoted L4 checksum: UDP's in the first 8 bytes (0: none), TCP's at 16 if quoted.
+        // verifier: a flag beside a plain value, not an Option (see the IPv6 branch; as an
+        // Option here, Linux 5.15 refused the read of its undefined payload, 6.1 took it).
         let udp_c = be16([l4[6], l4[7]]);
-        let old_l4c = if udp {
-            (udp_c != 0).then_some(udp_c)
-        } else {
-            tcp_c
+        let (has_l4c, old_l4c) = match tcp_c {
+            _ if udp => (udp_c != 0, udp_c),
+            Some(c) => (true, c),
+            None => (false, 0),
         };
-        let new_l4c = old_l4c.map(|old| {
-            let mut n = csum::replace4(csum::replace4(old, old_idst, v), old_isrc, new_isrc);
-            n = csum::replace2(csum::replace2(n, sp0, sp1), dp0, dp1);
-            if udp { csum::udp_fixup(old, n) } else { n }
-        });
+        let mut new_l4c = csum::replace4(csum::replace4(old_l4c, old_idst, v), old_isrc, new_isrc);
+        new_l4c = csum::replace2(csum::replace2(new_l4c, sp0, sp1), dp0, dp1);
+        if udp {
+            new_l4c = csum::udp_fixup(old_l4c, new_l4c);
+        }
         let old_ic3 = be16([q[10], q[11]]);
         let new_ic3 = csum::replace4(csum::replace4(old_ic3, old_idst, v), old_isrc, new_isrc);
         ic = csum::replace4(csum::replace4(ic, old_idst, v), old_isrc, new_isrc);
         ic = csum::replace2(ic, old_ic3, new_ic3);
         ic = csum::replace2(csum::replace2(ic, sp0, sp1), dp0, dp1);
-        if let (Some(old), Some(new)) = (old_l4c, new_l4c) {
-            ic = csum::replace2(ic, old, new);
+        if has_l4c {
+            ic = csum::replace2(ic, old_l4c, new_l4c);
         }
         let old_osrc = [o[4], o[5], o[6], o[7]];
         let old_odst = [o[8], o[9], o[10], o[11]];
@@ -296,11 +298,11 @@ pub fn icmp_error(pkt: &Packet, p: &Parsed, v4: bool) -> bool {
         qh[2..6].copy_from_slice(&new_isrc);
         qh[6..].copy_from_slice(&v);
         // Quoted L4: ports, and UDP's checksum.
-        let ql4 = quoted_l4(l4, sp1, dp1, new_l4c.filter(|_| udp));
+        let ql4 = quoted_l4(l4, sp1, dp1, udp && has_l4c, new_l4c);
         pkt.store(opaque(o3 + 10), out)
             && pkt.store(opaque(inner + 10), qh)
             && pkt.store(opaque(i4), ql4)
-            && (udp || new_l4c.is_none_or(|n| pkt.store(opaque(tcp_c_off), n.to_be_bytes())))
+            && (udp || !has_l4c || pkt.store(opaque(tcp_c_off), new_l4c.to_be_bytes()))
             && pkt.store(opaque(icmp + 2), ic.to_be_bytes())
     } else {
         // verifier/stack: addresses as pairs of words, never 16-byte arrays (see
@@ -351,7 +353,7 @@ pub fn icmp_error(pkt: &Packet, p: &Parsed, v4: bool) -> bool {
         if has_l4c {
             ic = csum::replace2(ic, old_l4c, new_l4c);
         }
-        let ql4 = quoted_l4(l4, sp1, dp1, udp.then_some(new_l4c));
+        let ql4 = quoted_l4(l4, sp1, dp1, udp, new_l4c);
         pkt.store_words(opaque(o3 + 8), new_outer)
             && pkt.store_words(opaque(inner + 8), new_inner)
             && pkt.store(opaque(i4), ql4)
@@ -381,15 +383,21 @@ fn quoted_ports(l4: &[u8; 8], plan: &NatPlan, to_client: bool) -> [u16; 4] {
     [sp0, dp0, sp1, plan.src_port]
 }
 
-/// The quoted TCP/UDP header's first 8 bytes after the translation: the new ports and, for
-/// UDP, the new checksum.
+/// The quoted TCP/UDP header's first 8 bytes after the translation: the new ports and, with
+/// `set_udp_checksum`, UDP's new checksum `udp_checksum`.
 #[inline(always)]
-fn quoted_l4(l4: [u8; 8], sp1: u16, dp1: u16, udp_checksum: Option<u16>) -> [u8; 8] {
+fn quoted_l4(
+    l4: [u8; 8],
+    sp1: u16,
+    dp1: u16,
+    set_udp_checksum: bool,
+    udp_checksum: u16,
+) -> [u8; 8] {
     let mut q = l4;
     q[..2].copy_from_slice(&sp1.to_be_bytes());
     q[2..4].copy_from_slice(&dp1.to_be_bytes());
-    if let Some(c) = udp_checksum {
-        q[6..].copy_from_slice(&c.to_be_bytes());
+    if set_udp_checksum {
+        q[6..].copy_from_slice(&udp_checksum.to_be_bytes());
     }
     q
 }

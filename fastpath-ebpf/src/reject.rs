@@ -95,7 +95,13 @@ fn store_swapped(pkt: &crate::packet::Packet, macs: [u8; 12]) -> bool {
 fn rst(ctx: &XdpContext, p: &Parsed, v4: bool) -> bool {
     let pkt = xdp_packet(ctx);
     let (l3, l4) = (opaque(p.l3_off as usize), opaque(p.l4_off as usize));
-    let (Some(macs), Some(th)) = (pkt.load_now::<[u8; 12]>(0), pkt.load_now::<[u8; 16]>(l4)) else {
+    // verifier: one load and its check at a time. Checked as a pair, LLVM kept the bytes of
+    // the failed load's undefined value on the stack and read them back on a path where they
+    // were never written, which Linux 5.15 refuses ("invalid read from stack"; 6.1 took it).
+    let Some(macs) = pkt.load_now::<[u8; 12]>(0) else {
+        return false;
+    };
+    let Some(th) = pkt.load_now::<[u8; 16]>(l4) else {
         return false;
     };
     let flags_in = th[13];
@@ -215,10 +221,11 @@ fn unreachable(ctx: &XdpContext, p: &Parsed, v4: bool) -> bool {
     if l3 != ETH_LEN || l4 != ETH_LEN + ip_len {
         return false;
     }
-    let (Some(macs), Some(uh)) = (
-        pkt.load_now::<[u8; 12]>(0),
-        pkt.load_now::<[u8; 8]>(opaque(l4)),
-    ) else {
+    // verifier: one load and its check at a time (see `rst`).
+    let Some(macs) = pkt.load_now::<[u8; 12]>(0) else {
+        return false;
+    };
+    let Some(uh) = pkt.load_now::<[u8; 8]>(opaque(l4)) else {
         return false;
     };
     if v4 {

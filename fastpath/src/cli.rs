@@ -348,6 +348,11 @@ pub async fn info(target: &Target, out: OutputArg) -> ExitCode {
                     "generation": i.generation, "services": i.services,
                     "interfaces": i.interfaces, "conntrack_capacity": i.conntrack_capacity,
                     "listeners": i.listeners, "tc_attach": i.tc_attach,
+                    "kernel_release": i.kernel_release,
+                    "kernel_features": i.kernel_features.iter().map(|f| json!({
+                        "name": f.name, "since": f.since, "present": f.present,
+                        "without": f.without,
+                    })).collect::<Vec<_>>(),
                 }));
             }
             outln!("version       {} ({})", i.version, i.api_version);
@@ -361,6 +366,10 @@ pub async fn info(target: &Target, out: OutputArg) -> ExitCode {
             outln!("ct capacity   {}", i.conntrack_capacity);
             outln!("listeners     {}", i.listeners.join(" "));
             outln!("tc attach     {}", i.tc_attach);
+            outln!("kernel        {}", i.kernel_release);
+            for f in &i.kernel_features {
+                print_feature(&f.name, f.present, &f.since, &f.without);
+            }
             Ok(())
         }
         .await,
@@ -1407,6 +1416,15 @@ pub fn datapath(pin_dir: &std::path::Path, check: bool, out: OutputArg) -> ExitC
     }
 }
 
+/// A kernel feature's row (`fastpath kernel`, `fastpath info`).
+fn print_feature(name: &str, present: bool, since: &str, without: &str) {
+    if present {
+        outln!("  {name:<28} yes");
+    } else {
+        outln!("  {name:<28} no (Linux {since} added it): {without}");
+    }
+}
+
 pub fn kernel(full_log: bool, out: OutputArg) -> ExitCode {
     let report = match fastpath::datapath::kernel::check(fastpath::EBPF_OBJECT, full_log) {
         Ok(r) => r,
@@ -1421,16 +1439,7 @@ pub fn kernel(full_log: bool, out: OutputArg) -> ExitCode {
         Output::Table => {
             outln!("kernel {}", report.release);
             for f in &report.features {
-                if f.present {
-                    outln!("  {:<28} yes", f.name);
-                } else {
-                    outln!(
-                        "  {:<28} no (Linux {} added it): {}",
-                        f.name,
-                        f.since,
-                        f.without
-                    );
-                }
+                print_feature(f.name, f.present, f.since, f.without);
             }
             outln!(
                 "{:<36} {:<4} {:>14} {:>13}",

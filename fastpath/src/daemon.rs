@@ -27,7 +27,7 @@ use crate::{
     conntrack,
     ct_events::{self, EventHub},
     ct_gc::{self, GcStats},
-    datapath::{self, CtTable, Datapath, DatapathError, TcPath},
+    datapath::{self, CtTable, Datapath, DatapathError, KernelFeatures, TcPath},
     ifaces::{SysHost, plan_interfaces},
     rules::Rules,
 };
@@ -187,12 +187,15 @@ fn start_datapath(
     fresh_pins: &mut FreshPins<'_>,
 ) -> Result<(Rules, mpsc::Receiver<crate::health::Change>), DaemonError> {
     let pin_dir = fresh_pins.pin_dir;
-    // Before the load: a config this kernel cannot attach fails without touching the pins.
-    let tc_path = TcPath::choose(config.datapath.tc_attach)?;
+    // Before the load: a config this kernel cannot run fails without touching the pins.
+    let kernel = KernelFeatures::probe()?;
+    let tc_path = TcPath::choose(config.datapath.tc_attach, kernel)?;
+    kernel.check_services(&config.services)?;
     let mut dp = Datapath::open(
         pin_dir,
         EBPF_OBJECT,
         *config.conntrack.capacity.get_ref(),
+        kernel,
         tc_path,
     )?;
     fresh_pins.armed = !dp.maps_reused;

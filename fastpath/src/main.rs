@@ -172,7 +172,10 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         ct_events_log: Option<PathBuf>,
     },
-    /// Version, uptime, listeners and the desired state's generation of the running daemon.
+    /// Version, uptime, listeners and the desired state's generation of the running daemon;
+    /// how its TC programs attach; the kernel's release and the features the daemon probed
+    /// at start (yes, or no with the Linux release that added it and what the datapath does
+    /// without it, as `fastpath kernel` prints them).
     Info {
         #[command(flatten)]
         out: OutputArg,

@@ -279,7 +279,9 @@ impl<D: DatapathOps> Rules<D> {
         };
         let mut planner = ServicePlanner::default();
         let applied = match dp
-            .set_config(datapath_config(&config))
+            .kernel()
+            .check_services(&config.services)
+            .and_then(|()| dp.set_config(datapath_config(&config)))
             .and_then(|()| planner.apply(&mut dp, &config.services, None))
         {
             Ok(a) => a,
@@ -424,6 +426,11 @@ impl<D: DatapathOps> Rules<D> {
         base: u64,
     ) -> Result<ChangeSummary, Rejected> {
         let started = std::time::Instant::now();
+        // What this kernel cannot run is refused like an invalid config, dry run or not.
+        self.dp
+            .kernel()
+            .check_services(&candidate.services)
+            .map_err(|e| Rejected::new(RejectKind::Invalid, format!("{e}; nothing was changed")))?;
         let mut summary = diff(&self.config.services, &candidate.services);
         summary.dry_run = dry_run;
         if dry_run {
@@ -1125,5 +1132,68 @@ mod tests {
         );
         assert_eq!(snapshot(&rules), before, "expected everything as before");
         assert_eq!(rules.datapath().log, vec![], "expected no write");
+    }
+
+    /// On a kernel without `bpf_loop`, a least-connections service is refused, through the
+    /// API or a reload, dry run or not, with the feature named and nothing written; at start
+    /// it is an error before any write; other schedulers go through.
+    #[test]
+    fn least_connections_is_refused_before_any_write_on_a_kernel_without_bpf_loop() {
+        let no_loop = crate::datapath::KernelFeatures {
+            bpf_loop: false,
+            ..crate::datapath::KernelFeatures::ALL
+        };
+        let scratch = Scratch::new("no-bpf-loop");
+        let mut rules = started(&scratch);
+        rules.datapath_mut().kernel = no_loop;
+        let before = snapshot(&rules);
+        rules.datapath_mut().log.clear();
+        let least = AFTER.replace(
+            "mode = \"dsr\"",
+            "mode = \"dsr\"\nscheduler = \"least_connections\"",
+        );
+        for dry_run in [true, false] {
+            let e = match rules.apply_config(config(&scratch, &least), 1, dry_run, false) {
+                Err(e) => e,
+                Ok(s) => {
+                    panic!("least_connections without bpf_loop: expected a refusal, got {s:?}")
+                }
+            };
+            assert_eq!(e.kind, RejectKind::Invalid, "{e}");
+            assert_eq!(
+                e.message,
+                "service 10.0.0.3:443/tcp: scheduler = \"least_connections\" needs the bpf_loop helper, which this kernel lacks (Linux 5.17 added it); use scheduler = \"maglev\" or \"wrr\" on this kernel; nothing was changed"
+            );
+            assert_eq!(
+                snapshot(&rules),
+                before,
+                "dry run {dry_run}: expected everything as before"
+            );
+            assert_eq!(
+                rules.datapath().log,
+                vec![],
+                "dry run {dry_run}: expected no write"
+            );
+        }
+        rules
+            .apply_config(config(&scratch, AFTER), 1, false, false)
+            .unwrap_or_else(|e| panic!("the same change with maglev: {e}"));
+
+        let (tx, _rx) = mpsc::channel(1);
+        let mut fake = FakeDatapath::attached_to(&["eth9"]);
+        fake.kernel = no_loop;
+        let scratch = Scratch::new("no-bpf-loop-start");
+        let failed = match Rules::start(
+            fake,
+            config(&scratch, &least),
+            scratch.0.join("config.toml"),
+            tx,
+        ) {
+            Err(failed) => failed,
+            Ok(_) => panic!("a start with least_connections without bpf_loop: expected an error"),
+        };
+        let (dp, e) = *failed;
+        assert!(e.to_string().contains("needs the bpf_loop helper"), "{e}");
+        assert_eq!(dp.log, vec![], "expected no write at start");
     }
 }

@@ -31,6 +31,10 @@ const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 const BPF_LINK_CREATE: libc::c_long = 28;
 /// `enum bpf_prog_type`'s BPF_PROG_TYPE_SCHED_CLS (TC programs).
 pub const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+/// `enum bpf_prog_type`'s BPF_PROG_TYPE_XDP.
+pub const BPF_PROG_TYPE_XDP: u32 = 6;
+/// `enum bpf_func_id`'s BPF_FUNC_loop (Linux 5.17).
+pub const BPF_FUNC_LOOP: u32 = 181;
 /// `enum bpf_attach_type`'s BPF_TCX_INGRESS (Linux 6.6).
 const BPF_TCX_INGRESS: u64 = 46;
 
@@ -159,17 +163,49 @@ pub fn obj_pin(fd: BorrowedFd<'_>, pin: &Path) -> io::Result<()> {
 /// Loads `r0 = 0; exit` as a program of `prog_type`: something to probe the kernel with.
 pub fn load_return_zero(prog_type: u32) -> io::Result<OwnedFd> {
     // BPF_MOV64_IMM(BPF_REG_0, 0) and BPF_EXIT_INSN(), as the kernel lays out `struct bpf_insn`.
-    let insns: [u64; 2] = [0xb7, 0x95];
+    prog_load(prog_type, &[0xb7, 0x95], None)
+}
+
+/// BPF_PROG_LOAD of `insns` (each a `struct bpf_insn` as a little-endian word) as a GPL
+/// program of `prog_type`, with the verifier's log (level 1) into `log` if given.
+fn prog_load(prog_type: u32, insns: &[u64], log: Option<&mut [u8]>) -> io::Result<OwnedFd> {
     let license = c"GPL";
-    // union bpf_attr for BPF_PROG_LOAD: prog_type, insn_cnt, insns, license; no log.
+    // union bpf_attr for BPF_PROG_LOAD: prog_type, insn_cnt, insns, license, log_level,
+    // log_size, log_buf.
     let mut attr = [0u64; 16];
     attr[0] = u64::from(prog_type) | (insns.len() as u64) << 32;
     attr[1] = insns.as_ptr() as u64;
     attr[2] = license.as_ptr() as u64;
+    if let Some(log) = log {
+        attr[3] = 1 | (log.len() as u64) << 32;
+        attr[4] = log.as_mut_ptr() as u64;
+    }
     let fd = bpf(BPF_PROG_LOAD, &mut attr)?;
     let fd = i32::try_from(fd).map_err(|_| io::Error::other("BPF_PROG_LOAD: fd out of range"))?;
     // SAFETY: BPF_PROG_LOAD returned a new fd that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Whether programs of `prog_type` may call helper `func_id`, probed as libbpf and bpftool
+/// do: a program that calls it with no argument set. A kernel that knows the helper refuses
+/// the arguments (or takes the program); one that does not says "invalid func" or "unknown
+/// func" in the verifier's log.
+pub fn helper_supported(prog_type: u32, func_id: u32) -> io::Result<bool> {
+    // BPF_EMIT_CALL(func_id) and BPF_EXIT_INSN().
+    let insns = [0x85 | u64::from(func_id) << 32, 0x95];
+    let mut log = vec![0u8; 4096];
+    match prog_load(prog_type, &insns, Some(&mut log)) {
+        Ok(_) => Ok(true),
+        Err(e) => {
+            let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
+            let text = String::from_utf8_lossy(&log[..end]);
+            if text.is_empty() {
+                // No verdict of the verifier's (no privileges, say): no answer either way.
+                return Err(e);
+            }
+            Ok(!(text.contains("invalid func ") || text.contains("unknown func ")))
+        }
+    }
 }
 
 /// Whether the kernel has TCX links (Linux 6.6), probed with a two-instruction SCHED_CLS

@@ -211,6 +211,19 @@ impl pb::fastpath_server::Fastpath for Api {
                 conntrack_capacity: *c.conntrack.capacity.get_ref(),
                 listeners: self.0.listeners.clone(),
                 tc_attach: rules.datapath().tc_path().name().into(),
+                kernel_release: crate::datapath::kernel::release(),
+                kernel_features: rules
+                    .datapath()
+                    .kernel()
+                    .list()
+                    .into_iter()
+                    .map(|f| pb::KernelFeature {
+                        name: f.name.into(),
+                        since: f.since.into(),
+                        present: f.present,
+                        without: f.without.into(),
+                    })
+                    .collect(),
             }))
         })
         .await

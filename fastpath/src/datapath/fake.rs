@@ -15,7 +15,7 @@ use fastpath_common::{
     lb::{Backend, Service, SvcKey},
 };
 
-use super::{CtOps, DatapathError, DatapathOps, InterfacePlan, ServiceMaps};
+use super::{CtOps, DatapathError, DatapathOps, InterfacePlan, KernelFeatures, ServiceMaps};
 use crate::{config::InterfaceConfig, lb::Plan, sync::LbIndex};
 
 /// A kind of write, for logs and injected failures.
@@ -56,6 +56,8 @@ pub struct FakeDatapath {
     pub violations: Vec<String>,
     /// Addresses handed to `resolve_neighbours`.
     pub resolved: Vec<IpAddr>,
+    /// What the kernel offers (everything unless a test takes a feature away).
+    pub kernel: KernelFeatures,
     /// Fail the Nth (1-based) write of this kind from now on.
     fail: Option<(Step, usize)>,
     seen: HashMap<Step, usize>,
@@ -217,6 +219,10 @@ impl ServiceMaps for FakeDatapath {
 }
 
 impl DatapathOps for FakeDatapath {
+    fn kernel(&self) -> KernelFeatures {
+        self.kernel
+    }
+
     fn lb_index(&mut self) -> Result<LbIndex, DatapathError> {
         let services: Vec<(SvcKey, Service)> =
             self.services.iter().map(|(k, s)| (*k, *s)).collect();

@@ -63,6 +63,7 @@ pub use ct::{
     CtInstaller, CtTable, FlowCache, ct_installer, flush_pinned_ct, pinned_ct_entries,
     pinned_ct_get, pinned_ct_occupancy,
 };
+pub use kernel::KernelFeatures;
 pub use ops::{CtOps, DatapathOps, InterfacePlan, ServiceMaps};
 
 use crate::{
@@ -78,6 +79,10 @@ pub enum DatapathError {
         "datapath.tc_attach = \"tcx\": this kernel has no TCX links (Linux 6.6 added them); set tc_attach = \"auto\" or \"netlink\" to attach TC programs through a clsact qdisc and cls_bpf filters"
     )]
     NoTcx,
+    #[error(
+        "service {service}: scheduler = \"least_connections\" needs the bpf_loop helper, which this kernel lacks (Linux 5.17 added it); use scheduler = \"maglev\" or \"wrr\" on this kernel"
+    )]
+    NoBpfLoop { service: String },
     #[error("interface {name} does not exist (`ip link` lists the interfaces)")]
     NoInterface { name: String },
     #[error(
@@ -194,15 +199,15 @@ pub enum TcPath {
 }
 
 impl TcPath {
-    /// Decides how TC programs attach, before anything is loaded: `auto` probes the kernel
-    /// for TCX links and takes netlink where it has none; `tcx` on such a kernel is an error
+    /// Decides how TC programs attach, before anything is loaded: `auto` takes TCX links
+    /// where the kernel has them and netlink where it has none; `tcx` on such a kernel is an error
     /// that names the feature. Logs and returns the choice.
-    pub fn choose(mode: TcAttachMode) -> Result<TcPath, DatapathError> {
+    pub fn choose(mode: TcAttachMode, kernel: KernelFeatures) -> Result<TcPath, DatapathError> {
         let path = match mode {
             TcAttachMode::Netlink => TcPath::Netlink,
-            TcAttachMode::Tcx if tcx_links()? => TcPath::Tcx,
+            TcAttachMode::Tcx if kernel.tcx_links => TcPath::Tcx,
             TcAttachMode::Tcx => return Err(DatapathError::NoTcx),
-            TcAttachMode::Auto if tcx_links()? => TcPath::Tcx,
+            TcAttachMode::Auto if kernel.tcx_links => TcPath::Tcx,
             TcAttachMode::Auto => {
                 info!(
                     "This kernel has no TCX links (Linux 6.6 added them): TC programs attach through netlink (a clsact qdisc and a cls_bpf filter per hook)"
@@ -261,16 +266,20 @@ pub struct Datapath {
     migration: Option<migrate::Migration>,
     /// How TC hooks attach.
     tc_path: TcPath,
+    /// What the kernel offers, as probed at start.
+    kernel: KernelFeatures,
 }
 
 impl Datapath {
     /// Loads `object`, creating or reusing the maps pinned under `pin_dir/maps`; TC programs
-    /// will attach through `tc_path` ([`TcPath::choose`]). Call with the [`lock_pin_dir`]
-    /// lock held. A failed first load removes the maps it pinned.
+    /// will attach through `tc_path` ([`TcPath::choose`]); `kernel` sets the object's globals.
+    /// Call with the [`lock_pin_dir`] lock held. A failed first load removes the maps it
+    /// pinned.
     pub fn open(
         pin_dir: &Path,
         object: &[u8],
         ct_capacity: u32,
+        kernel: KernelFeatures,
         tc_path: TcPath,
     ) -> Result<Datapath, DatapathError> {
         let maps_dir = pin_dir.join("maps");
@@ -301,6 +310,7 @@ impl Datapath {
             object,
             maps_reused,
             ct_capacity,
+            kernel,
             tc_path,
         );
         if loaded.is_err() && !maps_reused {
@@ -342,9 +352,12 @@ impl Datapath {
         object: &[u8],
         maps_reused: bool,
         ct_capacity: u32,
+        kernel: KernelFeatures,
         tc_path: TcPath,
     ) -> Result<Datapath, DatapathError> {
-        let mut ebpf = EbpfLoader::new()
+        let mut loader = EbpfLoader::new();
+        kernel.configure(&mut loader);
+        let mut ebpf = loader
             .default_map_pin_directory(maps_dir)
             .map_max_entries(map_names::CT, ct_capacity)
             .map_max_entries(map_names::CT_NEW, ct_capacity)
@@ -380,12 +393,18 @@ impl Datapath {
             tails_dir,
             migration: None,
             tc_path,
+            kernel,
         })
     }
 
     /// How TC programs attach (see [`TcPath::choose`]).
     pub fn tc_path(&self) -> TcPath {
         self.tc_path
+    }
+
+    /// What the kernel offers, as probed at start.
+    pub fn kernel(&self) -> KernelFeatures {
+        self.kernel
     }
 
     /// Takes the conntrack table for the daemon's expiry.
@@ -937,14 +956,6 @@ impl Datapath {
 /// kernel releases it when the process dies. Creates the directory (on a bpffs) if needed.
 pub struct PinDirLock {
     _dir: File,
-}
-
-/// Whether the kernel has TCX links (Linux 6.6), probed (see [`sys::tcx_supported`]).
-fn tcx_links() -> Result<bool, DatapathError> {
-    sys::tcx_supported().map_err(|source| DatapathError::Io {
-        what: "probing the kernel for TCX links (BPF_LINK_CREATE)".into(),
-        source,
-    })
 }
 
 pub fn lock_pin_dir(pin_dir: &Path) -> Result<PinDirLock, DatapathError> {

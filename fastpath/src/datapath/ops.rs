@@ -45,6 +45,10 @@ pub trait ServiceMaps {
 
 /// What the desired-state layer writes into a running datapath.
 pub trait DatapathOps: ServiceMaps {
+    /// What the kernel offers, as probed at start: a change needing what it lacks is refused
+    /// before anything is written.
+    fn kernel(&self) -> super::KernelFeatures;
+
     /// The service and backend numbering the datapath uses now.
     fn lb_index(&mut self) -> Result<LbIndex, DatapathError>;
 
@@ -90,6 +94,10 @@ impl ServiceMaps for Datapath {
 }
 
 impl DatapathOps for Datapath {
+    fn kernel(&self) -> super::KernelFeatures {
+        Datapath::kernel(self)
+    }
+
     fn lb_index(&mut self) -> Result<LbIndex, DatapathError> {
         super::lb_index(&mut self.ebpf)
     }

@@ -392,6 +392,11 @@ pub enum FixtureError {
     },
     #[error("the datapath object has no map `{name}`; was fastpath-ebpf rebuilt?")]
     MissingMap { name: &'static str },
+    #[error("probing the kernel: {source}")]
+    Probe {
+        #[source]
+        source: crate::datapath::DatapathError,
+    },
     #[error("installing the XDP tail programs: {source}")]
     Tails {
         #[source]
@@ -519,7 +524,11 @@ impl Fixture {
         let (buckets, lru) = kinds.map_or((1, 1), |b| (b, capacity));
         let pins = ScratchPinDir::create("fixture")
             .map_err(|(path, source)| FixtureError::PinDir { path, source })?;
-        let mut ebpf = EbpfLoader::new()
+        let mut loader = EbpfLoader::new();
+        crate::datapath::KernelFeatures::probe()
+            .map_err(|source| FixtureError::Probe { source })?
+            .configure(&mut loader);
+        let mut ebpf = loader
             .default_map_pin_directory(pins.path())
             .map_max_entries(map_names::CT, capacity)
             .map_max_entries(map_names::CT_NEW, capacity)

@@ -3,11 +3,13 @@
 //! where the kernel has them, netlink filters on a clsact qdisc where it does not); TCP and
 //! UDP flows over IPv4 and IPv6 go through load-balanced VIPs to two backends; the daemon is
 //! killed with SIGKILL under them and started again; a clean stop takes every program of ours
-//! off the interfaces. Once with balancing at XDP, once at TC ingress (`xdp = "off"`).
+//! off the interfaces. Once with balancing at XDP, once at TC ingress (`xdp = "off"`). On a
+//! kernel without a feature, a config asking for it must fail to start, naming it: TCX links
+//! (`tc_attach = "tcx"`), `bpf_loop` (a least-connections service).
 //!
 //! The test command runs these on the host's kernel with every other test, and again on each
-//! kernel of its matrix (`cargo xtask test`: Linux 6.1 and 6.12 under qemu), where they are the
-//! only namespace tests.
+//! kernel of its matrix (`cargo xtask test`: Linux 5.15, 6.1 and 6.12 under qemu), where they
+//! are the only namespace tests.
 //!
 //! Root only (never skipped: without root these tests fail). Debian packages: iproute2,
 //! ethtool, bpftool.
@@ -30,7 +32,7 @@ use fastpath::testkit::{
 use crate::{
     bin,
     lb::tc_filters,
-    traffic::{assert_nothing_attached, kernel_has_tcx, kernel_release},
+    traffic::{assert_nothing_attached, kernel_has_bpf_loop, kernel_has_tcx, kernel_release},
 };
 
 const VIP4: &str = "10.200.0.100";
@@ -135,7 +137,27 @@ fn smoke(at_tc: bool) {
     .services(&services());
     let expected_attach = if kernel_has_tcx() { "tcx" } else { "netlink" };
     if expected_attach == "netlink" {
-        tcx_is_refused(&lb, &config);
+        refused_before_the_load(
+            &lb,
+            &config.clone().datapath_key("tc_attach = \"tcx\""),
+            "datapath.tc_attach = \"tcx\": this kernel has no TCX links (Linux 6.6 added them)",
+        );
+    }
+    let has_bpf_loop = kernel_has_bpf_loop();
+    if !has_bpf_loop {
+        let least = config.clone().services(&format!(
+            "[[service]]\nvip = \"{VIP4}\"\nport = {}\nscheduler = \"least_connections\"\n[[service.backend]]\naddress = \"{}\"\nport = {PORT}\n",
+            PORT + 1,
+            backend(0, false)
+        ));
+        refused_before_the_load(
+            &lb,
+            &least,
+            &format!(
+                "service {VIP4}:{}/tcp: scheduler = \"least_connections\" needs the bpf_loop helper, which this kernel lacks (Linux 5.17 added it)",
+                PORT + 1
+            ),
+        );
     }
 
     let mut daemon = Daemon::start(bin(), lb.fp(), &config);
@@ -151,6 +173,19 @@ fn smoke(at_tc: bool) {
         info.lines()
             .any(|l| l.starts_with("tc attach") && l.trim_end().ends_with(expected_attach)),
         "`fastpath info` should say `tc attach {expected_attach}`; it says:\n{info}"
+    );
+    let bpf_loop_row = if has_bpf_loop {
+        "yes"
+    } else {
+        "no (Linux 5.17 added it)"
+    };
+    assert!(
+        info.lines().any(|l| {
+            let l = l.trim_start();
+            l.starts_with("bpf_loop")
+                && l["bpf_loop".len()..].trim_start().starts_with(bpf_loop_row)
+        }),
+        "`fastpath info` should list bpf_loop: {bpf_loop_row}; it says:\n{info}"
     );
     if expected_attach == "netlink" {
         for dev in lb.fp_interfaces() {
@@ -253,34 +288,31 @@ fn smoke(at_tc: bool) {
     );
 }
 
-/// On a kernel without TCX links, a config asking for them (`tc_attach = "tcx"`) fails to
-/// start with a message naming the feature, before anything is loaded: no pin is left and no
-/// program is attached.
-fn tcx_is_refused(lb: &LbTopology, config: &DaemonConfig) {
-    let tcx = config.clone().datapath_key("tc_attach = \"tcx\"");
-    let refused = Daemon::try_start(bin(), lb.fp().name(), &tcx.pin_dir, &tcx.to_toml());
+/// A config asking for what this kernel lacks fails to start with a message naming the
+/// feature (`expected`), before anything is loaded: no pin is left and no program is
+/// attached.
+fn refused_before_the_load(lb: &LbTopology, config: &DaemonConfig, expected: &str) {
+    let refused = Daemon::try_start(bin(), lb.fp().name(), &config.pin_dir, &config.to_toml());
     let Err(NetnsError::Daemon { what, log, .. }) = refused else {
-        panic!("tc_attach = \"tcx\" on a kernel without TCX must fail to start");
+        panic!("a config this kernel cannot run must fail to start ({expected})");
     };
     assert!(
-        log.contains(
-            "datapath.tc_attach = \"tcx\": this kernel has no TCX links (Linux 6.6 added them)"
-        ),
-        "the refusal must name the feature and the kernel that has it ({what}); log:\n{log}"
+        log.contains(expected),
+        "the refusal must name the feature and the kernel that has it ({what}): expected {expected:?}; log:\n{log}"
     );
     assert!(
         !log.contains("pinned maps"),
         "the refusal must come before the load; log:\n{log}"
     );
-    let left: Vec<_> = fs::read_dir(&tcx.pin_dir)
+    let left: Vec<_> = fs::read_dir(&config.pin_dir)
         .map(|d| d.flatten().map(|e| e.path()).collect())
         .unwrap_or_default();
     assert!(left.is_empty(), "the refused start left pins: {left:?}");
     assert_nothing_attached(lb.fp(), &lb.fp_interfaces(), "after the refused start");
     eprintln!(
-        "tc_attach = \"tcx\" refused: {}",
+        "refused before the load: {}",
         log.lines()
-            .find(|l| l.contains("no TCX links"))
+            .find(|l| l.contains(expected))
             .unwrap_or_default()
             .trim()
     );

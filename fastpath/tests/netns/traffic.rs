@@ -641,14 +641,23 @@ pub(crate) fn kernel_release() -> &'static str {
     })
 }
 
-/// Whether the running kernel has TCX links (Linux 6.6 added them), from its release: the
-/// tests' own witness, apart from the daemon's probe.
-pub(crate) fn kernel_has_tcx() -> bool {
+/// Whether the running kernel is Linux `major.minor` or later, from its release: the tests'
+/// own witness of a feature, apart from the daemon's probe.
+fn kernel_at_least(major: u32, minor: u32) -> bool {
     let mut numbers = kernel_release()
         .split(|c: char| !c.is_ascii_digit())
         .map(|n| n.parse::<u32>().unwrap_or(0));
-    let (major, minor) = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
-    (major, minor) >= (6, 6)
+    (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0)) >= (major, minor)
+}
+
+/// Whether the running kernel has TCX links (Linux 6.6 added them).
+pub(crate) fn kernel_has_tcx() -> bool {
+    kernel_at_least(6, 6)
+}
+
+/// Whether the running kernel has the `bpf_loop` helper (Linux 5.17 added it).
+pub(crate) fn kernel_has_bpf_loop() -> bool {
+    kernel_at_least(5, 17)
 }
 
 /// What runs on one interface, as the kernel reports it per device (not per pin).
