@@ -384,7 +384,12 @@ pub enum FixtureError {
     },
     #[error("the datapath object has no program `{name}`; was fastpath-ebpf rebuilt?")]
     MissingProgram { name: &'static str },
-    #[error("program `{name}`: {source}")]
+    /// With the system error under it (e.g. a test-run context this kernel refuses: Linux 5.15
+    /// takes no `__sk_buff.ingress_ifindex` there, EINVAL).
+    #[error(
+        "program `{name}`: {source}{}",
+        std::error::Error::source(source).map(|e| format!(": {e}")).unwrap_or_default()
+    )]
     Program {
         name: &'static str,
         #[source]
