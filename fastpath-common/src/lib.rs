@@ -120,7 +120,8 @@ pub mod map_names {
 /// Names of the object's read-only globals, which the loader sets before the load
 /// (`EbpfLoader::override_global`) from what it probed of the kernel. The verifier reads
 /// them as constants, so code behind a global that is 0 is dead to it: never checked, and
-/// free to call a helper this kernel lacks.
+/// free to call a helper this kernel lacks (from Linux 5.13: older kernels refuse a
+/// callback's address even in dead code).
 pub mod global_names {
     /// 1 if the kernel has the `bpf_loop` helper (Linux 5.17), which the least-connections
     /// scan calls; 0 turns the scan off (the daemon refuses least-connections services).

@@ -99,7 +99,8 @@ pub fn pick(svc: &Service, key: &CtKey) -> Option<(u32, &'static Backend)> {
         return None;
     }
     // Without `bpf_loop` the daemon writes no least-connections service; should one be there
-    // all the same, its one-slot table below still picks a backend.
+    // all the same, its one-slot table below sends every connection to its first backend,
+    // whatever that backend's state.
     if svc.flags & SVC_F_LEASTCONN != 0 && have_bpf_loop() {
         return least_connections(svc);
     }

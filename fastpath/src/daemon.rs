@@ -190,7 +190,18 @@ fn start_datapath(
     // Before the load: a config this kernel cannot run fails without touching the pins.
     let kernel = KernelFeatures::probe()?;
     let tc_path = TcPath::choose(config.datapath.tc_attach, kernel)?;
-    kernel.check_services(&config.services)?;
+    let (services, state_file) = crate::rules::services_at_start(&config);
+    kernel
+        .check_services(&services)
+        .map_err(|e| match (e, state_file) {
+            (DatapathError::NoBpfLoop { service }, Some(state)) => DatapathError::NoBpfLoop {
+                service: format!(
+                    "{service} (created through the API, restored from the state file {})",
+                    state.display()
+                ),
+            },
+            (e, _) => e,
+        })?;
     let mut dp = Datapath::open(
         pin_dir,
         EBPF_OBJECT,

@@ -124,6 +124,19 @@ fn name_services(e: &ConfigError, config: &Config) -> String {
     text
 }
 
+/// The services a start on `file_config` will apply (see [`Rules::start`]): the state
+/// file's, with its path, when it was made on top of this very file; else the file's own.
+/// Read without logging, so the daemon can check them before it loads anything.
+pub fn services_at_start(file_config: &Config) -> (Vec<ServiceConfig>, Option<PathBuf>) {
+    let state_path = file_config.state_file();
+    match load_state(&state_path) {
+        Ok(Some(saved)) if saved.base == file_config.fingerprint() => {
+            (saved.config.services, Some(state_path))
+        }
+        _ => (file_config.services.clone(), None),
+    }
+}
+
 /// First line of a state file: what it was made from.
 const STATE_MAGIC: &str = "# fastpath state:";
 
@@ -1195,5 +1208,28 @@ mod tests {
         let (dp, e) = *failed;
         assert!(e.to_string().contains("needs the bpf_loop helper"), "{e}");
         assert_eq!(dp.log, vec![], "expected no write at start");
+    }
+
+    /// What a start will apply is the state file's services when the file was made on top of
+    /// this very config, else the config file's; the daemon checks them before it loads.
+    #[test]
+    fn services_at_start_are_the_state_files_only_on_top_of_the_same_file() {
+        let scratch = Scratch::new("at-start");
+        let rules = started(&scratch);
+        let file = config(&scratch, BEFORE);
+        let (services, from) = services_at_start(&file);
+        assert_eq!(
+            services,
+            rules.config().services,
+            "the state file's services"
+        );
+        assert_eq!(from, Some(file.state_file()));
+        let other = config(&scratch, AFTER);
+        let (services, from) = services_at_start(&other);
+        assert_eq!(
+            (services, from),
+            (other.services.clone(), None),
+            "a changed file wins"
+        );
     }
 }

@@ -84,7 +84,10 @@ impl KernelFeatures {
     /// code for a feature the kernel lacks becomes dead to the verifier.
     pub fn configure(&self, loader: &mut EbpfLoader<'_>) {
         let flag = |on: bool| if on { &GLOBAL_ON } else { &GLOBAL_OFF };
-        loader.override_global(global_names::HAVE_BPF_LOOP, flag(self.bpf_loop), true);
+        // Not required to exist: the benchmark and `examples/verifier.rs` load other
+        // revisions' objects, and one older than the global takes no override (it calls
+        // bpf_loop unconditionally, so it loads only where the kernel has it).
+        loader.override_global(global_names::HAVE_BPF_LOOP, flag(self.bpf_loop), false);
     }
 
     /// Refuses `services` if one needs what this kernel lacks, naming the service and the
