@@ -29,7 +29,7 @@ use crate::{
     ct_gc::{self, GcStats},
     datapath::{self, CtTable, Datapath, DatapathError, KernelFeatures, TcPath},
     ifaces::{SysHost, plan_interfaces},
-    rules::Rules,
+    rules::{Rules, StartState},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -190,10 +190,10 @@ fn start_datapath(
     // Before the load: a config this kernel cannot run fails without touching the pins.
     let kernel = KernelFeatures::probe()?;
     let tc_path = TcPath::choose(config.datapath.tc_attach, kernel)?;
-    let (services, state_file) = crate::rules::services_at_start(&config);
+    let start = StartState::load(&config);
     kernel
-        .check_services(&services)
-        .map_err(|e| match (e, state_file) {
+        .check_services(start.services())
+        .map_err(|e| match (e, &start.restored_from) {
             (DatapathError::NoBpfLoop { service }, Some(state)) => DatapathError::NoBpfLoop {
                 service: format!(
                     "{service} (created through the API, restored from the state file {})",
@@ -225,7 +225,7 @@ fn start_datapath(
     }
     // Services: the config file's, or the API's changes on top of this very file.
     let (health_tx, health_rx) = mpsc::channel(256);
-    let (mut rules, applied) = Rules::start(dp, config, opts.config_path.clone(), health_tx)
+    let (mut rules, applied) = Rules::start(dp, start, opts.config_path.clone(), health_tx)
         .map_err(|failed| DaemonError::from(failed.1))?;
     info!(
         services = applied.services,

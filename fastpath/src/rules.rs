@@ -124,16 +124,48 @@ fn name_services(e: &ConfigError, config: &Config) -> String {
     text
 }
 
-/// The services a start on `file_config` will apply (see [`Rules::start`]): the state
-/// file's, with its path, when it was made on top of this very file; else the file's own.
-/// Read without logging, so the daemon can check them before it loads anything.
-pub fn services_at_start(file_config: &Config) -> (Vec<ServiceConfig>, Option<PathBuf>) {
-    let state_path = file_config.state_file();
-    match load_state(&state_path) {
-        Ok(Some(saved)) if saved.base == file_config.fingerprint() => {
-            (saved.config.services, Some(state_path))
+/// What a start applies ([`Rules::start`]): the config file, or the changes made through
+/// the API on top of this very file, restored from the state file. Read once, before the
+/// daemon loads anything, so what the kernel cannot run is refused first.
+pub struct StartState {
+    config: Config,
+    generation: u64,
+    /// The config file's fingerprint.
+    base: u64,
+    /// The state file, when its services are the ones applied.
+    pub restored_from: Option<PathBuf>,
+}
+
+impl StartState {
+    pub fn load(file_config: &Config) -> StartState {
+        let base = file_config.fingerprint();
+        let state_path = file_config.state_file();
+        let (config, generation, restored_from) = match load_state(&state_path) {
+            Ok(Some(saved)) if saved.base == base => {
+                info!(state = %state_path.display(), generation = saved.generation, "Restored the changes made through the API");
+                (saved.config, saved.generation, Some(state_path))
+            }
+            Ok(Some(saved)) => {
+                warn!(state = %state_path.display(), generation = saved.generation, "The config file changed since the API changes in the state file were made: the file wins");
+                (file_config.clone(), saved.generation, None)
+            }
+            Ok(None) => (file_config.clone(), 0, None),
+            Err(e) => {
+                warn!(error = %e, "Ignoring an unreadable state file: starting from the config file");
+                (file_config.clone(), 0, None)
+            }
+        };
+        StartState {
+            config,
+            generation,
+            base,
+            restored_from,
         }
-        _ => (file_config.services.clone(), None),
+    }
+
+    /// The services the start applies.
+    pub fn services(&self) -> &[ServiceConfig] {
+        &self.config.services
     }
 }
 
@@ -264,32 +296,20 @@ pub struct Rules<D: DatapathOps = Datapath> {
 }
 
 impl<D: DatapathOps> Rules<D> {
-    /// Takes over a loaded, attached datapath whose services are not applied yet: restores
-    /// the state file if it was made on top of this very config file, applies the services
-    /// and starts the probes.
+    /// Takes over a loaded, attached datapath whose services are not applied yet: applies
+    /// `start`'s services (the config file's, or the API's restored) and starts the probes.
     pub fn start(
         mut dp: D,
-        file_config: Config,
+        start: StartState,
         config_path: PathBuf,
         health_tx: mpsc::Sender<health::Change>,
     ) -> Result<(Rules<D>, ServicesApplied), StartError<D>> {
-        let base = file_config.fingerprint();
-        let state_path = file_config.state_file();
-        let (config, generation) = match load_state(&state_path) {
-            Ok(Some(saved)) if saved.base == base => {
-                info!(state = %state_path.display(), generation = saved.generation, "Restored the changes made through the API");
-                (saved.config, saved.generation)
-            }
-            Ok(Some(saved)) => {
-                warn!(state = %state_path.display(), generation = saved.generation, "The config file changed since the API changes in the state file were made: the file wins");
-                (file_config, saved.generation)
-            }
-            Ok(None) => (file_config, 0),
-            Err(e) => {
-                warn!(error = %e, "Ignoring an unreadable state file: starting from the config file");
-                (file_config, 0)
-            }
-        };
+        let StartState {
+            config,
+            generation,
+            base,
+            ..
+        } = start;
         let mut planner = ServicePlanner::default();
         let applied = match dp
             .kernel()
@@ -834,7 +854,7 @@ mod tests {
         let fake = FakeDatapath::attached_to(&["eth9"]);
         let (mut rules, applied) = Rules::start(
             fake,
-            config(scratch, BEFORE),
+            StartState::load(&config(scratch, BEFORE)),
             scratch.0.join("config.toml"),
             tx,
         )
@@ -1198,7 +1218,7 @@ mod tests {
         let scratch = Scratch::new("no-bpf-loop-start");
         let failed = match Rules::start(
             fake,
-            config(&scratch, &least),
+            StartState::load(&config(&scratch, &least)),
             scratch.0.join("config.toml"),
             tx,
         ) {
@@ -1217,7 +1237,8 @@ mod tests {
         let scratch = Scratch::new("at-start");
         let rules = started(&scratch);
         let file = config(&scratch, BEFORE);
-        let (services, from) = services_at_start(&file);
+        let start = StartState::load(&file);
+        let (services, from) = (start.services().to_vec(), start.restored_from);
         assert_eq!(
             services,
             rules.config().services,
@@ -1225,7 +1246,8 @@ mod tests {
         );
         assert_eq!(from, Some(file.state_file()));
         let other = config(&scratch, AFTER);
-        let (services, from) = services_at_start(&other);
+        let start = StartState::load(&other);
+        let (services, from) = (start.services().to_vec(), start.restored_from);
         assert_eq!(
             (services, from),
             (other.services.clone(), None),

@@ -227,17 +227,7 @@ pub fn release() -> String {
 #[cfg(test)]
 mod kernel_tests {
     use super::*;
-    use crate::testkit::require_root;
-
-    /// Linux `major.minor` of this kernel, from its release.
-    fn version() -> (u32, u32) {
-        let mut numbers = release()
-            .split(|c: char| !c.is_ascii_digit())
-            .map(|n| n.parse::<u32>().unwrap_or(0))
-            .collect::<Vec<_>>()
-            .into_iter();
-        (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0))
-    }
+    use crate::testkit::{kernel_at_least, require_root};
 
     /// Each probe agrees with the release that added its feature; a helper id no kernel has
     /// is reported missing, not an error.
@@ -245,9 +235,18 @@ mod kernel_tests {
     fn probes_agree_with_the_kernel_release() {
         require_root("probing the kernel (BPF_PROG_LOAD)");
         let k = KernelFeatures::probe().unwrap_or_else(|e| panic!("probing: {e}"));
-        let v = version();
-        assert_eq!(k.tcx_links, v >= (6, 6), "TCX links on Linux {}", release());
-        assert_eq!(k.bpf_loop, v >= (5, 17), "bpf_loop on Linux {}", release());
+        assert_eq!(
+            k.tcx_links,
+            kernel_at_least(6, 6),
+            "TCX links on Linux {}",
+            release()
+        );
+        assert_eq!(
+            k.bpf_loop,
+            kernel_at_least(5, 17),
+            "bpf_loop on Linux {}",
+            release()
+        );
         let unknown = sys::helper_supported(sys::BPF_PROG_TYPE_XDP, 100_000)
             .unwrap_or_else(|e| panic!("probing helper 100000: {e}"));
         assert!(!unknown, "helper 100000 reported present");

@@ -23,6 +23,18 @@ pub mod traffic;
 pub mod vlan_cases;
 pub mod vxlan_cases;
 
+/// Whether the running kernel is Linux `major.minor` or later, from its release: the tests'
+/// own witness of a feature, apart from the daemon's probe. Right for the kernels the tests
+/// boot (mainline releases and Debian's and Ubuntu's); a kernel with the feature backported
+/// (RHEL 9's 5.14 has `bpf_loop`) would need a witness of its own.
+pub fn kernel_at_least(major: u32, minor: u32) -> bool {
+    let release = crate::datapath::kernel::release();
+    let mut numbers = release
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|n| n.parse::<u32>().unwrap_or(0));
+    (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0)) >= (major, minor)
+}
+
 /// The check every root-only test (and the demo) starts with. It panics, never skips: a test
 /// that did not run must not pass. Under CI=true the message says the CI job must run as root;
 /// otherwise it says how to run `what` as root.

@@ -33,7 +33,7 @@ use fastpath::testkit::{
 use crate::{
     bin,
     lb::tc_filters,
-    traffic::{assert_nothing_attached, kernel_has_bpf_loop, kernel_has_tcx, kernel_release},
+    traffic::{assert_nothing_attached, kernel_has_bpf_loop, kernel_has_tcx},
 };
 
 const VIP4: &str = "10.200.0.100";
@@ -280,7 +280,7 @@ fn smoke(at_tc: bool) {
     eprintln!(
         "smoke at {} on Linux {}, TC attach {expected_attach}: {} TCP connections ({} bytes echoed and verified) and {} UDP flows ({} bytes, {} datagrams sent again) over IPv4 and IPv6 through kill -9 and a start; backends served TCP {tcp_served:?}, UDP {udp_served:?}; 0 resets; a clean stop left no program of ours attached",
         if at_tc { "TC ingress" } else { "XDP" },
-        kernel_release(),
+        fastpath::datapath::kernel::release(),
         tcp.flows,
         tcp.bytes,
         udp.flows,

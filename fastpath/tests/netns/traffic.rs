@@ -630,36 +630,14 @@ fn link_exists(id: u64) -> bool {
     host_run(&["bpftool", "link", "show", "id", &id.to_string()]).is_ok()
 }
 
-/// The running kernel's release (`uname -r`), read once.
-pub(crate) fn kernel_release() -> &'static str {
-    static RELEASE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    RELEASE.get_or_init(|| {
-        host_run(&["uname", "-r"])
-            .unwrap_or_else(|e| panic!("{e}"))
-            .trim()
-            .to_owned()
-    })
-}
-
-/// Whether the running kernel is Linux `major.minor` or later, from its release: the tests'
-/// own witness of a feature, apart from the daemon's probe. Right for the kernels the tests
-/// boot (mainline releases and Debian's and Ubuntu's); a kernel with the feature backported
-/// (RHEL 9's 5.14 has `bpf_loop`) would need a witness of its own.
-fn kernel_at_least(major: u32, minor: u32) -> bool {
-    let mut numbers = kernel_release()
-        .split(|c: char| !c.is_ascii_digit())
-        .map(|n| n.parse::<u32>().unwrap_or(0));
-    (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0)) >= (major, minor)
-}
-
 /// Whether the running kernel has TCX links (Linux 6.6 added them).
 pub(crate) fn kernel_has_tcx() -> bool {
-    kernel_at_least(6, 6)
+    fastpath::testkit::kernel_at_least(6, 6)
 }
 
 /// Whether the running kernel has the `bpf_loop` helper (Linux 5.17 added it).
 pub(crate) fn kernel_has_bpf_loop() -> bool {
-    kernel_at_least(5, 17)
+    fastpath::testkit::kernel_at_least(5, 17)
 }
 
 /// What runs on one interface, as the kernel reports it per device (not per pin).
