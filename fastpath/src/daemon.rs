@@ -191,17 +191,7 @@ fn start_datapath(
     let kernel = KernelFeatures::probe()?;
     let tc_path = TcPath::choose(config.datapath.tc_attach, kernel)?;
     let start = StartState::load(&config);
-    kernel
-        .check_services(start.services())
-        .map_err(|e| match (e, &start.restored_from) {
-            (DatapathError::NoBpfLoop { service }, Some(state)) => DatapathError::NoBpfLoop {
-                service: format!(
-                    "{service} (created through the API, restored from the state file {})",
-                    state.display()
-                ),
-            },
-            (e, _) => e,
-        })?;
+    start.check(kernel)?;
     let mut dp = Datapath::open(
         pin_dir,
         EBPF_OBJECT,

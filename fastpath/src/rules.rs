@@ -22,7 +22,7 @@ use tracing::{info, warn};
 
 use crate::{
     config::{Config, ConfigError, InterfaceCheck, ServiceConfig, ServiceId},
-    datapath::{Datapath, DatapathError, DatapathOps, ServicesApplied},
+    datapath::{Datapath, DatapathError, DatapathOps, KernelFeatures, ServicesApplied},
     health::{self, ProbeKey},
     ifaces::{Host, SysHost, plan_interfaces},
     lb::ServicePlanner,
@@ -133,7 +133,7 @@ pub struct StartState {
     /// The config file's fingerprint.
     base: u64,
     /// The state file, when its services are the ones applied.
-    pub restored_from: Option<PathBuf>,
+    restored_from: Option<PathBuf>,
 }
 
 impl StartState {
@@ -166,6 +166,22 @@ impl StartState {
     /// The services the start applies.
     pub fn services(&self) -> &[ServiceConfig] {
         &self.config.services
+    }
+
+    /// Whether `kernel` runs the services the start applies; the error names a service the
+    /// API created as restored from the state file (the config file does not show it).
+    pub fn check(&self, kernel: KernelFeatures) -> Result<(), DatapathError> {
+        kernel
+            .check_services(self.services())
+            .map_err(|e| match (e, &self.restored_from) {
+                (DatapathError::NoBpfLoop { service }, Some(state)) => DatapathError::NoBpfLoop {
+                    service: format!(
+                        "{service} (created through the API, restored from the state file {})",
+                        state.display()
+                    ),
+                },
+                (e, _) => e,
+            })
     }
 }
 
@@ -304,6 +320,7 @@ impl<D: DatapathOps> Rules<D> {
         config_path: PathBuf,
         health_tx: mpsc::Sender<health::Change>,
     ) -> Result<(Rules<D>, ServicesApplied), StartError<D>> {
+        let checked = start.check(dp.kernel());
         let StartState {
             config,
             generation,
@@ -311,9 +328,7 @@ impl<D: DatapathOps> Rules<D> {
             ..
         } = start;
         let mut planner = ServicePlanner::default();
-        let applied = match dp
-            .kernel()
-            .check_services(&config.services)
+        let applied = match checked
             .and_then(|()| dp.set_config(datapath_config(&config)))
             .and_then(|()| planner.apply(&mut dp, &config.services, None))
         {
